@@ -1,0 +1,205 @@
+"""Engine configuration: the model's architecture (read from a Hugging Face
+``config.json``) and the engine's own knobs (cache size, batching budget, role).
+
+Both are frozen dataclasses validated once at construction; bad values raise
+``ValueError`` naming the field, unknown architectures name the architecture.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+ROLES = ("colocated", "prefill", "decode")
+Role = Literal["colocated", "prefill", "decode"]
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder, as the engine needs it."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    mlp_bias: bool
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        cfg_path = Path(path) / "config.json"
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {path}")
+        return cls.from_dict(json.loads(cfg_path.read_text()), name=Path(path).name)
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any], name: str = "") -> ModelConfig:
+        archs = cfg.get("architectures") or [cfg.get("model_type", "<missing>")]
+        arch = archs[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported model architecture {arch!r}; pdserve supports "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        max_pos = int(cfg.get("max_position_embeddings", 2048))
+        # Sliding-window attention equals full attention inside the window, so a
+        # model with a window is served with its context capped to the window.
+        window = cfg.get("sliding_window")
+        if window and (cfg.get("use_sliding_window", arch == "MistralForCausalLM")):
+            max_pos = min(max_pos, int(window))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=max_pos,
+            rope=_parse_rope(cfg),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            eos_token_ids=eos_ids,
+            name=name,
+        )
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        h, i, L = self.hidden_size, self.intermediate_size, self.num_layers
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return L * per_layer + emb + h
+
+
+def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
+    # transformers >= 5 writes ``rope_parameters``; hub checkpoints carry
+    # ``rope_theta`` + ``rope_scaling``. Accept both.
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    merged = {**scaling, **params}
+    kind = str(merged.get("rope_type", merged.get("type", "default")))
+    if kind == "default":
+        return RopeConfig(theta=theta)
+    if kind == "linear":
+        return RopeConfig(theta=theta, kind="linear", factor=float(merged["factor"]))
+    if kind == "llama3":
+        return RopeConfig(
+            theta=theta,
+            kind="llama3",
+            factor=float(merged["factor"]),
+            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+            original_max_position=int(merged.get("original_max_position_embeddings", 8192)),
+        )
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of one engine instance (one worker)."""
+
+    role: Role = "colocated"
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    # KV cache size: an explicit block count, or derived from ``kv_cache_bytes``.
+    num_blocks: int | None = None
+    kv_cache_bytes: int = 256 * 1024 * 1024
+    # Tokens computed per step across all sequences (chunked prefill falls out of it).
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # defaults to the model's context
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch intra-op threads on CPU; None = leave as is
+    attention_backend: str = "torch"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
+        if self.kv_cache_bytes <= 0:
+            raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError("num_threads must be >= 1")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def resolve_num_blocks(self, model: ModelConfig) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        per_block = (
+            model.num_layers * 2 * self.block_size * model.num_kv_heads * model.head_dim
+            * torch.tensor([], dtype=self.torch_dtype).element_size()
+        )
+        return max(2, self.kv_cache_bytes // per_block)
+
+    def resolve_max_model_len(self, model: ModelConfig) -> int:
+        limit = model.max_position_embeddings
+        if self.max_model_len is None:
+            return limit
+        if not 1 <= self.max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in [1, {limit}], got {self.max_model_len}")
+        return self.max_model_len
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineConfig:
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown engine config keys: {unknown}")
+        return cls(**d)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)

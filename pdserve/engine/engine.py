@@ -1,0 +1,323 @@
+"""``LLMEngine``: one model, one KV cache, one scheduler; the object both worker
+pools hold.
+
+Colocated use: ``add_request`` then ``step`` until done (or ``generate``).
+Disaggregated use (what the prefill and decode workers call):
+
+* prefill role — ``add_request``/``step`` as usual; a request stops after its
+  first token with status PREFILLED and keeps its blocks: ``block_ids(rid)``,
+  ``read_kv(blocks)`` (or the transfer channel reading ``kv_cache`` directly),
+  then ``release(rid)``.
+* decode role — ``reserve(...)`` allocates blocks for a prompt whose KV comes from
+  outside; the KV is written (``write_kv`` or a channel writing ``kv_cache``);
+  ``start_decode(rid, first_token)`` makes it run; ``step`` decodes.
+
+Bad input raises ``ValueError`` from ``add_request``/``reserve`` and leaves the
+engine serving.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.attention import make_attention
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.config import EngineConfig, ModelConfig, ceil_div
+from pdserve.engine.model import LlamaModel
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.rope import RotaryEmbedding
+from pdserve.engine.runner import ModelRunner, Sampled
+from pdserve.engine.sampler import TokenLogprobs, make_generator
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.stop import StopChecker
+from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.engine.weights import load_weights
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (filled by the engine)."""
+
+    request_id: str
+    new_token_ids: list[int]  # tokens sampled this step (0 or 1)
+    text: str  # new text safe to stream ("" without a tokenizer)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served by the prefix cache
+    num_output_tokens: int
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    stop_reason: str | int | None = None  # matched stop string / stop token id
+    prefilled: bool = False  # prefill role: KV held for hand-off
+
+
+@dataclass
+class _Tracking:
+    """Per-request output state kept beside the scheduler's ``Request``."""
+
+    stop: StopChecker
+    detok: IncrementalDetokenizer | None
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None,
+                 tokenizer: Tokenizer | None = None, load_tokenizer: bool = True) -> None:
+        self.config = config or EngineConfig()
+        self.model_dir = Path(model_dir)
+        if not self.model_dir.is_dir():
+            raise FileNotFoundError(f"model directory not found: {self.model_dir}")
+        if self.config.num_threads is not None and self.config.device == "cpu":
+            torch.set_num_threads(self.config.num_threads)
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.max_model_len = self.config.resolve_max_model_len(self.model_config)
+        if tokenizer is None and load_tokenizer:
+            tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.tokenizer = tokenizer
+        eos = set(self.model_config.eos_token_ids)
+        if tokenizer is not None:
+            eos |= set(tokenizer.eos_token_ids)
+        self.eos_token_ids = frozenset(eos)
+
+        mc, dtype, device = self.model_config, self.config.torch_dtype, self.config.device
+        rotary = RotaryEmbedding(mc.rope, mc.head_dim, self.max_model_len, dtype, device)
+        with torch.device("meta"):  # no throw-away random init; weights come next
+            model = LlamaModel(mc, rotary)
+        model = model.to_empty(device=device).to(dtype)
+        load_weights(model, self.model_dir)
+        self.model = model
+
+        self.block_size = self.config.block_size
+        self.num_blocks = self.config.resolve_num_blocks(mc)
+        # Block-major cache: one block of every layer is one contiguous region,
+        # so the transfer channels move a request with one descriptor per block.
+        self.kv_cache = torch.zeros(
+            self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim,
+            dtype=dtype, device=device,
+        )
+        self.pool = BlockPool(self.num_blocks, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, self.block_size,
+                                   self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        attn = make_attention(self.config.attention_backend, mc.head_dim ** -0.5)
+        self.runner = ModelRunner(self.model, self.kv_cache, attn, self.block_size,
+                                  self.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._tracking: dict[str, _Tracking] = {}
+        self.role = self.config.role
+
+    # ------------------------------------------------------------------ intake
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ``ValueError`` if the request can never be served here."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {n} tokens; the model's context is {self.max_model_len} tokens"
+            )
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} cannot fit: prompt ({n}) + max_tokens "
+                f"exceeds the context of {self.max_model_len} tokens "
+                f"(at most {self.max_model_len - n} new tokens)"
+            )
+        if ceil_div(n + params.max_tokens, self.block_size) > self.num_blocks:
+            raise ValueError(
+                f"prompt ({n}) + max_tokens ({params.max_tokens}) needs more KV blocks than "
+                f"this engine has ({self.num_blocks} blocks of {self.block_size})"
+            )
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be < vocab size {vocab}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+
+    def _new_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                     params: SamplingParams) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        req = Request(request_id, list(prompt_token_ids), params)
+        req.generator = make_generator(params, self.config.device)
+        detok = (IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
+                 if self.tokenizer is not None else None)
+        self._tracking[request_id] = _Tracking(StopChecker(params, self.eos_token_ids), detok)
+        self.requests[request_id] = req
+        return req
+
+    def add_request(self, request_id: str, prompt: str | Sequence[int],
+                    params: SamplingParams | None = None) -> None:
+        """Queue a request for computation. A string prompt is tokenized as is."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids")
+            prompt = self.tokenizer.encode(prompt)
+        self.scheduler.add(self._new_request(request_id, prompt, params))
+
+    # ------------------------------------------------------ disaggregated roles
+    def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
+                params: SamplingParams) -> list[int] | None:
+        """Decode role: blocks for the prompt's KV, or ``None`` when full."""
+        req = self._new_request(request_id, prompt_token_ids, params)
+        blocks = self.scheduler.reserve(req)
+        if blocks is None:
+            self._forget(request_id)
+        return blocks
+
+    def start_decode(self, request_id: str, first_token: int,
+                     first_logprobs: TokenLogprobs | None = None) -> RequestOutput:
+        """Decode role: the prompt's KV is in the reserved blocks; ``first_token``
+        was sampled by the prefill worker. Returns that token's output."""
+        req = self.requests[request_id]
+        if req.status is not RequestStatus.WAITING_FOR_KV:
+            raise ValueError(f"request {request_id!r} is {req.status.value}, not waiting for KV")
+        self.scheduler.start_decode(req)
+        return self._append_token(Sampled(req, first_token, first_logprobs))
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return list(self.requests[request_id].block_ids)
+
+    def read_kv(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Copy of the given blocks: [n, layers, 2, block_size, kv_heads, head_dim]."""
+        return self.kv_cache[torch.as_tensor(list(block_ids), dtype=torch.long)].clone()
+
+    def write_kv(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+        expected = (len(idx), *self.kv_cache.shape[1:])
+        if tuple(data.shape) != expected:
+            raise ValueError(f"KV data shape {tuple(data.shape)} != {expected}")
+        self.kv_cache[idx] = data.to(self.kv_cache.dtype)
+
+    def release(self, request_id: str) -> None:
+        """Prefill role: free a PREFILLED request's blocks after hand-off
+        (idempotent; unknown ids are ignored)."""
+        req = self.requests.pop(request_id, None)
+        self._tracking.pop(request_id, None)
+        if req is not None and req.status is RequestStatus.PREFILLED:
+            self.scheduler.release(req)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request wherever it is and free its blocks (idempotent)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        if req.status is RequestStatus.PREFILLED:
+            self.release(request_id)
+            return None
+        self.scheduler.finish(req)
+        req.finish_reason = "abort"
+        out = self._output(req, [], self._tracking[request_id].stop.flush(), [])
+        self._forget(request_id)
+        return out
+
+    # --------------------------------------------------------------------- step
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and report what changed."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        now = time.monotonic()
+        for req, _ in batch.work:
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        sampled = self.runner.execute(batch)
+        for req, n in batch.work:
+            self.scheduler.advance(req, n)
+        return [self._append_token(s) for s in sampled]
+
+    def _append_token(self, s: Sampled) -> RequestOutput:
+        req, track = s.request, self._tracking[s.request.request_id]
+        req.token_ids.append(s.token_id)
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        delta = track.detok.push(s.token_id) if track.detok is not None else ""
+        text, decision = track.stop.push(s.token_id, delta, req.num_output_tokens)
+        logprobs = [s.logprobs] if s.logprobs is not None else []
+        if decision is not None:
+            req.finish_reason = decision.finish_reason
+            self.scheduler.finish(req)
+            out = self._output(req, [s.token_id], text, logprobs, decision.stop_reason)
+            self._forget(req.request_id)
+            return out
+        if self.role == "prefill":
+            self.scheduler.finish(req, keep_blocks=True)
+            return self._output(req, [s.token_id], text, logprobs, prefilled=True)
+        return self._output(req, [s.token_id], text, logprobs)
+
+    def _output(self, req: Request, tokens: list[int], text: str,
+                logprobs: list[TokenLogprobs], stop_reason: str | int | None = None,
+                prefilled: bool = False) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            text=text,
+            finished=req.status is RequestStatus.FINISHED,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            num_output_tokens=req.num_output_tokens,
+            logprobs=logprobs,
+            stop_reason=stop_reason,
+            prefilled=prefilled,
+        )
+
+    def _forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+        self._tracking.pop(request_id, None)
+
+    # ---------------------------------------------------------------- helpers
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[Completion]:
+        """Run ``prompts`` to completion together (continuous batching) and return
+        one ``Completion`` each, in order."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        results = {rid: Completion() for rid in ids}
+        try:
+            for rid, prompt, p in zip(ids, prompts, params, strict=True):
+                self.add_request(rid, prompt, p)
+                results[rid].prompt_tokens = self.requests[rid].num_prompt_tokens
+            while any(rid in self.requests for rid in ids):
+                for out in self.step():
+                    results[out.request_id].add(out)
+        finally:
+            for rid in ids:
+                if rid in self.requests:
+                    self.abort(rid)
+        return [results[rid] for rid in ids]
+
+
+@dataclass
+class Completion:
+    """A whole request's result, accumulated from its ``RequestOutput``s."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    def add(self, out: RequestOutput) -> None:
+        self.token_ids.extend(out.new_token_ids)
+        self.text += out.text
+        self.logprobs.extend(out.logprobs)
+        self.cached_tokens = out.num_cached_tokens
+        if out.finished:
+            self.finish_reason = out.finish_reason

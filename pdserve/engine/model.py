@@ -1,0 +1,84 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2) running on the paged KV cache.
+
+A plain model: fused QKV and gate/up projections (one matmul each), RMSNorm,
+rotary embeddings, attention through the backend in ``attention.py``. It computes
+logits only for the rows the sampler needs. Weights come from ``weights.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.engine.attention import AttentionBackend, AttentionMetadata
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.rope import RotaryEmbedding, apply_rotary
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Computed in float32 like the reference implementation, then cast back.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.input_norm = nn.Parameter(torch.ones(h), requires_grad=False)
+        self.post_attn_norm = nn.Parameter(torch.ones(h), requires_grad=False)
+        self.qkv = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias)
+        self.o = nn.Linear(self.q_size, h, bias=False)
+        self.gate_up = nn.Linear(h, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down = nn.Linear(cfg.intermediate_size, h, bias=cfg.mlp_bias)
+        self.eps = cfg.rms_norm_eps
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_layer: torch.Tensor, meta: AttentionMetadata,
+                attn: AttentionBackend) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.qkv(rms_norm(x, self.input_norm, self.eps))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        o = attn(q, k, v, kv_layer, meta)
+        x = x + self.o(o.reshape(t, self.q_size))
+        gate, up = self.gate_up(rms_norm(x, self.post_attn_norm, self.eps)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size), requires_grad=False)
+        self.lm_head = (
+            None if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
+        self.rotary = rotary
+        self.requires_grad_(False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, attn: AttentionBackend,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids/positions [T]; kv_cache [blocks, layers, 2, block, KVH, D];
+        returns float32 logits [len(logits_indices), vocab]."""
+        x = self.embed(input_ids)
+        cos, sin = self.rotary.tables(positions)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, kv_cache[:, i], meta, attn)
+        x = rms_norm(x[logits_indices], self.norm, self.cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head_weight).float()
