@@ -1,0 +1,123 @@
+"""Scheduler unit tests: no model, the runner's part is simulated by ``advance``."""
+
+from __future__ import annotations
+
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+
+
+def make(num_blocks: int = 16, budget: int = 64, max_seqs: int = 8) -> Scheduler:
+    return Scheduler(BlockPool(num_blocks), block_size=4, max_num_batched_tokens=budget,
+                     max_num_seqs=max_seqs)
+
+
+def req(rid: str, n: int, first: int = 0) -> Request:
+    return Request(rid, list(range(first, first + n)), SamplingParams(max_tokens=8))
+
+
+def run_step(s: Scheduler, sample: int = 7) -> list[tuple[str, int]]:
+    batch = s.schedule()
+    for r, n in batch.work:
+        s.advance(r, n)
+        if r.num_computed_tokens == r.num_tokens:
+            r.token_ids.append(sample)
+    return [(r.request_id, n) for r, n in batch.work]
+
+
+def test_budget_chunks_a_long_prompt() -> None:
+    s = make(budget=8)
+    s.add(req("a", 20))
+    assert run_step(s) == [("a", 8)]
+    assert run_step(s) == [("a", 8)]
+    assert run_step(s) == [("a", 4)]  # caught up: sampled
+    assert run_step(s) == [("a", 1)]  # decode
+    s.pool.check_integrity()
+
+
+def test_running_decodes_go_before_new_prefills() -> None:
+    s = make(budget=6)
+    s.add(req("a", 3))
+    run_step(s)
+    s.add(req("b", 10))
+    assert run_step(s) == [("a", 1), ("b", 5)]
+
+
+def test_prefix_hit_skips_computation_but_not_the_last_token() -> None:
+    s = make()
+    a = req("a", 8)
+    s.add(a)
+    run_step(s)
+    s.finish(a)
+    assert s.pool.num_cached == 2
+    b = req("b", 8)  # same 8 tokens: both blocks cached, yet one token must run
+    s.add(b)
+    assert run_step(s) == [("b", 4)]  # the last block is recomputed
+    assert b.num_cached_tokens == 4
+    c = req("c", 10)  # 8 shared tokens + 2 new
+    s.add(c)
+    work = dict(run_step(s))
+    assert work["c"] == 2 and c.num_cached_tokens == 8
+    s.pool.check_integrity()
+
+
+def test_preemption_frees_the_newest_and_recomputes_it() -> None:
+    s = make(num_blocks=4, budget=64)
+    a, b = req("a", 8), req("b", 8, first=100)
+    s.add(a)
+    s.add(b)
+    run_step(s)  # both prefilled: 2 full blocks each, plus one sampled token
+    assert s.pool.num_free == 0
+    work = run_step(s)  # each needs a 3rd block: b is preempted for a
+    assert work == [("a", 1)]
+    assert b.status is RequestStatus.WAITING and b.block_ids == []
+    assert b.num_computed_tokens == 0 and b.num_output_tokens == 1  # keeps its token
+    s.finish(a)
+    work = run_step(s)
+    # b recomputes prompt + its generated token (9), less its head block, which
+    # stayed in the prefix cache: a's new block evicted only b's tail block.
+    assert work == [("b", 5)]
+    s.pool.check_integrity()
+
+
+def test_admission_waits_for_blocks() -> None:
+    s = make(num_blocks=3)
+    s.add(req("a", 8))
+    s.add(req("b", 8, first=50))
+    assert [r for r, _ in run_step(s)] == ["a"]  # b does not fit next to a
+    assert s.num_waiting == 1
+
+
+def test_max_num_seqs() -> None:
+    s = make(max_seqs=2)
+    for i in range(3):
+        s.add(req(str(i), 2, first=10 * i))
+    assert len(run_step(s)) == 2
+
+
+def test_prefill_role_keeps_blocks_until_release() -> None:
+    s = make()
+    a = req("a", 6)
+    s.add(a)
+    run_step(s)
+    s.finish(a, keep_blocks=True)
+    assert a.status is RequestStatus.PREFILLED and len(a.block_ids) == 2
+    assert s.pool.num_used == 2
+    s.release(a)
+    assert s.pool.num_used == 0
+    s.pool.check_integrity()
+
+
+def test_decode_role_reserve_then_start() -> None:
+    s = make(num_blocks=4, max_seqs=2)
+    a = req("a", 6)
+    blocks = s.reserve(a)
+    assert blocks is not None and len(blocks) == 2
+    assert a.status is RequestStatus.WAITING_FOR_KV
+    assert run_step(s) == []  # nothing runs until the KV is there
+    a.token_ids.append(9)  # first token, sampled by the prefill worker
+    s.start_decode(a)
+    assert run_step(s) == [("a", 1)]
+    assert s.reserve(req("b", 12)) is None  # 3 blocks do not fit: None, not an error
+    s.pool.check_integrity()
