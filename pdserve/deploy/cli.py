@@ -1,0 +1,130 @@
+"""The ``pdserve`` command line: ``generate``, ``model prepare``, ``model make-tiny``.
+
+Each subcommand parses its flags here and calls into the package that owns the
+work; errors in user input print one clear line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="run one prompt through the engine and print the result")
+    p.add_argument("--model", default=None,
+                   help="model directory or name (default: SmolLM2-135M-Instruct, prepared on first use)")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--min-tokens", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--logprobs", type=int, default=None, help="top-N logprobs per token")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the CPU default)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for the engine")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_generate)
+
+
+def _add_model(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("model", help="prepare the default model, make a tiny test model")
+    msub = p.add_subparsers(dest="model_cmd", required=True)
+    prep = msub.add_parser("prepare", help="convert the default model's GGUF into the engine format")
+    prep.add_argument("--cache-dir", default=None, help="where to write it")
+    prep.add_argument("--force", action="store_true", help="convert again even if prepared")
+    prep.set_defaults(func=cmd_prepare)
+    tiny = msub.add_parser("make-tiny", help="write a small random-weight Llama-family checkpoint")
+    tiny.add_argument("--out", required=True)
+    tiny.add_argument("--preset", default="llama-gqa")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=cmd_make_tiny)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.gguf_convert import resolve_model
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
+        stop=tuple(args.stop), ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+    )
+    model_dir = resolve_model(args.model)
+    cfg = EngineConfig(dtype=args.dtype or "float32", num_threads=args.threads)
+    engine = LLMEngine(model_dir, cfg)
+    tok = engine.tokenizer
+    assert tok is not None
+    prompt_ids = (tok.apply_chat_template([{"role": "user", "content": args.prompt}])
+                  if args.chat else tok.encode(args.prompt))
+    t0 = time.perf_counter()
+    (out,) = engine.generate([prompt_ids], params)
+    elapsed = time.perf_counter() - t0
+    if args.json:
+        obj = {
+            "token_ids": out.token_ids,
+            "text": out.text,
+            "finish_reason": out.finish_reason,
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": len(out.token_ids),
+            "model": model_dir.name,
+            "elapsed_s": round(elapsed, 4),
+        }
+        if args.logprobs is not None:
+            obj["logprobs"] = [
+                {"token_id": lp.token_id, "logprob": lp.logprob,
+                 "top": [[t, v] for t, v in lp.top]} for lp in out.logprobs
+            ]
+        print(json.dumps(obj, ensure_ascii=False))
+    else:
+        print(out.text)
+        print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}, "
+              f"{elapsed:.2f}s]", file=sys.stderr)
+    return 0
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from pdserve.engine.gguf_convert import prepare_default_model
+
+    path = prepare_default_model(cache_dir=args.cache_dir, force=args.force)
+    print(path)
+    return 0
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from pdserve.engine.tiny import make_tiny
+
+    print(make_tiny(args.out, preset=args.preset, seed=args.seed))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_model(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"pdserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

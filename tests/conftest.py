@@ -1,0 +1,31 @@
+"""Shared fixtures: tiny random-weight checkpoints made once per session."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``tiny_model(preset)`` -> directory of a tiny checkpoint (made on first use)."""
+    from pdserve.engine.tiny import make_tiny
+
+    made: dict[str, Path] = {}
+
+    def get(preset: str = "llama-gqa") -> Path:
+        if preset not in made:
+            made[preset] = make_tiny(tmp_path_factory.mktemp(preset), preset=preset, seed=0)
+        return made[preset]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The prepared SmolLM2-135M-Instruct (``make test`` prepares it first)."""
+    from pdserve.engine.gguf_convert import prepare_default_model
+
+    return prepare_default_model(progress=False)

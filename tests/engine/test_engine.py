@@ -1,0 +1,202 @@
+"""Engine behaviour on tiny models: parity with transformers, batch invariance,
+chunking, prefix cache, preemption, the disaggregated role API, bad input."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+
+GREEDY48 = SamplingParams(max_tokens=48, ignore_eos=True)
+PRESETS = ["llama-gqa", "llama-mha", "llama3-rope", "qwen2-bias", "mistral"]
+
+
+def prompts(n: int, lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (lengths[i % len(lengths)],), generator=g).tolist()
+            for i in range(n)]
+
+
+def engine(path: Path, **kw: object) -> LLMEngine:
+    cfg = {"num_blocks": 256, **kw}
+    return LLMEngine(path, EngineConfig(**cfg))  # type: ignore[arg-type]
+
+
+def hf_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    hf.generation_config.eos_token_id = None  # never stop, never mask: like ignore_eos
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_greedy_matches_transformers(tiny_model: Callable[[str], Path], preset: str) -> None:
+    path = tiny_model(preset)
+    eng = engine(path, max_num_batched_tokens=64)  # the 100-token prompt is chunked
+    ps = prompts(4, [3, 16, 41, 100], eng.model_config.vocab_size)
+    outs = eng.generate(ps, GREEDY48)
+    for p, o in zip(ps, outs, strict=True):
+        assert o.token_ids == hf_greedy(path, p, 48), f"prompt of {len(p)} tokens"
+    eng.check_integrity()
+
+
+def test_batch_invariance(tiny_model: Callable[[str], Path]) -> None:
+    eng = engine(tiny_model("llama-gqa"))
+    ps = prompts(16, [5, 9, 17, 30, 64, 1, 100, 33], eng.model_config.vocab_size, seed=3)
+    together = eng.generate(ps, GREEDY48)
+    alone = eng.generate([ps[6]], GREEDY48)[0]
+    assert together[6].token_ids == alone.token_ids
+    assert eng.generate([ps[0]], GREEDY48)[0].token_ids == together[0].token_ids
+
+
+def test_chunked_prefill_equals_unchunked(tiny_model: Callable[[str], Path]) -> None:
+    path = tiny_model("llama-gqa")
+    ps = prompts(3, [70, 150, 33], 500, seed=5)
+    whole = engine(path, max_num_batched_tokens=2048).generate(ps, GREEDY48)
+    chunked_engine = engine(path, max_num_batched_tokens=16)
+    chunked = chunked_engine.generate(ps, GREEDY48)
+    assert [o.token_ids for o in chunked] == [o.token_ids for o in whole]
+    chunked_engine.check_integrity()
+
+
+def test_prefix_cache_hit_equals_miss(tiny_model: Callable[[str], Path]) -> None:
+    path = tiny_model("llama-gqa")
+    shared = prompts(1, [40], 500, seed=7)[0]
+    a, b = shared + [11, 12, 13], shared + [21, 22]
+    eng = engine(path)
+    eng.generate([a], GREEDY48)
+    hit = eng.generate([b], GREEDY48)[0]
+    assert hit.cached_tokens == 32  # two full blocks of the shared 40 tokens
+    miss = engine(path, enable_prefix_caching=False).generate([b], GREEDY48)[0]
+    assert miss.cached_tokens == 0
+    assert hit.token_ids == miss.token_ids
+    # A prompt identical to a cached one still computes its last block.
+    again = eng.generate([a], GREEDY48)[0]
+    assert again.cached_tokens == 32
+    eng.check_integrity()
+
+
+def test_preempted_equals_uninterrupted(tiny_model: Callable[[str], Path]) -> None:
+    path = tiny_model("llama-gqa")
+    ps = prompts(6, [20, 28, 35], 500, seed=9)
+    roomy = engine(path).generate(ps, GREEDY48)
+    tight = engine(path, num_blocks=14)  # 6 x ~5 blocks do not fit: preemption
+    squeezed = tight.generate(ps, GREEDY48)
+    assert tight.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in squeezed] == [o.token_ids for o in roomy]
+    tight.check_integrity()
+    assert tight.pool.num_used == 0
+
+
+def test_prefill_to_decode_handoff_equals_colocated(tiny_model: Callable[[str], Path]) -> None:
+    path = tiny_model("llama-gqa")
+    prompt = prompts(1, [37], 500, seed=11)[0]
+    expected = engine(path).generate([prompt], GREEDY48)[0].token_ids
+
+    prefill = engine(path, role="prefill")
+    decode = engine(path, role="decode", num_blocks=64)
+    prefill.add_request("r", prompt, GREEDY48)
+    outs = []
+    while not outs:
+        outs = prefill.step()
+    (first,) = outs
+    assert first.prefilled and not first.finished and len(first.new_token_ids) == 1
+    dest = decode.reserve("r", prompt, GREEDY48)
+    assert dest is not None and len(dest) == 3
+    decode.write_kv(dest, prefill.read_kv(prefill.block_ids("r")))
+    prefill.release("r")
+    prefill.check_integrity()
+    assert prefill.pool.num_used == 0
+
+    tokens = list(first.new_token_ids)
+    decode.start_decode("r", first.new_token_ids[0])
+    while decode.has_unfinished():
+        for o in decode.step():
+            tokens.extend(o.new_token_ids)
+    assert tokens == expected
+    decode.check_integrity()
+    assert decode.pool.num_used == 0
+
+
+def test_seed_gives_same_text_regardless_of_neighbours(tiny_model: Callable[[str], Path]) -> None:
+    eng = engine(tiny_model("llama-gqa"))
+    ps = prompts(5, [8, 20, 3], 500, seed=13)
+    seeded = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=1234,
+                            ignore_eos=True)
+    alone = eng.generate([ps[0]], seeded)[0]
+    others = [SamplingParams(max_tokens=30, temperature=0.8, ignore_eos=True)] * 4
+    crowd = eng.generate(ps[1:] + [ps[0]], [*others, seeded])[-1]
+    assert crowd.token_ids == alone.token_ids
+    different = eng.generate([ps[0]], SamplingParams(max_tokens=24, temperature=1.0,
+                                                     top_p=0.9, seed=99, ignore_eos=True))[0]
+    assert different.token_ids != alone.token_ids
+
+
+def test_stop_string_and_logprobs(tiny_model: Callable[[str], Path]) -> None:
+    eng = engine(tiny_model("llama-gqa"))
+    tok = eng.tokenizer
+    assert tok is not None
+    prompt = tok.encode("The quick brown fox")
+    full = eng.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True, logprobs=3))[0]
+    assert len(full.logprobs) == 40 and all(len(lp.top) == 3 for lp in full.logprobs)
+    assert all(lp.token_id == t for lp, t in zip(full.logprobs, full.token_ids, strict=True))
+    assert full.text == tok.decode(full.token_ids)
+    stop = full.text[len(full.text) // 2 :][:3]
+    assert stop.strip(), "generated text too short for a stop string"
+    cut = eng.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True, stop=(stop,)))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+
+
+# ------------------------------------------------------------------ bad input
+def test_bad_input_is_rejected_and_engine_keeps_serving(
+        tiny_model: Callable[[str], Path]) -> None:
+    eng = engine(tiny_model("llama-gqa"), max_model_len=256)
+    with pytest.raises(ValueError, match="empty"):
+        eng.add_request("a", [], GREEDY48)
+    with pytest.raises(ValueError, match="context"):
+        eng.add_request("b", [5] * 300, GREEDY48)
+    with pytest.raises(ValueError, match="max_tokens"):
+        eng.add_request("c", [5] * 200, SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match="token ids"):
+        eng.add_request("d", [5, 10**9], GREEDY48)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    eng.add_request("ok", [5, 6, 7], GREEDY48)
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request("ok", [5, 6, 7], GREEDY48)
+    assert not eng.requests.keys() - {"ok"}
+    done = []
+    while eng.has_unfinished():
+        done += [o for o in eng.step() if o.finished]
+    assert [o.request_id for o in done] == ["ok"] and len(eng.requests) == 0
+    eng.check_integrity()
+
+
+def test_abort_frees_blocks(tiny_model: Callable[[str], Path]) -> None:
+    eng = engine(tiny_model("llama-gqa"))
+    eng.add_request("x", list(range(3, 60)), GREEDY48)
+    eng.step()
+    out = eng.abort("x")
+    assert out is not None and out.finished and out.finish_reason == "abort"
+    assert eng.abort("x") is None  # idempotent
+    assert eng.pool.num_used == 0 and not eng.has_unfinished()
+    eng.check_integrity()
+
+
+def test_unknown_model_path_and_architecture(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="not found"):
+        LLMEngine(tmp_path / "nope")
+    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        LLMEngine(tmp_path)
