@@ -1,0 +1,192 @@
+"""Per-request sampling parameters: one frozen, validated dataclass.
+
+This module owns the user-facing knobs that decide how a request's tokens are
+chosen (``sampler.py``) and when generation ends (``stop.py``). Every value is
+checked once in ``__post_init__``; a bad value raises ``ValueError`` naming the
+field and its allowed range, so the API layer can turn it into a 400 response.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 100.0
+_INT64_MIN = -(2**63)
+_INT64_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop, for one request.
+
+    Semantics (the sampler and stop checker implement exactly these):
+
+    * ``temperature == 0`` is greedy (argmax after penalties and min_tokens masking).
+    * ``top_k`` of 0 or -1 disables top-k; ``top_p == 1`` and ``min_p == 0`` disable theirs.
+    * ``repetition_penalty`` (HF/vLLM): for every token present in prompt + output,
+      a positive logit is divided by it and a negative one multiplied by it.
+    * ``frequency_penalty`` / ``presence_penalty`` (OpenAI): over output tokens only,
+      ``logit -= frequency_penalty * count + presence_penalty * (count > 0)``.
+    * ``min_tokens``: EOS and ``stop_token_ids`` cannot be sampled, and no stop
+      condition fires, until that many tokens have been generated.
+    * ``ignore_eos``: the engine does not stop on EOS; EOS may still be sampled.
+    * ``logprobs``: report the top-N logprobs (N in 0..20) of every sampled token,
+      from the raw model distribution; 0 reports only the sampled token's logprob.
+    * ``stop`` / ``stop_token_ids``: also accept a list (stored as a tuple); ``stop``
+      also accepts one string. The stop string is cut from the output unless
+      ``include_stop_str_in_output``.
+    """
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        # Types first (normalising ints/floats/lists), then ranges.
+        self._set("max_tokens", _as_int("max_tokens", self.max_tokens))
+        self._set("min_tokens", _as_int("min_tokens", self.min_tokens))
+        self._set("top_k", _as_int("top_k", self.top_k))
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "frequency_penalty",
+            "presence_penalty",
+        ):
+            self._set(name, _as_float(name, getattr(self, name)))
+        if self.seed is not None:
+            self._set("seed", _as_int("seed", self.seed))
+        if self.logprobs is not None:
+            self._set("logprobs", _as_int("logprobs", self.logprobs))
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {_tname(getattr(self, name))}")
+        self._set("stop", _as_stop(self.stop))
+        self._set("stop_token_ids", _as_stop_token_ids(self.stop_token_ids))
+
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), "
+                f"got {self.temperature}"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be >= -1 (0 or -1 = disabled), got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
+            raise ValueError(f"seed must be in the int64 range [-2**63, 2**63-1], got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}"
+            )
+
+    def _set(self, name: str, value: object) -> None:
+        # Frozen dataclass: normalisation in __post_init__ has to bypass __setattr__.
+        object.__setattr__(self, name, value)
+
+    @property
+    def greedy(self) -> bool:
+        """True when tokens are chosen by argmax (temperature == 0)."""
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when any repetition/frequency/presence penalty changes the logits."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
+        """Build from a mapping (e.g. request JSON); unknown keys are errors naming them."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"sampling parameters must be a mapping, got {_tname(d)}")
+        allowed = {f.name for f in dataclasses.fields(cls)}
+        unknown = [k for k in d if k not in allowed]
+        if unknown:
+            raise ValueError(
+                f"unknown sampling parameter(s): {', '.join(repr(k) for k in unknown)}; "
+                f"allowed: {', '.join(sorted(allowed))}"
+            )
+        return cls(**d)
+
+
+def _tname(value: object) -> str:
+    return type(value).__name__
+
+
+def _as_int(name: str, value: object) -> int:
+    # bool is an int subclass; True as max_tokens is a client bug, not 1.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {_tname(value)} {value!r}")
+    return int(value)
+
+
+def _as_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {_tname(value)} {value!r}")
+    result = float(value)
+    if not math.isfinite(result):
+        raise ValueError(f"{name} must be finite, got {result}")
+    return result
+
+
+def _as_stop(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"stop must be a string or a list of strings, got {_tname(value)}")
+    for s in value:
+        if not isinstance(s, str):
+            raise ValueError(f"stop must contain only strings, got {_tname(s)} {s!r}")
+        if not s:
+            raise ValueError("stop strings must be non-empty")
+    if len(value) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop allows at most {MAX_STOP_STRINGS} strings, got {len(value)}")
+    return tuple(value)
+
+
+def _as_stop_token_ids(value: object) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"stop_token_ids must be a list of ints, got {_tname(value)}")
+    ids = tuple(_as_int("stop_token_ids element", t) for t in value)
+    for t in ids:
+        if t < 0:
+            raise ValueError(f"stop_token_ids must be non-negative, got {t}")
+    return ids
