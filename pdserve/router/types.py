@@ -1,0 +1,107 @@
+"""What crosses the router's front boundary: the request the API layers (gRPC,
+HTTP) hand to ``Router.generate``, the chunks it streams back, its errors, and
+the per-request stage timings that feed the Prometheus histograms.
+
+No torch, no Ray here: API layers import this module only.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateRequest:
+    """Filled by an API layer from the client's message."""
+
+    request_id: str  # client's id (X-Request-Id / proto field) or one the API layer made
+    params: SamplingParams
+    prompt: str | None = None  # plain completion text ...
+    messages: list[dict[str, str]] | None = None  # ... or chat messages (chat template) ...
+    prompt_token_ids: list[int] | None = None  # ... or pre-tokenized ids; exactly one is set
+    timeout_s: float | None = None  # deadline from arrival; None = the router's default
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # best first
+
+
+@dataclass
+class StreamChunk:
+    """New tokens of one request (one or more per decode step)."""
+
+    token_ids: list[int]
+    text: str  # text delta, safe to show (never half a UTF-8 char or stop string)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefill worker's prefix cache
+
+
+@dataclass
+class StageTimings:
+    """Seconds spent in each stage; each measured on one process's clock.
+    ``None`` where the stage did not happen (e.g. a request rejected in queue)."""
+
+    router_queue: float | None = None  # router: arrival -> dispatched to a P/D pair
+    prefill_queue: float | None = None  # prefill worker: received -> first scheduled
+    prefill: float | None = None  # prefill worker: first scheduled -> first token sampled
+    kv_transfer: float | None = None  # prefill worker: send started -> acknowledged
+    decode_queue: float | None = None  # decode worker: KV arrived -> first decode step
+    ttft: float | None = None  # router: arrival -> first token received
+    e2e: float | None = None  # router: arrival -> finished
+    inter_token: list[float] = field(default_factory=list)  # router: gaps between tokens
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        return sum(self.inter_token) / len(self.inter_token) if self.inter_token else None
+
+
+@dataclass
+class FinalChunk:
+    """Last message of a stream."""
+
+    finish_reason: str  # "stop" | "length" | "abort" | "error"
+    usage: Usage
+    stop_reason: str | int | None = None  # matched stop string / stop token id
+    timings: StageTimings = field(default_factory=StageTimings)
+    num_retries: int = 0  # times the request moved to another P/D pair after a failure
+
+
+class ErrorKind(enum.Enum):
+    """Maps to an HTTP status and a gRPC status code in the API layers."""
+
+    INVALID = "invalid_request"  # 400 / INVALID_ARGUMENT
+    NOT_FOUND = "not_found"  # 404 / NOT_FOUND (unknown model)
+    OVERLOADED = "overloaded"  # 429 / RESOURCE_EXHAUSTED
+    NOT_READY = "not_ready"  # 503 / UNAVAILABLE
+    DEADLINE = "deadline_exceeded"  # 504 / DEADLINE_EXCEEDED
+    INTERNAL = "internal"  # 500 / INTERNAL (worker failures after retries)
+
+
+class RouterError(Exception):
+    """Raised by ``Router.generate`` before or during a stream."""
+
+    def __init__(self, kind: ErrorKind, message: str, retry_after_s: float | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.message = message
+        self.retry_after_s = retry_after_s  # OVERLOADED: hint for Retry-After
+
+
+@dataclass
+class ModelInfo:
+    id: str  # the name clients pass as "model"
+    max_model_len: int
+    owned_by: str = "pdserve"
