@@ -241,9 +241,14 @@ class LLMEngine:
         req.token_ids.append(s.token_id)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
+        logprobs = [s.logprobs] if s.logprobs is not None else []
+        if self.role == "prefill":
+            # Hand-off: the decode side owns text and stop decisions (it sees the
+            # first token again in ``start_decode``), so the KV is always kept.
+            self.scheduler.finish(req, keep_blocks=True)
+            return self._output(req, [s.token_id], "", logprobs, prefilled=True)
         delta = track.detok.push(s.token_id) if track.detok is not None else ""
         text, decision = track.stop.push(s.token_id, delta, req.num_output_tokens)
-        logprobs = [s.logprobs] if s.logprobs is not None else []
         if decision is not None:
             if track.detok is not None and not isinstance(decision.stop_reason, str):
                 # Bytes of an unfinished character come out as U+FFFD, as in a full
@@ -254,9 +259,6 @@ class LLMEngine:
             out = self._output(req, [s.token_id], text, logprobs, decision.stop_reason)
             self._forget(req.request_id)
             return out
-        if self.role == "prefill":
-            self.scheduler.finish(req, keep_blocks=True)
-            return self._output(req, [s.token_id], text, logprobs, prefilled=True)
         return self._output(req, [s.token_id], text, logprobs)
 
     def _output(self, req: Request, tokens: list[int], text: str,
@@ -281,6 +283,23 @@ class LLMEngine:
         self._tracking.pop(request_id, None)
 
     # ---------------------------------------------------------------- helpers
+    def stats(self) -> EngineStats:
+        sch, pool = self.scheduler, self.pool
+        queued = sum(r.num_new_tokens for r in sch.waiting)
+        queued += sum(r.num_new_tokens for r in sch.running if r.num_new_tokens > 1)
+        return EngineStats(
+            num_running=len(sch.running),
+            num_waiting=len(sch.waiting),
+            num_waiting_for_kv=len(sch.waiting_for_kv),
+            num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free,
+            num_cached_blocks=pool.num_cached,
+            queued_prefill_tokens=queued,
+            prefix_queries=pool.prefix_queries,
+            prefix_hits=pool.prefix_hits,
+            num_preemptions=sch.num_preemptions,
+        )
+
     def check_integrity(self) -> None:
         self.pool.check_integrity()
 
@@ -325,3 +344,19 @@ class Completion:
         self.cached_tokens = out.num_cached_tokens
         if out.finished:
             self.finish_reason = out.finish_reason
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for routing policies and worker metrics."""
+
+    num_running: int
+    num_waiting: int
+    num_waiting_for_kv: int
+    num_blocks: int
+    num_free_blocks: int  # allocatable: free + evictable cached
+    num_cached_blocks: int
+    queued_prefill_tokens: int  # prompt tokens not yet computed
+    prefix_queries: int  # cumulative, in blocks
+    prefix_hits: int  # cumulative, in blocks
+    num_preemptions: int  # cumulative
