@@ -55,6 +55,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     stop_reason: str | int | None = None  # matched stop string / stop token id
     prefilled: bool = False  # prefill role: KV held for hand-off
+    first_scheduled_time: float | None = None  # monotonic; ends the request's queue time
 
 
 @dataclass
@@ -276,6 +277,7 @@ class LLMEngine:
             logprobs=logprobs,
             stop_reason=stop_reason,
             prefilled=prefilled,
+            first_scheduled_time=req.first_scheduled_time,
         )
 
     def _forget(self, request_id: str) -> None:

@@ -1,0 +1,1 @@
+"""A decode pool member: reserves blocks, receives KV, decodes, streams tokens."""

@@ -1,0 +1,148 @@
+"""``DecodeWorker``: a decode pool member.
+
+The router reserves blocks here for a request's prompt (admission control: no
+room -> ``None``), a prefill worker writes the KV into them over the transfer
+channel, and the channel's completion notice (carrying the first token) moves
+the request from WAITING_FOR_KV to running. Every engine step's new tokens, for
+every request, go into one output batch that the router collects with
+``poll_outputs`` -- one call per step, never one per token.
+
+A plain class: a sync constructor builds it in a unit test; ``deploy/`` wraps it
+as a Ray actor.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine, RequestOutput
+from pdserve.engine.loop import EngineLoop
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer import KVLayout, make_receiver
+from pdserve.messages import DecodeOutput, WorkerStats
+
+
+class DecodeWorker(EngineLoop):
+    def __init__(self, worker_id: str, model_dir: str | Path, config: EngineConfig,
+                 transfer: str = "local", transfer_options: dict[str, Any] | None = None,
+                 kv_timeout_s: float = 30.0) -> None:
+        if config.role != "decode":
+            raise ValueError(f"a decode worker needs role='decode', got {config.role!r}")
+        super().__init__(name=f"decode-{worker_id}")
+        self.worker_id = worker_id
+        self.kv_timeout_s = kv_timeout_s
+        self.engine = LLMEngine(model_dir, config)
+        self.layout = KVLayout.for_engine(self.engine)
+        self.receiver = make_receiver(transfer, self.engine.kv_cache, self.layout,
+                                      **(transfer_options or {}))
+        self._outbox: list[DecodeOutput] = []
+        self._out_cv = threading.Condition()
+        self._kv_arrived: dict[str, float] = {}  # request id -> when its KV landed
+        self._stats = WorkerStats(worker_id, "decode", 0, 0, 0, self.engine.num_blocks)
+        self.start()
+
+    # ----------------------------------------------------- called from any thread
+    def endpoint(self) -> dict[str, Any]:
+        """Connection info a prefill worker needs to write into this worker's KV."""
+        return self.call(self.receiver.endpoint).result()
+
+    def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
+                params: SamplingParams) -> list[int] | None:
+        """Blocks for the prompt's KV, or ``None`` when there is no room now.
+        Raises ``ValueError`` for a request this worker can never serve."""
+        return self.call(lambda: self._reserve(request_id, prompt_token_ids, params)).result()
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is; its blocks are freed (idempotent)."""
+        self.call(lambda: self._abort(request_id))
+
+    def poll_outputs(self, timeout_s: float = 0.05) -> list[DecodeOutput]:
+        """Everything produced since the last call; waits up to ``timeout_s`` for
+        something to arrive."""
+        with self._out_cv:
+            if not self._outbox:
+                self._out_cv.wait(timeout_s)
+            out, self._outbox = self._outbox, []
+        if self.error is not None and not out:
+            raise RuntimeError(f"decode worker {self.worker_id} loop died: {self.error!r}")
+        return out
+
+    def stats(self) -> WorkerStats:
+        return self.call(self._snapshot).result()
+
+    def check_integrity(self) -> None:
+        self.call(self.engine.check_integrity).result()
+
+    def close(self) -> None:
+        self.stop()
+        self.receiver.close()
+
+    # ---------------------------------------------------------------- loop side
+    def _reserve(self, rid: str, prompt: Sequence[int], params: SamplingParams) -> list[int] | None:
+        blocks = self.engine.reserve(rid, prompt, params)
+        if blocks is not None:
+            self.receiver.expect(rid, blocks, self.kv_timeout_s)
+        return blocks
+
+    def _abort(self, rid: str) -> None:
+        self.receiver.abort(rid)
+        self.engine.abort(rid)
+        self._kv_arrived.pop(rid, None)
+
+    def busy(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def iterate(self) -> None:
+        batch: list[DecodeOutput] = []
+        for ev in self.receiver.poll():
+            if ev.request_id not in self.engine.requests:
+                continue  # aborted meanwhile
+            if ev.ok:
+                now = time.monotonic()
+                self._kv_arrived[ev.request_id] = now
+                first = int(ev.notify["first_token"])
+                batch.append(self._convert(self.engine.start_decode(ev.request_id, first)))
+            else:
+                self.engine.abort(ev.request_id)
+                self._stats.kv_transfer_failures += 1
+                batch.append(DecodeOutput(ev.request_id, [], "", True, "error",
+                                          error=f"KV transfer failed: {ev.error}"))
+        if self.engine.has_unfinished():
+            t0 = time.monotonic()
+            outputs = self.engine.step()
+            self._stats.steps += 1
+            self._stats.step_seconds += time.monotonic() - t0
+            for out in outputs:
+                item = self._convert(out)
+                arrived = self._kv_arrived.pop(out.request_id, None)
+                if arrived is not None and out.first_scheduled_time is not None:
+                    item.decode_queue_s = max(0.0, t0 - arrived)
+                batch.append(item)
+        if batch:
+            with self._out_cv:
+                self._outbox.extend(batch)
+                self._out_cv.notify_all()
+
+    def _convert(self, out: RequestOutput) -> DecodeOutput:
+        if out.finished:
+            self._kv_arrived.pop(out.request_id, None)
+        return DecodeOutput(
+            request_id=out.request_id, token_ids=out.new_token_ids, text=out.text,
+            finished=out.finished, finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+            logprobs=[(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs],
+        )
+
+    def _snapshot(self) -> WorkerStats:
+        e = self.engine.stats()
+        s = self._stats
+        s.num_running, s.num_waiting = e.num_running, e.num_waiting
+        s.num_waiting_for_kv, s.num_free_blocks = e.num_waiting_for_kv, e.num_free_blocks
+        s.prefix_queries, s.prefix_hits = e.prefix_queries, e.prefix_hits
+        s.num_preemptions = e.num_preemptions
+        return WorkerStats(**vars(s))

@@ -1,0 +1,93 @@
+"""``EngineLoop``: owns an engine on one thread.
+
+The engine is not thread-safe. Other threads (Ray actor methods, the router's
+in-process client) hand work to the loop with ``call``; the loop runs it between
+engine steps and resolves the returned future. When there is nothing to compute
+it sleeps on a condition instead of spinning (2 cores are precious).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class EngineLoop:
+    def __init__(self, name: str, idle_wait_s: float = 0.005) -> None:
+        self._cv = threading.Condition()
+        self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self._stop = False
+        self._idle_wait_s = idle_wait_s
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` on the loop thread between steps; its result or exception
+        resolves the future."""
+        fut: Future[T] = Future()
+        with self._cv:
+            if self._stop:
+                fut.set_exception(RuntimeError("engine loop is stopped"))
+                return fut
+            self._calls.append((fn, fut))
+            self._cv.notify()
+        return fut
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # Subclasses implement these two.
+    def iterate(self) -> None:
+        """One unit of work (an engine step, polling transfers)."""
+        raise NotImplementedError
+
+    def busy(self) -> bool:
+        """True while ``iterate`` has something to do right away."""
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    if self._stop:
+                        break
+                    if not self._calls and not self.busy():
+                        self._cv.wait(self._idle_wait_s)
+                    calls = list(self._calls)
+                    self._calls.clear()
+                for fn, fut in calls:
+                    if fut.set_running_or_notify_cancel():
+                        try:
+                            fut.set_result(fn())
+                        except Exception as exc:  # the caller gets it
+                            fut.set_exception(exc)
+                self.iterate()
+        except BaseException as exc:  # a crashed loop must not look alive
+            self.error = exc
+            raise
+        finally:
+            with self._cv:
+                self._stop = True
+                pending = list(self._calls)
+                self._calls.clear()
+            for _, fut in pending:
+                if not fut.done():
+                    fut.set_exception(RuntimeError(f"engine loop stopped: {self.error!r}"))
+
+

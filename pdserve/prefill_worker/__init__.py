@@ -1,0 +1,1 @@
+"""A prefill pool member: engine in the prefill role + KV sender."""
