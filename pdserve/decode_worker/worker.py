@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -47,15 +48,15 @@ class DecodeWorker(EngineLoop):
         self.start()
 
     # ----------------------------------------------------- called from any thread
-    def endpoint(self) -> dict[str, Any]:
+    def endpoint(self) -> Future[dict[str, Any]]:
         """Connection info a prefill worker needs to write into this worker's KV."""
-        return self.call(self.receiver.endpoint).result()
+        return self.call(self.receiver.endpoint)
 
     def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
-                params: SamplingParams) -> list[int] | None:
+                params: SamplingParams) -> Future[list[int] | None]:
         """Blocks for the prompt's KV, or ``None`` when there is no room now.
-        Raises ``ValueError`` for a request this worker can never serve."""
-        return self.call(lambda: self._reserve(request_id, prompt_token_ids, params)).result()
+        Fails with ``ValueError`` for a request this worker can never serve."""
+        return self.call(lambda: self._reserve(request_id, prompt_token_ids, params))
 
     def abort(self, request_id: str) -> None:
         """Drop a request wherever it is; its blocks are freed (idempotent)."""
@@ -72,11 +73,11 @@ class DecodeWorker(EngineLoop):
             raise RuntimeError(f"decode worker {self.worker_id} loop died: {self.error!r}")
         return out
 
-    def stats(self) -> WorkerStats:
-        return self.call(self._snapshot).result()
+    def stats(self) -> Future[WorkerStats]:
+        return self.call(self._snapshot)
 
-    def check_integrity(self) -> None:
-        self.call(self.engine.check_integrity).result()
+    def check_integrity(self) -> Future[None]:
+        return self.call(self.engine.check_integrity)
 
     def close(self) -> None:
         self.stop()

@@ -65,9 +65,9 @@ class PrefillWorker(EngineLoop):
         self.start()
 
     # ----------------------------------------------------- called from any thread
-    def connect(self, decode_worker: str, endpoint: dict[str, Any]) -> None:
+    def connect(self, decode_worker: str, endpoint: dict[str, Any]) -> Future[None]:
         """Open the channel to a decode worker (checks the KV layout)."""
-        self.call(lambda: self._connect(decode_worker, endpoint)).result()
+        return self.call(lambda: self._connect(decode_worker, endpoint))
 
     def submit(self, task: PrefillTask) -> Future[PrefillResult]:
         fut: Future[PrefillResult] = Future()
@@ -85,11 +85,11 @@ class PrefillWorker(EngineLoop):
     def abort(self, request_id: str) -> None:
         self.call(lambda: self._abort(request_id, "aborted"))
 
-    def stats(self) -> WorkerStats:
-        return self.call(self._snapshot).result()
+    def stats(self) -> Future[WorkerStats]:
+        return self.call(self._snapshot)
 
-    def check_integrity(self) -> None:
-        self.call(self.engine.check_integrity).result()
+    def check_integrity(self) -> Future[None]:
+        return self.call(self.engine.check_integrity)
 
     def close(self) -> None:
         self.stop()

@@ -49,7 +49,7 @@ class LocalPrefillClient:
         self.worker.abort(request_id)
 
     async def stats(self) -> WorkerStats:
-        return await asyncio.to_thread(self.worker.stats)
+        return await asyncio.wrap_future(self.worker.stats())
 
 
 class LocalDecodeClient:
@@ -61,7 +61,7 @@ class LocalDecodeClient:
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
                       params: SamplingParams) -> list[int] | None:
-        return await asyncio.to_thread(self.worker.reserve, request_id, prompt_token_ids, params)
+        return await asyncio.wrap_future(self.worker.reserve(request_id, prompt_token_ids, params))
 
     async def abort(self, request_id: str) -> None:
         self.worker.abort(request_id)
@@ -70,7 +70,7 @@ class LocalDecodeClient:
         return await asyncio.to_thread(self.worker.poll_outputs, timeout_s)
 
     async def stats(self) -> WorkerStats:
-        return await asyncio.to_thread(self.worker.stats)
+        return await asyncio.wrap_future(self.worker.stats())
 
 
 class RayPrefillClient:
