@@ -24,13 +24,31 @@ def _device() -> str:
     return "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
 
 
-class PrefillActor:
+class _MetricsMixin:
+    """Starts the worker's own ``/metrics`` server next to it."""
+
+    worker: Any
+
+    def _serve_metrics(self, model_dir: str, loopback: bool) -> None:
+        from pdserve.deploy.worker_metrics import serve_worker_metrics
+
+        self.metrics_host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
+        self.metrics_port = serve_worker_metrics(
+            os.path.basename(model_dir), lambda: self.worker.stats().result(timeout=10),
+            host=self.metrics_host)
+
+    async def metrics_address(self) -> tuple[str, int]:
+        return self.metrics_host, self.metrics_port
+
+
+class PrefillActor(_MetricsMixin):
     def __init__(self, worker_id: str, model_dir: str, pool: PoolConfig, transfer: str,
-                 transfer_options: dict[str, Any]) -> None:
+                 transfer_options: dict[str, Any], loopback: bool) -> None:
         from pdserve.prefill_worker.worker import PrefillWorker
 
         self.worker = PrefillWorker(worker_id, model_dir, pool.engine_config("prefill", _device()),
                                     transfer, transfer_options)
+        self._serve_metrics(model_dir, loopback)
 
     async def ping(self) -> int:
         return os.getpid()
@@ -51,13 +69,14 @@ class PrefillActor:
         await asyncio.wrap_future(self.worker.check_integrity())
 
 
-class DecodeActor:
+class DecodeActor(_MetricsMixin):
     def __init__(self, worker_id: str, model_dir: str, pool: PoolConfig, transfer: str,
-                 transfer_options: dict[str, Any], kv_timeout_s: float) -> None:
+                 transfer_options: dict[str, Any], kv_timeout_s: float, loopback: bool) -> None:
         from pdserve.decode_worker.worker import DecodeWorker
 
         self.worker = DecodeWorker(worker_id, model_dir, pool.engine_config("decode", _device()),
                                    transfer, transfer_options, kv_timeout_s)
+        self._serve_metrics(model_dir, loopback)
 
     async def ping(self) -> int:
         return os.getpid()

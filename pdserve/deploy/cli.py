@@ -11,8 +11,12 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pdserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.deploy.config import ClusterConfig
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -34,7 +38,52 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the CPU default)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the engine")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--disaggregated", action="store_true",
+                   help="run through a fresh 1 prefill + 1 decode cluster")
+    p.add_argument("--transfer", default=None, help="KV transfer backend with --disaggregated")
     p.set_defaults(func=cmd_generate)
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="start prefill/decode pools and the router")
+    p.add_argument("--model", default=None, help="model directory or name (default model)")
+    p.add_argument("--prefill-workers", type=int, default=None)
+    p.add_argument("--decode-workers", type=int, default=None)
+    p.add_argument("--transfer", default=None, help="nixl | torch | ray | local (default nixl)")
+    p.add_argument("--grpc-port", type=int, default=None, help="default 50051")
+    p.add_argument("--http-port", type=int, default=None, help="default 8000")
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster to join: auto | ray://host:port (default: embedded)")
+    p.add_argument("--policy", default=None,
+                   help="routing: least_loaded | prefix_affinity | round_robin")
+    p.add_argument("--config", default=None, help="YAML cluster config (flags override it)")
+    p.set_defaults(func=cmd_serve)
+
+
+def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    from pdserve.deploy.config import ClusterConfig
+
+    return ClusterConfig.load(getattr(args, "config", None), {
+        "model": args.model,
+        "prefill.workers": getattr(args, "prefill_workers", None),
+        "decode.workers": getattr(args, "decode_workers", None),
+        "transfer": args.transfer,
+        "grpc_port": getattr(args, "grpc_port", None),
+        "http_port": getattr(args, "http_port", None),
+        "host": getattr(args, "host", None),
+        "address": getattr(args, "address", None),
+        "router.policy": getattr(args, "policy", None),
+    })
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pdserve.deploy.serve import serve
+
+    asyncio.run(serve(_cluster_config(args)))
+    return 0
 
 
 def _add_model(sub: argparse._SubParsersAction) -> None:
@@ -53,8 +102,9 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.engine import Completion, LLMEngine
     from pdserve.engine.gguf_convert import resolve_model
+    from pdserve.engine.tokenizer import Tokenizer
 
     params = SamplingParams(
         max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
@@ -62,14 +112,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop), ignore_eos=args.ignore_eos, logprobs=args.logprobs,
     )
     model_dir = resolve_model(args.model)
-    cfg = EngineConfig(dtype=args.dtype or "float32", num_threads=args.threads)
-    engine = LLMEngine(model_dir, cfg)
-    tok = engine.tokenizer
-    assert tok is not None
+    tok = Tokenizer.from_dir(model_dir)
     prompt_ids = (tok.apply_chat_template([{"role": "user", "content": args.prompt}])
                   if args.chat else tok.encode(args.prompt))
     t0 = time.perf_counter()
-    (out,) = engine.generate([prompt_ids], params)
+    if args.disaggregated:
+        import asyncio
+
+        from pdserve.deploy.serve import run_disaggregated
+
+        cluster = _cluster_config(args)
+        tokens, text, final = asyncio.run(run_disaggregated(cluster, prompt_ids, params))
+        out = Completion(tokens, text, final.finish_reason, len(prompt_ids),
+                         final.usage.cached_tokens)
+    else:
+        engine = LLMEngine(model_dir, EngineConfig(dtype=args.dtype or "float32",
+                                                   num_threads=args.threads), tokenizer=tok)
+        (out,) = engine.generate([prompt_ids], params)
     elapsed = time.perf_counter() - t0
     if args.json:
         obj = {
@@ -113,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_serve(sub)
     _add_model(sub)
     return parser
 
@@ -121,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError) as exc:  # the user's input: one clear line
         print(f"pdserve: error: {exc}", file=sys.stderr)
         return 2
 

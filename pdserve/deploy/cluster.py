@@ -42,9 +42,10 @@ class Cluster:
         self.model_dir = resolve_model(cfg.model)
         if not ray.is_initialized():
             self.progress("starting Ray" + (f" (joining {cfg.address})" if cfg.address else ""))
-            ray.init(address=cfg.address, num_cpus=None if cfg.address else self.num_cpus,
-                     include_dashboard=False, log_to_driver=True,
-                     logging_level=logging.WARNING)
+            embedded: dict[str, Any] = (
+                {} if cfg.address else {"num_cpus": self.num_cpus, "_node_ip_address": "127.0.0.1"})
+            ray.init(address=cfg.address, include_dashboard=False, log_to_driver=True,
+                     logging_level=logging.WARNING, **embedded)
             self._owns_ray = cfg.address is None
         has_gpus = ray.cluster_resources().get("GPU", 0) > 0
         model = str(self.model_dir)
@@ -52,12 +53,13 @@ class Cluster:
             wid = f"prefill-{i}"
             opts = actor_options(cfg.prefill, has_gpus, f"pdserve-{wid}-{time.time_ns()}")
             self.prefill[wid] = RemotePrefill.options(**opts).remote(  # type: ignore[attr-defined]
-                wid, model, cfg.prefill, cfg.transfer, cfg.transfer_options)
+                wid, model, cfg.prefill, cfg.transfer, cfg.transfer_options, self.loopback)
         for i in range(cfg.decode.workers):
             wid = f"decode-{i}"
             opts = actor_options(cfg.decode, has_gpus, f"pdserve-{wid}-{time.time_ns()}")
             self.decode[wid] = RemoteDecode.options(**opts).remote(  # type: ignore[attr-defined]
-                wid, model, cfg.decode, cfg.transfer, cfg.transfer_options, cfg.kv_timeout_s)
+                wid, model, cfg.decode, cfg.transfer, cfg.transfer_options, cfg.kv_timeout_s,
+                self.loopback)
         self.progress(f"loading the model on {len(self.prefill)} prefill + "
                       f"{len(self.decode)} decode workers")
         ray.get([h.ping.remote() for h in (self.prefill | self.decode).values()])
@@ -68,6 +70,17 @@ class Cluster:
                              strict=True))
         ray.get([p.connect.remote(did, ep) for p in self.prefill.values()
                  for did, ep in endpoints.items()])
+
+    @property
+    def loopback(self) -> bool:
+        """An embedded cluster lives on this machine: everything binds loopback."""
+        return self.config.address is None
+
+    def metrics_targets(self) -> dict[str, tuple[str, int]]:
+        """worker id -> (host, port) of its ``/metrics``."""
+        handles = self.prefill | self.decode
+        addrs = ray.get([h.metrics_address.remote() for h in handles.values()])
+        return dict(zip(handles, addrs, strict=True))
 
     def make_router(self, metrics: object | None = None) -> Router:
         """A router over this cluster's workers (call inside the asyncio loop)."""
