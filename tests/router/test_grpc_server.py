@@ -1,0 +1,353 @@
+"""gRPC front door over a scripted test router: streaming, errors, cancel, health."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pdserve.protos import build, pb, pb_grpc
+from pdserve.router.grpc_server import (
+    REQUEST_ID_KEY,
+    RETRY_AFTER_KEY,
+    SERVICE_NAME,
+    GenerationServicer,
+    start_grpc_server,
+)
+from pdserve.router.types import (
+    ErrorKind,
+    FinalChunk,
+    GenerateRequest,
+    ModelInfo,
+    RouterError,
+    StageTimings,
+    StreamChunk,
+    TokenLogprob,
+    Usage,
+)
+
+HOST = "127.0.0.1"
+
+
+class ScriptedRouter:
+    """Echoes the prompt's token ids back one chunk each. Magic text prompts:
+    ``error:<kind>`` raises before the stream, ``midstream:<kind>`` after one chunk,
+    ``hang`` blocks after one chunk, ``crash`` raises a non-RouterError."""
+
+    tokenizer: Any = None
+
+    def __init__(self) -> None:
+        self.is_ready = True
+        self.requests: list[GenerateRequest] = []
+        self.exits: dict[str, str] = {}  # request id -> how its generator ended
+
+    def models(self) -> list[ModelInfo]:
+        return [ModelInfo(id="tiny", max_model_len=2048)]
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk | FinalChunk]:
+        self.requests.append(req)
+        how = "finished"
+        try:
+            text = req.prompt or ""
+            if text.startswith("error:"):
+                raise RouterError(ErrorKind(text[6:]), f"scripted {text[6:]}", retry_after_s=2.5)
+            if text == "crash":
+                raise KeyError("bug")
+            ids = req.prompt_token_ids or [ord(c) for c in text]
+            for i in ids:
+                logprobs = []
+                if req.params.logprobs is not None:
+                    logprobs = [TokenLogprob(i, -0.5, [(i, -0.5), (0, -1.5)])]
+                yield StreamChunk([i], chr(i), logprobs)
+                if text.startswith("midstream:"):
+                    raise RouterError(ErrorKind(text[10:]), "scripted midstream")
+                if text == "hang":
+                    await asyncio.Event().wait()
+            timings = StageTimings(router_queue=0.001, prefill=0.02, ttft=0.03, e2e=0.1)
+            timings.inter_token = [0.01, 0.03]
+            usage = Usage(prompt_tokens=len(ids), completion_tokens=len(ids), cached_tokens=1)
+            yield FinalChunk("stop", usage, stop_reason=7, timings=timings, num_retries=1)
+        except GeneratorExit:
+            how = "aclose"
+            raise
+        except asyncio.CancelledError:
+            how = "cancelled"
+            raise
+        finally:
+            self.exits[req.request_id] = how
+
+
+Scenario = Callable[[grpc.aio.Channel], Awaitable[None]]
+
+
+def serve(router: ScriptedRouter, scenario: Scenario) -> None:
+    async def main() -> None:
+        server, port = await start_grpc_server(router, HOST, 0, health_interval_s=0.02)
+        assert port > 0
+        try:
+            async with grpc.aio.insecure_channel(f"{HOST}:{port}") as channel:
+                await asyncio.wait_for(scenario(channel), timeout=10)
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())
+
+
+async def collect(channel: grpc.aio.Channel, request: Any, **kw: Any) -> list[Any]:
+    stub = pb_grpc.GenerationStub(channel)
+    return [r async for r in stub.Generate(request, **kw)]
+
+
+async def expect_status(channel: grpc.aio.Channel, request: Any) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await collect(channel, request)
+    return info.value
+
+
+def test_streams_chunks_then_final() -> None:
+    router = ScriptedRouter()
+
+    async def scenario(channel: grpc.aio.Channel) -> None:
+        request = pb.GenerateRequest(
+            request_id="r1",
+            model="tiny",
+            token_ids=pb.TokenIds(ids=[5, 6, 7]),
+            params=pb.SamplingParameters(max_tokens=3, temperature=0.5, logprobs=2),
+        )
+        out = await collect(channel, request)
+        assert [r.WhichOneof("kind") for r in out] == ["chunk"] * 3 + ["final"]
+        assert [list(r.chunk.token_ids) for r in out[:3]] == [[5], [6], [7]]
+        lp = out[0].chunk.logprobs[0]
+        assert (lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) == (
+            5,
+            -0.5,
+            [(5, -0.5), (0, -1.5)],
+        )
+        final = out[-1].final
+        assert final.finish_reason == "stop" and final.stop_token_id == 7
+        assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (3, 3)
+        assert final.usage.cached_tokens == 1 and final.num_retries == 1
+        assert final.timings.ttft_s == pytest.approx(0.03)
+        assert final.timings.tpot_s == pytest.approx(0.02)
+        assert final.timings.HasField("router_queue_s")
+        assert not final.timings.HasField("kv_transfer_s")  # stage absent -> unset
+
+    serve(router, scenario)
+    (req,) = router.requests
+    assert req.request_id == "r1" and req.prompt_token_ids == [5, 6, 7]
+    assert req.params.max_tokens == 3 and req.params.temperature == 0.5
+    assert req.params.top_p == 1.0  # unset optional -> SamplingParams default
+    assert req.timeout_s is None
+
+
+def test_prompt_kinds_request_id_and_deadline() -> None:
+    router = ScriptedRouter()
+
+    async def scenario(channel: grpc.aio.Channel) -> None:
+        chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")])
+        await collect(channel, pb.GenerateRequest(chat=chat, timeout_s=0.5))
+        stub = pb_grpc.GenerationStub(channel)
+        call = stub.Generate(pb.GenerateRequest(text="ab", timeout_s=300), timeout=5)
+        assert len([r async for r in call]) == 3
+        assert dict(await call.initial_metadata())[REQUEST_ID_KEY] == router.requests[1].request_id
+
+    serve(router, scenario)
+    chat_req, text_req = router.requests
+    assert chat_req.messages == [{"role": "user", "content": "hi"}]
+    assert len(chat_req.request_id) == 32  # made by the server: uuid4 hex
+    assert chat_req.timeout_s == 0.5
+    assert text_req.prompt == "ab"
+    # The gRPC deadline (5 s) is earlier than timeout_s (300 s), so it wins.
+    assert text_req.timeout_s is not None and 0 < text_req.timeout_s < 10
+
+
+@pytest.mark.parametrize(
+    ("kind", "code"),
+    [
+        (ErrorKind.INVALID, grpc.StatusCode.INVALID_ARGUMENT),
+        (ErrorKind.NOT_FOUND, grpc.StatusCode.NOT_FOUND),
+        (ErrorKind.OVERLOADED, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (ErrorKind.NOT_READY, grpc.StatusCode.UNAVAILABLE),
+        (ErrorKind.DEADLINE, grpc.StatusCode.DEADLINE_EXCEEDED),
+        (ErrorKind.INTERNAL, grpc.StatusCode.INTERNAL),
+    ],
+)
+def test_router_errors_map_to_status(kind: ErrorKind, code: grpc.StatusCode) -> None:
+    router = ScriptedRouter()
+
+    async def scenario(channel: grpc.aio.Channel) -> None:
+        err = await expect_status(channel, pb.GenerateRequest(text=f"error:{kind.value}"))
+        assert err.code() == code and err.details() == f"scripted {kind.value}"
+        trailing = dict(err.trailing_metadata() or ())
+        assert (trailing.get(RETRY_AFTER_KEY) == "2.5") == (kind is ErrorKind.OVERLOADED)
+        # Mid-stream: the chunk already sent arrives, then the status.
+        stub = pb_grpc.GenerationStub(channel)
+        call = stub.Generate(pb.GenerateRequest(text=f"midstream:{kind.value}"))
+        first = await call.read()
+        assert list(first.chunk.token_ids) == [ord("m")]
+        assert await call.code() == code
+
+    serve(router, scenario)
+
+
+def test_request_validation_errors() -> None:
+    router = ScriptedRouter()
+
+    async def scenario(channel: grpc.aio.Channel) -> None:
+        bad = {
+            "top_p": pb.SamplingParameters(top_p=1.5),
+            "max_tokens": pb.SamplingParameters(max_tokens=0),
+            "presence_penalty": pb.SamplingParameters(presence_penalty=3.0),
+            "logprobs": pb.SamplingParameters(logprobs=21),
+        }
+        for field, params in bad.items():
+            err = await expect_status(channel, pb.GenerateRequest(text="x", params=params))
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert field in err.details()
+        err = await expect_status(channel, pb.GenerateRequest(model="tiny"))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in err.details()
+        err = await expect_status(channel, pb.GenerateRequest(text="x", timeout_s=-1))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "timeout_s" in err.details()
+        err = await expect_status(channel, pb.GenerateRequest(text="x", model="gpt-9"))
+        assert err.code() == grpc.StatusCode.NOT_FOUND and "gpt-9" in err.details()
+        err = await expect_status(channel, pb.GenerateRequest(text="crash"))
+        assert err.code() == grpc.StatusCode.INTERNAL
+
+    serve(router, scenario)
+    assert len(router.requests) == 1  # only "crash" reached the router
+
+
+def test_client_cancel_closes_router_stream() -> None:
+    router = ScriptedRouter()
+
+    async def scenario(channel: grpc.aio.Channel) -> None:
+        stub = pb_grpc.GenerationStub(channel)
+        call = stub.Generate(pb.GenerateRequest(request_id="c1", text="hang"))
+        await call.read()
+        call.cancel()
+        # A gRPC deadline passing mid-stream ends the handler the same way.
+        call = stub.Generate(pb.GenerateRequest(request_id="d1", text="hang"), timeout=0.3)
+        await call.read()
+        assert await call.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        for _ in range(500):
+            if {"c1", "d1"} <= set(router.exits):
+                break
+            await asyncio.sleep(0.01)
+
+    serve(router, scenario)
+    assert router.exits["c1"] in ("cancelled", "aclose")
+    assert router.exits["d1"] in ("cancelled", "aclose")
+
+
+class _WriteFailsContext:
+    """A servicer context whose first write finds the client gone."""
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    async def send_initial_metadata(self, metadata: Any) -> None:
+        pass
+
+    async def write(self, message: Any) -> None:
+        raise asyncio.CancelledError
+
+
+def test_handler_acloses_router_stream_when_write_fails() -> None:
+    # The router is suspended at `yield`, not at an await: only aclose() reaches it.
+    router = ScriptedRouter()
+    servicer = GenerationServicer(router)
+    context: Any = _WriteFailsContext()
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(servicer.Generate(pb.GenerateRequest(request_id="w1", text="abc"), context))
+    assert router.exits == {"w1": "aclose"}
+
+
+def test_list_models() -> None:
+    async def scenario(channel: grpc.aio.Channel) -> None:
+        reply = await pb_grpc.GenerationStub(channel).ListModels(pb.ListModelsRequest())
+        assert [(m.id, m.max_model_len, m.owned_by) for m in reply.models] == [
+            ("tiny", 2048, "pdserve")
+        ]
+
+    serve(ScriptedRouter(), scenario)
+
+
+def test_health_follows_ready() -> None:
+    router = ScriptedRouter()
+    router.is_ready = False
+    serving = health_pb2.HealthCheckResponse.SERVING
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def wait_for(stub: Any, status: int) -> None:
+        for _ in range(500):
+            got = [
+                (await stub.Check(health_pb2.HealthCheckRequest(service=s))).status
+                for s in ("", SERVICE_NAME)
+            ]
+            if got == [status, status]:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"health stayed {got}, wanted {status}")
+
+    async def scenario(channel: grpc.aio.Channel) -> None:
+        stub = health_pb2_grpc.HealthStub(channel)
+        await wait_for(stub, not_serving)
+        router.is_ready = True
+        await wait_for(stub, serving)
+        router.is_ready = False
+        await wait_for(stub, not_serving)
+
+    serve(router, scenario)
+
+
+def test_build_from_scratch_and_staleness(tmp_path: Path) -> None:
+    proto_root = tmp_path / "protos"
+    shutil.copytree(build.PROTO_ROOT, proto_root)
+    gen = tmp_path / "gen"
+    assert build.needs_build(proto_root, gen)
+    written = build.build(proto_root, gen)
+    stub = gen / "pdserve" / "v1" / "pdserve_pb2_grpc.py"
+    assert {stub, gen / "pdserve" / "v1" / "pdserve_pb2.py"} <= set(written)
+    # The stub imports its sibling through the package path, not `import pdserve_pb2`.
+    assert "from pdserve.protos.gen.pdserve.v1 import pdserve_pb2 as" in stub.read_text()
+    assert (gen / "pdserve" / "v1" / "__init__.py").is_file()
+    assert not build.needs_build(proto_root, gen)
+    proto = proto_root / "pdserve" / "v1" / "pdserve.proto"
+    later = stub.stat().st_mtime + 10
+    os.utime(proto, (later, later))  # an edited .proto makes the output stale
+    assert build.needs_build(proto_root, gen)
+
+
+def test_fresh_checkout_generates_on_first_import(tmp_path: Path) -> None:
+    # A checkout with no generated code at all: `from pdserve.protos import pb` builds it.
+    repo = tmp_path / "repo"
+    shutil.copytree(build.PROTO_ROOT, repo / "protos")
+    package = repo / "pdserve" / "protos"
+    (package / "gen").mkdir(parents=True)
+    (repo / "pdserve" / "__init__.py").write_text("")
+    for name in ("__init__.py", "build.py", "gen/.gitignore"):
+        shutil.copy(build.GEN_DIR.parent / name, package / name)
+    code = (
+        "from pdserve.protos import pb, pb_grpc\n"
+        "print(pb.GenerateRequest(text='hi').SerializeToString().hex(), pb_grpc.__file__)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    hex_request, stub_file = done.stdout.split()
+    assert hex_request == pb.GenerateRequest(text="hi").SerializeToString().hex()
+    assert Path(stub_file).resolve().is_relative_to(package / "gen")
