@@ -1,0 +1,170 @@
+"""The shape of one worker's KV cache and the handshake check between two workers.
+
+Owns `KVLayout` (what both ends of a channel must agree on), its compatibility hash,
+the byte arithmetic every backend uses to address a block or a layer range of a block,
+and `check_tensor` (the KV tensor a channel wraps really has this layout).
+
+Memory layout of the one KV tensor a worker owns (block-major):
+
+    kv: [num_blocks, num_layers, 2 (K,V), block_size, num_kv_heads, head_dim]
+
+    byte offset of block b = b * block_bytes
+    ┌──────────────────────────── block b (block_bytes) ─────────────────────────────┐
+    │ layer 0                   │ layer 1                   │ ... │ layer L-1        │
+    │ K[bs,H,D]    │ V[bs,H,D]  │ K[bs,H,D]    │ V[bs,H,D]  │     │                  │
+    └────────────────────────────────────────────────────────────────────────────────┘
+    |<------ layer_bytes ------>|
+    layer_bytes = 2 * block_size * num_kv_heads * head_dim * itemsize
+    block_bytes = num_layers * layer_bytes
+
+So a whole block is one contiguous region, a layer range [lo, hi) of one block is one
+contiguous region of (hi - lo) * layer_bytes bytes at b * block_bytes + lo * layer_bytes,
+and consecutive block ids are contiguous with each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# dtype name -> torch dtype; the names are what travels in endpoints (JSON-able).
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+class KVLayoutMismatch(ValueError):
+    """Two workers' KV layouts differ; the message names each differing field."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a prefill and a decode worker must agree on before any block moves."""
+
+    model_id: str  # checkpoint name; two models with equal shapes still must not mix
+    dtype: str  # one of DTYPES
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int  # tokens per block
+    version: int = 1  # bumped when the tensor layout above changes
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"KVLayout.dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "version"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
+        if not self.model_id:
+            raise ValueError("KVLayout.model_id must not be empty")
+
+    # --- byte arithmetic -------------------------------------------------------------
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @property
+    def layer_bytes(self) -> int:
+        """Bytes of one layer (K and V) of one block."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block, all layers."""
+        return self.num_layers * self.layer_bytes
+
+    def block_shape(self) -> tuple[int, ...]:
+        """Shape of one block: kv[b]."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (num_blocks, *self.block_shape())
+
+    def layer_range(self, layers: tuple[int, int] | None) -> tuple[int, int]:
+        """Validated [lo, hi) layer range; None means all layers."""
+        if layers is None:
+            return (0, self.num_layers)
+        lo, hi = int(layers[0]), int(layers[1])
+        if not 0 <= lo < hi <= self.num_layers:
+            raise ValueError(f"layer range {layers!r} is not within [0, {self.num_layers})")
+        return (lo, hi)
+
+    # --- compatibility -----------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> KVLayout:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"unknown KVLayout fields {sorted(unknown)}")
+        return cls(**data)
+
+    def compat_hash(self) -> str:
+        """Stable hex digest of every field; equal hashes <=> compatible layouts."""
+        canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+    def check_compatible(self, peer: KVLayout) -> None:
+        """Raise KVLayoutMismatch naming every field where `peer` differs from self."""
+        if self.compat_hash() == peer.compat_hash():
+            return
+        diffs = [
+            f"{f.name}: local={getattr(self, f.name)!r} peer={getattr(peer, f.name)!r}"
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(peer, f.name)
+        ]
+        raise KVLayoutMismatch("KV layout mismatch: " + "; ".join(diffs))
+
+    def check_tensor(self, kv: torch.Tensor) -> int:
+        """Check `kv` has this layout (any block count); return its number of blocks."""
+        if kv.dtype != self.torch_dtype:
+            raise ValueError(f"kv dtype {kv.dtype} != layout dtype {self.dtype}")
+        if kv.dim() != 6 or tuple(kv.shape[1:]) != self.block_shape():
+            raise ValueError(f"kv shape {tuple(kv.shape)} != [num_blocks, *{self.block_shape()}]")
+        if not kv.is_contiguous():
+            raise ValueError("kv must be contiguous (one registered region per worker)")
+        return int(kv.shape[0])
+
+
+def check_block_ids(ids: list[int], num_blocks: int, what: str) -> None:
+    """Block ids must be in range and distinct (a duplicate would write a block twice)."""
+    for b in ids:
+        if not 0 <= b < num_blocks:
+            raise ValueError(f"{what} block id {b} out of range [0, {num_blocks})")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{what} block ids contain duplicates")
+
+
+def check_send(
+    layout: KVLayout,
+    src_block_ids: Sequence[int],
+    dst_block_ids: Sequence[int],
+    src_num_blocks: int,
+    dst_num_blocks: int,
+    layers: tuple[int, int] | None,
+) -> tuple[list[int], list[int], tuple[int, int]]:
+    """Validate one send() call's arguments; return (src ids, dst ids, [lo, hi))."""
+    src = [int(b) for b in src_block_ids]
+    dst = [int(b) for b in dst_block_ids]
+    if len(src) != len(dst):
+        raise ValueError(f"{len(src)} source blocks but {len(dst)} destination blocks")
+    check_block_ids(src, src_num_blocks, "source")
+    check_block_ids(dst, dst_num_blocks, "destination")
+    return src, dst, layout.layer_range(layers)

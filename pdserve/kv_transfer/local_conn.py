@@ -1,0 +1,169 @@
+"""The `local` backend: sender and receiver in one process, blocks copied tensor to tensor.
+
+For unit tests and colocated mode. Receivers register in a process-wide table keyed by
+the id in their endpoint (the only way two objects in one process find each other
+through a JSON-able endpoint). A send copies synchronously inside send(); the receiver
+takes its lock for the copy, so an abort on either side stops later writes at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .base import FailReason, KVReceiver, KVSender, RecvEvent, SendEvent, is_final
+from .layout import KVLayout, check_send
+from .recv_state import RecvTracker
+from .regions import gather, scatter
+from .send_state import SendTracker
+
+# endpoint id -> receiver; guarded by _TABLE_LOCK.
+_TABLE: dict[str, LocalReceiver] = {}
+_TABLE_LOCK = threading.Lock()
+
+
+class LocalReceiver(KVReceiver):
+    def __init__(self, kv: torch.Tensor, layout: KVLayout) -> None:
+        self.layout = layout
+        self.kv = kv
+        self.num_blocks = layout.check_tensor(kv)
+        self._state = RecvTracker(self.num_blocks)
+        self._id = f"local-{uuid.uuid4().hex[:12]}"
+        self._closed = False
+        with _TABLE_LOCK:
+            _TABLE[self._id] = self
+
+    def endpoint(self) -> dict[str, Any]:
+        return {
+            "backend": "local",
+            "id": self._id,
+            "layout": self.layout.to_dict(),
+            "num_blocks": self.num_blocks,
+        }
+
+    def expect(self, request_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> None:
+        self._state.expect(request_id, dst_block_ids, timeout_s)
+
+    def poll(self) -> list[RecvEvent]:
+        for rid in self._state.expired():
+            self._state.end(rid, FailReason.TIMEOUT, "no complete KV within the timeout")
+        return self._state.drain()
+
+    def abort(self, request_id: str) -> None:
+        # Writes happen under the tracker lock, so once end() returns none can land.
+        self._state.end(request_id, FailReason.ABORTED, "aborted by receiver")
+
+    def close(self) -> None:
+        with self._state.lock:
+            self._closed = True
+            for rid in self._state.pending_ids():
+                self._state.end(rid, FailReason.CLOSED, "receiver closed")
+        with _TABLE_LOCK:
+            _TABLE.pop(self._id, None)
+
+    @property
+    def num_pending(self) -> int:
+        return self._state.num_pending
+
+    # --- called by LocalSender -------------------------------------------------------
+
+    def deliver(
+        self,
+        peer: str,
+        request_id: str,
+        seq: int,
+        total: int | None,
+        notify: dict[str, Any] | None,
+        dst: list[int],
+        layers: tuple[int, int],
+        data: torch.Tensor,
+    ) -> None:
+        with self._state.lock:
+            if self._closed:
+                raise ConnectionError("receiver closed")
+            if self._state.may_write(request_id, dst):
+                scatter(self.kv, dst, layers, data)
+                self._state.landed(request_id, seq, total, notify, peer)
+
+    def sender_gone(self, peer: str, request_id: str | None, reason: FailReason, why: str) -> None:
+        """A sender aborted one request (request_id) or closed (None: all it touched)."""
+        rids = [request_id] if request_id else self._state.requests_of(peer)
+        for rid in rids:
+            self._state.end(rid, reason, why)
+
+
+class LocalSender(KVSender):
+    def __init__(self, kv: torch.Tensor, layout: KVLayout, timeout_s: float = 30.0) -> None:
+        self.layout = layout
+        self.kv = kv
+        self.num_blocks = layout.check_tensor(kv)
+        self._state = SendTracker(timeout_s)
+        self._peers: dict[str, LocalReceiver] = {}
+        self._me = f"local-sender-{uuid.uuid4().hex[:12]}"
+
+    def connect(self, endpoint: dict[str, Any]) -> str:
+        self.layout.check_compatible(KVLayout.from_dict(endpoint["layout"]))
+        with _TABLE_LOCK:
+            receiver = _TABLE.get(endpoint["id"])
+        if receiver is None:
+            raise ConnectionError(f"no local receiver {endpoint['id']} in this process")
+        self._peers[endpoint["id"]] = receiver
+        return str(endpoint["id"])
+
+    def send(
+        self,
+        peer_id: str,
+        request_id: str,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        layers: tuple[int, int] | None = None,
+        notify: dict[str, Any] | None = None,
+    ) -> None:
+        receiver = self._peers[peer_id]
+        src, dst, rng = check_send(
+            self.layout, src_block_ids, dst_block_ids, self.num_blocks, receiver.num_blocks, layers
+        )
+        numbered = self._state.begin(peer_id, request_id, is_final(layers, notify), 1)
+        if numbered is None:
+            return
+        failure: tuple[FailReason, str] | None = None
+        try:
+            receiver.deliver(
+                self._me,
+                request_id,
+                numbered.first_seq,
+                numbered.total,
+                notify,
+                dst,
+                rng,
+                gather(self.kv, src, rng),
+            )
+        except ConnectionError as exc:
+            failure = (FailReason.PEER_DIED, str(exc))
+        self._state.message_done(request_id, failure)
+
+    def poll(self) -> list[SendEvent]:
+        return self._state.drain()
+
+    def abort(self, request_id: str) -> None:
+        peer = self._state.peer_of(request_id)
+        self._state.fail(request_id, FailReason.ABORTED, "aborted by sender")
+        if peer is not None:
+            self._peers[peer].sender_gone(
+                self._me, request_id, FailReason.ABORTED, "aborted by sender"
+            )
+
+    def close(self) -> None:
+        for rid in self._state.pending_ids():
+            self._state.fail(rid, FailReason.CLOSED, "sender closed", now=True)
+        for receiver in self._peers.values():
+            receiver.sender_gone(self._me, None, FailReason.PEER_DIED, "sender closed")
+        self._peers.clear()
+
+    @property
+    def num_pending(self) -> int:
+        return self._state.num_pending

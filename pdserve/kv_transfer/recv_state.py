@@ -1,0 +1,163 @@
+"""Decode-side bookkeeping shared by every backend: which blocks each request expects,
+which of its messages have landed, deadlines, and the one event each request ends with.
+
+Thread-safe (one re-entrant lock): backends that write on a background thread hold
+`lock` across "may I write? -> scatter -> landed()" so an abort can never interleave
+with a half-written message.
+
+A request is in one of three states:
+
+    live ──(all messages landed)──────────────▶ done   (RecvEvent ok)
+      │  ──end()───────────────────────────────▶ failed (RecvEvent failed)
+      └──start_ending()──▶ ending ──finish()──▶ failed  (backends whose writes D cannot
+                                                         stop: wait for the sender's ack)
+
+Writes are accepted only for live requests and only into their expected blocks; late
+messages for ended requests are dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .base import FailReason, RecvEvent
+from .layout import check_block_ids
+
+
+@dataclass
+class _Expected:
+    dst_set: frozenset[int]
+    deadline: float
+    peers: set[str] = field(default_factory=set)  # senders that touched it (death -> fail)
+    seen: set[int] = field(default_factory=set)  # message indices landed
+    total: int | None = None  # number of messages, known once the final one lands
+    notify: dict[str, Any] | None = None
+    ending: tuple[FailReason, str] | None = None  # set while waiting for a sender's ack
+
+
+class RecvTracker:
+    def __init__(self, num_blocks: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.lock = threading.RLock()
+        self._num_blocks = num_blocks
+        self._clock = clock
+        self._live: dict[str, _Expected] = {}
+        self._events: list[RecvEvent] = []
+
+    # --- D's calls -----------------------------------------------------------------
+
+    def expect(self, request_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> None:
+        ids = [int(b) for b in dst_block_ids]
+        check_block_ids(ids, self._num_blocks, "destination")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        with self.lock:
+            if request_id in self._live:
+                raise ValueError(f"request {request_id!r} is already expected")
+            taken = {b for e in self._live.values() for b in e.dst_set}
+            clash = taken.intersection(ids)
+            if clash:
+                raise ValueError(f"blocks {sorted(clash)[:8]} are expected by another request")
+            self._live[request_id] = _Expected(frozenset(ids), self._clock() + timeout_s)
+
+    def drain(self) -> list[RecvEvent]:
+        with self.lock:
+            events, self._events = self._events, []
+            return events
+
+    @property
+    def num_pending(self) -> int:
+        with self.lock:
+            return len(self._live)
+
+    # --- what backends report ------------------------------------------------------
+
+    def may_write(self, request_id: str, dst_block_ids: Sequence[int]) -> bool:
+        """True if a message for request_id may be written into dst_block_ids now."""
+        with self.lock:
+            exp = self._live.get(request_id)
+            return exp is not None and exp.ending is None and exp.dst_set.issuperset(dst_block_ids)
+
+    def is_known(self, request_id: str) -> bool:
+        with self.lock:
+            return request_id in self._live
+
+    def touch(self, request_id: str, peer: str) -> None:
+        """Record that `peer` is sending request_id (its death then fails the request)."""
+        with self.lock:
+            exp = self._live.get(request_id)
+            if exp is not None:
+                exp.peers.add(peer)
+
+    def landed(
+        self,
+        request_id: str,
+        seq: int,
+        total: int | None,
+        notify: dict[str, Any] | None,
+        peer: str = "",
+    ) -> None:
+        """Message `seq` of request_id is in place; `total` is set on the final message."""
+        with self.lock:
+            exp = self._live.get(request_id)
+            if exp is None or exp.ending is not None:
+                return
+            if peer:
+                exp.peers.add(peer)
+            exp.seen.add(seq)
+            if total is not None:
+                exp.total, exp.notify = total, notify
+            if exp.total is not None and len(exp.seen) >= exp.total:
+                del self._live[request_id]
+                self._events.append(RecvEvent(request_id, True, notify=exp.notify or {}))
+
+    def end(self, request_id: str, reason: FailReason, error: str) -> bool:
+        """Fail a live or ending request now; False if it is not pending."""
+        with self.lock:
+            if self._live.pop(request_id, None) is None:
+                return False
+            self._events.append(RecvEvent(request_id, False, reason=reason, error=error))
+            return True
+
+    def start_ending(self, request_id: str, reason: FailReason, error: str) -> bool:
+        """Stop accepting data; the failure is reported by finish(). False if not live."""
+        with self.lock:
+            exp = self._live.get(request_id)
+            if exp is None or exp.ending is not None:
+                return False
+            exp.ending = (reason, error)
+            return True
+
+    def finish(self, request_id: str, note: str = "") -> None:
+        """Report an ending request's failure (its sender confirmed, or died)."""
+        with self.lock:
+            exp = self._live.get(request_id)
+            if exp is not None and exp.ending is not None:
+                reason, error = exp.ending
+                self.end(request_id, reason, error + note)
+
+    def ending(self) -> list[str]:
+        with self.lock:
+            return [rid for rid, e in self._live.items() if e.ending is not None]
+
+    def peers_of(self, request_id: str) -> set[str]:
+        with self.lock:
+            exp = self._live.get(request_id)
+            return set(exp.peers) if exp else set()
+
+    def requests_of(self, peer: str) -> list[str]:
+        with self.lock:
+            return [rid for rid, e in self._live.items() if peer in e.peers]
+
+    def expired(self) -> list[str]:
+        """Live (not ending) requests whose deadline has passed."""
+        now = self._clock()
+        with self.lock:
+            return [r for r, e in self._live.items() if e.ending is None and e.deadline <= now]
+
+    def pending_ids(self) -> list[str]:
+        with self.lock:
+            return list(self._live)

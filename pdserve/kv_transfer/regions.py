@@ -1,0 +1,95 @@
+"""Turning (src block ids, dst block ids, layer range) into memory regions and buffers.
+
+Owns the two shapes a transfer can take:
+
+* byte regions, for one-sided backends (nixl): one (src_offset, dst_offset, length) per
+  contiguous run. Whole blocks whose ids are consecutive on BOTH sides merge into one
+  run; a layer range is contiguous only inside one block, so it is one region per block:
+
+      src ids [4,5,6,9]  dst ids [10,11,12,2]  layers None
+        -> (4*B, 10*B, 3*B), (9*B, 2*B, 1*B)                      B = block_bytes
+      src ids [4,5]      dst ids [10,11]       layers (lo, hi)
+        -> (4*B + lo*Lb, 10*B + lo*Lb, (hi-lo)*Lb), (5*B + lo*Lb, 11*B + lo*Lb, ...)
+                                                                  Lb = layer_bytes
+
+* staging buffers, for two-sided backends (torch, ray): the selected blocks gathered into
+  one contiguous tensor [n, hi - lo, 2, bs, H, D] (block order = id order given), sent as
+  one message, scattered on the receiving side. Large requests are cut into chunks of at
+  most `max_bytes` (at least one block each) so one message stays bounded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layout import KVLayout
+
+
+@dataclass(frozen=True)
+class Run:
+    """`length` blocks starting at src_start on the sender and dst_start on the receiver."""
+
+    src_start: int
+    dst_start: int
+    length: int
+
+
+def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[Run]:
+    """Merge pairs whose src AND dst ids both continue the previous pair by one."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
+    runs: list[Run] = []
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        last = runs[-1] if runs else None
+        if last and s == last.src_start + last.length and d == last.dst_start + last.length:
+            runs[-1] = Run(last.src_start, last.dst_start, last.length + 1)
+        else:
+            runs.append(Run(s, d, 1))
+    return runs
+
+
+def byte_regions(
+    layout: KVLayout, src_ids: list[int], dst_ids: list[int], layers: tuple[int, int]
+) -> list[tuple[int, int, int]]:
+    """(src_offset, dst_offset, length) in bytes from each tensor's start, one per region."""
+    lo, hi = layers
+    bb, lb = layout.block_bytes, layout.layer_bytes
+    if (lo, hi) == (0, layout.num_layers):
+        return [
+            (r.src_start * bb, r.dst_start * bb, r.length * bb)
+            for r in block_runs(src_ids, dst_ids)
+        ]
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
+    return [
+        (s * bb + lo * lb, d * bb + lo * lb, (hi - lo) * lb)
+        for s, d in zip(src_ids, dst_ids, strict=True)
+    ]
+
+
+def chunk_slices(num_blocks: int, bytes_per_block: int, max_bytes: int) -> list[slice]:
+    """Split [0, num_blocks) into slices of at most max_bytes (>= 1 block each)."""
+    per_chunk = max(1, max_bytes // max(1, bytes_per_block))
+    return [slice(i, min(i + per_chunk, num_blocks)) for i in range(0, num_blocks, per_chunk)]
+
+
+def gather(
+    kv: torch.Tensor, ids: list[int], layers: tuple[int, int], out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Copy kv[ids, lo:hi] into one contiguous tensor (into `out` when given)."""
+    lo, hi = layers
+    index = torch.tensor(ids, dtype=torch.long, device=kv.device)
+    src = kv if (lo, hi) == (0, kv.shape[1]) else kv[:, lo:hi]
+    if out is None:
+        return torch.index_select(src, 0, index)
+    return torch.index_select(src, 0, index, out=out)
+
+
+def scatter(kv: torch.Tensor, ids: list[int], layers: tuple[int, int], data: torch.Tensor) -> None:
+    """Write data [n, hi-lo, ...] into kv[ids, lo:hi] in place."""
+    lo, hi = layers
+    index = torch.tensor(ids, dtype=torch.long, device=kv.device)
+    dst = kv if (lo, hi) == (0, kv.shape[1]) else kv[:, lo:hi]
+    dst.index_copy_(0, index, data.to(device=kv.device, dtype=kv.dtype))
