@@ -38,7 +38,7 @@ class DecodeWorker(EngineLoop):
         self.worker_id = worker_id
         self.kv_timeout_s = kv_timeout_s
         self.engine = LLMEngine(model_dir, config)
-        self.layout = KVLayout.for_engine(self.engine)
+        self.layout = KVLayout(**self.engine.kv_layout_spec())  # type: ignore[arg-type]
         self.receiver = make_receiver(transfer, self.engine.kv_cache, self.layout,
                                       **(transfer_options or {}))
         self._outbox: list[DecodeOutput] = []

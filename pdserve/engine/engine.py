@@ -302,6 +302,13 @@ class LLMEngine:
             num_preemptions=sch.num_preemptions,
         )
 
+    def kv_layout_spec(self) -> dict[str, object]:
+        """The fields of the transfer channels' ``KVLayout`` for this engine's cache."""
+        mc = self.model_config
+        return {"model_id": mc.name or self.model_dir.name, "dtype": self.config.dtype,
+                "num_layers": mc.num_layers, "num_kv_heads": mc.num_kv_heads,
+                "head_dim": mc.head_dim, "block_size": self.block_size}
+
     def check_integrity(self) -> None:
         self.pool.check_integrity()
 

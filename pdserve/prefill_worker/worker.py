@@ -56,7 +56,7 @@ class PrefillWorker(EngineLoop):
         super().__init__(name=f"prefill-{worker_id}")
         self.worker_id = worker_id
         self.engine = LLMEngine(model_dir, config)
-        self.layout = KVLayout.for_engine(self.engine)
+        self.layout = KVLayout(**self.engine.kv_layout_spec())  # type: ignore[arg-type]
         self.sender = make_sender(transfer, self.engine.kv_cache, self.layout,
                                   **(transfer_options or {}))
         self._peers: dict[str, Any] = {}  # decode worker id -> sender peer id
