@@ -187,9 +187,12 @@ class Router:
                 params, max_tokens=params.max_tokens - len(emitted),
                 min_tokens=max(0, params.min_tokens - len(emitted)))
         hashes = prefix_block_hashes(ids, self.config.block_size)
-        p_id, d_id, blocks = await self._admit(aid, ids, params, hashes, deadline)
+        d_id, blocks = await self._admit(aid, ids, params, hashes, deadline)
         if timings.router_queue is None:
             timings.router_queue = time.monotonic() - arrival
+        # Pick P only now, and count the work against it before the next await, so
+        # that concurrent admissions see each other's choices.
+        p_id = self._policy(self._snapshot(), RouteInput(len(ids), hashes))[0]
         p, d = self._prefill[p_id], self._decode[d_id]
         queue: asyncio.Queue[DecodeOutput | _WorkerFailed] = asyncio.Queue()
         self._streams[aid] = queue
@@ -259,15 +262,16 @@ class Router:
 
     # ------------------------------------------------------------------ admission
     async def _admit(self, aid: str, ids: list[int], params: SamplingParams,
-                     hashes: list[int], deadline: float) -> tuple[str, str, list[int]]:
-        """Pick a pair and reserve decode blocks; wait (bounded) while all are full."""
+                     hashes: list[int], deadline: float) -> tuple[str, list[int]]:
+        """Reserve decode blocks on the best-ranked decode worker with room; wait
+        (bounded) while all are full."""
         give_up = min(deadline, time.monotonic() + self.config.queue_timeout_s)
         self._num_waiting += 1
         try:
             while True:
                 if not self.ready():
                     raise _WorkerFailed("no live prefill/decode worker pair")
-                p_id, order = self._policy(self._snapshot(), RouteInput(len(ids), hashes))
+                _, order = self._policy(self._snapshot(), RouteInput(len(ids), hashes))
                 for d_id in order:
                     self._capacity.clear()
                     try:
@@ -279,7 +283,7 @@ class Router:
                         self._mark(d_id, exc)
                         continue
                     if blocks is not None:
-                        return p_id, d_id, blocks
+                        return d_id, blocks
                 remaining = give_up - time.monotonic()
                 if remaining <= 0:
                     self._reject(ErrorKind.OVERLOADED)
