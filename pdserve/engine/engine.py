@@ -108,6 +108,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, attn, self.block_size,
                                   self.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self.last_step: StepInfo | None = None  # the most recent step's shape and time
         self._tracking: dict[str, _Tracking] = {}
         self.role = self.config.role
 
@@ -229,10 +230,17 @@ class LLMEngine:
         if not batch:
             return []
         now = time.monotonic()
-        for req, _ in batch.work:
+        context = 0
+        for req, n in batch.work:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
+            context += req.num_computed_tokens + n
         sampled = self.runner.execute(batch)
+        self.last_step = StepInfo(
+            num_seqs=len(batch.work), num_tokens=batch.num_tokens,
+            num_decode=sum(1 for _, n in batch.work if n == 1),
+            context_tokens=context, seconds=time.monotonic() - now,
+        )
         for req, n in batch.work:
             self.scheduler.advance(req, n)
         return [self._append_token(s) for s in sampled]
@@ -369,3 +377,16 @@ class EngineStats:
     prefix_queries: int  # cumulative, in blocks
     prefix_hits: int  # cumulative, in blocks
     num_preemptions: int  # cumulative
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """Shape and duration of one engine step (for batch-size, step-time, MFU and
+    MBU metrics: FLOPs ~ 2 x params x num_tokens + attention over context_tokens;
+    bytes ~ weights + KV of context_tokens)."""
+
+    num_seqs: int  # sequences in the batch
+    num_tokens: int  # tokens computed (prefill chunks + one per decode)
+    num_decode: int  # sequences computing exactly one token
+    context_tokens: int  # sum over sequences of the tokens attended (cached + new)
+    seconds: float  # wall time of the forward pass + sampling
