@@ -66,6 +66,8 @@ class ClusterConfig:
     decode: PoolConfig = field(default_factory=PoolConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     kv_timeout_s: float = 30.0  # decode side: KV must arrive this soon after reserve
+    api_key: str | None = None  # HTTP API: required Bearer token (None = open)
+    file_sd_path: str | None = None  # Prometheus file-SD targets file (None = not written)
 
     def __post_init__(self) -> None:
         if self.transfer not in TRANSFER_BACKENDS:
