@@ -41,7 +41,7 @@ def start(model: Path, transfer: str, prefill: int = 1, decode: int = 1,
           decode_engine: dict[str, object] | None = None, **router: object) -> Cluster:
     cfg = ClusterConfig.from_dict({
         "model": str(model), "transfer": transfer,
-        "prefill": {"workers": prefill, "num_cpus": 1, "engine": {"num_blocks": 256}},
+        "prefill": {"workers": prefill, "num_cpus": 1, "engine": {"num_blocks": 128}},
         "decode": {"workers": decode, "num_cpus": 1,
                    "engine": decode_engine or {"num_blocks": 512}},
         "router": {"queue_timeout_s": 60, **router},
@@ -194,3 +194,25 @@ def test_cluster_config_rejects_unknown_keys(tmp_path: Path) -> None:
         ClusterConfig.from_dict({"transfer": "carrier-pigeon"})
     assert ClusterConfig.load(None, {"prefill.workers": 3}).prefill.workers == 3
     assert os.environ.get("RAY_ADDRESS") is None
+
+
+def test_golden_default_model_over_nixl(default_model_dir: Path) -> None:
+    """The real default model once, over the default transfer backend."""
+    tok_prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    eng = LLMEngine(default_model_dir, EngineConfig(num_blocks=64))
+    assert eng.tokenizer is not None
+    prompt = eng.tokenizer.encode(tok_prompt)
+    params = SamplingParams(max_tokens=24)
+    expected = eng.generate([prompt], params)[0]
+    del eng
+    cluster = start(default_model_dir, "nixl", decode_engine={"num_blocks": 64})
+    try:
+        async def body(router: Router) -> tuple[list[int], str, FinalChunk]:
+            return await run_one(router, "smol", prompt, params)
+
+        tokens, text, final = with_router(cluster, body)  # type: ignore[misc]
+        assert tokens == expected.token_ids and text == expected.text
+        assert "Paris" in text and final.finish_reason == expected.finish_reason
+        cluster.check_integrity()
+    finally:
+        cluster.shutdown()
