@@ -51,6 +51,8 @@ lint: $(VENV)/.test
 
 bench: $(VENV)/.test model
 	$(PY) -m pdserve.engine.bench
+	$(PY) -m pdserve.kv_transfer.bench
+	$(PY) -m pdserve.deploy.bench_serving
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
