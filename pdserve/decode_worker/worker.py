@@ -20,6 +20,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+from pdserve.deploy.efficiency import cost_model
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.loop import EngineLoop
@@ -106,7 +107,7 @@ class DecodeWorker(EngineLoop):
             if ev.ok:
                 now = time.monotonic()
                 self._kv_arrived[ev.request_id] = now
-                first = int(ev.notify["first_token"])
+                first = int((ev.notify or {})["first_token"])
                 batch.append(self._convert(self.engine.start_decode(ev.request_id, first)))
             else:
                 self.engine.abort(ev.request_id)
@@ -115,9 +116,12 @@ class DecodeWorker(EngineLoop):
                                           error=f"KV transfer failed: {ev.error}"))
         if self.engine.has_unfinished():
             t0 = time.monotonic()
+            last = self.engine.last_step
             outputs = self.engine.step()
-            self._stats.steps += 1
-            self._stats.step_seconds += time.monotonic() - t0
+            info = self.engine.last_step
+            if info is not None and info is not last:  # a batch ran
+                cost = cost_model(self.engine.model_config, self.engine.config.dtype)
+                self._stats.observe_step(info, *cost.step(info, len(outputs)))
             for out in outputs:
                 item = self._convert(out)
                 arrived = self._kv_arrived.pop(out.request_id, None)

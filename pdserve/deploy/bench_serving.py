@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import statistics
 import time
 
@@ -72,7 +73,7 @@ def main() -> None:
           f"({args.requests} requests, {args.prompt_len} in / {args.output_len} out)")
 
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             logging_level="WARNING")
+             logging_level=logging.WARNING)
     try:
         for backend in args.backends.split(","):
             cluster = Cluster(cluster_config(model, backend))

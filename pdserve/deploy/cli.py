@@ -12,7 +12,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -162,7 +162,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         (out,) = engine.generate([prompt_ids], params)
     elapsed = time.perf_counter() - t0
     if args.json:
-        obj = {
+        obj: dict[str, Any] = {
             "token_ids": out.token_ids,
             "text": out.text,
             "finish_reason": out.finish_reason,

@@ -52,12 +52,12 @@ class Cluster:
         for i in range(cfg.prefill.workers):
             wid = f"prefill-{i}"
             opts = actor_options(cfg.prefill, has_gpus, f"pdserve-{wid}-{time.time_ns()}")
-            self.prefill[wid] = RemotePrefill.options(**opts).remote(  # type: ignore[attr-defined]
+            self.prefill[wid] = RemotePrefill.options(**opts).remote(
                 wid, model, cfg.prefill, cfg.transfer, cfg.transfer_options, self.loopback)
         for i in range(cfg.decode.workers):
             wid = f"decode-{i}"
             opts = actor_options(cfg.decode, has_gpus, f"pdserve-{wid}-{time.time_ns()}")
-            self.decode[wid] = RemoteDecode.options(**opts).remote(  # type: ignore[attr-defined]
+            self.decode[wid] = RemoteDecode.options(**opts).remote(
                 wid, model, cfg.decode, cfg.transfer, cfg.transfer_options, cfg.kv_timeout_s,
                 self.loopback)
         self.progress(f"loading the model on {len(self.prefill)} prefill + "

@@ -104,7 +104,7 @@ def main() -> None:
         bw = memory_read_bandwidth()
         print(f"\n== {threads} thread(s): memory read bandwidth {bw / 1e9:.1f} GB/s")
         for dtype in args.dtypes.split(","):
-            eng = LLMEngine(model_dir, EngineConfig(dtype=dtype, num_threads=threads,  # type: ignore[arg-type]
+            eng = LLMEngine(model_dir, EngineConfig(dtype=dtype, num_threads=threads,
                                                     max_num_seqs=max(conc)))
             weight_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
             vocab = eng.model_config.vocab_size

@@ -81,13 +81,13 @@ class RayPrefillClient:
         self.handle = handle
 
     async def prefill(self, task: PrefillTask) -> PrefillResult:
-        return await self.handle.prefill.remote(task)  # type: ignore[no-any-return]
+        return await self.handle.prefill.remote(task)
 
     async def abort(self, request_id: str) -> None:
         self.handle.abort.remote(request_id)
 
     async def stats(self) -> WorkerStats:
-        return await self.handle.stats.remote()  # type: ignore[no-any-return]
+        return await self.handle.stats.remote()
 
 
 class RayDecodeClient:
@@ -99,14 +99,14 @@ class RayDecodeClient:
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
                       params: SamplingParams) -> list[int] | None:
-        return await self.handle.reserve.remote(  # type: ignore[no-any-return]
+        return await self.handle.reserve.remote(
             request_id, list(prompt_token_ids), params)
 
     async def abort(self, request_id: str) -> None:
         self.handle.abort.remote(request_id)
 
     async def poll_outputs(self, timeout_s: float) -> list[DecodeOutput]:
-        return await self.handle.poll_outputs.remote(timeout_s)  # type: ignore[no-any-return]
+        return await self.handle.poll_outputs.remote(timeout_s)
 
     async def stats(self) -> WorkerStats:
-        return await self.handle.stats.remote()  # type: ignore[no-any-return]
+        return await self.handle.stats.remote()

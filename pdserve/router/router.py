@@ -209,7 +209,7 @@ class Router:
             while True:
                 waits: set[asyncio.Future[object]] = {get}  # type: ignore[arg-type]
                 if not prefill.done():
-                    waits.add(prefill)  # type: ignore[arg-type]
+                    waits.add(prefill)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise RouterError(ErrorKind.DEADLINE, f"request {rid} passed its deadline")
