@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.deploy.efficiency import cost_model
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.loop import EngineLoop
@@ -105,10 +106,12 @@ class PrefillWorker(EngineLoop):
 
     def iterate(self) -> None:
         if self.engine.has_unfinished():
-            t0 = time.monotonic()
+            last = self.engine.last_step
             outputs = self.engine.step()
-            self._stats.steps += 1
-            self._stats.step_seconds += time.monotonic() - t0
+            info = self.engine.last_step
+            if info is not None and info is not last:  # a batch ran
+                cost = cost_model(self.engine.model_config, self.engine.config.dtype)
+                self._stats.observe_step(info, *cost.step(info, len(outputs)))
             now = time.monotonic()
             for out in outputs:
                 f = self._inflight[out.request_id]
