@@ -12,12 +12,13 @@ import signal
 import sys
 import uuid
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from pdserve.deploy.cluster import Cluster
 from pdserve.deploy.config import ClusterConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.grpc_server import start_grpc_server
+from pdserve.router.http_api import build_app, start_http_server
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.types import FinalChunk, GenerateRequest, StreamChunk
 
@@ -35,6 +36,7 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
             loop.add_signal_handler(sig, stop.set)
     cluster = Cluster(cfg, num_cpus=num_cpus, progress=_progress)
     grpc_server = None
+    http_server = None
     router = None
     try:
         await asyncio.to_thread(cluster.start)
@@ -43,22 +45,31 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
         router = cluster.make_router(RouterMetrics(registry, cluster.model_dir.name))
         await router.start()
         grpc_server, grpc_port = await start_grpc_server(router, cfg.host, cfg.grpc_port)
-        http, _ = start_http_server(cfg.http_port, addr=cfg.host, registry=registry)
+        app = build_app(router, router.model_name, registry, api_key=cfg.api_key)
+        http_server, http_port = await start_http_server(app, cfg.host, cfg.http_port)
+        base = f"http://{_url_host(cfg.host)}:{http_port}"
         _progress(f"gRPC   {cfg.host}:{grpc_port} (pdserve.v1.Generation, grpc.health.v1)")
-        _progress(f"HTTP   http://{cfg.host}:{http.server_port}/metrics (router)")
+        _progress(f"HTTP   {base}/v1 (OpenAI: /v1/completions, /v1/chat/completions, "
+                  f"/v1/models{'; Bearer key required' if cfg.api_key else ''})")
+        _progress(f"HTTP   {base}/health, {base}/metrics (router)")
         for wid, (host, port) in cluster.metrics_targets().items():
             _progress(f"worker {wid}: http://{host}:{port}/metrics")
         _progress(f"serving {cluster.model_dir.name} with {cfg.prefill.workers} prefill + "
                   f"{cfg.decode.workers} decode workers over {cfg.transfer}; Ctrl-C stops")
         await stop.wait()
-        http.shutdown()
     finally:
         _progress("shutting down")
+        if http_server is not None:
+            await http_server.stop()
         if grpc_server is not None:
             await grpc_server.stop(grace=2)
         if router is not None:
             await router.stop()
         cluster.shutdown()
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 async def run_disaggregated(cfg: ClusterConfig, prompt_token_ids: list[int],

@@ -18,9 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import uuid
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -28,23 +26,28 @@ from grpc_health.v1.health import aio as health_aio
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protos import pb, pb_grpc
+from pdserve.router.api_common import (
+    REQUEST_ID_KEY,
+    RouterLike,
+    check_model,
+    close_stream,
+    new_request_id,
+)
 from pdserve.router.types import (
     ErrorKind,
     FinalChunk,
     GenerateRequest,
-    ModelInfo,
     RouterError,
     StreamChunk,
 )
-
-if TYPE_CHECKING:
-    from pdserve.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "pdserve.v1.Generation"
 RETRY_AFTER_KEY = "retry-after"  # trailing metadata on RESOURCE_EXHAUSTED: seconds, like HTTP
-REQUEST_ID_KEY = "x-request-id"  # initial metadata of Generate: the id the router used
+# REQUEST_ID_KEY (api_common): initial metadata of Generate, the id the router used
+__all__ = ["REQUEST_ID_KEY", "RETRY_AFTER_KEY", "SERVICE_NAME", "GenerationServicer",
+           "RouterLike", "start_grpc_server"]
 
 STATUS_OF = {
     ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
@@ -82,20 +85,6 @@ _TIMING_FIELDS = (
 )
 
 
-class RouterLike(Protocol):
-    """What the API layers need from the router (``pdserve.router.router.Router``)."""
-
-    @property
-    def tokenizer(self) -> Tokenizer: ...
-
-    # An async generator: the last item is a FinalChunk; raises RouterError.
-    def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk | FinalChunk]: ...
-
-    def models(self) -> list[ModelInfo]: ...
-
-    def ready(self) -> bool: ...
-
-
 def sampling_params_from_proto(params: Any) -> SamplingParams:
     """``pb.SamplingParameters`` -> validated ``SamplingParams``; ValueError names the field."""
     kwargs: dict[str, Any] = {
@@ -124,7 +113,7 @@ def request_from_proto(request: Any, time_remaining: float | None) -> GenerateRe
             raise ValueError(f"timeout_s must be > 0 and finite, got {request.timeout_s}")
         timeouts.append(request.timeout_s)
     req = GenerateRequest(
-        request_id=request.request_id or uuid.uuid4().hex,
+        request_id=request.request_id or new_request_id(),
         params=sampling_params_from_proto(request.params),
         timeout_s=min(timeouts) if timeouts else None,
     )
@@ -177,12 +166,10 @@ class GenerationServicer:
         self.health_task: asyncio.Task[None] | None = None  # held here so it is never GC'd
 
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> None:
-        served = [m.id for m in self._router.models()]
-        if request.model and request.model not in served:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"model {request.model!r} is not served here; available: {', '.join(served)}",
-            )
+        try:
+            check_model(self._router, request.model)
+        except RouterError as exc:
+            await _abort(context, exc)
             return  # not reached: abort() raises
         try:
             req = request_from_proto(request, context.time_remaining())
@@ -210,7 +197,7 @@ class GenerationServicer:
                     break
                 await context.write(response_from_item(item))
         finally:
-            await _close(stream, req.request_id)
+            await close_stream(stream, req.request_id)
         if error is not None:
             await _abort(context, error)
 
@@ -220,18 +207,6 @@ class GenerationServicer:
             for m in self._router.models()
         ]
         return pb.ListModelsResponse(models=models)
-
-
-async def _close(stream: AsyncIterator[Any], request_id: str) -> None:
-    # aclose() on a finished generator is a no-op; on a suspended one it raises
-    # GeneratorExit inside the router, whose cleanup aborts the request on the workers.
-    aclose = getattr(stream, "aclose", None)
-    if aclose is None:
-        return
-    try:
-        await aclose()
-    except Exception:
-        logger.exception("closing the router stream of request %s failed", request_id)
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: RouterError) -> None:

@@ -1,0 +1,264 @@
+"""The router's OpenAI-compatible HTTP front door (FastAPI on uvicorn).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as SSE
+``data: {json}`` events ending with ``data: [DONE]``, or whole), ``GET /v1/models``
+(these three need ``Authorization: Bearer <api_key>`` when a key is set),
+``GET /health`` (200 only while ``router.ready()``), ``GET /metrics`` (the
+registry in Prometheus text format).
+
+Errors are OpenAI error objects with the status of ``openai_format.ERROR_STATUS``;
+bad input is a 4xx, never a 500. A request's first stream item is awaited before
+the response starts, so admission failures (429 with ``Retry-After``, 400s from the
+router) keep their status even when streaming; a router error after that becomes
+an SSE error event followed by ``[DONE]``.
+
+Cancellation: a client that goes away, before or during the response, closes its
+``RouterStream``, which aborts the request on both workers (see ``api_common``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdserve.router.api_common import RouterLike, RouterStream, check_model
+from pdserve.router.http_middleware import BodyLimitMiddleware, RequestIdMiddleware
+from pdserve.router.http_server import HttpServer, start_http_server
+from pdserve.router.metrics import metrics_text
+from pdserve.router.openai_format import (
+    ResponseBuilder,
+    TokenText,
+    error_object,
+    router_error_object,
+)
+from pdserve.router.openai_schema import InvalidRequest, chat_request, completion_request
+from pdserve.router.types import ErrorKind, FinalChunk, RouterError, StreamChunk
+
+log = logging.getLogger("pdserve.http")
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+T = TypeVar("T")
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "HttpServer", "build_app", "start_http_server"]
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None):
+        self.status, self.body, self.headers = status, body, headers or {}
+
+    @classmethod
+    def from_router(cls, exc: RouterError) -> ApiError:
+        status, body = router_error_object(exc)
+        headers = {}
+        if exc.kind is ErrorKind.OVERLOADED:
+            headers["Retry-After"] = str(max(1, round(exc.retry_after_s or 1)))
+        return cls(status, body, headers)
+
+
+class _Api:
+    """The handlers' shared state: one per app."""
+
+    def __init__(self, router: RouterLike, model_name: str, registry: CollectorRegistry):
+        self.router = router
+        self.model_name = model_name
+        self.registry = registry
+        self.text = TokenText(router.tokenizer)
+        self.tasks: set[asyncio.Task[None]] = set()  # RouterStream tasks until cleaned up
+        self.in_flight: set[str] = set()  # request ids being served (ids must be unique)
+
+    async def generate(self, request: Request, chat: bool) -> Response:
+        rid: str = request.state.request_id
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, error_object(f"the request body is not valid JSON: {exc}")) from exc
+        try:
+            if isinstance(body, dict):
+                check_model(self.router, body.get("model") if isinstance(
+                    body.get("model"), str) else None)
+            max_len = self.router.models()[0].max_model_len
+            if chat:
+                parsed, req = chat_request(body, rid, lambda m: len(
+                    self.router.tokenizer.apply_chat_template(m)), max_len)
+                logprobs = parsed.logprobs
+            else:
+                parsed, req = completion_request(body, rid)  # type: ignore[assignment]
+                logprobs = parsed.logprobs is not None
+        except InvalidRequest as exc:
+            raise ApiError(400, error_object(exc.message, param=exc.param)) from exc
+        except RouterError as exc:
+            raise ApiError.from_router(exc) from exc
+        if rid in self.in_flight:
+            raise ApiError(400, error_object(f"request id {rid!r} is already in flight",
+                                             param="X-Request-Id"))
+        out = ResponseBuilder(
+            chat=chat, request_id=rid, model=parsed.model or self.model_name,
+            created=int(time.time()), text=self.text, logprobs=logprobs,
+            include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage))
+        self.in_flight.add(rid)
+        call = RouterStream(self.router, req, self.tasks)
+        handed_over = False
+        try:
+            first = await _unless_disconnected(request, call.next())
+            if first is None:  # stream ended without a final chunk: not expected
+                raise ApiError.from_router(RouterError(ErrorKind.INTERNAL, "empty stream"))
+            if parsed.stream:
+                handed_over = True
+                # The background task also runs when the client left before the
+                # body started (then _sse never ran and its finally cannot).
+                return StreamingResponse(self._sse(call, first, out),
+                                         media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"},
+                                         background=BackgroundTask(self._done, call))
+            return JSONResponse(await _unless_disconnected(request, _collect(call, first, out)))
+        except RouterError as exc:
+            raise ApiError.from_router(exc) from exc
+        finally:
+            if not handed_over:
+                self._done(call)
+
+    def _done(self, call: RouterStream) -> None:
+        call.close()
+        self.in_flight.discard(call.request_id)
+
+    async def _sse(self, call: RouterStream, first: StreamChunk | FinalChunk,
+                   out: ResponseBuilder) -> AsyncIterator[bytes]:
+        # Runs inside the response; a disconnect cancels it (Starlette) and the
+        # finally closes the router stream.
+        try:
+            item: StreamChunk | FinalChunk | None = first
+            while item is not None:
+                objs = out.chunk(item) if isinstance(item, StreamChunk) else out.final_chunks(item)
+                for obj in objs:
+                    yield _event(obj)
+                item = await call.next()
+        except RouterError as exc:
+            log.warning("request %s failed mid-stream: %s", call.request_id, exc.message)
+            yield _event(router_error_object(exc)[1])
+        finally:
+            self._done(call)
+        yield b"data: [DONE]\n\n"
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def _collect(call: RouterStream, first: StreamChunk | FinalChunk,
+                   out: ResponseBuilder) -> dict[str, Any]:
+    item: StreamChunk | FinalChunk | None = first
+    while isinstance(item, StreamChunk):
+        out.add(item)
+        item = await call.next()
+    if item is None:
+        raise RouterError(ErrorKind.INTERNAL, "stream ended without a final chunk")
+    return out.response(item)
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """``await work``, unless the client disconnects first (then ``_ClientGone``)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    raise _ClientGone
+
+
+class _ClientGone(Exception):
+    """The client disconnected before the response started."""
+
+
+def build_app(router: RouterLike, model_name: str, registry: CollectorRegistry,
+              api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+              ) -> FastAPI:
+    """The ASGI app serving ``router`` as ``model_name``; see the module docstring."""
+    api = _Api(router, model_name, registry)
+
+    async def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                  api_key.encode()):
+            raise ApiError(401, error_object("missing or invalid API key (Authorization: "
+                                             "Bearer <key>)", code="invalid_api_key"),
+                           {"WWW-Authenticate": "Bearer"})
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+
+    @v1.post("/completions")
+    async def completions(request: Request) -> Response:
+        return await api.generate(request, chat=False)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await api.generate(request, chat=True)
+
+    @v1.get("/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": m.id, "object": "model", "created": 0, "owned_by": m.owned_by,
+             "max_model_len": m.max_model_len} for m in router.models()]}
+
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
+    app.include_router(v1)
+    app.state.router_tasks = api.tasks  # HttpServer.stop() waits for their cleanup
+
+    @app.get("/health")
+    async def health() -> Response:
+        if router.ready():
+            return JSONResponse({"status": "ok"})
+        status, body = router_error_object(RouterError(ErrorKind.NOT_READY,
+                                                       "no live prefill/decode worker pair"))
+        return JSONResponse(body, status_code=status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(metrics_text(registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
+
+    async def on_client_gone(request: Request, exc: Exception) -> Response:
+        log.info("request %s: client disconnected", request.state.request_id)
+        return Response(status_code=499)  # nobody reads it
+
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        return JSONResponse(error_object(str(exc.detail)), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("request %s failed", request.state.request_id, exc_info=exc)
+        return JSONResponse(error_object("internal error", "server_error"), status_code=500)
+
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(_ClientGone, on_client_gone)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    app.add_middleware(RequestIdMiddleware)  # added last = outermost
+    return app

@@ -1,0 +1,116 @@
+"""ASGI middleware of the OpenAI HTTP API, outermost first:
+
+* ``RequestIdMiddleware``: takes ``X-Request-Id`` (or makes one), keeps it in
+  ``scope["state"]["request_id"]``, echoes it on every response, and writes one
+  access log line per request carrying it.
+* ``BodyLimitMiddleware``: a request body larger than the limit gets a 413 before
+  any of it is parsed: at once from ``Content-Length``, otherwise (chunked) as soon
+  as the bytes read pass the limit. The body is read here whole and replayed to the
+  app; later ``receive()`` calls go to the server, so disconnects still arrive.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pdserve.router.api_common import REQUEST_ID_KEY, checked_request_id
+from pdserve.router.openai_format import error_object
+
+log = logging.getLogger("pdserve.http")
+
+_HEADER = REQUEST_ID_KEY.encode()
+
+
+async def send_error(send: Send, status: int, body: dict[str, Any],
+                     headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+        *(headers or [])]})
+    await send({"type": "http.response.body", "body": data})
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key.lower() == name:
+            return str(value.decode("latin-1"))
+    return None
+
+
+class RequestIdMiddleware:
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.monotonic()
+        try:
+            rid = checked_request_id(_header(scope, _HEADER))
+        except ValueError as exc:
+            await send_error(send, 400, error_object(f"X-Request-Id: {exc}", param="X-Request-Id"))
+            return
+        scope.setdefault("state", {})["request_id"] = rid
+        status = [0]
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message["headers"] = [*message.get("headers", []), (_HEADER, rid.encode())]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            log.info("%s %s %s request_id=%s %.3fs", scope["method"], scope["path"],
+                     status[0] or "-", rid, time.monotonic() - start)
+
+
+class BodyLimitMiddleware:
+    def __init__(self, app: ASGIApp, max_body_bytes: int):
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        self.app = app
+        self.limit = max_body_bytes
+
+    def _too_large(self) -> dict[str, Any]:
+        return error_object(f"request body is larger than {self.limit} bytes",
+                            code="request_too_large")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await send_error(send, 413, self._too_large(), [(b"connection", b"close")])
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away while sending
+                return
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                await send_error(send, 413, self._too_large(), [(b"connection", b"close")])
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)

@@ -1,0 +1,76 @@
+"""Running an ASGI app on uvicorn inside an asyncio loop that someone else owns
+(``pdserve serve``, tests): binding (port 0 = ephemeral, the bound port is
+returned), startup, and a graceful stop that also waits for the router streams
+the app is still cleaning up (``app.state.router_tasks``, see ``http_api``).
+
+The host process keeps its signal handlers: uvicorn's own are not installed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Callable, Generator
+from typing import Any
+
+import uvicorn
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn in a loop someone else owns: the host process keeps its signal handlers."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+class HttpServer:
+    """A started server; ``await stop()`` ends it (open streams get ``grace`` seconds)."""
+
+    def __init__(self, server: uvicorn.Server, task: asyncio.Task[None], grace_s: float,
+                 cleanup: set[asyncio.Task[None]]):
+        self._server, self._task = server, task
+        self._grace_s = grace_s
+        self._cleanup = cleanup
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        # Requests cut off by the stop are still aborting on their workers.
+        if self._cleanup:
+            await asyncio.wait(set(self._cleanup), timeout=self._grace_s)
+
+
+async def start_http_server(app: Callable[..., Any], host: str, port: int, *,
+                            grace_s: float = 2.0) -> tuple[HttpServer, int]:
+    """Serve ``app`` on ``host:port`` (0 = ephemeral) in the running loop; returns the
+    server handle and the bound port. Raises OSError when the address is taken."""
+    # Bind here, not in uvicorn: a taken port raises here (uvicorn would sys.exit),
+    # and the bound port is known before serving starts.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
+                            timeout_graceful_shutdown=max(1, round(grace_s)))
+    server = _EmbeddedServer(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]), name="http-server")
+    while not server.started:
+        if task.done():  # failed during startup
+            sock.close()
+            task.result()
+            raise RuntimeError("HTTP server stopped during startup")
+        await asyncio.sleep(0.01)
+    state = getattr(app, "state", None)
+    cleanup: set[asyncio.Task[None]] | None = getattr(state, "router_tasks", None)
+    if cleanup is None:  # not an app from build_app: nothing to wait for
+        cleanup = set()
+    return HttpServer(server, task, grace_s, cleanup), int(sock.getsockname()[1])

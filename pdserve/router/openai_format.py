@@ -1,0 +1,217 @@
+"""OpenAI response objects built from the router's stream: completion and chat
+responses and stream chunks, ``usage``, logprobs in OpenAI's two shapes, token
+strings, and the error object with its HTTP status.
+
+Token strings: a token's text is its raw bytes decoded as UTF-8 when they are
+valid; a token holding part of a character (byte-level BPE splits them) is written
+``bytes:\\xNN...`` as OpenAI's legacy completions do, and chat's ``bytes`` field
+carries the raw bytes either way.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+from pdserve.router.types import (
+    ErrorKind,
+    FinalChunk,
+    RouterError,
+    StreamChunk,
+    TokenLogprob,
+    Usage,
+)
+
+if TYPE_CHECKING:
+    from pdserve.engine.tokenizer import Tokenizer
+
+# ErrorKind -> (HTTP status, OpenAI error type, code)
+ERROR_STATUS = {
+    ErrorKind.INVALID: (400, "invalid_request_error", None),
+    ErrorKind.NOT_FOUND: (404, "invalid_request_error", "model_not_found"),
+    ErrorKind.OVERLOADED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    ErrorKind.NOT_READY: (503, "service_unavailable_error", "not_ready"),
+    ErrorKind.DEADLINE: (504, "timeout_error", "deadline_exceeded"),
+    ErrorKind.INTERNAL: (500, "server_error", None),
+}
+
+
+def error_object(message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def router_error_object(exc: RouterError) -> tuple[int, dict[str, Any]]:
+    status, type_, code = ERROR_STATUS[exc.kind]
+    return status, error_object(exc.message, type_, None, code)
+
+
+def _byte_decoder() -> dict[str, int]:
+    # GPT-2's byte-level alphabet: printable bytes stand for themselves, the other
+    # 68 bytes are mapped to the code points from 256 up, in byte order.
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = [b for b in range(256) if b not in keep]
+    table = {chr(b): b for b in keep}
+    table.update({chr(256 + i): b for i, b in enumerate(extra)})
+    return table
+
+
+_BYTE_DECODER = _byte_decoder()
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece byte fallback
+
+
+class TokenText:
+    """Token id -> (OpenAI token string, raw bytes), cached per tokenizer."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self._tok = tokenizer
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            hit = self._cache[token_id] = self._compute(token_id)
+        return hit
+
+    def _compute(self, token_id: int) -> tuple[str, bytes]:
+        text = self._tok.decode([token_id], skip_special_tokens=False)
+        if "\ufffd" not in text:
+            return text, text.encode()
+        piece = self._tok.id_to_token(token_id) or ""
+        m = _BYTE_TOKEN.fullmatch(piece)
+        if m:
+            raw = bytes([int(m[1], 16)])
+        elif piece and all(c in _BYTE_DECODER for c in piece):
+            raw = bytes(_BYTE_DECODER[c] for c in piece)
+        else:  # not a byte-level vocabulary: the decoded text is the best we know
+            return text, text.encode()
+        try:
+            return raw.decode(), raw
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+
+def usage_object(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def text_length(lps: list[TokenLogprob], text: TokenText) -> int:
+    """Characters these tokens add to the output; bytes of a split character count 0."""
+    return sum(len(text(lp.token_id)[1].decode("utf-8", "ignore")) for lp in lps)
+
+
+def completion_logprobs(lps: list[TokenLogprob], text: TokenText, offset: int) -> dict[str, Any]:
+    """Legacy completions shape; ``offset``: characters of output before these tokens.
+    The sampled token is always in its ``top_logprobs`` entry (OpenAI: up to N + 1)."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                           "text_offset": []}
+    for lp in lps:
+        token = text(lp.token_id)[0]
+        top = {text(t)[0]: v for t, v in lp.top}
+        top.setdefault(token, lp.logprob)
+        out["tokens"].append(token)
+        out["token_logprobs"].append(lp.logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += text_length([lp], text)
+    return out
+
+
+def chat_logprobs(lps: list[TokenLogprob], text: TokenText) -> list[dict[str, Any]]:
+    """Chat ``logprobs.content`` entries."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        token, raw = text(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(raw)}
+
+    return [{**entry(lp.token_id, lp.logprob),
+             "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
+
+
+class ResponseBuilder:
+    """One request's response objects, streamed (``chunk``/``final_chunks``) or whole
+    (``add`` then ``response``). ``chat`` picks the endpoint's shapes."""
+
+    def __init__(self, *, chat: bool, request_id: str, model: str, created: int,
+                 text: TokenText, logprobs: bool, include_usage: bool = False):
+        self.chat = chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.model = model
+        self.created = created
+        self._text = text
+        self._logprobs = logprobs
+        self._include_usage = include_usage
+        self._offset = 0  # completions text_offset: output characters so far
+        self._started = False  # chat: the first chunk carries the role
+        self._pieces: list[str] = []
+        self._lps: list[TokenLogprob] = []
+
+    def _envelope(self, choices: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
+        kind = ("chat.completion" if self.chat else "text_completion") + (
+            ".chunk" if stream and self.chat else "")
+        obj = {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+               "choices": choices}
+        if stream and self._include_usage:
+            obj["usage"] = None
+        return obj
+
+    def _logprobs_of(self, lps: list[TokenLogprob]) -> dict[str, Any] | None:
+        if not self._logprobs:
+            return None
+        if self.chat:
+            return {"content": chat_logprobs(lps, self._text), "refusal": None}
+        return completion_logprobs(lps, self._text, self._offset)
+
+    def chunk(self, item: StreamChunk) -> list[dict[str, Any]]:
+        """Stream chunks for new tokens (none when there is nothing to show yet)."""
+        out = []
+        if self.chat and not self._started:
+            self._started = True
+            out.append(self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}], True))
+        if not item.text and not (self._logprobs and item.logprobs):
+            return out
+        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs_of(item.logprobs),
+                                  "finish_reason": None}
+        if self.chat:
+            choice["delta"] = {"content": item.text}
+        else:
+            choice["text"] = item.text
+            self._offset += text_length(item.logprobs, self._text)
+        out.append(self._envelope([choice], True))
+        return out
+
+    def final_chunks(self, final: FinalChunk) -> list[dict[str, Any]]:
+        """The finishing chunk, then the usage chunk when the client asked for it."""
+        out = [] if not self.chat or self._started else self.chunk(StreamChunk([], ""))
+        choice: dict[str, Any] = {"index": 0, "logprobs": None,
+                                  "finish_reason": final.finish_reason,
+                                  "stop_reason": final.stop_reason}
+        if self.chat:
+            choice["delta"] = {}
+        else:
+            choice["text"] = ""
+        out.append(self._envelope([choice], True))
+        if self._include_usage:
+            out.append({**self._envelope([], True), "usage": usage_object(final.usage)})
+        return out
+
+    def add(self, item: StreamChunk) -> None:
+        self._pieces.append(item.text)
+        self._lps.extend(item.logprobs)
+
+    def response(self, final: FinalChunk) -> dict[str, Any]:
+        text = "".join(self._pieces)
+        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs_of(self._lps),
+                                  "finish_reason": final.finish_reason,
+                                  "stop_reason": final.stop_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text, "refusal": None}
+        else:
+            choice["text"] = text
+        return {**self._envelope([choice], False), "usage": usage_object(final.usage)}

@@ -1,0 +1,302 @@
+"""The OpenAI HTTP API (``router/http_api.py``) on uvicorn (port 0) over a real
+in-process router with prefill/decode workers (local transfer), plus a scripted
+router for the error kinds that a healthy cluster does not produce on demand."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import pytest
+from prometheus_client import CollectorRegistry
+
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.router.http_api import build_app, start_http_server
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.types import (
+    ErrorKind,
+    FinalChunk,
+    GenerateRequest,
+    ModelInfo,
+    RouterError,
+    StreamChunk,
+    Usage,
+)
+from tests.integration.test_inprocess import Pair, pair_factory  # noqa: F401  (fixture)
+
+Client = httpx2.AsyncClient
+GREEDY = {"model": "tiny", "temperature": 0, "ignore_eos": True}
+
+
+def serve(router: Any, body: Callable[[Client], Awaitable[None]], **app_kw: Any) -> None:
+    """Start ``router`` (when real) and the app on port 0, run ``body``, stop both."""
+
+    async def main() -> None:
+        if isinstance(router, Pair):
+            await router.router.start()
+        real = router.router if isinstance(router, Pair) else router
+        registry = CollectorRegistry()
+        if isinstance(router, Pair):
+            real.metrics = RouterMetrics(registry, "tiny")
+        server, port = await start_http_server(build_app(real, "tiny", registry, **app_kw),
+                                               "127.0.0.1", 0)
+        try:
+            async with Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client:
+                await body(client)
+        finally:
+            await server.stop()
+            if isinstance(router, Pair):
+                await router.router.stop()
+
+    asyncio.run(main())
+
+
+async def sse(client: Client, path: str, body: dict[str, Any]) -> list[Any]:
+    """The decoded ``data:`` events of one streamed response ("[DONE]" kept as is)."""
+    async with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200, await r.aread()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+    return [line[6:] if line == "data: [DONE]" else json.loads(line[6:]) for line in lines]
+
+
+async def wait_freed(pair: Pair) -> None:
+    for _ in range(200):  # aborts reach the workers' loops asynchronously
+        if all(w.engine.pool.num_used == 0 for w in [*pair.prefill, *pair.decode]):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("blocks were not freed")
+
+
+def test_completions_and_chat(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+    pair = pair_factory()
+
+    async def body(c: Client) -> None:
+        req = {**GREEDY, "prompt": [5, 6, 7, 8], "max_tokens": 10, "logprobs": 2}
+        r = await c.post("/v1/completions", json=req, headers={"X-Request-Id": "req-1"})
+        assert r.status_code == 200 and r.headers["x-request-id"] == "req-1"
+        whole = r.json()
+        assert whole["id"] == "cmpl-req-1" and whole["object"] == "text_completion"
+        choice = whole["choices"][0]
+        assert choice["finish_reason"] == "length"
+        assert whole["usage"] == {"prompt_tokens": 4, "completion_tokens": 10, "total_tokens": 14,
+                                  "prompt_tokens_details": {"cached_tokens": 0}}
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) >= 9
+        for token, logprob, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"],
+                                       strict=True):
+            assert top[token] == logprob and len(top) <= 3 and logprob <= 0
+
+        events = await sse(c, "/v1/completions", {**req, "stream": True,
+                                                  "stream_options": {"include_usage": True}})
+        assert events[-1] == "[DONE]" and events[-2]["choices"] == []
+        assert events[-2]["usage"] == whole["usage"]
+        assert "".join(e["choices"][0]["text"] for e in events[:-2]) == choice["text"]
+        assert events[-3]["choices"][0]["finish_reason"] == "length"
+
+        chat = {**GREEDY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+                "logprobs": True, "top_logprobs": 2}
+        whole = (await c.post("/v1/chat/completions", json=chat)).json()
+        assert whole["object"] == "chat.completion"
+        message = whole["choices"][0]["message"]
+        assert message["role"] == "assistant"
+        for entry in whole["choices"][0]["logprobs"]["content"]:
+            assert len(entry["top_logprobs"]) == 2 and isinstance(entry["bytes"], list)
+        # prompt_tokens: the chat template applied by the router
+        tok = pair.router.tokenizer
+        assert whole["usage"]["prompt_tokens"] == len(
+            tok.apply_chat_template(chat["messages"]))  # type: ignore[arg-type]
+        events = await sse(c, "/v1/chat/completions", {**chat, "stream": True})
+        assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert events[-1] == "[DONE]" and "usage" not in events[-2]
+        text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+        assert text == message["content"]
+
+        models = (await c.get("/v1/models")).json()
+        assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 2048
+        assert (await c.get("/health")).status_code == 200
+        metrics = (await c.get("/metrics")).text
+        assert 'pdserve_requests_total{model="tiny",role="router",status="length"} 4.0' in metrics
+
+    serve(pair, body)
+
+
+@pytest.mark.xfail(reason="the first token's logprobs are sampled on the prefill worker and "
+                   "not carried to the decode worker (open issue)", strict=False)
+def test_every_output_token_has_logprobs(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+    async def body(c: Client) -> None:
+        r = await c.post("/v1/completions", json={**GREEDY, "prompt": "a", "max_tokens": 4,
+                                                  "logprobs": 1})
+        assert len(r.json()["choices"][0]["logprobs"]["tokens"]) == 4
+
+    serve(pair_factory(), body)
+
+
+def test_disconnect_aborts_on_both_workers(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+    pair = pair_factory()
+    long = {**GREEDY, "prompt": [5] * 40, "max_tokens": 1500}
+
+    async def body(c: Client) -> None:
+        async with c.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:
+            got = 0
+            async for line in r.aiter_lines():
+                got += line.startswith("data: ")
+                if got == 3:
+                    break  # leaving the block closes the connection mid-stream
+        await wait_freed(pair)
+        # not streamed: the client gives up while the request runs
+        task = asyncio.create_task(c.post("/v1/chat/completions", json={
+            **GREEDY, "max_tokens": 1500, "messages": [{"role": "user", "content": "x"}]}))
+        await asyncio.sleep(0.5)
+        assert any(w.engine.pool.num_used for w in pair.decode), "request not running"
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await wait_freed(pair)
+        r = await c.post("/v1/completions", json={**GREEDY, "prompt": "ok", "max_tokens": 3})
+        assert r.json()["usage"]["completion_tokens"] == 3
+
+    serve(pair, body)
+
+
+BAD: list[tuple[str, Any, int, str | None]] = [
+    # (path, body, status, param)
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", [1, 2], 400, None),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "stream": 1}, 400, "stream"),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "x", "stop": [1]}, 400, "stop"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("/v1/completions", {"prompt": "x", "timeout_s": 0}, 400, "timeout_s"),
+    ("/v1/completions", {"prompt": ""}, 400, None),  # the router: empty prompt
+    ("/v1/completions", {"prompt": [99999]}, 400, None),  # token id outside the vocabulary
+    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, None),  # past the context
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, None),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "nobody", "content": "x"}]}, 400,
+     "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
+]
+
+
+def test_bad_input_is_a_4xx_and_the_server_keeps_serving(
+        pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+    key = {"Authorization": "Bearer sesame"}
+
+    async def body(c: Client) -> None:
+        for path, payload, status, param in BAD:
+            kw: dict[str, Any] = ({"content": payload} if isinstance(payload, bytes)
+                                  else {"json": payload})
+            r = await c.post(path, **kw, headers=key)
+            assert r.status_code == status, (payload, r.text)
+            err = r.json()["error"]
+            assert err["message"] and err["type"] and err["param"] == param, (payload, err)
+        # tolerated: fields OpenAI clients send with harmless values
+        r = await c.post("/v1/chat/completions", json={
+            **GREEDY, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+            "max_completion_tokens": 2, "n": 1, "user": "u", "logit_bias": {}, "store": False,
+            "metadata": {"a": "b"}, "tool_choice": "none", "response_format": {"type": "text"}}, headers=key)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert (await c.get("/nope")).json()["error"]["message"] == "Not Found"
+        r = await c.post("/v1/completions", json={"prompt": "x"}, headers={**key, "X-Request-Id": "x" * 200})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id"
+        # 413 before parsing: a declared length, and a chunked body that runs past the limit
+        r = await c.post("/v1/completions", content=b" " * 5000, headers=key)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+        async def chunks() -> AsyncIterator[bytes]:
+            for _ in range(5):
+                yield b" " * 1000
+
+        r = await c.post("/v1/completions", content=chunks(), headers=key)
+        assert r.status_code == 413
+        # 401: key required on /v1, not on /health and /metrics
+        r = await c.get("/v1/models", headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert (await c.post("/v1/completions", json={"prompt": "x"})).status_code == 401
+        assert (await c.get("/health")).status_code == 200
+        r = await c.post("/v1/completions", json={**GREEDY, "prompt": "x", "max_tokens": 2},
+                         headers=key)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+    serve(pair_factory(), body, api_key="sesame", max_body_bytes=4096)
+
+
+class ScriptedRouter:
+    """A RouterLike whose ``generate`` plays a script: chunks, then a final chunk or
+    a RouterError (before or after some chunks)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.script: list[StreamChunk | FinalChunk | RouterError] = []
+        self.is_ready = True
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk | FinalChunk]:
+        for item in self.script:
+            if isinstance(item, RouterError):
+                raise item
+            yield item
+
+    def models(self) -> list[ModelInfo]:
+        return [ModelInfo("tiny", 2048)]
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+
+def test_router_errors_map_to_status(tiny_model: Callable[[str], Path]) -> None:
+    router = ScriptedRouter(Tokenizer.from_dir(tiny_model("llama-gqa")))
+    req = {"prompt": "x"}
+    expected = [(ErrorKind.INVALID, 400), (ErrorKind.OVERLOADED, 429), (ErrorKind.NOT_READY, 503),
+                (ErrorKind.DEADLINE, 504), (ErrorKind.INTERNAL, 500)]
+
+    async def body(c: Client) -> None:
+        for kind, status in expected:
+            router.script = [RouterError(kind, f"{kind.value}!", retry_after_s=2.0)]
+            for stream in (False, True):  # before the first token: a status, even streaming
+                r = await c.post("/v1/completions", json={**req, "stream": stream})
+                assert r.status_code == status and r.json()["error"]["message"] == f"{kind.value}!"
+                assert r.headers.get("retry-after") == ("2" if status == 429 else None)
+        router.script = [StreamChunk([5], "a"), RouterError(ErrorKind.INTERNAL, "worker died")]
+        events = await sse(c, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "x"}], "stream": True})
+        assert events[1]["choices"][0]["delta"]["content"] == "a"
+        assert events[2]["error"]["message"] == "worker died" and events[3] == "[DONE]"
+        router.script = [StreamChunk([5], "a"), FinalChunk("stop", Usage(1, 1), stop_reason=5)]
+        r = await c.post("/v1/completions", json=req)
+        assert r.json()["choices"][0]["text"] == "a"
+        assert r.json()["choices"][0]["stop_reason"] == 5
+        router.is_ready = False
+        r = await c.get("/health")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+
+    serve(router, body)
+
+
+def test_http_api_never_imports_torch_or_ray() -> None:
+    code = ("import sys, pdserve.router.http_api; "
+            "bad = [m for m in ('torch', 'ray') if m in sys.modules]; "
+            "sys.exit(f'http_api imported {bad}' if bad else 0)")
+    subprocess.run([sys.executable, "-c", code], check=True)
