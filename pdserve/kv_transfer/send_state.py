@@ -96,8 +96,9 @@ class SendTracker:
             return
         out.inflight -= 1
         if failure is not None and out.failure is None:
-            self.fail(request_id, *failure)
-        self._settle(request_id)
+            self.fail(request_id, *failure)  # settles
+        else:
+            self._settle(request_id)
 
     def fail(self, request_id: str, reason: FailReason, error: str, now: bool = False) -> None:
         """Mark failed; reported once nothing is in flight (or at once when now=True)."""
@@ -156,8 +157,8 @@ class SendTracker:
         return len(self._out)
 
     def _settle(self, request_id: str) -> None:
-        out = self._out[request_id]
-        if out.inflight > 0:
+        out = self._out.get(request_id)
+        if out is None or out.inflight > 0:
             return
         if out.failure is not None:
             event = SendEvent(request_id, False, out.failure[0], out.failure[1])

@@ -1,0 +1,243 @@
+"""The `ray` backend: blocks travel through the Ray object store as numpy arrays.
+
+The slow, always-works reference. Needs a connected Ray runtime (ray.init) in both
+workers; ray is imported only here and only when this backend is used. No actor classes
+of our own: D's receiver creates a library `ray.util.queue.Queue` (named, so its JSON-able
+endpoint can be resolved with ray.get_actor) and P puts items into it:
+
+    item = (sender id, message fields as plain Python values, ObjectRef of the block
+            data | None)
+
+(Plain values, not wire.Message: the queue actor unpickles each item, and a class of ours
+would make it import pdserve and torch — seconds per new receiver.)
+
+The data is the gathered blocks [n, hi-lo, 2, bs, H, D] as one uint8 numpy array (numpy,
+not torch: Ray stores numpy zero-copy and would pickle a tensor), put by P in chunks of
+at most chunk_bytes. D keeps a few queue.get calls outstanding and, in poll(), copies
+each landed chunk into its expected blocks (D does the writes, so abort and timeout take
+effect at once). A sender's death shows as its ObjectRefs failing (OwnerDiedError) or,
+between messages, only as the request's timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+import warnings
+from collections.abc import Sequence
+from typing import Any, cast
+
+import torch
+
+from .base import FailReason, KVReceiver, KVSender, RecvEvent, SendEvent, is_final
+from .layout import KVLayout, check_send
+from .recv_state import RecvTracker
+from .regions import chunk_slices, gather, scatter
+from .send_state import SendTracker
+from .send_worker import Job, PeerWorker, describe
+from .wire import Kind, Message
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "pdserve_kv"
+OUTSTANDING_GETS = 8  # queue.get calls kept in flight by a receiver
+GET_TIMEOUT_S = 30.0  # bound on fetching one chunk that is already in the object store
+
+
+def _to_plain(msg: Message) -> tuple[Any, ...]:
+    return (
+        int(msg.kind),
+        msg.request_id,
+        msg.seq,
+        msg.total,
+        list(msg.dst),
+        list(msg.layers),
+        msg.notify,
+    )
+
+
+def _from_plain(fields: tuple[Any, ...]) -> Message:
+    kind, rid, seq, total, dst, layers, notify = fields
+    return Message(Kind(kind), rid, seq, total, tuple(dst), (layers[0], layers[1]), notify)
+
+
+def _ray() -> Any:
+    import ray
+
+    if not ray.is_initialized():
+        raise RuntimeError("the ray KV transfer backend needs ray.init() in this process")
+    return ray
+
+
+class RayReceiver(KVReceiver):
+    def __init__(self, kv: torch.Tensor, layout: KVLayout) -> None:
+        from ray.util.queue import Queue
+
+        self.layout = layout
+        self.kv = kv
+        self.num_blocks = layout.check_tensor(kv)
+        self._ray = _ray()
+        self._state = RecvTracker(self.num_blocks)
+        self._name = f"pdserve-kv-{uuid.uuid4().hex[:12]}"
+        opts = {"num_cpus": 0, "name": self._name, "namespace": NAMESPACE}
+        self._queue = Queue(actor_options=opts)
+        self._actor: Any = cast(Any, self._queue.actor)  # ray.remote stubs lack .remote
+        self._gets = [self._actor.get.remote() for _ in range(OUTSTANDING_GETS)]
+        self._closed = False
+
+    def endpoint(self) -> dict[str, Any]:
+        return {
+            "backend": "ray",
+            "queue": self._name,
+            "namespace": NAMESPACE,
+            "layout": self.layout.to_dict(),
+            "num_blocks": self.num_blocks,
+        }
+
+    def expect(self, request_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> None:
+        self._state.expect(request_id, dst_block_ids, timeout_s)
+
+    def poll(self) -> list[RecvEvent]:
+        if not self._closed:
+            ready, _ = self._ray.wait(self._gets, num_returns=len(self._gets), timeout=0)
+            for ref in ready:  # in queue order: gets are served first come first served
+                self._gets.remove(ref)
+                self._gets.append(self._actor.get.remote())
+                sender, fields, data = self._ray.get(ref)
+                self._apply(sender, _from_plain(fields), data)
+        for rid in self._state.expired():
+            self._state.end(rid, FailReason.TIMEOUT, "no complete KV within the timeout")
+        return self._state.drain()
+
+    def abort(self, request_id: str) -> None:
+        self._state.end(request_id, FailReason.ABORTED, "aborted by receiver")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for rid in self._state.pending_ids():
+            self._state.end(rid, FailReason.CLOSED, "receiver closed")
+        self._ray.kill(self._actor)
+
+    @property
+    def num_pending(self) -> int:
+        return self._state.num_pending
+
+    def _apply(self, sender: str, msg: Message, ref: Any) -> None:
+        if msg.kind == Kind.BYE:
+            for rid in self._state.requests_of(sender):
+                self._state.end(rid, FailReason.PEER_DIED, "sender closed")
+            return
+        if msg.kind == Kind.ABORT:
+            self._state.end(msg.request_id, FailReason.ABORTED, "aborted by sender")
+            return
+        if not self._state.may_write(msg.request_id, msg.dst):
+            return  # aborted, timed out, or not ours: drop
+        self._state.touch(msg.request_id, sender)
+        if msg.dst:
+            try:
+                array = self._ray.get(ref, timeout=GET_TIMEOUT_S)
+            except Exception as exc:  # OwnerDiedError when the sender process is gone
+                self._state.end(msg.request_id, FailReason.PEER_DIED, describe(exc))
+                return
+            lo, hi = msg.layers
+            with warnings.catch_warnings():  # the store's arrays are read-only; we only read
+                warnings.simplefilter("ignore", UserWarning)
+                raw = torch.from_numpy(array)
+            data = raw.view(self.kv.dtype).view(
+                len(msg.dst), hi - lo, *self.layout.block_shape()[1:]
+            )
+            scatter(self.kv, list(msg.dst), msg.layers, data)
+        self._state.landed(msg.request_id, msg.seq, msg.total, msg.notify, sender)
+
+
+class RaySender(KVSender):
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        layout: KVLayout,
+        timeout_s: float = 30.0,
+        chunk_bytes: int = 64 << 20,
+    ) -> None:
+        self.layout = layout
+        self.kv = kv
+        self.num_blocks = layout.check_tensor(kv)
+        self._ray = _ray()
+        self._state = SendTracker(timeout_s)
+        self._timeout_s = timeout_s
+        self._chunk_bytes = chunk_bytes
+        self._me = f"ray-sender-{uuid.uuid4().hex[:12]}"
+        self._peers: dict[str, tuple[Any, int, PeerWorker]] = {}  # actor, num_blocks, thread
+
+    def connect(self, endpoint: dict[str, Any]) -> str:
+        self.layout.check_compatible(KVLayout.from_dict(endpoint["layout"]))
+        actor = self._ray.get_actor(endpoint["queue"], namespace=endpoint["namespace"])
+        peer = str(endpoint["queue"])
+
+        def transmit(job: Job) -> None:
+            ref = None
+            if job.msg.dst:
+                blocks = gather(self.kv, list(job.src), job.msg.layers).cpu()
+                ref = self._ray.put(blocks.view(-1).view(torch.uint8).numpy())
+            item = (self._me, _to_plain(job.msg), ref)
+            self._ray.get(actor.put_nowait.remote(item), timeout=self._timeout_s)
+
+        worker = PeerWorker(f"kv-send-{peer}", transmit, self._state.completions)
+        self._peers[peer] = (actor, int(endpoint["num_blocks"]), worker)
+        return peer
+
+    def send(
+        self,
+        peer_id: str,
+        request_id: str,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        layers: tuple[int, int] | None = None,
+        notify: dict[str, Any] | None = None,
+    ) -> None:
+        _, dst_blocks, worker = self._peers[peer_id]
+        src, dst, rng = check_send(
+            self.layout, src_block_ids, dst_block_ids, self.num_blocks, dst_blocks, layers
+        )
+        per_block = (rng[1] - rng[0]) * self.layout.layer_bytes
+        chunks = chunk_slices(len(src), per_block, self._chunk_bytes) or [slice(0, 0)]
+        numbered = self._state.begin(peer_id, request_id, is_final(layers, notify), len(chunks))
+        if numbered is None:
+            return
+        for i, sl in enumerate(chunks):
+            last = i == len(chunks) - 1
+            total = numbered.total if last else None
+            msg = Message(
+                Kind.DATA,
+                request_id,
+                numbered.first_seq + i,
+                total,
+                tuple(dst[sl]),
+                rng,
+                notify if total is not None else None,
+            )
+            worker.submit(Job(msg, tuple(src[sl]), numbered.cancel))
+
+    def poll(self) -> list[SendEvent]:
+        for peer_id, (_, _, worker) in self._peers.items():
+            if worker.dead is not None:
+                self._state.fail_peer(peer_id, FailReason.PEER_DIED, worker.dead)
+        return self._state.drain()
+
+    def abort(self, request_id: str) -> None:
+        peer = self._state.peer_of(request_id)
+        self._state.fail(request_id, FailReason.ABORTED, "aborted by sender")
+        if peer is not None:
+            self._peers[peer][2].submit(Job(Message(Kind.ABORT, request_id)))
+
+    def close(self) -> None:
+        for rid in self._state.pending_ids():
+            self._state.fail(rid, FailReason.CLOSED, "sender closed", now=True)
+        for _, _, worker in self._peers.values():
+            worker.stop(Job(Message(Kind.BYE)), timeout_s=5.0)
+        self._peers.clear()
+
+    @property
+    def num_pending(self) -> int:
+        return self._state.num_pending
