@@ -126,6 +126,9 @@ class OpenAIStreamClient:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._max_connections = max_connections  # 0 = unbounded
         self._session: aiohttp.ClientSession | None = None
+        # Model listing and /metrics are small answers: never wait a request's bound.
+        self._short_timeout = aiohttp.ClientTimeout(total=min(30.0, self.timeouts.total),
+                                                    sock_connect=self.timeouts.connect)
 
     async def __aenter__(self) -> OpenAIStreamClient:
         connector = aiohttp.TCPConnector(limit=self._max_connections,
@@ -151,7 +154,8 @@ class OpenAIStreamClient:
 
     async def list_models(self) -> list[dict[str, Any]]:
         """``GET /v1/models`` -> its ``data`` list (raises on HTTP or network errors)."""
-        async with self.session.get(f"{self.base_url}/v1/models") as resp:
+        async with self.session.get(f"{self.base_url}/v1/models",
+                                    timeout=self._short_timeout) as resp:
             if resp.status != 200:
                 raise ValueError(f"GET {self.base_url}/v1/models: HTTP {resp.status}: "
                                  f"{(await resp.text())[:_MAX_ERROR_TEXT]}")
@@ -162,7 +166,8 @@ class OpenAIStreamClient:
     async def get_text(self, path: str) -> str | None:
         """``GET path`` as text, or None on any failure (used for ``/metrics``)."""
         try:
-            async with self.session.get(f"{self.base_url}{path}") as resp:
+            async with self.session.get(f"{self.base_url}{path}",
+                                        timeout=self._short_timeout) as resp:
                 return await resp.text() if resp.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return None
@@ -220,6 +225,8 @@ class OpenAIStreamClient:
             out.error = f"HTTP {exc.status}: {exc.message}"[:_MAX_ERROR_TEXT]
         except (aiohttp.ClientError, ValueError, OSError) as exc:
             out.error = f"{type(exc).__name__}: {exc}"[:_MAX_ERROR_TEXT]
+        except (TypeError, KeyError, AttributeError) as exc:  # a malformed chunk
+            out.error = f"bad stream chunk: {type(exc).__name__}: {exc}"[:_MAX_ERROR_TEXT]
         out.latency = time.perf_counter() - out.start_time
         out.generated_text = "".join(text_parts)
         if not out.usage_reported:

@@ -13,6 +13,7 @@ result can be plotted again later):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -97,9 +98,10 @@ def plot_timeline(result: Mapping[str, Any], path: str | Path) -> Path:
 def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
     """SLO attainment (left) and goodput / throughput (right) against request rate."""
     plt = _pyplot()
+    rows = [r for r in rows if math.isfinite(float(r["request_rate"]))]  # "inf" has no x
     rates = [float(r["request_rate"]) for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
-    if any(r.get("slo_attainment") is not None for r in rows):
+    if rows and any(r.get("slo_attainment") is not None for r in rows):
         left.plot(rates, [100.0 * (r.get("slo_attainment") or 0.0) for r in rows], "o-",
                   label="all SLOs")
         for name in rows[0].get("slo_attainment_by_metric") or {}:

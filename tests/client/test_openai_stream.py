@@ -69,7 +69,7 @@ def test_connection_refused_and_timeout(fake_server: Make) -> None:
     out = _stream(dead, "/v1/completions", {"prompt": "x"})
     assert not out.success and out.status is None
     assert "Connect" in out.error
-    slow = fake_server(ttft_s=2.0)
+    slow = fake_server(ttft_s=0.8)
     out = _stream(slow.url, "/v1/completions", request_body("/v1/completions", "m", "x", 2, False),
                   timeouts=Timeouts(read=0.2, total=5))
     assert not out.success and "Timeout" in out.error
