@@ -1,0 +1,111 @@
+"""Shared pieces of the observability tests: the Prometheus binaries (installed
+from Debian's ``prometheus`` package where missing), the metric catalog built from
+the code's metric definitions plus the recording rules' outputs, and the repo's
+generated artifacts (rules, dashboards) loaded as modules."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from pdserve.deploy.efficiency import DevicePeaks
+from pdserve.deploy.worker_metrics import WorkerCollector
+from pdserve.messages import WorkerStats
+from pdserve.router.metrics import RouterMetrics
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+RULES = DEPLOY / "prometheus" / "rules" / "pdserve.rules.yml"
+INSTALL_CMD = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "prometheus"]
+PEAKS = DevicePeaks("test-device", 1e12, 1e11, "datasheet")
+
+
+def load_script(rel: str) -> ModuleType:
+    """A script under deploy/ (not a package) imported as a module."""
+    path = DEPLOY / rel
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _install_prometheus() -> str | None:
+    """Install Debian's prometheus package; returns why not, or None on success."""
+    if shutil.which("apt-get") is None:
+        return "apt-get not found (not a Debian/Ubuntu machine)"
+    if os.geteuid() != 0:
+        return "not root: cannot apt-get install prometheus"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (INSTALL_CMD, ["apt-get", "update", "-qq"], INSTALL_CMD):
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        if done.returncode == 0 and cmd is INSTALL_CMD:
+            return None
+    return f"apt-get install prometheus failed: {done.stderr.strip()[-500:]}"
+
+
+@pytest.fixture(scope="session")
+def prometheus_bins() -> tuple[str, str]:
+    """(promtool, prometheus) paths; installs the Debian package where missing."""
+    if not (shutil.which("promtool") and shutil.which("prometheus")):
+        why = _install_prometheus()
+        if why is not None or not (shutil.which("promtool") and shutil.which("prometheus")):
+            msg = f"PROMETHEUS UNAVAILABLE, SKIPPING: {why or 'installed but not on PATH'}"
+            warnings.warn(msg, stacklevel=1)
+            print(f"\n*** {msg} ***", file=sys.stderr)
+            pytest.skip(msg)
+    promtool, prometheus = shutil.which("promtool"), shutil.which("prometheus")
+    assert promtool is not None and prometheus is not None
+    return promtool, prometheus
+
+
+def sample_stats() -> WorkerStats:
+    return WorkerStats("decode-0", "decode", 2, 1, 90, 128)
+
+
+def router_registry() -> CollectorRegistry:
+    registry = CollectorRegistry()
+    RouterMetrics(registry, "tiny", ttft_slo_s=1.0, tpot_slo_s=0.1)
+    return registry
+
+
+def worker_registry(stats: WorkerStats | None = None) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(WorkerCollector("tiny", lambda: stats or sample_stats(), PEAKS))
+    return registry
+
+
+def series_names(registry: CollectorRegistry) -> set[str]:
+    """Every series name a registry can expose (counters with ``_total``, histograms
+    with ``_bucket``/``_sum``/``_count``), from the metric families themselves."""
+    out: set[str] = set()
+    for family in registry.collect():
+        if family.type == "counter":
+            out.add(family.name + "_total")
+        elif family.type == "histogram":
+            out |= {family.name + s for s in ("_bucket", "_sum", "_count")}
+        else:
+            out.add(family.name)
+    return out
+
+
+def rule_outputs() -> set[str]:
+    doc = yaml.safe_load(RULES.read_text())
+    return {r["record"] for g in doc["groups"] for r in g["rules"]}
+
+
+@pytest.fixture(scope="session")
+def catalog() -> set[str]:
+    """Every series name the code defines, plus the recording rules' outputs."""
+    return series_names(router_registry()) | series_names(worker_registry()) | rule_outputs()

@@ -1,0 +1,137 @@
+"""The worker collector: step histograms recorded in ``WorkerStats``, exported as
+Prometheus histograms; counters, gauges, labels, the MFU/MBU window; and the real
+prefill/decode workers filling them (in-process, local transfer)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.deploy.worker_metrics import WorkerCollector, bucket_samples
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import StepInfo
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.messages import STEP_SECONDS_BUCKETS, WorkerStats
+from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.router.clients import LocalDecodeClient, LocalPrefillClient
+from pdserve.router.router import Router, RouterConfig
+from pdserve.router.types import FinalChunk, GenerateRequest
+from tests.observability.conftest import PEAKS, worker_registry
+
+LABEL_KEYS = {"model", "role", "worker"}
+
+
+def step(seconds: float, seqs: int = 1, tokens: int = 1) -> StepInfo:
+    return StepInfo(num_seqs=seqs, num_tokens=tokens, num_decode=seqs, context_tokens=10 * seqs,
+                    seconds=seconds)
+
+
+def samples(stats: WorkerStats) -> dict[str, list[tuple[dict[str, str], float]]]:
+    text = generate_latest(worker_registry(stats)).decode()
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def test_observe_step_buckets_by_upper_bound() -> None:
+    s = WorkerStats("p", "prefill", 0, 0, 0, 8)
+    first = STEP_SECONDS_BUCKETS[0]
+    for seconds in (first, first * 1.01, 1e9):  # on a bound, just above it, above all
+        s.observe_step(step(seconds), 0.0, 0.0)
+    assert s.step_seconds_buckets[0] == 1 and s.step_seconds_buckets[1] == 1
+    assert s.step_seconds_buckets[-1] == 1 and sum(s.step_seconds_buckets) == 3
+    assert s.steps == 3 and s.step_seconds == pytest.approx(first * 2.01 + 1e9)
+    before = s.batch_size_buckets
+    s.observe_step(step(0.01, seqs=3, tokens=700), 5.0, 7.0)
+    assert before is not s.batch_size_buckets  # replaced, never mutated: snapshots stay put
+    assert s.seqs_computed == 6 and s.tokens_computed == 703
+    assert s.model_flops == 5.0 and s.memory_bytes_read == 7.0
+
+
+def test_bucket_samples_are_cumulative() -> None:
+    assert bucket_samples((1.0, 2.0), (1, 0, 2)) == [("1.0", 1.0), ("2.0", 1.0), ("+Inf", 3.0)]
+
+
+def test_exported_histograms_counters_and_labels() -> None:
+    stats = WorkerStats("decode-0", "decode", 3, 2, 32, 128, kv_transfer_seconds=1.5,
+                        kv_transfer_bytes=4096, num_preemptions=2)
+    for seconds in (0.002, 0.004, 0.5):
+        stats.observe_step(step(seconds, seqs=4, tokens=4), 1e9, 2e8)
+    got = samples(stats)
+    buckets = got["pdserve_engine_step_seconds_bucket"]
+    values = [v for _, v in buckets]
+    assert values == sorted(values) and values[-1] == 3  # cumulative, +Inf = count
+    assert got["pdserve_engine_step_seconds_count"][0][1] == 3
+    assert got["pdserve_engine_step_seconds_sum"][0][1] == pytest.approx(0.506)
+    assert got["pdserve_batch_size_sum"][0][1] == 12
+    assert got["pdserve_kv_transfer_busy_seconds_total"][0][1] == 1.5
+    assert "pdserve_kv_transfer_seconds_total" not in got  # the router's histogram's name
+    assert got["pdserve_num_preemptions_total"][0][1] == 2
+    assert got["pdserve_kv_cache_usage_ratio"][0][1] == pytest.approx(1 - 32 / 128)
+    assert got["pdserve_device_peak_flops"][0][1] == PEAKS.flops_per_s
+    # busy seconds 0.506 at 1e9 FLOPs per step: 3e9 / 0.506 / peak
+    assert got["pdserve_mfu_ratio"][0][1] == pytest.approx(3e9 / 0.506 / PEAKS.flops_per_s)
+    extra = {"le"}, {"device", "source"}
+    for name, rows in got.items():
+        for labels, _ in rows:
+            assert labels["worker"] == "decode-0" and labels["role"] == "decode", name
+            assert set(labels) - LABEL_KEYS in (set(), *extra), (name, labels)
+
+
+def test_ratio_gauges_cover_the_recent_window() -> None:
+    stats = WorkerStats("p", "prefill", 0, 0, 0, 8)
+    collector = WorkerCollector("tiny", lambda: stats, PEAKS, window_s=0.0)
+
+    def mfu() -> float:
+        return next(m for m in collector.collect() if m.name == "pdserve_mfu_ratio").samples[0].value
+
+    stats.observe_step(step(1.0), 1e12, 0.0)  # 100% of the peak
+    assert mfu() == pytest.approx(1.0)
+    stats.observe_step(step(1.0), 0.5e12, 0.0)
+    assert mfu() == pytest.approx(0.5)  # only the step since the last scrape
+    assert mfu() == 0.0  # no step in the window
+
+
+def test_real_workers_fill_step_statistics(tiny_model: Callable[[str], Path]) -> None:
+    model = tiny_model("llama-gqa")
+    pre = PrefillWorker("prefill-0", model, EngineConfig(role="prefill", num_blocks=64), "local")
+    dec = DecodeWorker("decode-0", model, EngineConfig(role="decode", num_blocks=64), "local",
+                       kv_timeout_s=5)
+    try:
+        pre.connect(dec.worker_id, dec.endpoint().result()).result()
+        tok = pre.engine.tokenizer
+        assert tok is not None
+        router = Router("tiny", tok, 2048, [LocalPrefillClient(pre)], [LocalDecodeClient(dec)],
+                        RouterConfig())
+
+        async def main() -> None:
+            await router.start()
+            try:
+                for i, n in enumerate((5, 40)):
+                    req = GenerateRequest(f"r{i}", SamplingParams(max_tokens=4, ignore_eos=True),
+                                          prompt_token_ids=list(range(5, 5 + n)))
+                    items = [item async for item in router.generate(req)]
+                    assert isinstance(items[-1], FinalChunk)
+            finally:
+                await router.stop()
+
+        asyncio.run(main())
+        p, d = pre.stats().result(), dec.stats().result()
+        assert p.steps >= 2 and p.tokens_computed == 45 and p.model_flops > 0
+        assert sum(p.step_seconds_buckets) == p.steps == sum(p.batch_tokens_buckets)
+        assert p.kv_transfers == 2 and p.kv_transfer_bytes > 0
+        assert d.steps >= 3 and d.tokens_computed == d.seqs_computed  # one token per decode
+        assert d.memory_bytes_read > 0 and sum(d.batch_size_buckets) == d.steps
+        text = generate_latest(worker_registry(d)).decode()
+        assert "r0" not in text and "r1" not in text  # never a request id
+    finally:
+        pre.close()
+        dec.close()
