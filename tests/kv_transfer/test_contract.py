@@ -98,6 +98,24 @@ def test_many_blocks(pair: Pair) -> None:
     assert pair.send.num_pending() == 0 and pair.recv.num_pending() == 0
 
 
+def test_large_request_in_chunks(hosts: Hosts) -> None:
+    """The one larger case: 40 MiB in one request, cut into 8 MiB messages where the
+    backend sends messages (torch, ray)."""
+    layout = KVLayout("test-model", "float32", 8, 4, 64, 16)  # 256 KiB per block
+    opts = {"chunk_bytes": 8 << 20} if hosts.backend in ("torch", "ray") else {}
+    p = Pair(hosts, layout, n_src=160, n_dst=170, send_opts=opts)
+    try:
+        rng = random.Random(2)
+        src, dst = shuffled_ids(rng, 160, 160), shuffled_ids(rng, 170, 160)
+        p.recv.expect("large", dst, WAIT_S)
+        p.send.send(p.peer, "large", src, dst, notify={"n": 160})
+        sent, got = collect([p.send, p.recv], [1, 1], WAIT_S)
+        assert sent[0].ok and got[0].ok, (sent, got)
+        assert p.recv.digest(dst) == p.expected(src)
+    finally:
+        p.close()
+
+
 def test_layer_ranges_then_final_notify(pair: Pair) -> None:
     src, dst = [7, 8, 9, 30], [100, 101, 5, 6]
     pair.recv.expect("r", dst, WAIT_S)
