@@ -1,4 +1,6 @@
-"""``pdserve serve``: a cluster, a router and its endpoints, until Ctrl-C.
+"""``pdserve serve``: a cluster, a router and its endpoints, until Ctrl-C (SIGINT)
+or SIGTERM: gRPC, the OpenAI HTTP API with ``/health`` and the router's
+``/metrics`` on one port, and the Prometheus file-SD targets file when configured.
 
 Also ``run_disaggregated``: one request through a fresh 1 prefill + 1 decode
 cluster, for ``pdserve generate --disaggregated``.
@@ -8,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import sys
 import uuid
@@ -16,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.deploy.cluster import Cluster
 from pdserve.deploy.config import ClusterConfig
+from pdserve.deploy.file_sd import FileSD, cluster_targets
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http_api import build_app, start_http_server
@@ -29,6 +33,10 @@ def _progress(msg: str) -> None:
 
 async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
                 num_cpus: int | None = None) -> None:
+    # One line per HTTP request (with its request id) and the router's warnings;
+    # a logging setup made by the caller wins.
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -38,6 +46,7 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
     grpc_server = None
     http_server = None
     router = None
+    file_sd = FileSD(cfg.file_sd_path) if cfg.file_sd_path else None
     try:
         await asyncio.to_thread(cluster.start)
         assert cluster.model_dir is not None
@@ -52,13 +61,19 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
         _progress(f"HTTP   {base}/v1 (OpenAI: /v1/completions, /v1/chat/completions, "
                   f"/v1/models{'; Bearer key required' if cfg.api_key else ''})")
         _progress(f"HTTP   {base}/health, {base}/metrics (router)")
-        for wid, (host, port) in cluster.metrics_targets().items():
+        workers = cluster.metrics_targets()
+        for wid, (host, port) in workers.items():
             _progress(f"worker {wid}: http://{host}:{port}/metrics")
+        if file_sd is not None:
+            file_sd.update(cluster_targets(router.model_name, (cfg.host, http_port), workers))
+            _progress(f"Prometheus file-SD targets: {file_sd.path}")
         _progress(f"serving {cluster.model_dir.name} with {cfg.prefill.workers} prefill + "
                   f"{cfg.decode.workers} decode workers over {cfg.transfer}; Ctrl-C stops")
         await stop.wait()
     finally:
         _progress("shutting down")
+        if file_sd is not None:
+            file_sd.remove()
         if http_server is not None:
             await http_server.stop()
         if grpc_server is not None:

@@ -1,0 +1,230 @@
+"""``pdserve serve`` as a subprocess (embedded Ray cluster, tiny model, torch
+transfer, free ports) driven by the official ``openai`` client: chat and
+completions, streamed and not, stop strings, seeds, usage, every error status,
+client disconnect, and a SIGINT that leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from pdserve.engine.tokenizer import Tokenizer  # noqa: E402
+
+KEY = "test-key"
+CONFIG = """\
+transfer: torch
+prefill: {num_cpus: 1}
+decode: {num_cpus: 1, engine: {num_blocks: 64}}  # 1024 tokens: room to provoke a 429
+router: {queue_timeout_s: 0.5}
+"""
+IGNORE_EOS = {"ignore_eos": True}
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen[bytes]
+    mark: str  # in the environment of every process the server started
+    log: Path
+    client: openai.OpenAI
+    model: str
+    tokenizer: Tokenizer
+    decode_metrics: str  # the decode worker's /metrics URL
+    file_sd: Path  # the Prometheus targets file serve keeps
+
+
+def _processes_with(mark: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if f"PDSERVE_TEST_MARK={mark}".encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue  # gone meanwhile, or not ours to read
+    return found
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory,
+           ) -> Iterator[Served]:
+    model = tiny_model("llama-gqa")
+    tmp = tmp_path_factory.mktemp("serve")
+    (tmp / "cluster.yaml").write_text(CONFIG + f"file_sd_path: {tmp / 'targets.json'}\n")
+    mark = uuid.uuid4().hex
+    env = {**os.environ, "PDSERVE_TEST_MARK": mark}
+    env.pop("RAY_ADDRESS", None)  # the server starts its own embedded cluster
+    log = tmp / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.deploy.cli", "serve", "--model", str(model),
+             "--config", str(tmp / "cluster.yaml"), "--http-port", "0", "--grpc-port", "0",
+             "--api-key", KEY], stdout=out, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        while "] serving " not in (text := log.read_text(errors="replace")):
+            assert proc.poll() is None, f"serve exited early:\n{text[-3000:]}"
+            assert time.monotonic() < deadline, f"serve did not come up:\n{text[-3000:]}"
+            time.sleep(0.2)
+        http = re.search(r"HTTP\s+(http://127\.0\.0\.1:\d+)/v1", text)
+        metrics = re.search(r"worker decode-0: (http://\S+/metrics)", text)
+        assert http and metrics, text
+        client = openai.OpenAI(base_url=f"{http[1]}/v1", api_key=KEY, max_retries=0,
+                               timeout=60)
+        yield Served(proc, mark, log, client, client.models.list().data[0].id,
+                     Tokenizer.from_dir(model), metrics[1], tmp / "targets.json")
+    finally:
+        if proc.poll() is None:  # test_sigint_... did not run or failed: stop hard
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for pid in _processes_with(mark):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _ok(s: Served) -> None:
+    """The server still serves."""
+    r = s.client.completions.create(model=s.model, prompt="ok", max_tokens=2, temperature=0,
+                                    extra_body=IGNORE_EOS)
+    assert r.usage is not None and r.usage.completion_tokens == 2
+
+
+def test_completions_streamed_and_not(served: Served) -> None:
+    s = served
+    prompt = "The quick brown fox"
+    r = s.client.completions.create(model=s.model, prompt=prompt, max_tokens=12, temperature=0,
+                                    extra_body=IGNORE_EOS)
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage is not None and r.usage.prompt_tokens == len(s.tokenizer.encode(prompt))
+    assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
+    chunks = list(s.client.completions.create(
+        model=s.model, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body=IGNORE_EOS))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    assert chunks[-1].usage == r.usage
+
+
+def test_chat_streamed_and_not_with_logprobs(served: Served) -> None:
+    s = served
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    r = s.client.chat.completions.create(model=s.model, messages=messages,  # type: ignore[arg-type]
+                                         max_completion_tokens=8, temperature=0,
+                                         logprobs=True, top_logprobs=2, extra_body=IGNORE_EOS)
+    assert r.usage is not None
+    assert r.usage.prompt_tokens == len(s.tokenizer.apply_chat_template(messages))
+    assert r.usage.completion_tokens == 8 and r.choices[0].message.role == "assistant"
+    assert r.choices[0].logprobs is not None and r.choices[0].logprobs.content
+    for entry in r.choices[0].logprobs.content:
+        assert len(entry.top_logprobs) == 2 and entry.bytes is not None
+    stream = s.client.chat.completions.create(model=s.model, messages=messages,  # type: ignore[arg-type]
+                                              max_tokens=8, temperature=0, stream=True,
+                                              extra_body=IGNORE_EOS)
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == r.choices[0].message.content
+
+
+def test_stop_strings(served: Served) -> None:
+    s = served
+    kw = {"model": s.model, "prompt": "Prefill is", "max_tokens": 24, "temperature": 0}
+    full = s.client.completions.create(**kw, extra_body=IGNORE_EOS).choices[0].text
+    at = next(i for i in range(2, len(full) - 2) if full[i:i + 2].isascii()
+              and full[i:i + 2].isalpha())
+    stop = full[at:at + 2]
+    cut = s.client.completions.create(**kw, stop=[stop, "never-seen"], extra_body=IGNORE_EOS)
+    assert cut.choices[0].text == full[:full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    kept = s.client.completions.create(**kw, stop=stop, extra_body={
+        **IGNORE_EOS, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == full[:full.index(stop) + len(stop)]
+
+
+def test_seed_reproducibility(served: Served) -> None:
+    s = served
+
+    def sample(seed: int) -> str:
+        return s.client.completions.create(model=s.model, prompt="Once", max_tokens=16,
+                                           temperature=1.0, seed=seed,
+                                           extra_body=IGNORE_EOS).choices[0].text
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert any(sample(seed) != first for seed in (1, 2, 3))
+
+
+def test_errors_have_their_status_and_the_server_keeps_serving(served: Served) -> None:
+    s = served
+    cases: list[tuple[type[Exception], int, Callable[[], object]]] = [
+        (openai.BadRequestError, 400, lambda: s.client.completions.create(
+            model=s.model, prompt="x", n=2)),
+        (openai.BadRequestError, 400, lambda: s.client.chat.completions.create(
+            model=s.model, messages=[{"role": "user", "content": "x"}], temperature=-1)),
+        (openai.BadRequestError, 400, lambda: s.client.completions.create(
+            model=s.model, prompt="x", max_tokens=5000)),
+        (openai.AuthenticationError, 401, lambda: s.client.with_options(
+            api_key="wrong").models.list()),
+        (openai.NotFoundError, 404, lambda: s.client.completions.create(
+            model="gpt-4", prompt="x")),
+        (openai.APIStatusError, 413, lambda: s.client.completions.create(
+            model=s.model, prompt="a" * (9 << 20))),
+        (openai.APIStatusError, 504, lambda: s.client.completions.create(
+            model=s.model, prompt="x", max_tokens=200, extra_body={"timeout_s": 0.001})),
+    ]
+    for error, status, call in cases:
+        with pytest.raises(error) as exc:
+            call()
+        assert exc.value.status_code == status, exc.value  # type: ignore[attr-defined]
+        body = exc.value.body  # type: ignore[attr-defined]
+        assert isinstance(body, dict) and body["message"] and body["type"], body
+        _ok(s)
+
+
+def _decode_blocks(s: Served) -> tuple[float, float]:
+    text = urllib.request.urlopen(s.decode_metrics, timeout=10).read().decode()
+    values = dict(re.findall(r"^pdserve_kv_blocks_(free|total|capacity)\{[^}]*\} (\S+)$", text,
+                             re.MULTILINE))
+    return float(values["free"]), float(values.get("capacity", values.get("total", "nan")))
+
+
+def test_overload_429_and_disconnect_frees_blocks(served: Served) -> None:
+    s = served
+    # A holds 13 of the decode worker's 64 blocks and grows; B (57 blocks) cannot fit
+    # while A runs, waits the router's 0.5 s queue timeout, and gets a 429.
+    a = s.client.completions.create(model=s.model, prompt=[5] * 200, max_tokens=800,
+                                    temperature=0, stream=True, extra_body=IGNORE_EOS)
+    next(iter(a))
+    with pytest.raises(openai.RateLimitError) as exc:
+        s.client.completions.create(model=s.model, prompt=[6] * 900, max_tokens=4)
+    assert exc.value.status_code == 429 and exc.value.response.headers["retry-after"]
+    assert _decode_blocks(s)[0] < 64
+    a.close()  # the client goes away mid-stream: the router aborts A on both workers
+    deadline = time.monotonic() + 20
+    while (blocks := _decode_blocks(s))[0] != blocks[1]:
+        assert time.monotonic() < deadline, f"decode blocks not freed: {blocks}"
+        time.sleep(0.1)
+    _ok(s)
+
+
+def test_sigint_stops_everything(served: Served) -> None:
+    s = served
+    targets = json.loads(s.file_sd.read_text())
+    assert sorted(g["labels"]["worker"] for g in targets) == ["decode-0", "prefill-0", "router"]
+    s.proc.send_signal(signal.SIGINT)
+    assert s.proc.wait(timeout=60) == 0, s.log.read_text(errors="replace")[-3000:]
+    deadline = time.monotonic() + 20
+    while left := _processes_with(s.mark):
+        assert time.monotonic() < deadline, f"processes left behind: {left}"
+        time.sleep(0.2)
+    assert not s.file_sd.exists()
