@@ -42,7 +42,13 @@ from pdserve.router.openai_format import (
     error_object,
     router_error_object,
 )
-from pdserve.router.openai_schema import InvalidRequest, chat_request, completion_request
+from pdserve.router.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidRequest,
+    chat_request,
+    completion_request,
+)
 from pdserve.router.types import ErrorKind, FinalChunk, RouterError, StreamChunk
 
 log = logging.getLogger("pdserve.http")
@@ -87,12 +93,13 @@ class _Api:
                 check_model(self.router, body.get("model") if isinstance(
                     body.get("model"), str) else None)
             max_len = self.router.models()[0].max_model_len
+            parsed: ChatCompletionRequest | CompletionRequest
             if chat:
                 parsed, req = chat_request(body, rid, lambda m: len(
                     self.router.tokenizer.apply_chat_template(m)), max_len)
                 logprobs = parsed.logprobs
             else:
-                parsed, req = completion_request(body, rid)  # type: ignore[assignment]
+                parsed, req = completion_request(body, rid)
                 logprobs = parsed.logprobs is not None
         except InvalidRequest as exc:
             raise ApiError(400, error_object(exc.message, param=exc.param)) from exc

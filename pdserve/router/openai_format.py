@@ -100,6 +100,11 @@ def usage_object(usage: Usage) -> dict[str, Any]:
     }
 
 
+def _finite(logprob: float) -> float:
+    # JSON has no -inf: a token the model gives probability 0 reads -9999, as in vLLM.
+    return max(logprob, -9999.0)
+
+
 def text_length(lps: list[TokenLogprob], text: TokenText) -> int:
     """Characters these tokens add to the output; bytes of a split character count 0."""
     return sum(len(text(lp.token_id)[1].decode("utf-8", "ignore")) for lp in lps)
@@ -112,10 +117,10 @@ def completion_logprobs(lps: list[TokenLogprob], text: TokenText, offset: int) -
                            "text_offset": []}
     for lp in lps:
         token = text(lp.token_id)[0]
-        top = {text(t)[0]: v for t, v in lp.top}
-        top.setdefault(token, lp.logprob)
+        top = {text(t)[0]: _finite(v) for t, v in lp.top}
+        top.setdefault(token, _finite(lp.logprob))
         out["tokens"].append(token)
-        out["token_logprobs"].append(lp.logprob)
+        out["token_logprobs"].append(_finite(lp.logprob))
         out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
         offset += text_length([lp], text)
@@ -127,7 +132,7 @@ def chat_logprobs(lps: list[TokenLogprob], text: TokenText) -> list[dict[str, An
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         token, raw = text(token_id)
-        return {"token": token, "logprob": logprob, "bytes": list(raw)}
+        return {"token": token, "logprob": _finite(logprob), "bytes": list(raw)}
 
     return [{**entry(lp.token_id, lp.logprob),
              "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -19,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.http_api import build_app, start_http_server
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.openai_format import TokenText
 from pdserve.router.types import (
     ErrorKind,
     FinalChunk,
@@ -300,3 +302,13 @@ def test_http_api_never_imports_torch_or_ray() -> None:
             "bad = [m for m in ('torch', 'ray') if m in sys.modules]; "
             "sys.exit(f'http_api imported {bad}' if bad else 0)")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_token_strings_carry_the_raw_bytes(tiny_model: Callable[[str], Path]) -> None:
+    tok = Tokenizer.from_dir(tiny_model("llama-gqa"))
+    text = TokenText(tok)
+    ids = tok.encode("héllo 日本 🎉", add_special_tokens=False)
+    assert b"".join(text(i)[1] for i in ids) == tok.decode(ids).encode()
+    split = [text(i)[0] for i in ids if text(i)[0].startswith("bytes:")]
+    assert split, "expected a token holding part of a character"
+    assert all(re.fullmatch(r"bytes:(\\x[0-9a-f]{2})+", s) for s in split)
