@@ -178,7 +178,7 @@ class View:
         routers = [s for s in self.sources if s.role == "router"]
         workers = [s for s in self.sources if s.role != "router"]
         lines = [f"pdserve top  {time.strftime('%H:%M:%S')}  {len(self.sources)} targets  "
-                 f"rates over {self._span():.0f}s"]
+                 f"rates over {self._span():.3g}s"]
         for r in routers:
             if scrapes.get(r.url) is None:
                 lines.append(f"router {r.url}: DOWN")
@@ -223,7 +223,7 @@ class View:
                 f"{_dur(quantile(0.5, step)):>10}{_dur(quantile(0.9, step)):>10}"
                 f"{_pct(mfu):>8}{_pct(mbu):>8}"
                 f"{_num(kv_bps / 1e6 if kv_bps is not None else None):>9}")
-        span = "since start" if self.since_start else f"last {self._span():.0f}s"
+        span = "since start" if self.since_start else f"last {self._span():.3g}s"
         lines += ["", f"{'STAGE (' + span + ')':<24}{'COUNT':>7}{'p50':>10}{'p90':>10}{'p99':>10}"]
         for label, hist in STAGES:
             cum: dict[float, float] = {}

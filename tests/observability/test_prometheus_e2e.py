@@ -1,0 +1,208 @@
+"""End to end: a real Prometheus (the repo's config and rules, 1 s intervals) scrapes
+a running 1 prefill + 1 decode Ray cluster and its router through the file-SD file
+while requests run; then every dashboard query and every recording rule must return
+data, and the stage histograms must count every completed request once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry, start_http_server
+
+from pdserve.deploy import top
+from pdserve.deploy.cluster import Cluster
+from pdserve.deploy.config import ClusterConfig
+from pdserve.deploy.file_sd import FileSD, cluster_targets
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.types import FinalChunk, GenerateRequest
+from tests.observability.conftest import DEPLOY, rule_outputs
+from tests.observability.test_dashboards import panels
+from tests.observability.test_top import parse
+
+ray = pytest.importorskip("ray")
+NUM_REQUESTS = 20
+MAX_TOKENS = 6
+# Dashboard queries and rules that may be empty here, with the reason.
+ALLOWED_EMPTY: dict[str, str] = {}
+ROUTER_STAGES = ("pdserve_request_queue_seconds", "pdserve_prefill_queue_seconds",
+                 "pdserve_prefill_seconds", "pdserve_kv_transfer_seconds",
+                 "pdserve_decode_queue_seconds", "pdserve_time_to_first_token_seconds",
+                 "pdserve_time_per_output_token_seconds", "pdserve_e2e_request_latency_seconds")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
+             logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Prometheus:
+    """The Debian ``prometheus`` binary on the repo's config, in a temp folder."""
+
+    def __init__(self, binary: str, root: Path) -> None:
+        shutil.copytree(DEPLOY / "prometheus", root / "prometheus")
+        config = root / "prometheus" / "prometheus.yml"
+        doc = yaml.safe_load(config.read_text())
+        doc["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
+        config.write_text(yaml.safe_dump(doc))
+        self.targets = FileSD(root / "prometheus" / "targets" / "pdserve.json")
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log = (root / "prometheus.log").open("w")
+        self.proc = subprocess.Popen(
+            [binary, f"--config.file={config}", f"--storage.tsdb.path={root / 'data'}",
+             f"--web.listen-address={self.url.removeprefix('http://')}", "--log.level=warn"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_until(self, what: str, ok: Callable[[], bool], timeout_s: float = 30) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ok():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"prometheus exited: {Path(self.log.name).read_text()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}")
+            time.sleep(0.25)
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            body = json.load(resp)
+        assert body["status"] == "success", body
+        return list(body["data"]["result"])
+
+    def value(self, expr: str) -> float:
+        result = self.query(expr)
+        return float(result[0]["value"][1]) if result else float("nan")
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def grafana_to_promql(expr: str) -> str:
+    """A panel query with Grafana's variables as the dashboard's "All" would set them."""
+    return (expr.replace("$__rate_interval", "1m").replace("$model", ".*")
+            .replace("$worker", ".*"))
+
+
+def prompts() -> list[list[int]]:
+    # Mixed lengths; a shared 32-token prefix gives the prefix cache hits.
+    shared = list(range(5, 37))
+    return [shared + [40 + i] * (i % 5) if i % 2 else list(range(50 + i, 50 + i + 3 + 7 * i))
+            for i in range(NUM_REQUESTS)]
+
+
+async def run_load(cluster: Cluster, metrics: RouterMetrics) -> list[FinalChunk]:
+    router = cluster.make_router(metrics)
+    await router.start()
+    try:
+        async def one(i: int, prompt: list[int]) -> FinalChunk:
+            req = GenerateRequest(f"obs-{i}", SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True),
+                                  prompt_token_ids=prompt)
+            items = [item async for item in router.generate(req)]
+            assert isinstance(items[-1], FinalChunk)
+            return items[-1]
+
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts())))
+    finally:
+        await router.stop()
+
+
+def test_prometheus_scrapes_a_cluster_under_load(
+        ray_cluster: None, prometheus_bins: tuple[str, str],
+        tiny_model: Callable[[str], Path], tmp_path: Path) -> None:
+    model = tiny_model("llama-gqa")
+    cfg = ClusterConfig.from_dict({
+        "model": str(model), "transfer": "torch",
+        "prefill": {"workers": 1, "num_cpus": 1, "engine": {"num_blocks": 256}},
+        "decode": {"workers": 1, "num_cpus": 1, "engine": {"num_blocks": 512}},
+        "router": {"queue_timeout_s": 60}, "kv_timeout_s": 30,
+    })
+    cluster = Cluster(cfg)
+    prom = Prometheus(prometheus_bins[1], tmp_path)
+    http = None
+    try:
+        cluster.start()
+        registry = CollectorRegistry()
+        metrics = RouterMetrics(registry, model.name, ttft_slo_s=60.0, tpot_slo_s=10.0)
+        http, _ = start_http_server(0, addr="127.0.0.1", registry=registry)
+        prom.targets.update(cluster_targets(model.name, ("127.0.0.1", int(http.server_port)),
+                                            cluster.metrics_targets()))
+        prom.wait_until("Prometheus ready", prom.ready)
+        prom.wait_until("3 targets up", lambda: prom.value("sum(up)") == 3)
+
+        finals = asyncio.run(run_load(cluster, metrics))
+        assert all(f.finish_reason == "length" for f in finals)
+        prom.wait_until("all requests scraped", lambda: prom.value(
+            "sum(pdserve_e2e_request_latency_seconds_count)") == NUM_REQUESTS)
+        prom.wait_until("rules evaluated on them", lambda: prom.value(
+            "sum(vllm:e2e_request_latency_seconds_count)") == NUM_REQUESTS)
+        time.sleep(2)  # one more scrape + evaluation of everything
+
+        counts = {f"sum({name}_count)": NUM_REQUESTS for name in ROUTER_STAGES} | {
+            "sum(pdserve_inter_token_latency_seconds_count)": NUM_REQUESTS * (MAX_TOKENS - 1),
+            "sum(pdserve_kv_transfers_total)": NUM_REQUESTS,
+            'sum(pdserve_requests_total{status="length"})': NUM_REQUESTS,
+            # the first token of each request comes from the prefill worker
+            'sum(pdserve_engine_tokens_total{role="decode"})': NUM_REQUESTS * (MAX_TOKENS - 1),
+        }
+        wrong = {q: (prom.value(q), want) for q, want in counts.items() if prom.value(q) != want}
+        assert not wrong, f"(got, expected): {wrong}"
+        assert prom.value("sum(pdserve_prefix_cache_hits_total)") > 0
+
+        empty = []
+        for p in panels():
+            for t in p["targets"]:
+                expr = grafana_to_promql(t["expr"])
+                if not prom.query(expr) and expr not in ALLOWED_EMPTY:
+                    empty.append(f"{p['title']}: {expr}")
+        for record in sorted(rule_outputs()):
+            if not prom.query(record) and record not in ALLOWED_EMPTY:
+                empty.append(f"rule {record}")
+        assert not empty, "queries without data:\n" + "\n".join(empty)
+        for ratio in ("mfu", "mbu"):
+            for role in ("prefill", "decode"):
+                v = prom.value(f'pool:pdserve_{ratio}_ratio:rate1m{{role="{role}"}}')
+                assert 0 < v < 5, (ratio, role, v)  # CPU peaks are measured, not exact
+
+        # pdserve top reads the same endpoints from the same file.
+        args = parse("--file-sd", str(prom.targets.path), "--once", "--interval", "0.2")
+        assert top.run(args) == 0
+    finally:
+        prom.stop()
+        if http is not None:
+            http.shutdown()
+            http.server_close()
+        cluster.shutdown()

@@ -1,0 +1,97 @@
+"""``pdserve top``: discovery from the file-SD file, window arithmetic, one frame
+over real ``/metrics`` servers on loopback."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry, start_http_server
+
+from pdserve.deploy import top
+from pdserve.deploy.file_sd import FileSD, cluster_targets
+from pdserve.deploy.worker_metrics import WorkerCollector
+from pdserve.engine.engine import StepInfo
+from pdserve.messages import WorkerStats
+from tests.observability.conftest import PEAKS
+from tests.observability.test_promtool import router_with_traffic
+
+
+def test_quantile_interpolates_like_prometheus() -> None:
+    cum = {0.1: 0.0, 0.2: 10.0, 0.4: 20.0, float("inf"): 20.0}
+    assert top.quantile(0.5, cum) == pytest.approx(0.2)
+    assert top.quantile(0.25, cum) == pytest.approx(0.15)
+    assert top.quantile(0.75, cum) == pytest.approx(0.3)
+    assert top.quantile(0.5, {1.0: 0.0, float("inf"): 0.0}) is None
+    assert top.quantile(0.99, {1.0: 0.0, float("inf"): 4.0}) == 1.0  # beyond the last bound
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    top.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_discovery(tmp_path: Path) -> None:
+    sd = tmp_path / "t.json"
+    FileSD(sd).update(cluster_targets("m", ("127.0.0.1", 8000), {"decode-0": ("127.0.0.1", 9)}))
+    got = top.discover(parse("--file-sd", str(sd)))
+    assert [(s.role, s.url) for s in got] == [("router", "http://127.0.0.1:8000/metrics"),
+                                             ("decode", "http://127.0.0.1:9/metrics")]
+    got = top.discover(parse("--router", "h:1", "--worker", "http://h:2/metrics"))
+    assert [s.url for s in got] == ["http://h:1/metrics", "http://h:2/metrics"]
+
+
+@pytest.fixture
+def servers() -> Iterator[dict[str, tuple[str, int]]]:
+    """A router and two workers on loopback; each worker runs one step per scrape."""
+
+    def busy(s: WorkerStats) -> WorkerStats:
+        s.observe_step(StepInfo(2, 64, 0, 64, 0.05), 1e10, 1e9)  # 20% of PEAKS, both ways
+        s.kv_transfer_bytes += 1 << 20
+        return s
+
+    regs = {"router": router_with_traffic()}
+    for role in ("prefill", "decode"):
+        stats = WorkerStats(f"{role}-0", role, 1, 2, 48, 64)
+        regs[f"{role}-0"] = CollectorRegistry()
+        regs[f"{role}-0"].register(
+            WorkerCollector("tiny", lambda s=stats: busy(s), PEAKS))  # type: ignore[misc]
+    made, addrs = [], {}
+    for name, reg in regs.items():
+        server, _ = start_http_server(0, addr="127.0.0.1", registry=reg)
+        made.append(server)
+        addrs[name] = ("127.0.0.1", int(server.server_port))
+    yield addrs
+    for server in made:
+        server.shutdown()
+        server.server_close()
+
+
+def test_once_prints_one_frame(servers: dict[str, tuple[str, int]], tmp_path: Path,
+                               capsys: pytest.CaptureFixture[str]) -> None:
+    sd = tmp_path / "targets.json"
+    router = servers.pop("router")
+    FileSD(sd).update(cluster_targets("tiny", router, servers))
+    servers["decode-9"] = ("127.0.0.1", 1)  # listed but down
+    FileSD(sd).update(cluster_targets("tiny", router, servers))
+    assert top.run(parse("--file-sd", str(sd), "--once", "--interval", "0.2",
+                         "--timeout", "1")) == 0
+    out = capsys.readouterr().out
+    assert "\x1b[" not in out  # --once prints plain text
+    lines = {line.split()[0]: line for line in out.splitlines()[::-1] if line.strip()}
+    assert "DOWN" in lines["decode-9"]
+    assert lines["decode"].split()[1] == "1/2"  # the pool line: one of two workers up
+    prefill = lines["prefill-0"].split()
+    assert prefill[1] == "prefill" and prefill[4] == "25.0%"  # KV use: 1 - 48/64
+    assert float(prefill[5]) > 0  # tokens/s from the step between the two scrapes
+    assert prefill[8:10] == ["20.0%", "20.0%"]  # MFU, MBU
+    ttft = next(line for line in out.splitlines() if line.startswith("TTFT"))
+    assert ttft.split()[1] == "1"  # the one request, since the router started
+
+
+def test_unreachable_router_exits_nonzero(capsys: pytest.CaptureFixture[str]) -> None:
+    assert top.run(parse("--router", "127.0.0.1:1", "--once", "--interval", "0")) == 1
+    assert "DOWN" in capsys.readouterr().out
