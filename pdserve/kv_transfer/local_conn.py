@@ -18,7 +18,7 @@ import torch
 from .base import FailReason, KVReceiver, KVSender, RecvEvent, SendEvent, is_final
 from .layout import KVLayout, check_send
 from .recv_state import RecvTracker
-from .regions import gather, scatter
+from .regions import Staging, scatter
 from .send_state import SendTracker
 
 # endpoint id -> receiver; guarded by _TABLE_LOCK.
@@ -104,6 +104,7 @@ class LocalSender(KVSender):
         self._state = SendTracker(timeout_s)
         self._peers: dict[str, LocalReceiver] = {}
         self._me = f"local-sender-{uuid.uuid4().hex[:12]}"
+        self._staging = Staging(kv.device)
 
     def connect(self, endpoint: dict[str, Any]) -> str:
         self.layout.check_compatible(KVLayout.from_dict(endpoint["layout"]))
@@ -140,7 +141,7 @@ class LocalSender(KVSender):
                 notify,
                 dst,
                 rng,
-                gather(self.kv, src, rng),
+                self._staging.gather(self.kv, src, rng),
             )
         except ConnectionError as exc:
             failure = (FailReason.PEER_DIED, str(exc))

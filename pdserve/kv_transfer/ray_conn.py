@@ -32,7 +32,7 @@ import torch
 from .base import FailReason, KVReceiver, KVSender, RecvEvent, SendEvent, is_final
 from .layout import KVLayout, check_send
 from .recv_state import RecvTracker
-from .regions import chunk_slices, gather, scatter
+from .regions import Staging, chunk_slices, scatter
 from .send_state import SendTracker
 from .send_worker import Job, PeerWorker, describe
 from .wire import Kind, Message
@@ -174,12 +174,13 @@ class RaySender(KVSender):
         self.layout.check_compatible(KVLayout.from_dict(endpoint["layout"]))
         actor = self._ray.get_actor(endpoint["queue"], namespace=endpoint["namespace"])
         peer = str(endpoint["queue"])
+        staging = Staging(self.kv.device)  # used by this peer's thread only
 
         def transmit(job: Job) -> None:
             ref = None
             if job.msg.dst:
-                blocks = gather(self.kv, list(job.src), job.msg.layers).cpu()
-                ref = self._ray.put(blocks.view(-1).view(torch.uint8).numpy())
+                blocks = staging.gather(self.kv, list(job.src), job.msg.layers).cpu()
+                ref = self._ray.put(blocks.view(-1).view(torch.uint8).numpy())  # copies
             item = (self._me, _to_plain(job.msg), ref)
             self._ray.get(actor.put_nowait.remote(item), timeout=self._timeout_s)
 

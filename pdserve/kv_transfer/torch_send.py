@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from .base import FailReason, KVSender, SendEvent, is_final
 from .layout import KVLayout, KVLayoutMismatch, check_send
-from .regions import chunk_slices
+from .regions import Staging, chunk_slices
 from .send_state import SendTracker
 from .send_worker import Job, PeerWorker
 from .torch_group import (
@@ -56,14 +56,15 @@ class _Pair:
             self.store, n, SENDER_RANK, sender.kv.device, sender.peer_timeout_s
         )
         self.sender = sender
-        self.staging = torch.empty(0, dtype=torch.uint8, device=sender.kv.device)
+        self.staging = Staging(sender.kv.device)
         self.worker = PeerWorker(
             name, self.transmit, sender.state.completions, self.ping, PING_INTERVAL_S
         )
 
     def transmit(self, job: Job) -> None:
         layout, kv = self.sender.layout, self.sender.kv
-        header, payload = pack(job.msg, layout, kv, list(job.src), self._staging_for(job.msg))
+        size = encode(job.msg, layout)[0][-1]
+        header, payload = pack(job.msg, layout, kv, list(job.src), self.staging.take(size))
         works = [self.ctrl.send([torch.tensor(header, dtype=torch.int64)], RECEIVER_RANK, TAG)]
         if header[-1]:
             sync(kv.device)  # gather finished before the payload leaves
@@ -74,12 +75,6 @@ class _Pair:
 
     def ping(self) -> None:
         self.transmit(Job(Message(Kind.PING)))
-
-    def _staging_for(self, msg: Message) -> torch.Tensor:
-        need = encode(msg, self.sender.layout)[0][-1]
-        if self.staging.numel() < need:
-            self.staging = torch.empty(need, dtype=torch.uint8, device=self.sender.kv.device)
-        return self.staging
 
 
 class TorchSender(KVSender):
