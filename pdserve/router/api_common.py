@@ -137,7 +137,10 @@ class RouterStream:
         assert isinstance(item, StreamChunk | FinalChunk)
         return item
 
-    def close(self) -> None:
-        """Abort the request unless the router already finished it (idempotent)."""
+    def close(self, error: RouterError | None = None) -> None:
+        """Abort the request unless the router already finished it (idempotent).
+        ``error``: what a reader still waiting in ``next()`` gets instead."""
         if not self._task.done():
             self._task.cancel()
+            if error is not None:
+                self._queue.put_nowait(error)

@@ -80,7 +80,15 @@ class _Api:
         self.registry = registry
         self.text = TokenText(router.tokenizer)
         self.tasks: set[asyncio.Task[None]] = set()  # RouterStream tasks until cleaned up
-        self.in_flight: set[str] = set()  # request ids being served (ids must be unique)
+        self.in_flight: dict[str, RouterStream] = {}  # by request id (ids must be unique)
+        self.closing = False
+
+    def begin_shutdown(self) -> None:
+        """New requests get 503; open ones end now with a 503 / an SSE error event."""
+        self.closing = True
+        error = RouterError(ErrorKind.NOT_READY, "the server is shutting down")
+        for call in list(self.in_flight.values()):
+            call.close(error)
 
     async def generate(self, request: Request, chat: bool) -> Response:
         rid: str = request.state.request_id
@@ -108,12 +116,14 @@ class _Api:
         if rid in self.in_flight:
             raise ApiError(400, error_object(f"request id {rid!r} is already in flight",
                                              param="X-Request-Id"))
+        if self.closing:
+            raise ApiError.from_router(RouterError(ErrorKind.NOT_READY,
+                                                   "the server is shutting down"))
         out = ResponseBuilder(
             chat=chat, request_id=rid, model=parsed.model or self.model_name,
             created=int(time.time()), text=self.text, logprobs=logprobs,
             include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage))
-        self.in_flight.add(rid)
-        call = RouterStream(self.router, req, self.tasks)
+        call = self.in_flight[rid] = RouterStream(self.router, req, self.tasks)
         handed_over = False
         try:
             first = await _unless_disconnected(request, call.next())
@@ -136,7 +146,7 @@ class _Api:
 
     def _done(self, call: RouterStream) -> None:
         call.close()
-        self.in_flight.discard(call.request_id)
+        self.in_flight.pop(call.request_id, None)
 
     async def _sse(self, call: RouterStream, first: StreamChunk | FinalChunk,
                    out: ResponseBuilder) -> AsyncIterator[bytes]:
@@ -231,7 +241,7 @@ def build_app(router: RouterLike, model_name: str, registry: CollectorRegistry,
 
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
     app.include_router(v1)
-    app.state.router_tasks = api.tasks  # HttpServer.stop() waits for their cleanup
+    app.state.pdserve_api = api  # for HttpServer.stop(): begin_shutdown(), tasks
 
     @app.get("/health")
     async def health() -> Response:

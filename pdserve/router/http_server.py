@@ -1,7 +1,11 @@
 """Running an ASGI app on uvicorn inside an asyncio loop that someone else owns
 (``pdserve serve``, tests): binding (port 0 = ephemeral, the bound port is
-returned), startup, and a graceful stop that also waits for the router streams
-the app is still cleaning up (``app.state.router_tasks``, see ``http_api``).
+returned), startup, and a graceful stop.
+
+Stop rule for an app from ``http_api.build_app`` (``app.state.pdserve_api``): open
+requests are ended first (a 503, or an SSE error event and ``[DONE]``), so that
+uvicorn's wait for open connections is short and never has to cancel a handler;
+then the stop waits for the aborts of those requests to reach the workers.
 
 The host process keeps its signal handlers: uvicorn's own are not installed.
 """
@@ -12,9 +16,15 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Callable, Generator
-from typing import Any
+from typing import Any, Protocol
 
 import uvicorn
+
+
+class _Drainable(Protocol):
+    tasks: set[asyncio.Task[None]]  # router streams still running or cleaning up
+
+    def begin_shutdown(self) -> None: ...
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -29,18 +39,20 @@ class HttpServer:
     """A started server; ``await stop()`` ends it (open streams get ``grace`` seconds)."""
 
     def __init__(self, server: uvicorn.Server, task: asyncio.Task[None], grace_s: float,
-                 cleanup: set[asyncio.Task[None]]):
+                 api: _Drainable | None):
         self._server, self._task = server, task
         self._grace_s = grace_s
-        self._cleanup = cleanup
+        self._api = api
 
     async def stop(self) -> None:
+        if self._api is not None:
+            self._api.begin_shutdown()
         self._server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
-        # Requests cut off by the stop are still aborting on their workers.
-        if self._cleanup:
-            await asyncio.wait(set(self._cleanup), timeout=self._grace_s)
+        # Requests cut off by the stop may still be aborting on their workers.
+        if self._api is not None and self._api.tasks:
+            await asyncio.wait(set(self._api.tasks), timeout=self._grace_s)
 
 
 async def start_http_server(app: Callable[..., Any], host: str, port: int, *,
@@ -69,8 +81,5 @@ async def start_http_server(app: Callable[..., Any], host: str, port: int, *,
             task.result()
             raise RuntimeError("HTTP server stopped during startup")
         await asyncio.sleep(0.01)
-    state = getattr(app, "state", None)
-    cleanup: set[asyncio.Task[None]] | None = getattr(state, "router_tasks", None)
-    if cleanup is None:  # not an app from build_app: nothing to wait for
-        cleanup = set()
-    return HttpServer(server, task, grace_s, cleanup), int(sock.getsockname()[1])
+    api = getattr(getattr(app, "state", None), "pdserve_api", None)
+    return HttpServer(server, task, grace_s, api), int(sock.getsockname()[1])

@@ -166,6 +166,32 @@ def test_disconnect_aborts_on_both_workers(pair_factory: Callable[..., Pair]) ->
     serve(pair, body)
 
 
+def test_stop_ends_open_streams_cleanly(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+    pair = pair_factory()
+
+    async def main() -> None:
+        await pair.router.start()
+        server, port = await start_http_server(
+            build_app(pair.router, "tiny", CollectorRegistry()), "127.0.0.1", 0, grace_s=5)
+        try:
+            async with Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as c, c.stream(
+                    "POST", "/v1/completions", json={**GREEDY, "prompt": [5] * 20,
+                                                     "max_tokens": 1500, "stream": True}) as r:
+                lines = r.aiter_lines()
+                while not (await anext(lines)).startswith("data: "):
+                    pass
+                stopping = asyncio.create_task(server.stop())
+                rest = [line async for line in lines if line.startswith("data: ")]
+                await stopping
+            assert rest[-1] == "data: [DONE]"
+            assert json.loads(rest[-2][6:])["error"]["code"] == "not_ready"
+            await wait_freed(pair)
+        finally:
+            await pair.router.stop()
+
+    asyncio.run(main())
+
+
 BAD: list[tuple[str, Any, int, str | None]] = [
     # (path, body, status, param)
     ("/v1/completions", b"{not json", 400, None),
