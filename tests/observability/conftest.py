@@ -22,6 +22,7 @@ from pdserve.deploy.efficiency import DevicePeaks
 from pdserve.deploy.worker_metrics import WorkerCollector
 from pdserve.messages import WorkerStats
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.types import ErrorKind, FinalChunk, StageTimings, Usage
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -77,6 +78,18 @@ def sample_stats() -> WorkerStats:
 def router_registry() -> CollectorRegistry:
     registry = CollectorRegistry()
     RouterMetrics(registry, "tiny", ttft_slo_s=1.0, tpot_slo_s=0.1)
+    return registry
+
+
+def router_with_traffic() -> CollectorRegistry:
+    registry = CollectorRegistry()
+    metrics = RouterMetrics(registry, "tiny", ttft_slo_s=1.0, tpot_slo_s=0.1)
+    timings = StageTimings(router_queue=0.001, prefill_queue=0.002, prefill=0.05,
+                           kv_transfer=0.004, decode_queue=0.0005, ttft=0.2, e2e=1.5,
+                           inter_token=[0.01, 0.02])
+    usage = Usage(prompt_tokens=7, completion_tokens=3, cached_tokens=0)
+    metrics.observe_finished(FinalChunk("stop", usage, timings=timings))
+    metrics.observe_rejected(ErrorKind.OVERLOADED)
     return registry
 
 

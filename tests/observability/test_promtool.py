@@ -9,15 +9,14 @@ import subprocess
 from pathlib import Path
 
 import yaml
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import generate_latest
 
 from pdserve.engine.engine import StepInfo
-from pdserve.router.metrics import RouterMetrics
-from pdserve.router.types import ErrorKind, FinalChunk, StageTimings, Usage
 from tests.observability.conftest import (
     DEPLOY,
     RULES,
     router_registry,
+    router_with_traffic,
     sample_stats,
     worker_registry,
 )
@@ -33,18 +32,6 @@ def test_router_exposition_passes_lint(prometheus_bins: tuple[str, str]) -> None
     for registry in (router_registry(), router_with_traffic()):
         done = promtool(prometheus_bins, "check", "metrics", stdin=generate_latest(registry))
         assert done.returncode == 0 and not done.stdout.strip(), done.stdout + done.stderr
-
-
-def router_with_traffic() -> CollectorRegistry:
-    registry = CollectorRegistry()
-    metrics = RouterMetrics(registry, "tiny", ttft_slo_s=1.0, tpot_slo_s=0.1)
-    timings = StageTimings(router_queue=0.001, prefill_queue=0.002, prefill=0.05,
-                           kv_transfer=0.004, decode_queue=0.0005, ttft=0.2, e2e=1.5,
-                           inter_token=[0.01, 0.02])
-    usage = Usage(prompt_tokens=7, completion_tokens=3, cached_tokens=0)
-    metrics.observe_finished(FinalChunk("stop", usage, timings=timings))
-    metrics.observe_rejected(ErrorKind.OVERLOADED)
-    return registry
 
 
 def test_worker_exposition_passes_lint(prometheus_bins: tuple[str, str]) -> None:

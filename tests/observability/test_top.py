@@ -15,8 +15,7 @@ from pdserve.deploy.file_sd import FileSD, cluster_targets
 from pdserve.deploy.worker_metrics import WorkerCollector
 from pdserve.engine.engine import StepInfo
 from pdserve.messages import WorkerStats
-from tests.observability.conftest import PEAKS
-from tests.observability.test_promtool import router_with_traffic
+from tests.observability.conftest import PEAKS, router_with_traffic
 
 
 def test_quantile_interpolates_like_prometheus() -> None:
