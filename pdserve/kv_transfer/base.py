@@ -21,6 +21,11 @@ Failure and abort rules (both sides):
   may reuse them (backends whose writes D cannot stop wait for the sender to confirm);
 * after a failed SendEvent the backend no longer reads the request's source blocks;
 * nothing waits forever: expectations time out, sends time out, dead peers are noticed.
+
+Usage rules: call one sender/receiver from one thread (the engine loop) and poll it
+regularly — some backends make progress only inside poll() (nixl: D's poll also lets P's
+writes complete). A request id names one attempt: once it has ended, sends for it are
+dropped, so a retry uses a new id. The KV tensor must outlive the object wrapping it.
 """
 
 from __future__ import annotations

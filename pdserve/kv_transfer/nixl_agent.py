@@ -19,6 +19,7 @@ message as landed when its notification arrives.
 from __future__ import annotations
 
 import base64
+import importlib
 import json
 import uuid
 from typing import Any
@@ -26,16 +27,29 @@ from typing import Any
 import numpy as np
 import torch
 
+# The `nixl` meta package picks the wheel matching the CUDA it finds; without it, use
+# whichever wheel is installed (nixl-cu12 is what pdserve depends on).
+NIXL_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
+
+
+def nixl_api() -> Any:
+    """The NIXL Python API module; ImportError says what to install."""
+    for module in NIXL_MODULES:
+        try:
+            return importlib.import_module(module)
+        except ImportError:
+            continue
+    raise ImportError("the nixl KV transfer backend needs NIXL: pip install nixl-cu12==1.5.1")
+
 
 def new_agent(role: str) -> tuple[Any, str]:
     """(agent, unique name) with the UCX backend and no background threads."""
-    from nixl._api import nixl_agent, nixl_agent_config
-
+    api = nixl_api()
     name = f"pdserve-kv-{role}-{uuid.uuid4().hex[:12]}"
-    config = nixl_agent_config(
+    config = api.nixl_agent_config(
         enable_prog_thread=False, enable_listen_thread=False, backends=["UCX"]
     )
-    agent = nixl_agent(name, config)
+    agent = api.nixl_agent(name, config)
     if "UCX" not in agent.backends:
         raise RuntimeError("NIXL has no UCX backend here (check UCX_TLS and the nixl wheel)")
     return agent, name

@@ -103,7 +103,11 @@ class RayReceiver(KVReceiver):
             for ref in ready:  # in queue order: gets are served first come first served
                 self._gets.remove(ref)
                 self._gets.append(self._actor.get.remote())
-                sender, fields, data = self._ray.get(ref)
+                try:
+                    sender, fields, data = self._ray.get(ref)
+                except Exception as exc:  # our queue actor died: nothing more will come
+                    self._broken(describe(exc))
+                    break
                 self._apply(sender, _from_plain(fields), data)
         for rid in self._state.expired():
             self._state.end(rid, FailReason.TIMEOUT, "no complete KV within the timeout")
@@ -123,6 +127,11 @@ class RayReceiver(KVReceiver):
     @property
     def num_pending(self) -> int:
         return self._state.num_pending
+
+    def _broken(self, why: str) -> None:
+        self._closed = True
+        for rid in self._state.pending_ids():
+            self._state.end(rid, FailReason.TRANSPORT, f"receive queue lost: {why}")
 
     def _apply(self, sender: str, msg: Message, ref: Any) -> None:
         if msg.kind == Kind.BYE:

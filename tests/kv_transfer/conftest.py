@@ -28,8 +28,9 @@ QUIET = {"NIXL_LOG_LEVEL": "WARN", "RAY_DEDUP_LOGS": "0"}
 
 
 def _available(variant: str) -> bool:
-    module = {"ray": "ray", "nixl": "nixl", "nixl-tcp": "nixl"}.get(variant)
-    return module is None or importlib.util.find_spec(module) is not None
+    modules = {"ray": ["ray"], "nixl": ["nixl", "nixl_cu12", "nixl_cu13"]}
+    wanted = modules.get(VARIANTS[variant][0], [])
+    return not wanted or any(importlib.util.find_spec(m) is not None for m in wanted)
 
 
 @dataclass
