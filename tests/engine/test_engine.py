@@ -33,7 +33,8 @@ def hf_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     hf.generation_config.eos_token_id = None  # never stop, never mask: like ignore_eos
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
     return out[0, len(prompt):].tolist()
 
 
