@@ -152,8 +152,14 @@ class Peer:
 
     @classmethod
     def make(
-        cls, host: ProcHost | LocalHost, role: str, backend: str, layout: KVLayout,
-        num_blocks: int, seed: int, **opts: Any,
+        cls,
+        host: ProcHost | LocalHost,
+        role: str,
+        backend: str,
+        layout: KVLayout,
+        num_blocks: int,
+        seed: int,
+        **opts: Any,
     ) -> Peer:
         oid = host.request("make", role, backend, layout.to_dict(), num_blocks, seed, opts)
         return cls(host, oid)

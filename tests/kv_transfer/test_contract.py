@@ -23,8 +23,7 @@ from .peer_host import Peer, collect
 
 # 4 layers x 2 kv heads x head_dim 16 x 16 tokens: 4 KiB per layer, 16 KiB per block in
 # float32; 256 source blocks = 4 MiB.
-LAYOUT = KVLayout("test-model", "float32", num_layers=4, num_kv_heads=2, head_dim=16,
-                  block_size=16)
+LAYOUT = KVLayout("test-model", "float32", num_layers=4, num_kv_heads=2, head_dim=16, block_size=16)
 P_BLOCKS, D_BLOCKS = 256, 300
 P_SEED = 1
 WAIT_S = 20.0
@@ -33,13 +32,27 @@ WAIT_S = 20.0
 class Pair:
     """A connected sender/receiver for one test."""
 
-    def __init__(self, hosts: Hosts, layout: KVLayout = LAYOUT, n_src: int = P_BLOCKS,
-                 n_dst: int = D_BLOCKS, send_opts: dict[str, Any] | None = None,
-                 prefill: Any = None, decode: Any = None) -> None:
+    def __init__(
+        self,
+        hosts: Hosts,
+        layout: KVLayout = LAYOUT,
+        n_src: int = P_BLOCKS,
+        n_dst: int = D_BLOCKS,
+        send_opts: dict[str, Any] | None = None,
+        prefill: Any = None,
+        decode: Any = None,
+    ) -> None:
         self.layout, self.n_src = layout, n_src
         self.recv = Peer.make(decode or hosts.decode, "receiver", hosts.backend, layout, n_dst, -1)
-        self.send = Peer.make(prefill or hosts.prefill, "sender", hosts.backend, layout, n_src,
-                              P_SEED, **(send_opts or {}))
+        self.send = Peer.make(
+            prefill or hosts.prefill,
+            "sender",
+            hosts.backend,
+            layout,
+            n_src,
+            P_SEED,
+            **(send_opts or {}),
+        )
         self.peer = self.send.connect(self.recv.endpoint())
 
     def expected(self, src: list[int], layers: tuple[int, int] | None = None) -> str:
@@ -146,8 +159,9 @@ def test_out_of_order_completion(pair: Pair) -> None:
 def test_concurrent_layered_requests(pair: Pair) -> None:
     rng = random.Random(1)
     dst_pool = rng.sample(range(D_BLOCKS), 8 * 6)
-    plan = {f"r{i}": (rng.sample(range(P_BLOCKS), 6), dst_pool[6 * i : 6 * i + 6])
-            for i in range(8)}
+    plan = {
+        f"r{i}": (rng.sample(range(P_BLOCKS), 6), dst_pool[6 * i : 6 * i + 6]) for i in range(8)
+    }
     for rid, (_, dst) in plan.items():
         pair.recv.expect(rid, dst, WAIT_S)
     groups = [(0, 1), (1, 2), (2, 4)]
@@ -248,8 +262,11 @@ def test_sender_death_fails_receiver_in_time(hosts: Hosts) -> None:
     assert len(got) == 1 and not got[0].ok, got
     assert time.monotonic() - start < timeout_s + 3
     # Ray cannot tell a dead sender from a slow one between messages: it times out.
-    allowed = {FailReason.PEER_DIED, FailReason.TIMEOUT} if hosts.backend == "ray" else {
-        FailReason.PEER_DIED}
+    allowed = (
+        {FailReason.PEER_DIED, FailReason.TIMEOUT}
+        if hosts.backend == "ray"
+        else {FailReason.PEER_DIED}
+    )
     assert got[0].reason in allowed, got
     assert p.recv.num_pending() == 0
     p.recv.close()

@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.kv_transfer import (
@@ -83,14 +83,17 @@ def test_block_runs_merge_only_when_both_sides_continue() -> None:
 def test_byte_regions_whole_blocks_and_layer_ranges() -> None:
     bb, lb = TINY.block_bytes, TINY.layer_bytes
     assert byte_regions(TINY, [4, 5, 9], [0, 1, 7], (0, 3)) == [
-        (4 * bb, 0, 2 * bb), (9 * bb, 7 * bb, bb)
+        (4 * bb, 0, 2 * bb),
+        (9 * bb, 7 * bb, bb),
     ]
     # a layer range is contiguous only within one block: one region per block
     assert byte_regions(TINY, [4, 5], [0, 1], (1, 3)) == [
-        (4 * bb + lb, lb, 2 * lb), (5 * bb + lb, bb + lb, 2 * lb)
+        (4 * bb + lb, lb, 2 * lb),
+        (5 * bb + lb, bb + lb, 2 * lb),
     ]
 
 
+@settings(deadline=None, max_examples=50)
 @given(st.lists(st.integers(0, 63), unique=True, max_size=40), st.randoms())
 def test_byte_regions_copy_equals_block_copy(src: list[int], rnd: random.Random) -> None:
     dst = rnd.sample(range(64), len(src))
