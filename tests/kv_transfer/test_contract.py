@@ -8,6 +8,7 @@ pending afterwards.
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from collections.abc import Iterator
@@ -53,7 +54,9 @@ class Pair:
             P_SEED,
             **(send_opts or {}),
         )
-        self.peer = self.send.connect(self.recv.endpoint())
+        endpoint = self.recv.endpoint()
+        json.dumps(endpoint)  # the control plane may ship it as JSON
+        self.peer = self.send.connect(endpoint)
 
     def expected(self, src: list[int], layers: tuple[int, int] | None = None) -> str:
         return expected_digest(self.layout, self.n_src, P_SEED, src, layers)
