@@ -24,6 +24,7 @@ from pdserve.deploy.efficiency import cost_model
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.loop import EngineLoop
+from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import KVLayout, make_receiver
 from pdserve.messages import DecodeOutput, WorkerStats
@@ -107,8 +108,12 @@ class DecodeWorker(EngineLoop):
             if ev.ok:
                 now = time.monotonic()
                 self._kv_arrived[ev.request_id] = now
-                first = int((ev.notify or {})["first_token"])
-                batch.append(self._convert(self.engine.start_decode(ev.request_id, first)))
+                notify = ev.notify or {}
+                lp = notify.get("logprobs")
+                first_lp = None if lp is None else TokenLogprobs(
+                    lp["token_id"], lp["logprob"], lp["rank"], [tuple(t) for t in lp["top"]])
+                batch.append(self._convert(self.engine.start_decode(
+                    ev.request_id, int(notify["first_token"]), first_lp)))
             else:
                 self.engine.abort(ev.request_id)
                 self._stats.kv_transfer_failures += 1

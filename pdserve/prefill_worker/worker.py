@@ -18,6 +18,7 @@ as a Ray actor.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from pdserve.deploy.efficiency import cost_model
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.loop import EngineLoop
+from pdserve.engine.sampler import TokenLogprobs
 from pdserve.kv_transfer import KVLayout, make_sender
 from pdserve.messages import PrefillResult, PrefillTask, WorkerStats
 
@@ -116,18 +118,21 @@ class PrefillWorker(EngineLoop):
             for out in outputs:
                 f = self._inflight[out.request_id]
                 f.scheduled = out.first_scheduled_time
-                self._send(f, out.new_token_ids[0], out.num_cached_tokens, now)
+                self._send(f, out.new_token_ids[0], out.num_cached_tokens, now,
+                           out.logprobs[0] if out.logprobs else None)
         for ev in self.sender.poll():
             self._on_send_event(ev)
 
-    def _send(self, f: _InFlight, first_token: int, cached: int, now: float) -> None:
+    def _send(self, f: _InFlight, first_token: int, cached: int, now: float,
+              logprobs: TokenLogprobs | None) -> None:
         rid = f.task.request_id
         f.first_token, f.sampled, f.num_cached_tokens = first_token, now, cached
         src = self.engine.block_ids(rid)
         f.num_blocks = len(src)
         f.send_started = time.monotonic()
         self.sender.send(self._peers[f.task.decode_worker], rid, src, f.task.dst_block_ids,
-                         notify={"first_token": first_token})
+                         notify={"first_token": first_token,
+                                 "logprobs": None if logprobs is None else dataclasses.asdict(logprobs)})
 
     def _on_send_event(self, ev: Any) -> None:
         f = self._inflight.pop(ev.request_id, None)

@@ -99,8 +99,15 @@ class RayDecodeClient:
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
                       params: SamplingParams) -> list[int] | None:
-        return await self.handle.reserve.remote(
-            request_id, list(prompt_token_ids), params)
+        try:
+            return await self.handle.reserve.remote(request_id, list(prompt_token_ids), params)
+        except Exception as exc:
+            # A ValueError raised in the actor arrives wrapped with the remote
+            # traceback; the client gets the plain message.
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, ValueError):
+                raise ValueError(str(cause)) from None
+            raise
 
     async def abort(self, request_id: str) -> None:
         self.handle.abort.remote(request_id)

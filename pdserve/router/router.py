@@ -96,7 +96,9 @@ class Router:
         self._streams: dict[str, asyncio.Queue[DecodeOutput | _WorkerFailed]] = {}
         self._prefix = PrefixIndex()
         self._seq = itertools.count()
+        self._attempts = itertools.count()
         self._num_waiting = 0
+        self._active: set[str] = set()  # request ids in flight (client ids are unique)
         self._capacity = asyncio.Event()  # set whenever a request finishes somewhere
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -136,6 +138,19 @@ class Router:
             self._reject(ErrorKind.OVERLOADED)
             raise RouterError(ErrorKind.OVERLOADED, "too many requests waiting for KV blocks",
                               retry_after_s=1.0)
+        if req.request_id in self._active:
+            raise RouterError(ErrorKind.INVALID,
+                              f"request id {req.request_id!r} is already in flight")
+        self._active.add(req.request_id)
+        try:
+            async for item in self._run(req, prompt, arrival):
+                yield item
+        finally:
+            self._active.discard(req.request_id)
+
+    async def _run(self, req: GenerateRequest, prompt: list[int], arrival: float,
+                   ) -> AsyncIterator[StreamChunk | FinalChunk]:
+        """The retry loop: one ``_attempt`` per worker pair tried."""
         deadline = arrival + (req.timeout_s or self.config.default_timeout_s)
         timings = StageTimings()
         emitted: list[int] = []
@@ -146,8 +161,11 @@ class Router:
             try:
                 async for item in self._attempt(req.request_id, attempt, prompt, emitted,
                                                 req.params, deadline, arrival, timings):
-                    if isinstance(item, PrefillResult):
+                    if isinstance(item, PrefillResult):  # may come after the last token
                         cached = cached or item.num_cached_tokens
+                        timings.prefill_queue, timings.prefill = (item.prefill_queue_s,
+                                                                  item.prefill_s)
+                        timings.kv_transfer = item.kv_transfer_s
                         continue
                     if isinstance(item, StreamChunk):
                         now = time.monotonic()
@@ -180,7 +198,9 @@ class Router:
                        params: SamplingParams, deadline: float, arrival: float,
                        timings: StageTimings,
                        ) -> AsyncIterator[StreamChunk | FinalChunk | PrefillResult]:
-        aid = f"{rid}#{attempt}"
+        # Worker-side id: unique per attempt even when a client reuses its id right
+        # after a cancel whose abort has not reached the workers yet.
+        aid = f"{rid}#{next(self._attempts)}"
         ids = prompt + emitted
         if emitted:  # continue where the failed pair stopped
             params = dataclasses.replace(
@@ -223,8 +243,6 @@ class Router:
                     except Exception as exc:
                         self._mark(p_id, exc)
                         raise _WorkerFailed(f"prefill worker {p_id}: {exc}") from exc
-                    timings.prefill_queue, timings.prefill = res.prefill_queue_s, res.prefill_s
-                    timings.kv_transfer = res.kv_transfer_s
                     yield res
                 if get not in done:
                     continue

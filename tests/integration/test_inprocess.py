@@ -151,3 +151,26 @@ def test_bad_input_and_overload(pair_factory: Callable[..., Pair]) -> None:
             await pair.router.stop()
 
     asyncio.run(main())
+
+
+def test_duplicate_request_id_in_flight_is_rejected(pair_factory: Callable[..., Pair]) -> None:
+    pair = pair_factory()
+
+    async def main() -> None:
+        await pair.router.start()
+        try:
+            long = SamplingParams(max_tokens=200, ignore_eos=True)
+            first = pair.router.generate(GenerateRequest("same", long, prompt_token_ids=[5] * 8))
+            await first.__anext__()
+            with pytest.raises(RouterError) as e:
+                await collect(pair.router.generate(GenerateRequest(
+                    "same", GREEDY, prompt_token_ids=[6] * 8)))
+            assert e.value.kind is ErrorKind.INVALID and "in flight" in e.value.message
+            await first.aclose()  # type: ignore[attr-defined]
+            tokens, _, _ = await collect(pair.router.generate(GenerateRequest(
+                "same", GREEDY, prompt_token_ids=[6] * 8)))  # free again once finished
+            assert len(tokens) == 24
+        finally:
+            await pair.router.stop()
+
+    asyncio.run(main())

@@ -150,12 +150,15 @@ def test_cancel_killed_decode_and_killed_prefill(tiny_model: Callable[[str], Pat
                 prompt_token_ids=[6] * 30))
             tokens: list[int] = []
             final = None
+            killed: list[str] = []
             async for item in stream:
                 if isinstance(item, StreamChunk):
                     tokens += item.token_ids
-                    if len(tokens) >= 5 and "kd#0" in str(router._streams.keys()):
-                        victim = next(w for w, st in router._decode.items() if "kd#0" in st.streams)
-                        cluster.kill(victim)
+                    serving = [w for w, st in router._decode.items()
+                               if any(a.startswith("kd#") for a in st.streams)]
+                    if len(tokens) >= 5 and final is None and not killed and serving:
+                        cluster.kill(serving[0])
+                        killed.append(serving[0])
                 else:
                     final = item
             assert final is not None and final.num_retries >= 1

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx2
-import pytest
 from prometheus_client import CollectorRegistry
 
 from pdserve.engine.tokenizer import Tokenizer
@@ -129,8 +128,6 @@ def test_completions_and_chat(pair_factory: Callable[..., Pair]) -> None:  # noq
     serve(pair, body)
 
 
-@pytest.mark.xfail(reason="the first token's logprobs are sampled on the prefill worker and "
-                   "not carried to the decode worker (open issue)", strict=False)
 def test_every_output_token_has_logprobs(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
     async def body(c: Client) -> None:
         r = await c.post("/v1/completions", json={**GREEDY, "prompt": "a", "max_tokens": 4,
