@@ -74,6 +74,9 @@ class DecodeActor(_MetricsMixin):
                  transfer_options: dict[str, Any], kv_timeout_s: float, loopback: bool) -> None:
         from pdserve.decode_worker.worker import DecodeWorker
 
+        if transfer in ("torch", "nixl") and not loopback and "host" not in transfer_options:
+            # The receiver listens where prefill workers on other nodes can reach it.
+            transfer_options = {**transfer_options, "host": ray.util.get_node_ip_address()}
         self.worker = DecodeWorker(worker_id, model_dir, pool.engine_config("decode", _device()),
                                    transfer, transfer_options, kv_timeout_s)
         self._serve_metrics(model_dir, loopback)

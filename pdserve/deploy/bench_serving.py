@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import statistics
 import time
 
 import ray
 
-from pdserve.deploy.cluster import Cluster
+from pdserve.deploy.cluster import Cluster, init_local_ray
 from pdserve.deploy.config import ClusterConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
@@ -72,8 +71,7 @@ def main() -> None:
     print(f"colocated engine (2 threads): {colocated:.1f} output tok/s "
           f"({args.requests} requests, {args.prompt_len} in / {args.output_len} out)")
 
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             logging_level=logging.WARNING)
+    init_local_ray(num_cpus=2)
     try:
         for backend in args.backends.split(","):
             cluster = Cluster(cluster_config(model, backend))

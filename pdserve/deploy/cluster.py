@@ -25,6 +25,16 @@ from pdserve.router.router import Router
 
 log = logging.getLogger("pdserve.deploy")
 
+# An embedded cluster lives on loopback. Ray replaces 127.0.0.1 with the machine's
+# interface address, but keeps any other loopback address.
+EMBEDDED_NODE_IP = "127.0.0.2"
+
+
+def init_local_ray(num_cpus: int | None = None) -> None:
+    """Start an embedded single-node Ray cluster bound to loopback only."""
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
+             logging_level=logging.WARNING, _node_ip_address=EMBEDDED_NODE_IP)
+
 
 class Cluster:
     def __init__(self, config: ClusterConfig, num_cpus: int | None = None,
@@ -42,10 +52,10 @@ class Cluster:
         self.model_dir = resolve_model(cfg.model)
         if not ray.is_initialized():
             self.progress("starting Ray" + (f" (joining {cfg.address})" if cfg.address else ""))
-            embedded: dict[str, Any] = (
-                {} if cfg.address else {"num_cpus": self.num_cpus, "_node_ip_address": "127.0.0.1"})
-            ray.init(address=cfg.address, include_dashboard=False, log_to_driver=True,
-                     logging_level=logging.WARNING, **embedded)
+            if cfg.address:
+                ray.init(address=cfg.address, log_to_driver=True, logging_level=logging.WARNING)
+            else:
+                init_local_ray(self.num_cpus)
             self._owns_ray = cfg.address is None
         has_gpus = ray.cluster_resources().get("GPU", 0) > 0
         model = str(self.model_dir)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.deploy.cluster import Cluster
+from pdserve.deploy.cluster import Cluster, init_local_ray
 from pdserve.deploy.config import ClusterConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
@@ -31,8 +31,7 @@ GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster() -> Iterator[None]:
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-             logging_level="WARNING")
+    init_local_ray(num_cpus=4)
     yield
     ray.shutdown()
 

@@ -22,7 +22,7 @@ import yaml
 from prometheus_client import CollectorRegistry, start_http_server
 
 from pdserve.deploy import top
-from pdserve.deploy.cluster import Cluster
+from pdserve.deploy.cluster import Cluster, init_local_ray
 from pdserve.deploy.config import ClusterConfig
 from pdserve.deploy.file_sd import FileSD, cluster_targets
 from pdserve.engine.sampling_params import SamplingParams
@@ -45,8 +45,7 @@ ROUTER_STAGES = ("pdserve_request_queue_seconds", "pdserve_prefill_queue_seconds
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    ray.init(num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
-             logging_level="WARNING")
+    init_local_ray(num_cpus=4)
     yield
     ray.shutdown()
 
