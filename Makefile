@@ -17,7 +17,7 @@ endif
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test bench lint model venv clean
+.PHONY: serve test bench lint model venv clean prometheus
 
 $(VENV)/.base: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,9 +38,16 @@ model: $(VENV)/.base
 	$(VENV)/bin/pdserve model prepare
 
 serve: model
-	$(VENV)/bin/pdserve generate --chat --prompt "$${PROMPT:-Write a haiku about the sea.}" --max-tokens 128
+	$(VENV)/bin/pdserve serve $(SERVE_ARGS)
 
-test: $(VENV)/.test model
+# The observability tests scrape a real Prometheus; install it where we can (root,
+# Debian). Where we cannot, those tests skip with a loud reason.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	   --no-install-recommends prometheus >/dev/null) || echo "prometheus not installed"; }
+
+test: $(VENV)/.test model prometheus
 	$(VENV)/bin/ruff check pdserve tests
 	$(VENV)/bin/mypy
 	$(PY) -m pytest $(PYTEST_ARGS)

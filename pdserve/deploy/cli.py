@@ -7,7 +7,6 @@ work; errors in user input print one clear line and exit with status 2.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 import time
@@ -204,9 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_serve(sub)
-    for optional in (_add_bench, _add_top):  # TODO(session): drop once both modules exist
-        with contextlib.suppress(ImportError):
-            optional(sub)
+    _add_bench(sub)
+    _add_top(sub)
     _add_model(sub)
     return parser
 
