@@ -20,8 +20,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from pdserve.deploy.efficiency import cost_model
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cost import cost_model
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sampler import TokenLogprobs

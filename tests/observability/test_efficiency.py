@@ -12,13 +12,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from pdserve.deploy.efficiency import (
-    attended_tokens,
-    cost_model,
-    lookup_device,
-    measure_peaks,
-)
+from pdserve.deploy.efficiency import lookup_device, measure_peaks
 from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.cost import attended_tokens, cost_model
 from pdserve.engine.engine import LLMEngine, StepInfo
 from pdserve.engine.sampling_params import SamplingParams
 
