@@ -59,6 +59,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="routing: least_loaded | prefix_affinity | round_robin")
     p.add_argument("--config", default=None, help="YAML cluster config (flags override it)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on HTTP")
+    p.add_argument("--file-sd", default=None,
+                   help="write a Prometheus file-SD targets file here (kept current)")
+    p.add_argument("--ttft-slo-ms", type=float, default=None, help="TTFT target for SLO metrics")
+    p.add_argument("--tpot-slo-ms", type=float, default=None, help="TPOT target for SLO metrics")
     p.set_defaults(func=cmd_serve)
 
 
@@ -104,6 +108,9 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         "address": getattr(args, "address", None),
         "router.policy": getattr(args, "policy", None),
         "api_key": getattr(args, "api_key", None),
+        "file_sd_path": getattr(args, "file_sd", None),
+        "ttft_slo_ms": getattr(args, "ttft_slo_ms", None),
+        "tpot_slo_ms": getattr(args, "tpot_slo_ms", None),
     })
 
 

@@ -68,6 +68,8 @@ class ClusterConfig:
     kv_timeout_s: float = 30.0  # decode side: KV must arrive this soon after reserve
     api_key: str | None = None  # HTTP API: required Bearer token (None = open)
     file_sd_path: str | None = None  # Prometheus file-SD targets file (None = not written)
+    ttft_slo_ms: float | None = None  # SLO targets for the attainment counters
+    tpot_slo_ms: float | None = None
 
     def __post_init__(self) -> None:
         if self.transfer not in TRANSFER_BACKENDS:
@@ -78,6 +80,10 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be in [0, 65535], got {port}")
         if self.kv_timeout_s <= 0:
             raise ValueError("kv_timeout_s must be > 0")
+        for name in ("ttft_slo_ms", "tpot_slo_ms"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ClusterConfig:

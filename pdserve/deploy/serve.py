@@ -24,6 +24,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http_api import build_app, start_http_server
 from pdserve.router.metrics import RouterMetrics
+from pdserve.router.router import Router
 from pdserve.router.types import FinalChunk, GenerateRequest, StreamChunk
 
 
@@ -47,11 +48,15 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
     http_server = None
     router = None
     file_sd = FileSD(cfg.file_sd_path) if cfg.file_sd_path else None
+    tasks: list[asyncio.Task[None]] = []
     try:
         await asyncio.to_thread(cluster.start)
         assert cluster.model_dir is not None
         registry = CollectorRegistry()
-        router = cluster.make_router(RouterMetrics(registry, cluster.model_dir.name))
+        router = cluster.make_router(RouterMetrics(
+            registry, cluster.model_dir.name,
+            ttft_slo_s=cfg.ttft_slo_ms / 1e3 if cfg.ttft_slo_ms else None,
+            tpot_slo_s=cfg.tpot_slo_ms / 1e3 if cfg.tpot_slo_ms else None))
         await router.start()
         grpc_server, grpc_port = await start_grpc_server(router, cfg.host, cfg.grpc_port)
         app = build_app(router, router.model_name, registry, api_key=cfg.api_key)
@@ -67,11 +72,15 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
         if file_sd is not None:
             file_sd.update(cluster_targets(router.model_name, (cfg.host, http_port), workers))
             _progress(f"Prometheus file-SD targets: {file_sd.path}")
+            tasks.append(asyncio.create_task(_track_workers(
+                file_sd, router, (cfg.host, http_port), workers)))
         _progress(f"serving {cluster.model_dir.name} with {cfg.prefill.workers} prefill + "
                   f"{cfg.decode.workers} decode workers over {cfg.transfer}; Ctrl-C stops")
         await stop.wait()
     finally:
         _progress("shutting down")
+        for task in tasks:
+            task.cancel()
         if file_sd is not None:
             file_sd.remove()
         if http_server is not None:
@@ -81,6 +90,19 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
         if router is not None:
             await router.stop()
         cluster.shutdown()
+
+
+async def _track_workers(file_sd: FileSD, router: Router, router_addr: tuple[str, int],
+                         workers: dict[str, tuple[str, int]], interval_s: float = 2.0) -> None:
+    """Keep the file-SD targets to the live workers (the router drops dead ones)."""
+    listed = set(workers)
+    while True:
+        await asyncio.sleep(interval_s)
+        live = {w for w, alive in router.worker_states().items() if alive} & set(workers)
+        if live != listed:
+            listed = live
+            file_sd.update(cluster_targets(router.model_name, router_addr,
+                                           {w: workers[w] for w in sorted(live)}))
 
 
 def _url_host(host: str) -> str:

@@ -24,9 +24,9 @@ GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 class Pair:
     def __init__(self, model: Path, n_prefill: int = 1, n_decode: int = 1,
                  decode_blocks: int = 128, **router_kw: object) -> None:
-        self.prefill = [PrefillWorker(f"p{i}", model, EngineConfig(role="prefill", num_blocks=128),
+        self.prefill = [PrefillWorker(f"prefill-{i}", model, EngineConfig(role="prefill", num_blocks=128),
                                       "local") for i in range(n_prefill)]
-        self.decode = [DecodeWorker(f"d{i}", model, EngineConfig(role="decode",
+        self.decode = [DecodeWorker(f"decode-{i}", model, EngineConfig(role="decode",
                                                                  num_blocks=decode_blocks),
                                     "local", kv_timeout_s=5) for i in range(n_decode)]
         for p in self.prefill:
@@ -174,3 +174,27 @@ def test_duplicate_request_id_in_flight_is_rejected(pair_factory: Callable[..., 
             await pair.router.stop()
 
     asyncio.run(main())
+
+
+def test_file_sd_follows_live_workers(pair_factory: Callable[..., Pair], tmp_path: Path) -> None:
+    import json
+
+    from pdserve.deploy.file_sd import FileSD, cluster_targets
+    from pdserve.deploy.serve import _track_workers
+
+    pair = pair_factory(n_prefill=2)
+    workers = {"prefill-0": ("127.0.0.1", 9001), "prefill-1": ("127.0.0.1", 9002),
+               "decode-0": ("127.0.0.1", 9003)}
+    file_sd = FileSD(tmp_path / "sd.json")
+
+    async def main() -> list[str]:
+        file_sd.update(cluster_targets("tiny", ("127.0.0.1", 8000), workers))
+        task = asyncio.create_task(_track_workers(file_sd, pair.router, ("127.0.0.1", 8000),
+                                                  workers, interval_s=0.02))
+        pair.router._mark("prefill-1", RuntimeError("killed for the test"))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        groups = json.loads((tmp_path / "sd.json").read_text())
+        return sorted(g["labels"]["worker"] for g in groups)
+
+    assert asyncio.run(main()) == ["decode-0", "prefill-0", "router"]
