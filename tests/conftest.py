@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -29,3 +29,17 @@ def default_model_dir() -> Path:
     from pdserve.engine.gguf_convert import prepare_default_model
 
     return prepare_default_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def ray_address() -> Iterator[str]:
+    """One embedded Ray cluster (loopback only) shared by every test that needs Ray."""
+    import ray
+
+    from pdserve.deploy.cluster import init_local_ray
+
+    init_local_ray(num_cpus=4)
+    try:
+        yield str(ray.get_runtime_context().gcs_address)
+    finally:
+        ray.shutdown()

@@ -259,9 +259,12 @@ class Router:
                         TokenLogprob(t, lp, list(top)) for t, lp, top in out.logprobs])
                 if out.finished:
                     finished = True
-                    if not prefill.done():  # its timings come with the transfer ack
+                    if not prefill.done():
+                        # P's stage timings come with its transfer ack, which normally
+                        # lands before the first decode step; only a request done in a
+                        # token or two, on a loaded machine, gets here.
                         with contextlib.suppress(Exception):
-                            yield await asyncio.wait_for(prefill, timeout=1.0)
+                            yield await asyncio.wait_for(prefill, timeout=5.0)
                     yield FinalChunk(out.finish_reason or "stop", Usage(0, 0),
                                      stop_reason=out.stop_reason)
                     return

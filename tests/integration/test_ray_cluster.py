@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from pdserve.deploy.cluster import Cluster, init_local_ray
+from pdserve.deploy.cluster import Cluster
 from pdserve.deploy.config import ClusterConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
@@ -29,11 +29,7 @@ BACKENDS = ["torch", "ray", "nixl"]
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster() -> Iterator[None]:
-    init_local_ray(num_cpus=4)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_address")  # the session's shared Ray cluster
 
 
 def start(model: Path, transfer: str, prefill: int = 1, decode: int = 1,

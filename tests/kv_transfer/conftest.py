@@ -58,20 +58,9 @@ class Hosts:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[str]:
-    import ray
-
-    ray.init(
-        num_cpus=2,
-        _node_ip_address="127.0.0.2",
-        include_dashboard=False,
-        log_to_driver=False,
-        object_store_memory=256 << 20,
-    )
-    try:
-        yield str(ray.get_runtime_context().gcs_address)
-    finally:
-        ray.shutdown()
+def ray_cluster(ray_address: str) -> str:
+    """The session's shared Ray cluster (tests/conftest.py)."""
+    return ray_address
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))

@@ -13,7 +13,7 @@ import subprocess
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ import yaml
 from prometheus_client import CollectorRegistry, start_http_server
 
 from pdserve.deploy import top
-from pdserve.deploy.cluster import Cluster, init_local_ray
+from pdserve.deploy.cluster import Cluster
 from pdserve.deploy.config import ClusterConfig
 from pdserve.deploy.file_sd import FileSD, cluster_targets
 from pdserve.engine.sampling_params import SamplingParams
@@ -41,13 +41,6 @@ ROUTER_STAGES = ("pdserve_request_queue_seconds", "pdserve_prefill_queue_seconds
                  "pdserve_prefill_seconds", "pdserve_kv_transfer_seconds",
                  "pdserve_decode_queue_seconds", "pdserve_time_to_first_token_seconds",
                  "pdserve_time_per_output_token_seconds", "pdserve_e2e_request_latency_seconds")
-
-
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
-    init_local_ray(num_cpus=4)
-    yield
-    ray.shutdown()
 
 
 def free_port() -> int:
@@ -140,7 +133,7 @@ async def run_load(cluster: Cluster, metrics: RouterMetrics) -> list[FinalChunk]
 
 
 def test_prometheus_scrapes_a_cluster_under_load(
-        prometheus_bins: tuple[str, str], ray_cluster: None,
+        prometheus_bins: tuple[str, str], ray_address: str,
         tiny_model: Callable[[str], Path], tmp_path: Path) -> None:
     model = tiny_model("llama-gqa")
     cfg = ClusterConfig.from_dict({
@@ -178,8 +171,6 @@ def test_prometheus_scrapes_a_cluster_under_load(
             'sum(pdserve_engine_tokens_total{role="decode"})': NUM_REQUESTS * (MAX_TOKENS - 1),
         }
         wrong = {q: (prom.value(q), want) for q, want in counts.items() if prom.value(q) != want}
-        # Prefill-side stages short while the rest match: Router.generate() drops the
-        # timings of a PrefillResult that arrives after the decode stream finished.
         assert not wrong, f"(got, expected): {wrong}"
         assert prom.value("sum(pdserve_prefix_cache_hits_total)") > 0
 
