@@ -38,6 +38,8 @@ class Linear(nn.Module):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:  # one fused op, bit-identical to the steps below
+        return F.rms_norm(x, weight.shape, weight, eps)
     # Computed in float32 like the reference implementation, then cast back.
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -63,10 +65,10 @@ class DecoderLayer(nn.Module):
                 attn: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv(rms_norm(x, self.input_norm, self.eps))
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        # q and k heads side by side get one rotary pass: [T, H + KVH, D]
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, -1, self.head_dim)
+        q, k = apply_rotary(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         o = attn(q, k, v, kv_layer, meta)
         x = x + self.o(o.reshape(t, self.q_size))
         gate, up = self.gate_up(rms_norm(x, self.post_attn_norm, self.eps)).chunk(2, dim=-1)

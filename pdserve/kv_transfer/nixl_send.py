@@ -121,7 +121,10 @@ class NixlSender(KVSender):
             )
             status = self._agent.transfer(handle)
         except Exception as exc:  # nixlBind raises its own error types
-            self._state.message_done(request_id, (FailReason.TRANSPORT, str(exc)))
+            # The agent may notice a dead receiver before our control link does.
+            reason = (FailReason.PEER_DIED if "REMOTE_DISCONNECT" in str(exc)
+                      else FailReason.TRANSPORT)
+            self._state.message_done(request_id, (reason, str(exc)))
             return
         if status == "ERR":
             handle.release()
