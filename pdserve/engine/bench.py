@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cost import cost_model
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -106,7 +107,11 @@ def main() -> None:
         for dtype in args.dtypes.split(","):
             eng = LLMEngine(model_dir, EngineConfig(dtype=dtype, num_threads=threads,
                                                     max_num_seqs=max(conc)))
-            weight_bytes = sum(p.numel() * p.element_size() for p in eng.model.parameters())
+            # Bytes a decode step must read: every matmul weight once, LM head included
+            # (the embedding lookup reads one row).
+            cost = cost_model(eng.model_config, dtype)
+            weight_bytes = (cost.num_layers * cost.linear_params_per_layer
+                            + cost.head_params) * cost.dtype_bytes
             vocab = eng.model_config.vocab_size
             prompt = random_prompts(1, args.prompt_len, vocab)[0]
             engine_single_stream(eng, prompt, 8)  # warm-up

@@ -28,7 +28,7 @@ import torch
 from pdserve.engine.attention import make_attention
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ModelConfig, ceil_div
-from pdserve.engine.model import LlamaModel
+from pdserve.engine.model import Linear, LlamaModel
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.rope import RotaryEmbedding
 from pdserve.engine.runner import ModelRunner, Sampled
@@ -91,6 +91,10 @@ class LLMEngine:
             model = LlamaModel(mc, rotary)
         model = model.to_empty(device=device).to(dtype)
         load_weights(model, self.model_dir)
+        if self.config.resolve_linear_backend() == "onednn":
+            for module in model.modules():
+                if isinstance(module, Linear):
+                    module.pack()
         self.model = model
 
         self.block_size = self.config.block_size

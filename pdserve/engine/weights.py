@@ -60,12 +60,9 @@ def load_weights(model: LlamaModel, model_dir: Path) -> None:
     params = dict(model.named_parameters())
 
     def put(name: str, value: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
-        # Linear weights are stored transposed ([in, out]); a fused matrix's parts
-        # are column ranges of it.
+        # A fused matrix's parts are row ranges of it.
         p = params[name]
-        if name.endswith("weight_t"):
-            value = value.t()
-        target = p.data if rows is None else p.data[..., rows[0] : rows[1]]
+        target = p.data if rows is None else p.data[rows[0] : rows[1]]
         if target.shape != value.shape:
             raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != {tuple(target.shape)}")
         target.copy_(value)
@@ -78,7 +75,7 @@ def load_weights(model: LlamaModel, model_dir: Path) -> None:
             put("norm", tensor)
         elif hf_name == "lm_head.weight":
             if not cfg.tie_word_embeddings:
-                put("lm_head.weight_t", tensor)
+                put("lm_head.weight", tensor)
         elif (m := _LAYER.match(hf_name)) is not None:
             layer, rest = m.group(1), m.group(2)
             module, _, kind = rest.rpartition(".")  # kind: weight | bias
@@ -90,19 +87,17 @@ def load_weights(model: LlamaModel, model_dir: Path) -> None:
             elif module in _FUSED:
                 fused, idx = _FUSED[module]
                 lo, hi = splits[fused][idx], splits[fused][idx + 1]
-                put(f"{prefix}{fused}.{kind}_t" if kind == "weight" else f"{prefix}{fused}.{kind}",
-                    tensor, (lo, hi))
+                put(f"{prefix}{fused}.{kind}", tensor, (lo, hi))
             elif module in _PLAIN:
-                put(f"{prefix}{_PLAIN[module]}.{kind}_t" if kind == "weight"
-                    else f"{prefix}{_PLAIN[module]}.{kind}", tensor)
+                put(f"{prefix}{_PLAIN[module]}.{kind}", tensor)
             elif "rotary_emb" not in rest:
                 raise ValueError(f"unexpected tensor in checkpoint: {hf_name}")
         else:
             raise ValueError(f"unexpected tensor in checkpoint: {hf_name}")
 
     if cfg.tie_word_embeddings:
-        model.lm_head.weight_t.data.copy_(model.embed.weight.data.t())
-        loaded.add("lm_head.weight_t")
+        model.lm_head.weight.data.copy_(model.embed.weight.data)
+        loaded.add("lm_head.weight")
     fused_parts = {"qkv": 3, "gate_up": 2}
     missing = []
     for name in sorted(expected):
