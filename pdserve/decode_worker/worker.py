@@ -119,6 +119,10 @@ class DecodeWorker(EngineLoop):
                 self._stats.kv_transfer_failures += 1
                 batch.append(DecodeOutput(ev.request_id, [], "", True, "error",
                                           error=f"KV transfer failed: {ev.error}"))
+        # Arrivals carry each request's first token: publish them now, not after the
+        # next decode step (that would add a whole step to every TTFT).
+        self._publish(batch)
+        batch = []
         if self.engine.has_unfinished():
             t0 = time.monotonic()
             last = self.engine.last_step
@@ -133,6 +137,9 @@ class DecodeWorker(EngineLoop):
                 if arrived is not None and out.first_scheduled_time is not None:
                     item.decode_queue_s = max(0.0, t0 - arrived)
                 batch.append(item)
+        self._publish(batch)
+
+    def _publish(self, batch: list[DecodeOutput]) -> None:
         if batch:
             with self._out_cv:
                 self._outbox.extend(batch)

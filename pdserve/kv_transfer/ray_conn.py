@@ -109,9 +109,7 @@ class RayReceiver(KVReceiver):
                     self._broken(describe(exc))
                     break
                 self._apply(sender, _from_plain(fields), data)
-        for rid in self._state.expired():
-            self._state.end(rid, FailReason.TIMEOUT, "no complete KV within the timeout")
-        return self._state.drain()
+        return self._state.expire_and_drain()
 
     def abort(self, request_id: str) -> None:
         self._state.end(request_id, FailReason.ABORTED, "aborted by receiver")

@@ -63,6 +63,13 @@ class RecvTracker:
                 raise ValueError(f"blocks {sorted(clash)[:8]} are expected by another request")
             self._live[request_id] = _Expected(frozenset(ids), self._clock() + timeout_s)
 
+    def expire_and_drain(self) -> list[RecvEvent]:
+        """Fail expectations past their timeout, then hand out every finished event
+        (the tail of a backend's ``poll`` whose late data cannot land anyway)."""
+        for rid in self.expired():
+            self.end(rid, FailReason.TIMEOUT, "no complete KV within the timeout")
+        return self.drain()
+
     def drain(self) -> list[RecvEvent]:
         with self.lock:
             events, self._events = self._events, []

@@ -85,9 +85,7 @@ class TorchReceiver(KVReceiver):
         self._state.expect(request_id, dst_block_ids, timeout_s)
 
     def poll(self) -> list[RecvEvent]:
-        for rid in self._state.expired():
-            self._state.end(rid, FailReason.TIMEOUT, "no complete KV within the timeout")
-        return self._state.drain()
+        return self._state.expire_and_drain()
 
     def abort(self, request_id: str) -> None:
         # Scatters run under the tracker lock: once end() returns, none can land.
