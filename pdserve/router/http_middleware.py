@@ -72,12 +72,29 @@ class RequestIdMiddleware:
                      status[0] or "-", rid, time.monotonic() - start)
 
 
+# A rejected body is read (and dropped) up to this many times the limit.
+DRAIN_FACTOR = 8
+
+
 class BodyLimitMiddleware:
     def __init__(self, app: ASGIApp, max_body_bytes: int):
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         self.app = app
         self.limit = max_body_bytes
+
+    async def _reject(self, receive: Receive, send: Send, more: bool = True) -> None:
+        """413. Most clients read the response only after sending the whole body, so
+        the rest is read and dropped first (up to a bound: past it, the connection is
+        closed and such a client sees a reset instead of the 413)."""
+        budget = DRAIN_FACTOR * self.limit
+        while more and budget > 0:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            budget -= len(message.get("body", b""))
+            more = message.get("more_body", False)
+        await send_error(send, 413, self._too_large(), [(b"connection", b"close")])
 
     def _too_large(self) -> dict[str, Any]:
         return error_object(f"request body is larger than {self.limit} bytes",
@@ -89,7 +106,7 @@ class BodyLimitMiddleware:
             return
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await send_error(send, 413, self._too_large(), [(b"connection", b"close")])
+            await self._reject(receive, send)
             return
         chunks: list[bytes] = []
         size = 0
@@ -99,7 +116,7 @@ class BodyLimitMiddleware:
                 return
             size += len(message.get("body", b""))
             if size > self.limit:
-                await send_error(send, 413, self._too_large(), [(b"connection", b"close")])
+                await self._reject(receive, send, more=message.get("more_body", False))
                 return
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):

@@ -42,6 +42,7 @@ class Served:
     client: openai.OpenAI
     model: str
     tokenizer: Tokenizer
+    tokenizer_dir: Path
     decode_metrics: str  # the decode worker's /metrics URL
     file_sd: Path  # the Prometheus targets file serve keeps
 
@@ -86,7 +87,7 @@ def served(tiny_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathF
         client = openai.OpenAI(base_url=f"{http[1]}/v1", api_key=KEY, max_retries=0,
                                timeout=60)
         yield Served(proc, mark, log, client, client.models.list().data[0].id,
-                     Tokenizer.from_dir(model), metrics[1], tmp / "targets.json")
+                     Tokenizer.from_dir(model), model, metrics[1], tmp / "targets.json")
     finally:
         if proc.poll() is None:  # test_sigint_... did not run or failed: stop hard
             os.killpg(proc.pid, signal.SIGKILL)
@@ -215,6 +216,55 @@ def test_overload_429_and_disconnect_frees_blocks(served: Served) -> None:
         assert time.monotonic() < deadline, f"decode blocks not freed: {blocks}"
         time.sleep(0.1)
     _ok(s)
+
+
+def test_bench_against_the_server_with_every_dataset(served: Served, tmp_path: Path) -> None:
+    """`pdserve bench` drives the real server with each dataset kind; the result JSON
+    has vLLM's fields and its counts add up."""
+    sharegpt = tmp_path / "sharegpt.json"
+    sharegpt.write_text(json.dumps([
+        {"conversations": [{"from": "human", "value": f"Tell me about the number {i}."},
+                           {"from": "gpt", "value": "It is a number that comes after "
+                                                    "the one before it, as numbers do."}]}
+        for i in range(6)]))
+    mooncake = tmp_path / "mooncake.jsonl"
+    mooncake.write_text("".join(json.dumps(
+        {"timestamp": 100 * i, "input_length": 40 + 10 * i, "output_length": 4,
+         "hash_ids": [1, 2 + i % 2]}) + "\n" for i in range(6)))
+    azure = tmp_path / "azure.csv"
+    azure.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2023-11-16 18:15:46.{i:06d},{20 + i},3\n" for i in range(6)))
+    base = str(served.client.base_url).removesuffix("/").removesuffix("/v1")
+    tokenizer = str(Path(served.tokenizer_dir))
+    runs = {
+        "random": ["--dataset", "random", "--random-input-len", "24",
+                   "--random-output-len", "4"],
+        "sharegpt": ["--dataset", "sharegpt", "--dataset-path", str(sharegpt),
+                     "--sharegpt-output-len", "4"],
+        "mooncake": ["--dataset", "trace", "--dataset-path", str(mooncake),
+                     "--trace-time-scale", "0.01", "--trace-length-scale", "0.1"],
+        "azure": ["--dataset", "trace", "--dataset-path", str(azure)],
+    }
+    for name, flags in runs.items():
+        out = tmp_path / f"{name}.json"
+        res = subprocess.run(
+            [sys.executable, "-m", "pdserve.deploy.cli", "bench", "--base-url", base,
+             "--api-key", KEY, "--tokenizer", tokenizer, "--num-prompts", "6",
+             "--disable-tqdm", "--result-filename", str(out), *flags],
+            capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, f"{name}:\n{res.stdout[-2000:]}\n{res.stderr[-2000:]}"
+        assert "Serving Benchmark Result" in res.stdout
+        r = json.loads(out.read_text())
+        for field in ("completed", "total_input_tokens", "total_output_tokens", "duration",
+                      "request_throughput", "output_throughput", "mean_ttft_ms",
+                      "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms",
+                      "mean_e2el_ms", "ttfts", "itls", "input_lens", "output_lens", "errors"):
+            assert field in r, (name, field)
+        assert r["completed"] == 6, (name, r.get("errors"))
+        assert len(r["ttfts"]) == len(r["output_lens"]) == 6
+        assert sum(r["output_lens"]) == r["total_output_tokens"] > 0
+        assert sum(r["input_lens"]) == r["total_input_tokens"] > 0
+    _ok(served)
 
 
 def test_sigint_stops_everything(served: Served) -> None:

@@ -47,8 +47,9 @@ def test_attended_tokens_estimate_is_close_for_mixed_chunks() -> None:
 
 def test_cost_model_matches_torch_flop_counter(tiny_model: Callable[[str], Path]) -> None:
     """Every matmul of a real step (linear layers + LM head) is in the cost model."""
-    engine = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=64,
-                                                             max_num_batched_tokens=40))
+    # The reference linear path: torch's FLOP counter does not see oneDNN's kernels.
+    engine = LLMEngine(tiny_model("llama-gqa"), EngineConfig(
+        num_blocks=64, max_num_batched_tokens=40, linear_backend="torch"))
     engine.add_request("a", list(range(5, 55)), SamplingParams(max_tokens=3))
     engine.add_request("b", list(range(5, 25)), SamplingParams(max_tokens=3))
     cost = cost_model(engine.model_config, "float32")
