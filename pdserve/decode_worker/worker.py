@@ -21,32 +21,25 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.cost import cost_model
-from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.loop import EngineLoop
+from pdserve.engine.engine import RequestOutput
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer import KVLayout, make_receiver
-from pdserve.messages import DecodeOutput, WorkerStats
+from pdserve.kv_transfer import make_receiver
+from pdserve.messages import DecodeOutput
+from pdserve.worker_loop import WorkerLoop
 
 
-class DecodeWorker(EngineLoop):
+class DecodeWorker(WorkerLoop):
     def __init__(self, worker_id: str, model_dir: str | Path, config: EngineConfig,
                  transfer: str = "local", transfer_options: dict[str, Any] | None = None,
                  kv_timeout_s: float = 30.0) -> None:
-        if config.role != "decode":
-            raise ValueError(f"a decode worker needs role='decode', got {config.role!r}")
-        super().__init__(name=f"decode-{worker_id}")
-        self.worker_id = worker_id
+        super().__init__("decode", worker_id, model_dir, config)
         self.kv_timeout_s = kv_timeout_s
-        self.engine = LLMEngine(model_dir, config)
-        self.layout = KVLayout(**self.engine.kv_layout_spec())  # type: ignore[arg-type]
         self.receiver = make_receiver(transfer, self.engine.kv_cache, self.layout,
                                       **(transfer_options or {}))
         self._outbox: list[DecodeOutput] = []
         self._out_cv = threading.Condition()
         self._kv_arrived: dict[str, float] = {}  # request id -> when its KV landed
-        self._stats = WorkerStats(worker_id, "decode", 0, 0, 0, self.engine.num_blocks)
         self.start()
 
     # ----------------------------------------------------- called from any thread
@@ -75,12 +68,6 @@ class DecodeWorker(EngineLoop):
             raise RuntimeError(f"decode worker {self.worker_id} loop died: {self.error!r}")
         return out
 
-    def stats(self) -> Future[WorkerStats]:
-        return self.call(self._snapshot)
-
-    def check_integrity(self) -> Future[None]:
-        return self.call(self.engine.check_integrity)
-
     def close(self) -> None:
         self.stop()
         self.receiver.close()
@@ -96,9 +83,6 @@ class DecodeWorker(EngineLoop):
         self.receiver.abort(rid)
         self.engine.abort(rid)
         self._kv_arrived.pop(rid, None)
-
-    def busy(self) -> bool:
-        return self.engine.has_unfinished()
 
     def iterate(self) -> None:
         batch: list[DecodeOutput] = []
@@ -125,12 +109,7 @@ class DecodeWorker(EngineLoop):
         batch = []
         if self.engine.has_unfinished():
             t0 = time.monotonic()
-            last = self.engine.last_step
-            outputs = self.engine.step()
-            info = self.engine.last_step
-            if info is not None and info is not last:  # a batch ran
-                cost = cost_model(self.engine.model_config, self.engine.config.dtype)
-                self._stats.observe_step(info, *cost.step(info, len(outputs)))
+            outputs = self._step()
             for out in outputs:
                 item = self._convert(out)
                 arrived = self._kv_arrived.pop(out.request_id, None)
@@ -154,12 +133,3 @@ class DecodeWorker(EngineLoop):
             stop_reason=out.stop_reason,
             logprobs=[(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs],
         )
-
-    def _snapshot(self) -> WorkerStats:
-        e = self.engine.stats()
-        s = self._stats
-        s.num_running, s.num_waiting = e.num_running, e.num_waiting
-        s.num_waiting_for_kv, s.num_free_blocks = e.num_waiting_for_kv, e.num_free_blocks
-        s.prefix_queries, s.prefix_hits = e.prefix_queries, e.prefix_hits
-        s.num_preemptions = e.num_preemptions
-        return WorkerStats(**vars(s))

@@ -26,12 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.cost import cost_model
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.loop import EngineLoop
 from pdserve.engine.sampler import TokenLogprobs
-from pdserve.kv_transfer import KVLayout, make_sender
+from pdserve.kv_transfer import make_sender
 from pdserve.messages import PrefillResult, PrefillTask, WorkerStats
+from pdserve.worker_loop import WorkerLoop
 
 
 class PrefillError(RuntimeError):
@@ -51,20 +49,14 @@ class _InFlight:
     num_blocks: int = 0
 
 
-class PrefillWorker(EngineLoop):
+class PrefillWorker(WorkerLoop):
     def __init__(self, worker_id: str, model_dir: str | Path, config: EngineConfig,
                  transfer: str = "local", transfer_options: dict[str, Any] | None = None) -> None:
-        if config.role != "prefill":
-            raise ValueError(f"a prefill worker needs role='prefill', got {config.role!r}")
-        super().__init__(name=f"prefill-{worker_id}")
-        self.worker_id = worker_id
-        self.engine = LLMEngine(model_dir, config)
-        self.layout = KVLayout(**self.engine.kv_layout_spec())  # type: ignore[arg-type]
+        super().__init__("prefill", worker_id, model_dir, config)
         self.sender = make_sender(transfer, self.engine.kv_cache, self.layout,
                                   **(transfer_options or {}))
         self._peers: dict[str, Any] = {}  # decode worker id -> sender peer id
         self._inflight: dict[str, _InFlight] = {}
-        self._stats = WorkerStats(worker_id, "prefill", 0, 0, 0, self.engine.num_blocks)
         self.start()
 
     # ----------------------------------------------------- called from any thread
@@ -88,12 +80,6 @@ class PrefillWorker(EngineLoop):
     def abort(self, request_id: str) -> None:
         self.call(lambda: self._abort(request_id, "aborted"))
 
-    def stats(self) -> Future[WorkerStats]:
-        return self.call(self._snapshot)
-
-    def check_integrity(self) -> Future[None]:
-        return self.call(self.engine.check_integrity)
-
     def close(self) -> None:
         self.stop()
         self.sender.close()
@@ -103,17 +89,9 @@ class PrefillWorker(EngineLoop):
         if decode_worker not in self._peers:
             self._peers[decode_worker] = self.sender.connect(endpoint)
 
-    def busy(self) -> bool:
-        return self.engine.has_unfinished()
-
     def iterate(self) -> None:
         if self.engine.has_unfinished():
-            last = self.engine.last_step
-            outputs = self.engine.step()
-            info = self.engine.last_step
-            if info is not None and info is not last:  # a batch ran
-                cost = cost_model(self.engine.model_config, self.engine.config.dtype)
-                self._stats.observe_step(info, *cost.step(info, len(outputs)))
+            outputs = self._step()
             now = time.monotonic()
             for out in outputs:
                 f = self._inflight[out.request_id]
@@ -169,15 +147,9 @@ class PrefillWorker(EngineLoop):
             f.future.set_exception(PrefillError(f"request {request_id} {why}"))
 
     def _snapshot(self) -> WorkerStats:
-        e = self.engine.stats()
-        s = self._stats
-        s.num_running, s.num_waiting = e.num_running, e.num_waiting
-        s.num_free_blocks, s.queued_prefill_tokens = e.num_free_blocks, e.queued_prefill_tokens
-        s.prefix_queries, s.prefix_hits = e.prefix_queries, e.prefix_hits
-        s.num_preemptions = e.num_preemptions
-        s.blocks_in_flight = sum(f.num_blocks for f in self._inflight.values()
-                                 if f.send_started is not None)
-        return WorkerStats(**vars(s))
+        self._stats.blocks_in_flight = sum(f.num_blocks for f in self._inflight.values()
+                                           if f.send_started is not None)
+        return super()._snapshot()
 
 
 def _forward_failure(src: Future[Any], dst: Future[Any]) -> None:
