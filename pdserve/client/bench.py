@@ -30,6 +30,7 @@ from pdserve.client.openai_stream import (
 from pdserve.client.report import build_result, format_result, rate_field
 from pdserve.client.request_runner import RunSpec, arrival_offsets, run_requests, trace_offsets
 from pdserve.client.server_metrics import stage_breakdown
+from pdserve.client.sweep import DEFAULT_ATTAINMENT_TARGET
 from pdserve.client.tokens import PromptTokenizer, resolve_tokenizer_dir
 from pdserve.client.trace import TraceOptions, load_trace, trace_requests
 
@@ -64,6 +65,7 @@ class BenchConfig:
     max_concurrency: int | None = None
     ignore_eos: bool | None = None  # None: on for random and trace, off for sharegpt
     goodput: Mapping[str, float] = field(default_factory=dict)  # SLO name -> ms
+    slo_attainment_target: float = DEFAULT_ATTAINMENT_TARGET  # a sweep's DistServe goodput
     percentile_metrics: tuple[str, ...] = ("ttft", "tpot", "itl", "e2el")
     metric_percentiles: tuple[float, ...] = (99.0,)
     seed: int = 0
@@ -88,6 +90,9 @@ class BenchConfig:
         if self.dataset == "trace" and self.is_sweep:
             raise ValueError("--sweep-rates does not apply to trace replay "
                              "(its arrival times come from the trace; use --trace-time-scale)")
+        if not 0 < self.slo_attainment_target <= 1:
+            raise ValueError(f"--slo-attainment-target must be in (0, 100], "
+                             f"got {100 * self.slo_attainment_target:g}")
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"--base-url must start with http:// or https://, "
                              f"got {self.base_url!r}")

@@ -28,6 +28,7 @@ from pdserve.client.metrics import (
 )
 from pdserve.client.openai_stream import Timeouts
 from pdserve.client.report import format_sweep, rate_field, save_json, sweep_row
+from pdserve.client.sweep import describe_goodput, distserve_goodput
 from pdserve.client.trace import FORMATS
 
 
@@ -105,6 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     rep = p.add_argument_group("report")
     rep.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
                      help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000")
+    rep.add_argument("--slo-attainment-target", type=float, default=90.0, metavar="PCT",
+                     help="a sweep's DistServe goodput: the highest rate at which this %% of "
+                          "requests meet every --goodput SLO (default 90)")
     rep.add_argument("--percentile-metrics", default=",".join(PERCENTILE_METRICS),
                      help="metrics printed with percentiles (default ttft,tpot,itl,e2el)")
     rep.add_argument("--metric-percentiles", default="99",
@@ -139,6 +143,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         request_rates=args.sweep_rates or (args.request_rate,), burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
         goodput=parse_goodput(args.goodput),
+        slo_attainment_target=args.slo_attainment_target / 100.0,
         percentile_metrics=tuple(parse_metric_names(args.percentile_metrics)),
         metric_percentiles=tuple(parse_percentiles(args.metric_percentiles)), seed=args.seed,
         extra_body=extra, scrape_metrics=args.scrape_metrics,
@@ -162,34 +167,41 @@ def result_path(args: argparse.Namespace, cfg: BenchConfig, outcome: BenchOutcom
     return Path(args.result_dir or ".") / name
 
 
-def _plots(directory: Path, cfg: BenchConfig, outcome: BenchOutcome) -> list[Path]:
+def _plots(directory: Path, outcome: BenchOutcome, saved: dict[str, Any]) -> list[Path]:
     from pdserve.client.plots import plot_latency_cdfs, plot_sweep, plot_timeline
 
     runs = [(f"{r['request_rate']} req/s", r) for r in outcome.results]
     written = [plot_latency_cdfs(runs, directory / "latency_cdf.png")]
-    if cfg.is_sweep:
-        for r in outcome.results:
-            written.append(plot_timeline(r, directory / f"timeline_{r['request_rate']}.png"))
-        written.append(plot_sweep([sweep_row(r) for r in outcome.results],
-                                  directory / "sweep.png"))
-    else:
+    if "rows" not in saved:
         written.append(plot_timeline(outcome.results[0], directory / "timeline.png"))
+        return written
+    for r in outcome.results:
+        written.append(plot_timeline(r, directory / f"timeline_{r['request_rate']}.png"))
+    written.append(plot_sweep(saved["rows"], directory / "sweep.png",
+                              saved["distserve_goodput"]))
     return written
+
+
+def sweep_summary(cfg: BenchConfig, outcome: BenchOutcome) -> dict[str, Any]:
+    """What a sweep saves: the setup, one row per rate and the DistServe goodput."""
+    rows = [sweep_row(r) for r in outcome.results]
+    return {**outcome.setup, "rows": rows,
+            "distserve_goodput": distserve_goodput(rows, cfg.slo_attainment_target)}
 
 
 def run(args: argparse.Namespace) -> int:
     """``pdserve bench``: returns the exit status."""
     cfg = config_from_args(args)
     outcome = asyncio.run(run_benchmark(cfg))
+    saved = outcome.results[0]
     if cfg.is_sweep:
-        rows = [sweep_row(r) for r in outcome.results]
-        print(format_sweep(rows))
-        saved: dict[str, Any] = {**outcome.setup, "rows": rows}
-    else:
-        saved = outcome.results[0]
+        saved = sweep_summary(cfg, outcome)
+        print(format_sweep(saved["rows"]))
+        if saved["distserve_goodput"] is not None:
+            print(describe_goodput(saved["distserve_goodput"]))
     if args.save_result or args.result_filename:
         print(f"Result saved to {save_json(result_path(args, cfg, outcome), saved)}")
     if args.plot:
-        for path in _plots(Path(args.plot), cfg, outcome):
+        for path in _plots(Path(args.plot), outcome, saved):
             print(f"Figure: {path}")
     return 0 if any(r["completed"] > 0 for r in outcome.results) else 1

@@ -8,7 +8,9 @@ result can be plotted again later):
 * ``timeline.png`` (``timeline_<rate>.png`` in a sweep) — one horizontal line per
   request: waiting for the first token (start -> first token) and decoding
   (first token -> end); failed requests drawn in red;
-* ``sweep.png`` — SLO attainment and goodput / throughput against request rate.
+* ``sweep.png`` — SLO attainment against request rate, with the attainment target
+  and the DistServe goodput marked (``sweep.distserve_goodput``), and vLLM's
+  per-run goodput / throughput against request rate.
 """
 
 from __future__ import annotations
@@ -95,8 +97,10 @@ def plot_timeline(result: Mapping[str, Any], path: str | Path) -> Path:
     return _save(fig, plt, path)
 
 
-def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
-    """SLO attainment (left) and goodput / throughput (right) against request rate."""
+def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path,
+               goodput: Mapping[str, Any] | None = None) -> Path:
+    """SLO attainment (left; `goodput`: a sweep's DistServe goodput, marked) and
+    per-run goodput / throughput (right) against request rate."""
     plt = _pyplot()
     rows = [r for r in rows if math.isfinite(float(r["request_rate"]))]  # "inf" has no x
     rates = [float(r["request_rate"]) for r in rows]
@@ -107,6 +111,8 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
         for name in rows[0].get("slo_attainment_by_metric") or {}:
             left.plot(rates, [100.0 * r["slo_attainment_by_metric"][name] for r in rows],
                       ".--", label=name)
+        if goodput is not None:
+            _mark_goodput(left, goodput)
         left.legend(fontsize="small")
     else:
         left.text(0.5, 0.5, "no --goodput SLOs given", ha="center", transform=left.transAxes)
@@ -126,6 +132,16 @@ def plot_sweep(rows: Sequence[Mapping[str, Any]], path: str | Path) -> Path:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     return _save(fig, plt, path)
+
+
+def _mark_goodput(ax: Any, goodput: Mapping[str, Any]) -> None:
+    """The attainment target as a line; the DistServe goodput as a vertical line."""
+    ax.axhline(100.0 * goodput["target"], color="gray", linestyle=":",
+               label=f"target {100.0 * goodput['target']:g}%")
+    if goodput["rate"] is not None:
+        word = "≥ " if goodput["bound"] == "at_least" else ""
+        ax.axvline(goodput["rate"], color="tab:red", linestyle="--",
+                   label=f"DistServe goodput {word}{goodput['rate']:.3g} req/s")
 
 
 def _save(fig: Any, plt: Any, path: str | Path) -> Path:

@@ -7,7 +7,10 @@ run starts) come from one of:
 * a gamma process with mean rate ``request_rate``: gaps are
   Gamma(shape=burstiness, scale=1 / (rate * burstiness)) — mean 1/rate, coefficient
   of variation 1/sqrt(burstiness); ``burstiness = 1`` is a Poisson process, lower is
-  burstier, higher is more regular. The first request goes at 0;
+  burstier, higher is more regular. The first request goes at 0, and (as vLLM's
+  ``bench serve`` does) the gaps are rescaled so that the run offers exactly the
+  asked rate: the last request goes at ``(n - 1) / rate``. Without this a
+  24-request Poisson run is typically ±20% off its rate, which blurs a sweep;
 * trace replay: each request's own ``timestamp``.
 
 ``max_concurrency`` then caps requests in flight: a request whose time has come
@@ -44,7 +47,10 @@ def arrival_offsets(n: int, request_rate: float, burstiness: float = 1.0,
         return [0.0] * n
     rng = np.random.default_rng(seed)
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness), size=n - 1)
-    return [0.0, *np.cumsum(gaps).tolist()]
+    offsets = np.cumsum(gaps)
+    if n > 1 and offsets[-1] > 0:
+        offsets *= (n - 1) / request_rate / offsets[-1]
+    return [0.0, *offsets.tolist()]
 
 
 def trace_offsets(requests: Sequence[SampleRequest]) -> list[float]:

@@ -1,7 +1,8 @@
 """A tiny OpenAI-compatible streaming server for the bench tests (loopback, port 0).
 
 It streams ``max_tokens`` words (one SSE chunk each) after a first-token delay,
-reports usage, answers every ``fail_every``-th request with HTTP 429, lists one
+optionally one request at a time (``serial``: a queueing server, whose TTFT grows
+with the request rate), reports usage, answers every ``fail_every``-th request with HTTP 429, lists one
 model with ``max_model_len``, and serves ``/metrics`` from a fresh Prometheus
 registry holding the pdserve stage histograms (fixed observations per request).
 It runs its own event loop on a thread so synchronous code (the CLI) can call it.
@@ -39,6 +40,7 @@ class FakeConfig:
     fail_every: int = 0  # 0: never fail
     api_key: str | None = None
     usage: bool = True  # send the usage chunk when asked
+    serial: bool = False  # serve one request at a time (the others queue)
 
 
 @dataclass
@@ -53,6 +55,7 @@ class FakeServer:
         self.hists = {name: Histogram(name, name, ["model", "role"], registry=self.registry)
                       .labels(model=self.cfg.model, role="router") for name in STAGE_HISTOGRAMS}
         self._count = 0
+        self._serial = asyncio.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._runner: web.AppRunner | None = None
@@ -102,6 +105,12 @@ class FakeServer:
             return web.json_response({"error": {"message": "bad key"}}, status=401)
         if self.cfg.fail_every and self._count % self.cfg.fail_every == 0:
             return web.json_response({"error": {"message": "server overloaded"}}, status=429)
+        if self.cfg.serial:
+            async with self._serial:
+                return await self._stream(request, body)
+        return await self._stream(request, body)
+
+    async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         chat = "messages" in body
         prompt = body["messages"][0]["content"] if chat else body["prompt"]
         n = int(body.get("max_tokens", 16))

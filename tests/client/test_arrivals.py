@@ -26,6 +26,15 @@ def test_mean_rate_and_spread(burstiness: float) -> None:
     assert cv == pytest.approx(1 / math.sqrt(burstiness), rel=0.15)
 
 
+def test_the_run_offers_exactly_the_rate() -> None:
+    # vLLM's rescale: the arrivals span exactly (n - 1) / rate, whatever the seed.
+    for seed in range(5):
+        offsets = arrival_offsets(24, 2.0, burstiness=0.5, seed=seed)
+        assert offsets[-1] == pytest.approx(23 / 2.0)
+        assert offsets == sorted(offsets)
+    assert arrival_offsets(1, 2.0) == [0.0]
+
+
 def test_burstier_means_more_spread() -> None:
     assert _gaps(5.0, 0.3).std() > _gaps(5.0, 1.0).std() > _gaps(5.0, 5.0).std()
 

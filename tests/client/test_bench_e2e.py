@@ -78,6 +78,28 @@ def test_sweep_chat(fake_server: Make, tiny_dir: Path, tmp_path: Path,
         assert (tmp_path / "plots" / name).read_bytes()[:4] == PNG_MAGIC
 
 
+def test_sweep_finds_the_distserve_goodput(fake_server: Make, tiny_dir: Path, tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    # One request at a time, ~25 ms each: at 10 req/s nothing queues for long, at
+    # 1000 req/s (10 requests within 9 ms) the later ones wait past the 150 ms TTFT SLO.
+    srv = fake_server(serial=True, ttft_s=0.02, token_gap_s=0.001)
+    out = tmp_path / "sweep.json"
+    rc = _bench(srv.url, tiny_dir, "--num-prompts", "10", "--random-input-len", "8",
+                "--random-output-len", "4", "--sweep-rates", "10,1000",
+                "--goodput", "ttft:150", "--result-filename", str(out),
+                "--plot", str(tmp_path / "plots"))
+    assert rc == 0
+    saved = json.loads(out.read_text())
+    low, high = (row["slo_attainment"] for row in saved["rows"])
+    assert low >= 0.9 > high
+    g = saved["distserve_goodput"]
+    assert g["bound"] == "interpolated" and g["between"] == [10.0, 1000.0]
+    assert g["rate"] == pytest.approx(10 + (low - 0.9) / (low - high) * 990)
+    assert f"DistServe goodput (highest rate with >= 90% SLO attainment): {g['rate']:.3g}" \
+        in capsys.readouterr().out
+    assert (tmp_path / "plots" / "sweep.png").read_bytes()[:4] == PNG_MAGIC
+
+
 def test_trace_replay(fake_server: Make, tiny_dir: Path, tmp_path: Path) -> None:
     srv = fake_server(max_model_len=256)
     trace = tmp_path / "mooncake.jsonl"
@@ -115,3 +137,4 @@ def test_failures_and_bad_input(fake_server: Make, tiny_dir: Path,
     assert "cannot list models" in capsys.readouterr().err
     assert _bench(srv.url, tiny_dir, "--goodput", "ttft") == 2
     assert _bench(srv.url, tiny_dir, "--dataset", "trace") == 2
+    assert _bench(srv.url, tiny_dir, "--slo-attainment-target", "0") == 2
