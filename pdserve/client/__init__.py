@@ -12,6 +12,7 @@ server. One job per module:
 | `request_runner` | arrival process (Poisson / gamma / trace) and the concurrency cap |
 | `metrics` | TTFT / TPOT / ITL / E2EL statistics, throughput, goodput |
 | `server_metrics` | the server's stage histograms, before vs after a run |
+| `sweep` | a rate sweep's DistServe goodput (highest rate with >= 90% SLO attainment) |
 | `report` | result JSON (vLLM field names), the printed block, the sweep table |
 | `plots` | PNG figures: latency CDFs, request timeline, sweep |
 | `bench`, `bench_cli` | `BenchConfig` and the run; the command-line flags |
