@@ -13,6 +13,7 @@ as a Ray actor.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -28,6 +29,8 @@ from pdserve.kv_transfer import make_receiver
 from pdserve.messages import DecodeOutput
 from pdserve.worker_loop import WorkerLoop
 
+log = logging.getLogger("pdserve.decode_worker")
+
 
 class DecodeWorker(WorkerLoop):
     def __init__(self, worker_id: str, model_dir: str | Path, config: EngineConfig,
@@ -40,6 +43,10 @@ class DecodeWorker(WorkerLoop):
         self._outbox: list[DecodeOutput] = []
         self._out_cv = threading.Condition()
         self._kv_arrived: dict[str, float] = {}  # request id -> when its KV landed
+        # Block ownership: a request's blocks go back to the engine only once the
+        # receiver has reported it (no late write can land in them any more).
+        self._expecting: set[str] = set()  # reserved; the receiver has not reported it
+        self._aborted: set[str] = set()  # ... of those, aborted: free on the report
         self.start()
 
     # ----------------------------------------------------- called from any thread
@@ -75,20 +82,37 @@ class DecodeWorker(WorkerLoop):
     # ---------------------------------------------------------------- loop side
     def _reserve(self, rid: str, prompt: Sequence[int], params: SamplingParams) -> list[int] | None:
         blocks = self.engine.reserve(rid, prompt, params)
-        if blocks is not None:
+        if blocks is None:
+            return None
+        try:
             self.receiver.expect(rid, blocks, self.kv_timeout_s)
+        except ValueError as exc:
+            # The engine handed out blocks the receiver still expects KV in: ownership
+            # is checked, not trusted. Never give them to this request; no room now.
+            self.engine.abort(rid)
+            log.error("decode worker %s: reservation %s refused: %s", self.worker_id, rid, exc)
+            return None
+        self._expecting.add(rid)
         return blocks
 
     def _abort(self, rid: str) -> None:
-        self.receiver.abort(rid)
-        self.engine.abort(rid)
         self._kv_arrived.pop(rid, None)
+        if rid in self._expecting:  # KV may still land: keep the blocks until reported
+            self._aborted.add(rid)
+            self.receiver.abort(rid)
+        else:
+            self.engine.abort(rid)
 
     def iterate(self) -> None:
         batch: list[DecodeOutput] = []
         for ev in self.receiver.poll():
+            self._expecting.discard(ev.request_id)
+            if ev.request_id in self._aborted:  # its blocks can be reused now
+                self._aborted.discard(ev.request_id)
+                self.engine.abort(ev.request_id)
+                continue
             if ev.request_id not in self.engine.requests:
-                continue  # aborted meanwhile
+                continue
             if ev.ok:
                 now = time.monotonic()
                 self._kv_arrived[ev.request_id] = now
