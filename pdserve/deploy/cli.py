@@ -58,7 +58,12 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default=None,
                    help="routing: least_loaded | prefix_affinity | round_robin")
     p.add_argument("--config", default=None, help="YAML cluster config (flags override it)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on HTTP")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on HTTP and gRPC")
+    p.add_argument("--api-key-file", default=None,
+                   help="file of accepted keys, one per line (with or without --api-key)")
+    p.add_argument("--protect-probes", action="store_true", default=None,
+                   help="the key guards /health, /metrics and grpc.health.v1 too")
     p.add_argument("--file-sd", default=None,
                    help="write a Prometheus file-SD targets file here (kept current)")
     p.add_argument("--ttft-slo-ms", type=float, default=None, help="TTFT target for SLO metrics")
@@ -108,6 +113,8 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         "address": getattr(args, "address", None),
         "router.policy": getattr(args, "policy", None),
         "api_key": getattr(args, "api_key", None),
+        "api_key_file": getattr(args, "api_key_file", None),
+        "protect_probes": getattr(args, "protect_probes", None),
         "file_sd_path": getattr(args, "file_sd", None),
         "ttft_slo_ms": getattr(args, "ttft_slo_ms", None),
         "tpot_slo_ms": getattr(args, "tpot_slo_ms", None),

@@ -66,7 +66,9 @@ class ClusterConfig:
     decode: PoolConfig = field(default_factory=PoolConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     kv_timeout_s: float = 30.0  # decode side: KV must arrive this soon after reserve
-    api_key: str | None = None  # HTTP API: required Bearer token (None = open)
+    api_key: str | None = None  # HTTP + gRPC: required Bearer token (None = open) ...
+    api_key_file: str | None = None  # ... and/or a file of them, one per line
+    protect_probes: bool = False  # the keys guard /health, /metrics, grpc.health.v1 too
     file_sd_path: str | None = None  # Prometheus file-SD targets file (None = not written)
     ttft_slo_ms: float | None = None  # SLO targets for the attainment counters
     tpot_slo_ms: float | None = None

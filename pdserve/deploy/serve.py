@@ -21,6 +21,7 @@ from pdserve.deploy.cluster import Cluster
 from pdserve.deploy.config import ClusterConfig
 from pdserve.deploy.file_sd import FileSD, cluster_targets
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.api_keys import ApiKeys
 from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http_api import build_app, start_http_server
 from pdserve.router.metrics import RouterMetrics
@@ -43,6 +44,7 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
+    keys = ApiKeys.load(cfg.api_key, cfg.api_key_file)  # a bad key file fails before start-up
     cluster = Cluster(cfg, num_cpus=num_cpus, progress=_progress)
     grpc_server = None
     http_server = None
@@ -58,14 +60,17 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
             ttft_slo_s=cfg.ttft_slo_ms / 1e3 if cfg.ttft_slo_ms else None,
             tpot_slo_s=cfg.tpot_slo_ms / 1e3 if cfg.tpot_slo_ms else None))
         await router.start()
-        grpc_server, grpc_port = await start_grpc_server(router, cfg.host, cfg.grpc_port)
-        app = build_app(router, router.model_name, registry, api_key=cfg.api_key)
+        grpc_server, grpc_port = await start_grpc_server(
+            router, cfg.host, cfg.grpc_port, api_keys=keys, protect_probes=cfg.protect_probes)
+        app = build_app(router, router.model_name, registry, api_keys=keys,
+                        protect_probes=cfg.protect_probes)
         http_server, http_port = await start_http_server(app, cfg.host, cfg.http_port)
         base = f"http://{_url_host(cfg.host)}:{http_port}"
         _progress(f"gRPC   {cfg.host}:{grpc_port} (pdserve.v1.Generation, grpc.health.v1)")
         _progress(f"HTTP   {base}/v1 (OpenAI: /v1/completions, /v1/chat/completions, "
-                  f"/v1/models{'; Bearer key required' if cfg.api_key else ''})")
-        _progress(f"HTTP   {base}/health, {base}/metrics (router)")
+                  f"/v1/models{f'; {len(keys)} Bearer key(s) required' if keys else ''})")
+        _progress(f"HTTP   {base}/health, {base}/metrics (router; "
+                  f"{'key required' if keys and cfg.protect_probes else 'open'})")
         workers = cluster.metrics_targets()
         for wid, (host, port) in workers.items():
             _progress(f"worker {wid}: http://{host}:{port}/metrics")

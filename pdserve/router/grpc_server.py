@@ -6,6 +6,15 @@ and the router's front-boundary types (``router/types.py``): proto request ->
 -> ``GenerateResponse`` messages, ``RouterError`` kinds -> gRPC status codes, and
 the health status (SERVING only while ``router.ready()``, re-read periodically).
 
+Bad input is INVALID_ARGUMENT, never INTERNAL or UNKNOWN: requests arrive as raw
+bytes and are parsed here, so a corrupt message (bad wire format, invalid UTF-8)
+is the client's error rather than a failed deserializer; a ``request_id`` must be
+1-128 printable ASCII characters (it goes into metadata and logs). Status
+messages are what ``public_errors`` lets a client see.
+
+API keys: with keys, every call needs metadata ``authorization: Bearer <key>``
+(UNAUTHENTICATED otherwise), ``grpc.health.v1`` excepted unless ``protect_probes``.
+
 Cancellation rule: whatever ends an RPC early (client cancel, gRPC deadline, a
 closed stream) ends the handler task, and the handler then closes the router's
 stream (``aclose()``), which is how the router learns to abort the request on its
@@ -21,18 +30,21 @@ import math
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.protos import pb, pb_grpc
+from pdserve.protos import pb
 from pdserve.router.api_common import (
     REQUEST_ID_KEY,
     RouterLike,
     check_model,
+    checked_request_id,
     close_stream,
-    new_request_id,
 )
+from pdserve.router.api_keys import ApiKeys
+from pdserve.router.public_errors import public_message
 from pdserve.router.types import (
     ErrorKind,
     FinalChunk,
@@ -113,7 +125,7 @@ def request_from_proto(request: Any, time_remaining: float | None) -> GenerateRe
             raise ValueError(f"timeout_s must be > 0 and finite, got {request.timeout_s}")
         timeouts.append(request.timeout_s)
     req = GenerateRequest(
-        request_id=request.request_id or new_request_id(),
+        request_id=checked_request_id(request.request_id or None),
         params=sampling_params_from_proto(request.params),
         timeout_s=min(timeouts) if timeouts else None,
     )
@@ -158,6 +170,15 @@ def response_from_item(item: StreamChunk | FinalChunk) -> Any:
     return pb.GenerateResponse(final=final)
 
 
+def _parse(message_type: Any, raw: bytes) -> Any:
+    """A request message from its wire bytes; ValueError when they are not one."""
+    try:
+        return message_type.FromString(raw)
+    except DecodeError as exc:
+        raise ValueError(f"the request is not a valid {message_type.DESCRIPTOR.full_name} "
+                         f"message") from exc
+
+
 class GenerationServicer:
     """Implements ``pdserve.v1.Generation`` over a router."""
 
@@ -165,16 +186,44 @@ class GenerationServicer:
         self._router = router
         self.health_task: asyncio.Task[None] | None = None  # held here so it is never GC'd
 
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The service's methods, taking their requests as raw bytes (see the module doc)."""
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                self._generate_raw, response_serializer=pb.GenerateResponse.SerializeToString),
+            "ListModels": grpc.unary_unary_rpc_method_handler(
+                self._list_models_raw,
+                response_serializer=pb.ListModelsResponse.SerializeToString),
+        })
+
+    async def _generate_raw(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
+        try:
+            request = _parse(pb.GenerateRequest, raw)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return  # not reached: abort() raises
+        await self.Generate(request, context)
+
+    async def _list_models_raw(self, raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            request = _parse(pb.ListModelsRequest, raw)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            return None  # not reached: abort() raises
+        return await self.ListModels(request, context)
+
     async def Generate(self, request: Any, context: grpc.aio.ServicerContext) -> None:
+        rid = request.request_id
         try:
             check_model(self._router, request.model)
         except RouterError as exc:
-            await _abort(context, exc)
+            await _abort(context, exc, rid)
             return  # not reached: abort() raises
         try:
             req = request_from_proto(request, context.time_remaining())
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                public_message(ErrorKind.INVALID, str(exc), rid))
             return  # not reached
         await context.send_initial_metadata(((REQUEST_ID_KEY, req.request_id),))
 
@@ -199,7 +248,7 @@ class GenerationServicer:
         finally:
             await close_stream(stream, req.request_id)
         if error is not None:
-            await _abort(context, error)
+            await _abort(context, error, req.request_id)
 
     async def ListModels(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         models = [
@@ -209,11 +258,43 @@ class GenerationServicer:
         return pb.ListModelsResponse(models=models)
 
 
-async def _abort(context: grpc.aio.ServicerContext, error: RouterError) -> None:
+async def _abort(context: grpc.aio.ServicerContext, error: RouterError, request_id: str) -> None:
     trailing: tuple[tuple[str, str], ...] = ()
     if error.kind is ErrorKind.OVERLOADED and error.retry_after_s is not None:
         trailing = ((RETRY_AFTER_KEY, f"{error.retry_after_s:g}"),)
-    await context.abort(STATUS_OF[error.kind], error.message, trailing_metadata=trailing)
+    await context.abort(STATUS_OF[error.kind],
+                        public_message(error.kind, error.message, request_id),
+                        trailing_metadata=trailing)
+
+
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED unless the call carries ``authorization: Bearer <key>``; the
+    health service is open unless ``protect_probes``. Runs before the request is
+    read, so an unauthenticated call never reaches a handler."""
+
+    def __init__(self, keys: ApiKeys, protect_probes: bool = False):
+        self._keys = keys
+        self._protect_probes = protect_probes
+
+        async def deny(request: bytes, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                "missing or invalid API key (metadata authorization: "
+                                "Bearer <key>)")
+
+        # Status-only replies look the same on the wire for every call type.
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        if details.method.startswith(HEALTH_PREFIX) and not self._protect_probes:
+            return await continuation(details)
+        metadata = details.invocation_metadata or ()
+        given = next((v for k, v in metadata if k == "authorization"), None)
+        if isinstance(given, str) and self._keys.accepts_header(given):
+            return await continuation(details)
+        return self._deny
 
 
 async def _update_health(router: RouterLike, health: health_aio.HealthServicer) -> None:
@@ -240,9 +321,11 @@ async def _health_loop(
 
 
 async def start_grpc_server(
-    router: RouterLike, host: str, port: int, *, health_interval_s: float = 1.0
+    router: RouterLike, host: str, port: int, *, health_interval_s: float = 1.0,
+    api_keys: ApiKeys | None = None, protect_probes: bool = False,
 ) -> tuple[grpc.aio.Server, int]:
-    """Start serving Generation + Health on ``host:port`` (0 = ephemeral).
+    """Start serving Generation + Health on ``host:port`` (0 = ephemeral); with
+    ``api_keys``, every call but health checks (all, with ``protect_probes``) needs one.
 
     Returns the started server and the bound port. Stop it with ``await server.stop(grace)``;
     the health updater ends with it.
@@ -250,9 +333,10 @@ async def start_grpc_server(
     if not health_interval_s > 0:
         raise ValueError(f"health_interval_s must be > 0, got {health_interval_s}")
     # No SO_REUSEPORT: a second server on a taken port must fail, not share it silently.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    interceptors = [ApiKeyInterceptor(api_keys, protect_probes)] if api_keys else []
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
     servicer = GenerationServicer(router)
-    pb_grpc.add_GenerationServicer_to_server(servicer, server)
+    server.add_generic_rpc_handlers((servicer.handler(),))
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
 

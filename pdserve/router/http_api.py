@@ -1,16 +1,21 @@
 """The router's OpenAI-compatible HTTP front door (FastAPI on uvicorn).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as SSE
-``data: {json}`` events ending with ``data: [DONE]``, or whole), ``GET /v1/models``
-(these three need ``Authorization: Bearer <api_key>`` when a key is set),
+``data: {json}`` events ending with ``data: [DONE]``, or whole), ``GET /v1/models``,
 ``GET /health`` (200 only while ``router.ready()``), ``GET /metrics`` (the
-registry in Prometheus text format).
+registry in Prometheus text format), ``GET /openapi.json`` (the request bodies as
+``openapi_doc`` describes them). With API keys, every route but the two probes
+needs ``Authorization: Bearer <key>`` (``http_middleware.ApiKeyMiddleware``).
 
 Errors are OpenAI error objects with the status of ``openai_format.ERROR_STATUS``;
-bad input is a 4xx, never a 500. A request's first stream item is awaited before
-the response starts, so admission failures (429 with ``Retry-After``, 400s from the
-router) keep their status even when streaming; a router error after that becomes
-an SSE error event followed by ``[DONE]``.
+bad input is a 4xx, never a 500: a body that is not ``application/json`` is a
+415 (a browser can send ``text/plain`` cross-origin without asking), one that
+nests too deep, is not JSON or holds a lone surrogate a 400 (``json_body``), one
+too large a 413 (``http_middleware``). Messages are what ``public_errors`` lets a
+client see. A request's first stream item is awaited before the response starts,
+so admission failures (429 with ``Retry-After``, 400s from the router) keep their
+status even when streaming; a router error after that becomes an SSE error event
+followed by ``[DONE]``.
 
 Cancellation: a client that goes away, before or during the response, closes its
 ``RouterStream``, which aborts the request on both workers (see ``api_common``).
@@ -19,22 +24,27 @@ Cancellation: a client that goes away, before or during the response, closes its
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.router.api_common import RouterLike, RouterStream, check_model
-from pdserve.router.http_middleware import BodyLimitMiddleware, RequestIdMiddleware
+from pdserve.router.api_keys import ApiKeys
+from pdserve.router.http_middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    RequestIdMiddleware,
+)
 from pdserve.router.http_server import HttpServer, start_http_server
+from pdserve.router.json_body import BadJson, parse_json
 from pdserve.router.metrics import metrics_text
 from pdserve.router.openai_format import (
     ResponseBuilder,
@@ -49,6 +59,7 @@ from pdserve.router.openai_schema import (
     chat_request,
     completion_request,
 )
+from pdserve.router.public_errors import public_message
 from pdserve.router.types import ErrorKind, FinalChunk, RouterError, StreamChunk
 
 log = logging.getLogger("pdserve.http")
@@ -63,8 +74,8 @@ class ApiError(Exception):
         self.status, self.body, self.headers = status, body, headers or {}
 
     @classmethod
-    def from_router(cls, exc: RouterError) -> ApiError:
-        status, body = router_error_object(exc)
+    def from_router(cls, exc: RouterError, request_id: str) -> ApiError:
+        status, body = router_error_object(exc, request_id)
         headers = {}
         if exc.kind is ErrorKind.OVERLOADED:
             headers["Retry-After"] = str(max(1, round(exc.retry_after_s or 1)))
@@ -92,10 +103,12 @@ class _Api:
 
     async def generate(self, request: Request, chat: bool) -> Response:
         rid: str = request.state.request_id
+        _check_json_content_type(request)
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, error_object(f"the request body is not valid JSON: {exc}")) from exc
+            body = parse_json(await request.body())
+        except BadJson as exc:
+            raise ApiError(400, error_object(public_message(ErrorKind.INVALID, exc.message, rid),
+                                             param=exc.param)) from exc
         try:
             if isinstance(body, dict):
                 check_model(self.router, body.get("model") if isinstance(
@@ -110,15 +123,16 @@ class _Api:
                 parsed, req = completion_request(body, rid)
                 logprobs = parsed.logprobs is not None
         except InvalidRequest as exc:
-            raise ApiError(400, error_object(exc.message, param=exc.param)) from exc
+            raise ApiError(400, error_object(public_message(ErrorKind.INVALID, exc.message, rid),
+                                             param=exc.param)) from exc
         except RouterError as exc:
-            raise ApiError.from_router(exc) from exc
+            raise ApiError.from_router(exc, rid) from exc
         if rid in self.in_flight:
             raise ApiError(400, error_object(f"request id {rid!r} is already in flight",
                                              param="X-Request-Id"))
         if self.closing:
             raise ApiError.from_router(RouterError(ErrorKind.NOT_READY,
-                                                   "the server is shutting down"))
+                                                   "the server is shutting down"), rid)
         out = ResponseBuilder(
             chat=chat, request_id=rid, model=parsed.model or self.model_name,
             created=int(time.time()), text=self.text, logprobs=logprobs,
@@ -128,7 +142,7 @@ class _Api:
         try:
             first = await _unless_disconnected(request, call.next())
             if first is None:  # stream ended without a final chunk: not expected
-                raise ApiError.from_router(RouterError(ErrorKind.INTERNAL, "empty stream"))
+                raise ApiError.from_router(RouterError(ErrorKind.INTERNAL, "empty stream"), rid)
             if parsed.stream:
                 handed_over = True
                 # The background task also runs when the client left before the
@@ -139,7 +153,7 @@ class _Api:
                                          background=BackgroundTask(self._done, call))
             return JSONResponse(await _unless_disconnected(request, _collect(call, first, out)))
         except RouterError as exc:
-            raise ApiError.from_router(exc) from exc
+            raise ApiError.from_router(exc, rid) from exc
         finally:
             if not handed_over:
                 self._done(call)
@@ -161,10 +175,21 @@ class _Api:
                 item = await call.next()
         except RouterError as exc:
             log.warning("request %s failed mid-stream: %s", call.request_id, exc.message)
-            yield _event(router_error_object(exc)[1])
+            yield _event(router_error_object(exc, call.request_id)[1])
         finally:
             self._done(call)
         yield b"data: [DONE]\n\n"
+
+
+def _check_json_content_type(request: Request) -> None:
+    """415 unless the body is declared ``application/json`` (charset, if given, UTF-8)."""
+    media, *params = request.headers.get("content-type", "").split(";")
+    charset = next((p.split("=", 1)[1].strip().strip('"').lower() for p in params
+                    if p.strip().lower().startswith("charset=")), "utf-8")
+    if media.strip().lower() != "application/json" or charset not in ("utf-8", "utf8"):
+        raise ApiError(415, error_object("the request body must be JSON, sent with "
+                                         "Content-Type: application/json",
+                                         code="unsupported_media_type"))
 
 
 def _event(obj: dict[str, Any]) -> bytes:
@@ -207,23 +232,14 @@ class _ClientGone(Exception):
 
 
 def build_app(router: RouterLike, model_name: str, registry: CollectorRegistry,
-              api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-              ) -> FastAPI:
-    """The ASGI app serving ``router`` as ``model_name``; see the module docstring."""
+              api_keys: ApiKeys | None = None, protect_probes: bool = False,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The ASGI app serving ``router`` as ``model_name``; see the module docstring.
+    ``api_keys``: None = open; ``protect_probes``: the keys guard ``/health`` and
+    ``/metrics`` too."""
     api = _Api(router, model_name, registry)
 
-    async def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                  api_key.encode()):
-            raise ApiError(401, error_object("missing or invalid API key (Authorization: "
-                                             "Bearer <key>)", code="invalid_api_key"),
-                           {"WWW-Authenticate": "Bearer"})
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+    v1 = APIRouter(prefix="/v1")
 
     @v1.post("/completions")
     async def completions(request: Request) -> Response:
@@ -244,11 +260,12 @@ def build_app(router: RouterLike, model_name: str, registry: CollectorRegistry,
     app.state.pdserve_api = api  # for HttpServer.stop(): begin_shutdown(), tasks
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         if router.ready():
             return JSONResponse({"status": "ok"})
         status, body = router_error_object(RouterError(ErrorKind.NOT_READY,
-                                                       "no live prefill/decode worker pair"))
+                                                       "no live prefill/decode worker pair"),
+                                           request.state.request_id)
         return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
@@ -276,6 +293,10 @@ def build_app(router: RouterLike, model_name: str, registry: CollectorRegistry,
     app.add_exception_handler(_ClientGone, on_client_gone)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(Exception, on_unexpected)
+    # Added last = outermost: request id, then the body limit, then the keys (the
+    # body is read before a 401, so that answering never resets the connection).
+    if api_keys is not None:
+        app.add_middleware(ApiKeyMiddleware, keys=api_keys, protect_probes=protect_probes)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
-    app.add_middleware(RequestIdMiddleware)  # added last = outermost
+    app.add_middleware(RequestIdMiddleware)
     return app

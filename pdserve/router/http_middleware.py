@@ -4,13 +4,27 @@
   ``scope["state"]["request_id"]``, echoes it on every response, and writes one
   access log line per request carrying it.
 * ``BodyLimitMiddleware``: a request body larger than the limit gets a 413 before
-  any of it is parsed: at once from ``Content-Length``, otherwise (chunked) as soon
-  as the bytes read pass the limit. The body is read here whole and replayed to the
-  app; later ``receive()`` calls go to the server, so disconnects still arrive.
+  any of it is parsed: at once from a declared ``Content-Length`` (before reading a
+  byte of it), otherwise (chunked) as soon as the bytes read pass the limit. The
+  body is read here whole and replayed to the app; later ``receive()`` calls go to
+  the server, so disconnects still arrive.
+* ``ApiKeyMiddleware`` (with keys configured): every path needs ``Authorization:
+  Bearer <key>`` (401 otherwise) except the probes ``/health`` and ``/metrics``,
+  which stay open unless ``protect_probes``. Deny by default: a route added later
+  (``/admin/*``, ...) is protected without anyone remembering to.
+
+A 413 and its connection: the whole response is written first (so the client can
+read it at once), then, while the response is still open, the rest of the body is
+read and dropped (bounded by `DRAIN_FACTOR` x the limit and `DRAIN_TIMEOUT_S`), and
+only then is the connection closed. Closing a socket that still holds unread bytes
+resets it, and a client that sends the whole body before reading would see that
+reset instead of the 413. A client that sent ``Expect: 100-continue`` never sends
+the body, so nothing is drained.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -19,6 +33,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.router.api_common import REQUEST_ID_KEY, checked_request_id
+from pdserve.router.api_keys import ApiKeys
 from pdserve.router.openai_format import error_object
 
 log = logging.getLogger("pdserve.http")
@@ -72,8 +87,10 @@ class RequestIdMiddleware:
                      status[0] or "-", rid, time.monotonic() - start)
 
 
-# A rejected body is read (and dropped) up to this many times the limit.
+# A rejected body is read (and dropped) up to this many times the limit, for at
+# most this long.
 DRAIN_FACTOR = 8
+DRAIN_TIMEOUT_S = 5.0
 
 
 class BodyLimitMiddleware:
@@ -83,22 +100,30 @@ class BodyLimitMiddleware:
         self.app = app
         self.limit = max_body_bytes
 
-    async def _reject(self, receive: Receive, send: Send, more: bool = True) -> None:
-        """413. Most clients read the response only after sending the whole body, so
-        the rest is read and dropped first (up to a bound: past it, the connection is
-        closed and such a client sees a reset instead of the 413)."""
+    async def _reject(self, scope: Scope, receive: Receive, send: Send, more: bool) -> None:
+        """413 now; then drop the rest of the body before the connection closes (see
+        the module docstring)."""
+        body = json.dumps(error_object(f"request body is larger than {self.limit} bytes",
+                                       code="request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        if _header(scope, b"expect") == "100-continue":
+            more = False
         budget = DRAIN_FACTOR * self.limit
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + DRAIN_TIMEOUT_S
         while more and budget > 0:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), give_up - loop.time())
+            except asyncio.TimeoutError:
+                break
             if message["type"] != "http.request":
-                return
+                break
             budget -= len(message.get("body", b""))
             more = message.get("more_body", False)
-        await send_error(send, 413, self._too_large(), [(b"connection", b"close")])
-
-    def _too_large(self) -> dict[str, Any]:
-        return error_object(f"request body is larger than {self.limit} bytes",
-                            code="request_too_large")
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -106,7 +131,7 @@ class BodyLimitMiddleware:
             return
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            await self._reject(receive, send)
+            await self._reject(scope, receive, send, more=True)
             return
         chunks: list[bytes] = []
         size = 0
@@ -116,7 +141,7 @@ class BodyLimitMiddleware:
                 return
             size += len(message.get("body", b""))
             if size > self.limit:
-                await self._reject(receive, send, more=message.get("more_body", False))
+                await self._reject(scope, receive, send, more=message.get("more_body", False))
                 return
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
@@ -131,3 +156,22 @@ class BodyLimitMiddleware:
             return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
         await self.app(scope, replay, send)
+
+
+PROBES = ("/health", "/metrics")
+
+
+class ApiKeyMiddleware:
+    def __init__(self, app: ASGIApp, keys: ApiKeys, protect_probes: bool = False):
+        self.app = app
+        self.keys = keys
+        self.protect_probes = protect_probes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] != "http" or (scope["path"] in PROBES and not self.protect_probes)
+                or self.keys.accepts_header(_header(scope, b"authorization"))):
+            await self.app(scope, receive, send)
+            return
+        await send_error(send, 401, error_object(
+            "missing or invalid API key (Authorization: Bearer <key>)", code="invalid_api_key"),
+            [(b"www-authenticate", b"Bearer")])

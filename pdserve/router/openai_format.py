@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+from pdserve.router.public_errors import public_message
 from pdserve.router.types import (
     ErrorKind,
     FinalChunk,
@@ -41,9 +42,12 @@ def error_object(message: str, type_: str = "invalid_request_error", param: str 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def router_error_object(exc: RouterError) -> tuple[int, dict[str, Any]]:
+def router_error_object(exc: RouterError, request_id: str) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, error object) of a router error, its message as
+    ``public_errors`` lets the client see it."""
     status, type_, code = ERROR_STATUS[exc.kind]
-    return status, error_object(exc.message, type_, None, code)
+    return status, error_object(public_message(exc.kind, exc.message, request_id), type_, None,
+                                code)
 
 
 def _byte_decoder() -> dict[str, int]:

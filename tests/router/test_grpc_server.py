@@ -1,4 +1,6 @@
-"""gRPC front door over a scripted test router: streaming, errors, cancel, health."""
+"""gRPC front door over a scripted test router: streaming, errors, cancel, health,
+bad requests (corrupt messages, bad request ids), leaky messages, API keys.
+(``test_grpc_router.py`` drives a real router.)"""
 
 from __future__ import annotations
 
@@ -16,13 +18,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.protos import build, pb, pb_grpc
+from pdserve.router.api_keys import ApiKeys
 from pdserve.router.grpc_server import (
     REQUEST_ID_KEY,
     RETRY_AFTER_KEY,
     SERVICE_NAME,
+    STATUS_OF,
     GenerationServicer,
     start_grpc_server,
 )
+from pdserve.router.public_errors import GENERIC
 from pdserve.router.types import (
     ErrorKind,
     FinalChunk,
@@ -36,12 +41,15 @@ from pdserve.router.types import (
 )
 
 HOST = "127.0.0.1"
+LEAKY = ("ray::PrefillActor.prefill() (pid=4242, ip=10.1.2.3, actor_id=8d1a2c3b4e5f60718293a4b5)"
+         ' File "/opt/pdserve/pdserve/worker.py", line 7: \x1b[31mValueError\x1b[0m')
 
 
 class ScriptedRouter:
     """Echoes the prompt's token ids back one chunk each. Magic text prompts:
     ``error:<kind>`` raises before the stream, ``midstream:<kind>`` after one chunk,
-    ``hang`` blocks after one chunk, ``crash`` raises a non-RouterError."""
+    ``leak:<kind>`` raises with a message full of server internals, ``hang`` blocks
+    after one chunk, ``crash`` raises a non-RouterError."""
 
     tokenizer: Any = None
 
@@ -63,6 +71,8 @@ class ScriptedRouter:
             text = req.prompt or ""
             if text.startswith("error:"):
                 raise RouterError(ErrorKind(text[6:]), f"scripted {text[6:]}", retry_after_s=2.5)
+            if text.startswith("leak:"):
+                raise RouterError(ErrorKind(text[5:]), LEAKY)
             if text == "crash":
                 raise KeyError("bug")
             ids = req.prompt_token_ids or [ord(c) for c in text]
@@ -92,9 +102,10 @@ class ScriptedRouter:
 Scenario = Callable[[grpc.aio.Channel], Awaitable[None]]
 
 
-def serve(router: ScriptedRouter, scenario: Scenario) -> None:
+def serve(router: ScriptedRouter, scenario: Scenario, **server_kw: Any) -> None:
     async def main() -> None:
-        server, port = await start_grpc_server(router, HOST, 0, health_interval_s=0.02)
+        server, port = await start_grpc_server(router, HOST, 0, health_interval_s=0.02,
+                                               **server_kw)
         assert port > 0
         try:
             async with grpc.aio.insecure_channel(f"{HOST}:{port}") as channel:
@@ -188,8 +199,14 @@ def test_router_errors_map_to_status(kind: ErrorKind, code: grpc.StatusCode) -> 
     router = ScriptedRouter()
 
     async def scenario(channel: grpc.aio.Channel) -> None:
-        err = await expect_status(channel, pb.GenerateRequest(text=f"error:{kind.value}"))
-        assert err.code() == code and err.details() == f"scripted {kind.value}"
+        err = await expect_status(channel, pb.GenerateRequest(request_id="e1",
+                                                              text=f"error:{kind.value}"))
+        assert err.code() == code
+        if kind is ErrorKind.INTERNAL:  # never the router's text: it may hold worker insides
+            assert err.details() == ("internal error (request id e1; details are in the "
+                                     "server log)")
+        else:
+            assert err.details() == f"scripted {kind.value}"
         trailing = dict(err.trailing_metadata() or ())
         assert (trailing.get(RETRY_AFTER_KEY) == "2.5") == (kind is ErrorKind.OVERLOADED)
         # Mid-stream: the chunk already sent arrives, then the status.
@@ -227,6 +244,120 @@ def test_request_validation_errors() -> None:
 
     serve(router, scenario)
     assert len(router.requests) == 1  # only "crash" reached the router
+
+
+@pytest.mark.parametrize("rid", ["a\nb", "é", "x" * 129, "two words", "\x00"])
+def test_bad_request_id_is_invalid_argument(rid: str) -> None:
+    # Before: the id went into the initial metadata as it was, and grpc failed: INTERNAL.
+    router = ScriptedRouter()
+
+    async def scenario(channel: grpc.aio.Channel) -> None:
+        err = await expect_status(channel, pb.GenerateRequest(request_id=rid, text="x"))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "request id" in err.details()
+
+    serve(router, scenario)
+    assert router.requests == []
+
+
+def raw_call(channel: grpc.aio.Channel, method: str, payload: bytes, **kw: Any) -> Any:
+    """Call ``/pdserve.v1.Generation/<method>`` with ``payload`` as the wire bytes."""
+    path = f"/{SERVICE_NAME}/{method}"
+    if method == "Generate":
+        return channel.unary_stream(path, response_deserializer=pb.GenerateResponse.FromString)(
+            payload, **kw)
+    return channel.unary_unary(path, response_deserializer=pb.ListModelsResponse.FromString)(
+        payload, **kw)
+
+
+CORRUPT = [
+    b"\xff\xff\xff",  # wire format
+    b"\x0a\x05ab",  # a length running past the end
+    b"\x08" + b"\xff" * 11,  # a varint of 11 bytes
+]
+BAD_UTF8 = pb.GenerateRequest(text="hi").SerializeToString().replace(b"hi", b"\xc3\x28")
+
+
+def test_corrupt_messages_are_invalid_argument() -> None:
+    # Before: grpc's deserializer failed first and the client saw UNKNOWN.
+    router = ScriptedRouter()
+
+    async def scenario(channel: grpc.aio.Channel) -> None:
+        calls = [(m, p) for p in CORRUPT for m in ("Generate", "ListModels")]
+        # (To ListModelsRequest, which has no fields, the bad text is an unknown field.)
+        for method, payload in [*calls, ("Generate", BAD_UTF8)]:
+            call = raw_call(channel, method, payload)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                if method == "Generate":
+                    _ = [r async for r in call]
+                else:
+                    await call
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, payload)
+            assert "not a valid pdserve.v1." in info.value.details()
+        # An empty message is a valid one (every field unset).
+        assert len((await raw_call(channel, "ListModels", b"")).models) == 1
+
+    serve(router, scenario)
+    assert router.requests == []
+
+
+@pytest.mark.parametrize("kind", [ErrorKind.INVALID, ErrorKind.NOT_READY, ErrorKind.OVERLOADED])
+def test_messages_with_server_internals_are_not_shown(kind: ErrorKind,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    async def scenario(channel: grpc.aio.Channel) -> None:
+        err = await expect_status(channel, pb.GenerateRequest(request_id="k1",
+                                                              text=f"leak:{kind.value}"))
+        assert err.code() == STATUS_OF[kind]
+        assert err.details() == GENERIC[kind]
+        for secret in ("4242", "10.1.2.3", "/opt/", "8d1a2c3b", "\x1b", "ray::"):
+            assert secret not in err.details()
+
+    serve(ScriptedRouter(), scenario)
+    # The operator still finds the whole message, with the request id.
+    assert any("k1" in r.getMessage() and "10.1.2.3" in r.getMessage() for r in caplog.records)
+
+
+def test_api_keys_guard_every_call_but_health() -> None:
+    router = ScriptedRouter()
+    keys = ApiKeys(["k-old", "k-new"])
+    good = (("authorization", "Bearer k-new"),)
+
+    async def scenario(channel: grpc.aio.Channel) -> None:
+        stub = pb_grpc.GenerationStub(channel)
+        for metadata in [(), (("authorization", "Bearer nope"),), (("authorization", "k-new"),),
+                         (("authorization", "Basic k-new"),)]:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.ListModels(pb.ListModelsRequest(), metadata=metadata)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(channel, pb.GenerateRequest(text="ab"), metadata=metadata)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # Even a corrupt message is turned away before it is read.
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            _ = [r async for r in raw_call(channel, "Generate", CORRUPT[0])]
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert len((await stub.ListModels(pb.ListModelsRequest(), metadata=good)).models) == 1
+        out = await collect(channel, pb.GenerateRequest(text="ab"),
+                            metadata=(("authorization", "bearer k-old"),))
+        assert out[-1].WhichOneof("kind") == "final"
+        health = health_pb2_grpc.HealthStub(channel)
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=""))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    serve(router, scenario, api_keys=keys)
+    assert len(router.requests) == 1
+
+
+def test_protect_probes_guards_health_too() -> None:
+    async def scenario(channel: grpc.aio.Channel) -> None:
+        health = health_pb2_grpc.HealthStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await health.Check(health_pb2.HealthCheckRequest(service=""))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=""),
+                                   metadata=(("authorization", "Bearer k"),))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    serve(ScriptedRouter(), scenario, api_keys=ApiKeys(["k"]), protect_probes=True)
 
 
 def test_client_cancel_closes_router_stream() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,9 +18,11 @@ import httpx2
 from prometheus_client import CollectorRegistry
 
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.router.api_keys import ApiKeys
 from pdserve.router.http_api import build_app, start_http_server
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.openai_format import TokenText
+from pdserve.router.public_errors import GENERIC
 from pdserve.router.types import (
     ErrorKind,
     FinalChunk,
@@ -33,6 +36,8 @@ from tests.integration.test_inprocess import Pair, pair_factory  # noqa: F401  (
 
 Client = httpx2.AsyncClient
 GREEDY = {"model": "tiny", "temperature": 0, "ignore_eos": True}
+LEAKY = ("ray::PrefillActor.prefill() (pid=4242, ip=10.1.2.3, actor_id=8d1a2c3b4e5f60718293a4b5)"
+         ' File "/opt/pdserve/pdserve/worker.py", line 7: \x1b[31mValueError\x1b[0m')
 
 
 def serve(router: Any, body: Callable[[Client], Awaitable[None]], **app_kw: Any) -> None:
@@ -223,6 +228,18 @@ BAD: list[tuple[str, Any, int, str | None]] = [
                               "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
+    # Lone surrogates (the tokenizer raised TypeError: 500), deep nesting (RecursionError: 500)
+    ("/v1/completions", b'{"prompt": "a\\ud800b"}', 400, "prompt"),
+    ("/v1/completions", b'{"prompt": "x", "stop": ["\\udfff"]}', 400, "stop"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}', 400,
+     "messages"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "\\ud800", "content": "x"}]}', 400,
+     "messages"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", '
+     b'"text": "\\udbff"}]}]}', 400, "messages"),
+    ("/v1/completions", b'{"prompt": "x", "\\ud800": 1}', 400, None),
+    ("/v1/completions", b"[" * 2000 + b"]" * 2000, 400, None),  # within the 4096-byte limit
+    ("/v1/completions", b'{"prompt": "x", "user": ' + b"[" * 33 + b"]" * 33 + b"}", 400, None),
 ]
 
 
@@ -234,21 +251,26 @@ def test_bad_input_is_a_4xx_and_the_server_keeps_serving(
         for path, payload, status, param in BAD:
             kw: dict[str, Any] = ({"content": payload} if isinstance(payload, bytes)
                                   else {"json": payload})
-            r = await c.post(path, **kw, headers=key)
+            r = await c.post(path, **kw, headers={**key, "Content-Type": "application/json"})
             assert r.status_code == status, (payload, r.text)
             err = r.json()["error"]
             assert err["message"] and err["type"] and err["param"] == param, (payload, err)
+        # Brackets inside strings do not count as nesting.
+        r = await c.post("/v1/completions", json={**GREEDY, "prompt": "[{" * 500, "max_tokens": 1},
+                         headers=key)
+        assert r.status_code == 200, r.text
         # tolerated: fields OpenAI clients send with harmless values
         r = await c.post("/v1/chat/completions", json={
             **GREEDY, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
             "max_completion_tokens": 2, "n": 1, "user": "u", "logit_bias": {}, "store": False,
             "metadata": {"a": "b"}, "tool_choice": "none", "response_format": {"type": "text"}}, headers=key)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
-        assert (await c.get("/nope")).json()["error"]["message"] == "Not Found"
+        assert (await c.get("/nope", headers=key)).json()["error"]["message"] == "Not Found"
         r = await c.post("/v1/completions", json={"prompt": "x"}, headers={**key, "X-Request-Id": "x" * 200})
         assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id"
         # 413 before parsing: a declared length, and a chunked body that runs past the limit
-        r = await c.post("/v1/completions", content=b" " * 5000, headers=key)
+        r = await c.post("/v1/completions", content=b" " * 5000,
+                         headers={**key, "Content-Type": "application/json"})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
         async def chunks() -> AsyncIterator[bytes]:
@@ -257,16 +279,21 @@ def test_bad_input_is_a_4xx_and_the_server_keeps_serving(
 
         r = await c.post("/v1/completions", content=chunks(), headers=key)
         assert r.status_code == 413
-        # 401: key required on /v1, not on /health and /metrics
+        # 401: key required everywhere (a future /admin route too) but /health and /metrics
         r = await c.get("/v1/models", headers={"Authorization": "Bearer wrong"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert (await c.post("/v1/completions", json={"prompt": "x"})).status_code == 401
+        for path in ("/admin/drain", "/openapi.json", "/v1/nope"):
+            assert (await c.get(path)).status_code == 401, path
+        assert (await c.get("/v1/models", headers={"Authorization": "Bearer rotated"})
+                ).status_code == 200  # the second key
         assert (await c.get("/health")).status_code == 200
+        assert (await c.get("/metrics")).status_code == 200
         r = await c.post("/v1/completions", json={**GREEDY, "prompt": "x", "max_tokens": 2},
                          headers=key)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
-    serve(pair_factory(), body, api_key="sesame", max_body_bytes=4096)
+    serve(pair_factory(), body, api_keys=ApiKeys(["sesame", "rotated"]), max_body_bytes=4096)
 
 
 class ScriptedRouter:
@@ -301,14 +328,26 @@ def test_router_errors_map_to_status(tiny_model: Callable[[str], Path]) -> None:
         for kind, status in expected:
             router.script = [RouterError(kind, f"{kind.value}!", retry_after_s=2.0)]
             for stream in (False, True):  # before the first token: a status, even streaming
-                r = await c.post("/v1/completions", json={**req, "stream": stream})
-                assert r.status_code == status and r.json()["error"]["message"] == f"{kind.value}!"
+                r = await c.post("/v1/completions", json={**req, "stream": stream},
+                                 headers={"X-Request-Id": "r-1"})
+                shown = (f"{kind.value}!" if status != 500 else
+                         "internal error (request id r-1; details are in the server log)")
+                assert r.status_code == status and r.json()["error"]["message"] == shown
                 assert r.headers.get("retry-after") == ("2" if status == 429 else None)
-        router.script = [StreamChunk([5], "a"), RouterError(ErrorKind.INTERNAL, "worker died")]
+                # A message with server internals in it is not shown (the log has it).
+                router.script = [RouterError(kind, LEAKY, retry_after_s=2.0)]
+                r = await c.post("/v1/completions", json={**req, "stream": stream})
+                assert r.json()["error"]["message"] in (GENERIC[kind], *(
+                    [] if status != 500 else [r.json()["error"]["message"]]))
+                for secret in ("4242", "10.1.2.3", "/opt/", "8d1a2c3b", "\x1b", "ray::"):
+                    assert secret not in r.text
+                router.script = [RouterError(kind, f"{kind.value}!", retry_after_s=2.0)]
+        router.script = [StreamChunk([5], "a"), RouterError(ErrorKind.INTERNAL, LEAKY)]
         events = await sse(c, "/v1/chat/completions", {
             "messages": [{"role": "user", "content": "x"}], "stream": True})
         assert events[1]["choices"][0]["delta"]["content"] == "a"
-        assert events[2]["error"]["message"] == "worker died" and events[3] == "[DONE]"
+        assert events[2]["error"]["message"].startswith("internal error (request id ")
+        assert events[3] == "[DONE]"
         router.script = [StreamChunk([5], "a"), FinalChunk("stop", Usage(1, 1), stop_reason=5)]
         r = await c.post("/v1/completions", json=req)
         assert r.json()["choices"][0]["text"] == "a"
@@ -318,6 +357,70 @@ def test_router_errors_map_to_status(tiny_model: Callable[[str], Path]) -> None:
         assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
 
     serve(router, body)
+
+
+def test_only_json_bodies_are_accepted(tiny_model: Callable[[str], Path]) -> None:
+    # Before: any Content-Type was parsed as JSON, so a page on another origin could
+    # POST a text/plain "simple request" (no CORS preflight) to a keyless server.
+    router = ScriptedRouter(Tokenizer.from_dir(tiny_model("llama-gqa")))
+    router.script = [FinalChunk("stop", Usage(1, 0))]
+    body = json.dumps({"prompt": "x"}).encode()
+
+    async def post(c: Client, content_type: str | None) -> httpx2.Response:
+        headers = {} if content_type is None else {"Content-Type": content_type}
+        return await c.post("/v1/completions", content=body, headers=headers)
+
+    async def run(c: Client) -> None:
+        for refused in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                        None, "application/json; charset=latin-1", "application/jsonx"):
+            r = await post(c, refused)
+            assert r.status_code == 415, refused
+            assert r.json()["error"]["code"] == "unsupported_media_type"
+        for accepted in ("application/json", "Application/JSON; charset=UTF-8"):
+            assert (await post(c, accepted)).status_code == 200, accepted
+
+    serve(router, run)
+
+
+def _raw_http(port: int, request: bytes) -> bytes:
+    """Send ``request`` on a fresh connection; the bytes read until the server closes
+    it (the socket timeout only guards against a hang)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return data
+
+
+def test_declared_oversize_gets_413_before_the_body_is_sent(
+        tiny_model: Callable[[str], Path]) -> None:
+    # Before: the server read (and dropped) the body before answering, so a client
+    # that declared 1 GB and waited got nothing until it gave up.
+    router = ScriptedRouter(Tokenizer.from_dir(tiny_model("llama-gqa")))
+
+    async def body(c: Client) -> None:
+        port = int(str(c.base_url).rsplit(":", 1)[1].rstrip("/"))
+        for expect in (b"", b"Expect: 100-continue\r\n"):
+            head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                    b"\r\nContent-Length: 1000000000\r\n" + expect + b"\r\n")
+            reply = await asyncio.to_thread(_raw_http, port, head)
+            assert reply.startswith(b"HTTP/1.1 413 "), reply[:200]
+            assert b'"request_too_large"' in reply and b"100 Continue" not in reply
+
+    serve(router, body, max_body_bytes=4096)
+
+
+def test_protect_probes(tiny_model: Callable[[str], Path]) -> None:
+    router = ScriptedRouter(Tokenizer.from_dir(tiny_model("llama-gqa")))
+    key = {"Authorization": "Bearer k"}
+
+    async def body(c: Client) -> None:
+        for path in ("/health", "/metrics", "/v1/models"):
+            assert (await c.get(path)).status_code == 401, path
+            assert (await c.get(path, headers=key)).status_code == 200, path
+
+    serve(router, body, api_keys=ApiKeys(["k"]), protect_probes=True)
 
 
 def test_http_api_never_imports_torch_or_ray() -> None:
