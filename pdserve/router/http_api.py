@@ -36,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pdserve.router import openapi_doc
 from pdserve.router.api_common import RouterLike, RouterStream, check_model
 from pdserve.router.api_keys import ApiKeys
 from pdserve.router.http_middleware import (
@@ -271,6 +272,9 @@ def build_app(router: RouterLike, model_name: str, registry: CollectorRegistry,
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(metrics_text(registry), media_type=CONTENT_TYPE_LATEST)
+
+    openapi_doc.install(app, [m.id for m in router.models()], api_keys is not None,
+                        protect_probes)
 
     async def on_api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)

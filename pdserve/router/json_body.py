@@ -12,6 +12,10 @@ Why each rule:
 * Lone surrogates: JSON allows ``"\\ud800"``, Python turns it into a ``str`` that
   cannot be encoded as UTF-8, and the tokenizer raises ``TypeError`` on it. Such a
   body is refused here, naming the field.
+* Numbers as JSON means them: ``5.0`` and ``5`` are the same number (JSON Schema's
+  ``integer`` accepts both), so an integral number arrives as an ``int`` and the
+  strict models (no ``"5"`` for 5) still accept it where an integer is due.
+  ``NaN`` and ``Infinity``, which Python's parser accepts, are not JSON: refused.
 
 Every problem is a `BadJson` (a 400 for the caller).
 """
@@ -44,7 +48,7 @@ def parse_json(raw: bytes, max_depth: int = MAX_DEPTH) -> Any:
     JSON, or holds a string with a lone surrogate."""
     check_depth(raw, max_depth)
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_float=_number, parse_constant=_not_json)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadJson(f"the request body is not valid JSON: {exc}") from None
     where = _find_surrogate(body, "")
@@ -53,6 +57,15 @@ def parse_json(raw: bytes, max_depth: int = MAX_DEPTH) -> Any:
         raise BadJson(f"{where or 'a key of the body'}: text must be valid Unicode (a lone "
                       "surrogate such as \\ud800 is not)", (top and top.group()) or None)
     return body
+
+
+def _number(text: str) -> float | int:
+    value = float(text)
+    return int(value) if value.is_integer() else value
+
+
+def _not_json(name: str) -> None:
+    raise BadJson(f"the request body is not valid JSON: {name} is not a JSON number")
 
 
 def check_depth(raw: bytes, max_depth: int) -> None:

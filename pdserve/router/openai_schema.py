@@ -6,10 +6,16 @@ Rules:
 * Types are strict (``"5"`` is not an int, ``true`` is not 1); ints are accepted
   where a number is expected. Every problem is an ``InvalidRequest`` naming the
   field, which the HTTP layer turns into a 400.
+* Value ranges live in the models (``Field`` bounds, the same as
+  ``SamplingParams``'), so the JSON schema that ``openapi_doc`` publishes states
+  them; only rules between fields (``min_tokens <= max_tokens``, ``stream_options``
+  needs ``stream``, ``top_logprobs`` needs ``logprobs``, content needed unless the
+  role is assistant) and limits of the model (context, vocabulary) are not in it.
 * Fields we cannot honour (``n`` > 1, ``best_of`` > 1, ``echo``, a non-empty
   ``logit_bias``, tools, structured output, ...) are refused unless they carry their
-  harmless default. Other unknown fields (``user``, ``metadata``, ``store``, ...)
-  are tolerated and ignored, as OpenAI clients send many of them.
+  harmless default; each `Refused` rule carries the JSON schema of its harmless
+  values beside its test. Other unknown fields (``user``, ``metadata``,
+  ``store``, ...) are tolerated and ignored, as OpenAI clients send many of them.
 * Defaults follow OpenAI: ``temperature`` 1, ``max_tokens`` 16 for completions and
   "until the context is full" for chat.
 """
@@ -18,12 +24,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    SamplingParams,
+)
 from pdserve.router.types import GenerateRequest
+
+INT64 = 2**63
+TokenId = Annotated[int, Field(ge=0)]
+StopString = Annotated[str, Field(min_length=1)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+TopN = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class InvalidRequest(ValueError):
@@ -36,7 +54,7 @@ class InvalidRequest(ValueError):
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -49,95 +67,115 @@ class _SamplingFields(_Body):
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    seed: Annotated[int, Field(ge=-INT64, lt=INT64)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
     # vLLM's extensions (OpenAI clients send them through ``extra_body``)
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    top_k: Annotated[int, Field(ge=-1)] = 0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
+    min_tokens: Annotated[int, Field(ge=0)] = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     # pdserve's: deadline in seconds from arrival (as the gRPC field); past it, 504
-    timeout_s: float | None = None
+    timeout_s: Annotated[float, Field(gt=0.0)] | None = None
 
 
 class CompletionRequest(_SamplingFields):
     # a text, token ids, or a batch of exactly one of either
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None  # top-N per token (OpenAI allows 0..5, we 0..20)
+    prompt: (str | list[TokenId] | Annotated[list[str], Field(min_length=1, max_length=1)]
+             | Annotated[list[list[TokenId]], Field(min_length=1, max_length=1)])
+    logprobs: TopN | None = None  # top-N per token (OpenAI allows 0..5, we 0..20)
 
 
 class ContentPart(_Body):
-    type: str
-    text: str | None = None
+    type: Literal["text"]  # images, audio, files: not supported
+    text: str
 
 
 class ChatMessage(_Body):
-    role: str
-    content: str | list[ContentPart] | None = None
+    role: Literal["system", "user", "assistant"]
+    content: str | list[ContentPart] | None = None  # None: assistant messages only
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    # OpenAI's newer name; wins over max_tokens
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None  # 0..20, needs logprobs
+    top_logprobs: TopN | None = None  # needs logprobs
 
 
-def _is(*harmless: Any) -> Callable[[Any], bool]:
+@dataclass(frozen=True)
+class Refused:
+    """A field we cannot honour: allowed only with a harmless value. ``harmless``
+    tests a value; ``schema`` is the JSON schema of the same values (for the
+    OpenAPI document), kept beside the test so the two cannot drift apart."""
+
+    harmless: Callable[[Any], bool]
+    schema: dict[str, Any]
+
+
+def _only(*values: Any) -> Refused:
     # `x in (None, 1)` would accept True (== 1): compare types too.
-    return lambda value: any(value == h and type(value) is type(h) for h in harmless)
+    return Refused(lambda v: any(v == h and type(v) is type(h) for h in values),
+                   {"enum": list(values)})
 
 
-def _empty(value: Any) -> bool:
+def _is_empty(value: Any) -> bool:
     return value is None or (isinstance(value, list | dict | str) and not value)
 
 
-def _text_format(value: Any) -> bool:
-    return value is None or (isinstance(value, Mapping) and dict(value) == {"type": "text"})
+EMPTY = Refused(_is_empty, {"anyOf": [
+    {"type": "null"}, {"type": "object", "maxProperties": 0}, {"type": "array", "maxItems": 0},
+    {"type": "string", "maxLength": 0}]})
+TEXT_FORMAT = Refused(
+    lambda v: v is None or (isinstance(v, Mapping) and dict(v) == {"type": "text"}),
+    {"anyOf": [{"type": "null"}, {"type": "object", "required": ["type"],
+                                  "properties": {"type": {"const": "text"}},
+                                  "additionalProperties": False}]})
 
-
-# Field -> "its value is harmless". Anything else is refused with a 400 naming it.
-_REFUSED_COMMON: dict[str, Callable[[Any], bool]] = {
-    "n": _is(None, 1),
-    "logit_bias": _empty,
-    "guided_json": _empty,
-    "guided_regex": _empty,
-    "guided_choice": _empty,
-    "guided_grammar": _empty,
-    "structured_outputs": _empty,
-    "response_format": _text_format,
+# Field -> its harmless values. Anything else is refused with a 400 naming it.
+REFUSED_COMMON: dict[str, Refused] = {
+    "n": _only(None, 1),
+    "logit_bias": EMPTY,
+    "guided_json": EMPTY,
+    "guided_regex": EMPTY,
+    "guided_choice": EMPTY,
+    "guided_grammar": EMPTY,
+    "structured_outputs": EMPTY,
+    "response_format": TEXT_FORMAT,
 }
-_REFUSED_COMPLETION = {
-    **_REFUSED_COMMON,
-    "best_of": _is(None, 1),
-    "echo": _is(None, False),
-    "suffix": _empty,
+REFUSED_COMPLETION = {
+    **REFUSED_COMMON,
+    "best_of": _only(None, 1),
+    "echo": _only(None, False),
+    "suffix": EMPTY,
 }
-_REFUSED_CHAT = {
-    **_REFUSED_COMMON,
-    "tools": _empty,
-    "tool_choice": _is(None, "none", "auto"),
-    "functions": _empty,
-    "function_call": _is(None, "none", "auto"),
-    "audio": _empty,
-    "modalities": lambda v: v is None or v == ["text"],
-    "prediction": _empty,
-    "web_search_options": _empty,
+REFUSED_CHAT = {
+    **REFUSED_COMMON,
+    "tools": EMPTY,
+    "tool_choice": _only(None, "none", "auto"),
+    "functions": EMPTY,
+    "function_call": _only(None, "none", "auto"),
+    "audio": EMPTY,
+    "modalities": Refused(lambda v: v is None or v == ["text"],
+                          {"anyOf": [{"type": "null"}, {"const": ["text"]}]}),
+    "prediction": EMPTY,
+    "web_search_options": EMPTY,
 }
+# In a chat message: tool calls are not supported either.
+REFUSED_MESSAGE = {"tool_calls": EMPTY}
 
 
-def _refuse_unsupported(body: Mapping[str, Any], refused: Mapping[str, Callable[[Any], bool]]
-                        ) -> None:
-    for name, harmless in refused.items():
-        if name in body and not harmless(body[name]):
+def _refuse_unsupported(body: Mapping[str, Any], refused: Mapping[str, Refused]) -> None:
+    for name, rule in refused.items():
+        if name in body and not rule.harmless(body[name]):
             hint = " (only n=1 is supported)" if name in ("n", "best_of") else ""
             raise InvalidRequest(f"{name}={body[name]!r} is not supported by this server{hint}",
                                  name)
@@ -183,7 +221,7 @@ def _params(r: _SamplingFields, max_tokens: int | None, logprobs: int | None,
 def completion_request(body: Any, request_id: str) -> tuple[CompletionRequest, GenerateRequest]:
     """A ``/v1/completions`` body -> (parsed body, router request); InvalidRequest."""
     if isinstance(body, dict):
-        _refuse_unsupported(body, _REFUSED_COMPLETION)
+        _refuse_unsupported(body, REFUSED_COMPLETION)
     r: CompletionRequest = _validate(CompletionRequest, body)
     params = _params(r, r.max_tokens, r.logprobs, {})
     req = GenerateRequest(request_id, params, timeout_s=r.timeout_s)
@@ -205,22 +243,17 @@ def chat_messages(r: ChatCompletionRequest) -> list[dict[str, str]]:
     """The messages as the chat template takes them; text content parts are joined."""
     out = []
     for i, m in enumerate(r.messages):
-        if getattr(m, "tool_calls", None):
-            raise InvalidRequest("tool calls are not supported", f"messages[{i}].tool_calls")
+        extra = m.model_extra or {}
+        for name, rule in REFUSED_MESSAGE.items():
+            if name in extra and not rule.harmless(extra[name]):
+                raise InvalidRequest(f"messages[{i}].{name} is not supported", "messages")
         content = m.content
         if content is None:
             if m.role != "assistant":
                 raise InvalidRequest(f"messages[{i}].content is required", "messages")
             content = ""
         elif isinstance(content, list):
-            texts = []
-            for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
-                    raise InvalidRequest(
-                        f"messages[{i}].content[{j}]: only text parts are supported, "
-                        f"got type {part.type!r}", "messages")
-                texts.append(part.text)
-            content = "".join(texts)
+            content = "".join(part.text for part in content)
         out.append({"role": m.role, "content": content})
     return out
 
@@ -233,7 +266,7 @@ def chat_request(body: Any, request_id: str, prompt_len: Callable[[list[dict[str
     when the client set no token limit (the default is the rest of the context).
     """
     if isinstance(body, dict):
-        _refuse_unsupported(body, _REFUSED_CHAT)
+        _refuse_unsupported(body, REFUSED_CHAT)
     r: ChatCompletionRequest = _validate(ChatCompletionRequest, body)
     messages = chat_messages(r)
     if r.top_logprobs is not None and not r.logprobs:

@@ -40,3 +40,11 @@ def test_not_json() -> None:
     for raw in (b"{not json", b"\xff\xfe\x00", b""):
         with pytest.raises(BadJson, match="not valid JSON"):
             parse_json(raw)
+
+
+def test_numbers_as_json_means_them() -> None:
+    assert parse_json(b'{"seed": 14754126133531.0, "t": 0.5, "n": 1e2}') == {
+        "seed": 14754126133531, "t": 0.5, "n": 100}
+    for raw in (b'{"t": NaN}', b'{"t": Infinity}', b'{"t": -Infinity}'):
+        with pytest.raises(BadJson, match="not a JSON number"):
+            parse_json(raw)

@@ -1,0 +1,118 @@
+"""The OpenAPI document of the HTTP API (``GET /openapi.json``), describing what
+the handlers really take and answer.
+
+The two generate routes read their bodies by hand (``openai_schema`` validates
+them strictly and maps errors to OpenAI's shape), so FastAPI alone would publish
+no request body at all. This module adds, per route:
+
+* the request body: the JSON schema of the pydantic model, plus the refused
+  fields with their harmless values (``openai_schema.REFUSED_*``), plus the served
+  model names;
+* every status the route can answer, with its content type: 200 as JSON (or SSE
+  for a stream), errors as OpenAI's error object;
+* the Bearer scheme when API keys are set.
+
+The fuzz suite (``tests/fuzz``) generates requests from this document and checks
+the server against it both ways: a body the schema allows is never refused for a
+field the schema describes, and one it forbids is always a 4xx.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from pdserve.router.openai_schema import (
+    REFUSED_CHAT,
+    REFUSED_COMPLETION,
+    REFUSED_MESSAGE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Refused,
+)
+
+ERROR_SCHEMA: dict[str, Any] = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"},
+        "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+_ERROR = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+_WHY = {
+    400: "invalid request", 401: "missing or invalid API key", 404: "unknown model",
+    413: "body too large", 415: "body not application/json", 429: "overloaded (Retry-After)",
+    500: "internal error", 503: "not ready", 504: "deadline passed",
+}
+_GENERATE = (400, 404, 413, 415, 429, 500, 503, 504)
+
+
+def _errors(statuses: Sequence[int]) -> dict[str, Any]:
+    return {str(s): {"description": _WHY[s], **_ERROR} for s in statuses}
+
+
+def _body(model: type[BaseModel], refused: dict[str, Refused], served: Sequence[str],
+          schemas: dict[str, Any]) -> dict[str, Any]:
+    """The route's requestBody; the model's sub-schemas go into ``schemas``."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    schemas.update(schema.pop("$defs", {}))
+    schema["properties"].update({name: rule.schema for name, rule in refused.items()})
+    schema["properties"]["model"] = {"anyOf": [{"type": "null"}, {"enum": list(served)}]}
+    schemas[model.__name__] = schema
+    return {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+
+
+def openapi_document(app: FastAPI, served: Sequence[str], keyed: bool,
+                     protect_probes: bool) -> dict[str, Any]:
+    """The document for ``app`` (routes as ``http_api.build_app`` makes them)."""
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    schemas: dict[str, Any] = doc.setdefault("components", {}).setdefault("schemas", {})
+    schemas["Error"] = ERROR_SCHEMA
+    keyed_errors = [401] if keyed else []
+    paths = doc["paths"]
+    for path, model, refused in (("/v1/completions", CompletionRequest, REFUSED_COMPLETION),
+                                 ("/v1/chat/completions", ChatCompletionRequest, REFUSED_CHAT)):
+        op = paths[path]["post"]
+        op["requestBody"] = _body(model, refused, served, schemas)
+        op["responses"] = {"200": {"description": "the completion, or its SSE stream", "content": {
+            "application/json": {"schema": {"type": "object"}},
+            # one schema per event: each event's data is a JSON chunk, the last "[DONE]"
+            "text/event-stream": {"schema": {"type": "object", "required": ["data"],
+                                             "properties": {"data": {"type": "string"}}}}}},
+            **_errors([*_GENERATE, *keyed_errors])}
+    message = schemas["ChatMessage"]["properties"]
+    message.update({name: rule.schema for name, rule in REFUSED_MESSAGE.items()})
+    paths["/v1/models"]["get"]["responses"] = {
+        "200": {"description": "the served models",
+                "content": {"application/json": {"schema": {"type": "object"}}}},
+        **_errors(keyed_errors)}
+    probe_errors = [401] if keyed and protect_probes else []
+    paths["/health"]["get"]["responses"] = {
+        "200": {"description": "both pools can serve",
+                "content": {"application/json": {"schema": {"type": "object"}}}},
+        **_errors([503, *probe_errors])}
+    paths["/metrics"]["get"]["responses"] = {
+        "200": {"description": "Prometheus text format",
+                "content": {"text/plain": {"schema": {"type": "string"}}}},
+        **_errors(probe_errors)}
+    if keyed:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path, item in paths.items():
+            if path not in ("/health", "/metrics") or protect_probes:
+                for op in item.values():
+                    op["security"] = [{"bearer": []}]
+    return doc
+
+
+def install(app: FastAPI, served: Sequence[str], keyed: bool, protect_probes: bool) -> None:
+    """Serve `openapi_document` (built once, on first request) as ``/openapi.json``."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_document(app, served, keyed, protect_probes)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

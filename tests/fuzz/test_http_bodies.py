@@ -1,0 +1,72 @@
+"""Hypothesis against the live server's generate routes with bodies no schema
+would produce: known fields set to any JSON value (strings with lone surrogates,
+huge and non-integral numbers, nesting thousands deep), random bytes, and any
+Content-Type. Asserted for each: the answer is not a 5xx (a 504 only for a body
+that set ``timeout_s``), an error is OpenAI's error object, and the call ends
+before its deadline (no hang)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import hypothesis.strategies as st
+import requests
+from hypothesis import HealthCheck, given, settings
+
+from pdserve.router.openai_schema import ChatCompletionRequest, CompletionRequest
+from tests.fuzz.conftest import AUTH, CALL_TIMEOUT_S, STATS, LiveServer
+
+MAX_EXAMPLES = 300
+PATHS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+BASES = {"/v1/completions": {"prompt": "hi", "max_tokens": 2},
+         "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}],
+                                  "max_tokens": 2}}
+SURROGATES = st.sampled_from(["\ud800", "\udbff", "\udc00", "\udfff"])
+TEXT = st.text(alphabet=st.characters() | SURROGATES, max_size=30)
+NUMBERS = st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.integers(
+    -(2**70), 2**70)
+LEAVES = st.none() | st.booleans() | NUMBERS | TEXT
+VALUES = st.recursive(LEAVES, lambda inner: st.lists(inner, max_size=4)
+                      | st.dictionaries(TEXT, inner, max_size=4), max_leaves=12)
+CONTENT_TYPES = st.sampled_from(["application/json"] * 6 + [
+    "application/json; charset=utf-8", "text/plain", "application/x-www-form-urlencoded", ""])
+
+
+@st.composite
+def bodies(draw: st.DrawFn) -> tuple[str, bytes, str]:
+    """(path, body bytes, content type)."""
+    path = draw(st.sampled_from(sorted(PATHS)))
+    how = draw(st.sampled_from(["fields", "fields", "fields", "deep", "bytes"]))
+    if how == "bytes":
+        return path, draw(st.binary(max_size=200)), draw(CONTENT_TYPES)
+    body: dict[str, Any] = dict(BASES[path])
+    names = st.sampled_from(sorted(PATHS[path].model_fields)) | TEXT
+    for name in draw(st.lists(names, max_size=4)):
+        body[name] = draw(VALUES)
+    raw = json.dumps(body).encode()  # escapes lone surrogates as \\udXXX
+    if how == "deep":
+        depth = draw(st.integers(1, 5000))
+        raw = raw[:-1] + b', "deep": ' + b"[" * depth + b"]" * depth + b"}"
+    return path, raw, draw(CONTENT_TYPES)
+
+
+def test_arbitrary_bodies(live: LiveServer) -> None:
+    session = requests.Session()
+
+    @settings(max_examples=MAX_EXAMPLES, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(case=bodies())
+    def one(case: tuple[str, bytes, str]) -> None:
+        path, raw, content_type = case
+        headers = {**AUTH, **({"Content-Type": content_type} if content_type else {})}
+        r = session.post(f"{live.http_url}{path}", data=raw, headers=headers,
+                         timeout=CALL_TIMEOUT_S)
+        STATS.record("http bodies", str(r.status_code))
+        asked_deadline = b'"timeout_s"' in raw
+        assert r.status_code < 500 or (r.status_code == 504 and asked_deadline), r.text
+        if r.status_code != 200:
+            error = r.json()["error"]
+            assert isinstance(error["message"], str) and error["type"], error
+
+    one()
