@@ -32,9 +32,15 @@ $(VENV)/.test: $(VENV)/.base
 	$(PIP) install -q -e '.[test]'
 	touch $@
 
-venv: $(VENV)/.base
+# pdserve's C++ CPU kernels, compiled once here (never at first request); a machine
+# that cannot run them (no AVX2) skips the build and the engine uses its reference paths.
+KERNELS := pdserve/engine/_kernels/stamp
+$(KERNELS): $(VENV)/.base $(wildcard pdserve/engine/csrc/*.cpp pdserve/engine/csrc/*.h) pdserve/engine/kernels.py
+	$(PY) -m pdserve.engine.kernels
 
-model: $(VENV)/.base
+venv: $(VENV)/.base $(KERNELS)
+
+model: $(VENV)/.base $(KERNELS)
 	$(VENV)/bin/pdserve model prepare
 
 serve: model
@@ -47,7 +53,7 @@ prometheus:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	   --no-install-recommends prometheus >/dev/null) || echo "prometheus not installed"; }
 
-test: $(VENV)/.test model prometheus
+test: $(VENV)/.test $(KERNELS) model prometheus
 	$(VENV)/bin/ruff check pdserve tests
 	$(VENV)/bin/mypy
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -56,10 +62,10 @@ lint: $(VENV)/.test
 	$(VENV)/bin/ruff check pdserve tests
 	$(VENV)/bin/mypy
 
-bench: $(VENV)/.test model
+bench: $(VENV)/.test $(KERNELS) model
 	$(PY) -m pdserve.engine.bench
 	$(PY) -m pdserve.kv_transfer.bench
 	$(PY) -m pdserve.deploy.bench_serving
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache pdserve/engine/_kernels

@@ -1,63 +1,133 @@
 """Attention over the paged KV cache, behind a backend switch.
 
-The runner builds one ``AttentionMetadata`` per step; every layer reuses it. The
-batch's tokens are ordered decodes first, then prefill chunks::
+The runner builds one ``AttentionMetadata`` per step (from ``InputBatch``'s
+persistent buffers); every layer reuses it. A step's tokens are ordered by
+sequence, decodes first, then prefill chunks::
 
     tokens: | d0 | d1 | ... | d(B-1) | p0 chunk ......... | p1 chunk .... |
              one token per decode seq  n0 new tokens        n1 new tokens
 
-KV cache of one layer (a view of the worker's block-major cache)::
+Sequence s owns tokens ``query_start[s] : query_start[s] + query_len[s]``, at
+positions ``context_len[s] - query_len[s] ..  context_len[s] - 1``; its blocks are
+row ``seq_rows[s]`` of ``block_table``.
 
-    kv_layer[block, 0 = K | 1 = V, slot in block, kv head, head dim]
+KV cache (the worker's one block-major tensor)::
 
-``torch`` is the reference backend (plain torch, runs on CPU). A CUDA kernel
-(FlashAttention / FlashInfer) is added by registering another ``AttentionBackend``
-under a new name; the scheduler and model do not change.
+    kv_cache[block, layer, 0 = K | 1 = V, slot in block, kv head, head dim]
+
+A backend takes the layer's fused ``qkv`` projection, applies the rotary embedding
+to q and k, stores k and v into the step's slots (``slot_mapping``: block * block
+size + offset), and returns the attention output ``[T, H * D]``.
+
+Backends:
+
+* ``torch`` -- the reference: plain torch ops (SDPA on gathered cache rows). Slow,
+  obviously right, runs on any device; the oracle the other backends are tested
+  against.
+* ``cpu`` -- pdserve's C++ kernels (``csrc/attention.cpp``, ``csrc/pointwise.cpp``):
+  one fused rotary + cache-write op, then paged attention that reads K/V in place
+  through the block table, for decodes and prefill chunks with a cached prefix
+  alike. Float32 activations; a bfloat16 cache is widened as it is read.
+
+``auto`` picks ``cpu`` on a CPU that can run the kernels, else ``torch``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-
-@dataclass
-class PrefillChunk:
-    query_start: int  # index of the chunk's first token in the batch
-    num_new: int  # tokens computed now
-    context_len: int  # tokens in the cache after this step (prefix + chunk)
-    block_ids: torch.Tensor  # [ceil(context_len / block_size)] long
+from pdserve.engine import kernels
+from pdserve.engine.rope import RotaryEmbedding, apply_rotary
 
 
 @dataclass
 class AttentionMetadata:
-    """Filled by the runner once per step."""
+    """One step's attention inputs (filled by ``InputBatch.prepare``)."""
 
-    slot_blocks: torch.Tensor  # [T] block id receiving each new token's K/V
-    slot_offsets: torch.Tensor  # [T] slot inside that block
-    num_decode: int  # decode tokens (= decode sequences) at the front of the batch
-    decode_block_table: torch.Tensor | None  # [B, max_blocks] long, padded with 0
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool, True = attend
-    prefills: list[PrefillChunk]
+    positions: torch.Tensor  # [T] int64, position of each new token
+    slot_mapping: torch.Tensor  # [T] int64, block * block_size + offset receiving its K/V
+    block_table: torch.Tensor  # [rows, max_blocks] int32, persistent; row per sequence
+    seq_rows: torch.Tensor  # [S] int32, block_table row of each sequence
+    query_start: torch.Tensor  # [S] int32
+    query_len: torch.Tensor  # [S] int32
+    context_len: torch.Tensor  # [S] int32, tokens in the cache after this step
+    num_decode: int  # sequences with query_len == 1, at the front
+    # The same per-sequence values as Python ints, for backends that loop in Python.
+    query_start_list: list[int]
+    query_len_list: list[int]
+    context_len_list: list[int]
 
 
 class AttentionBackend(Protocol):
-    def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-        kv_layer: torch.Tensor, meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] for the new tokens; stores k/v into the
-        cache and returns the attention output [T, H, D]."""
+    def __call__(self, qkv: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """qkv [T, (H + 2 KVH) * D] for the new tokens; rotates q/k, stores k/v
+        into the cache and returns the attention output [T, H * D]."""
         ...
 
 
-def write_kv(kv_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             meta: AttentionMetadata) -> None:
-    kv_layer[meta.slot_blocks, 0, meta.slot_offsets] = k
-    kv_layer[meta.slot_blocks, 1, meta.slot_offsets] = v
+class TorchAttention:
+    """Reference backend: SDPA on gathered cache rows. Decodes run as one padded
+    batch with a length mask; each prefill chunk runs causally on its own."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 rotary: RotaryEmbedding) -> None:
+        self.h, self.kvh, self.d = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.rotary = rotary
+
+    def __call__(self, qkv: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        t, h, kvh, d = qkv.shape[0], self.h, self.kvh, self.d
+        cos, sin = self.rotary.tables(meta.positions)
+        qk = apply_rotary(qkv[:, : (h + kvh) * d].view(t, h + kvh, d), cos, sin)
+        q, k = qk.split([h, kvh], dim=1)
+        v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
+        kv_layer = kv_cache[:, layer]
+        bs = kv_layer.shape[2]
+        blocks, offsets = meta.slot_mapping // bs, meta.slot_mapping % bs
+        kv_layer[blocks, 0, offsets] = k.to(kv_layer.dtype)
+        kv_layer[blocks, 1, offsets] = v.to(kv_layer.dtype)
+        out = torch.empty_like(q)
+        nd = meta.num_decode
+        if nd:
+            lens = meta.context_len[:nd].long()
+            width = -(-int(max(meta.context_len_list[:nd])) // bs)
+            table = meta.block_table[meta.seq_rows[:nd].long(), :width].long()
+            kc = _gather(kv_layer, table, 0).transpose(1, 2)  # [B, KVH, L, D]
+            vc = _gather(kv_layer, table, 1).transpose(1, 2)
+            mask = (torch.arange(width * bs, device=q.device)[None, :] < lens[:, None])
+            o = F.scaled_dot_product_attention(
+                q[:nd].unsqueeze(2), kc.to(q.dtype), vc.to(q.dtype),
+                attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=True,
+            )  # [B, H, 1, D]
+            out[:nd] = o.squeeze(2)
+        for s in range(nd, len(meta.query_len_list)):
+            start, n = meta.query_start_list[s], meta.query_len_list[s]
+            ctx = meta.context_len_list[s]
+            qc = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            if ctx == n:  # no cached prefix: attend to the fresh K/V
+                kc = k[start : start + n].transpose(0, 1).unsqueeze(0)
+                vc = v[start : start + n].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(
+                    qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:  # prefix in the cache: query i sits at position ctx - n + i
+                table = meta.block_table[int(meta.seq_rows[s]), : -(-ctx // bs)].long()
+                kc = _gather(kv_layer, table, 0)[:ctx].to(q.dtype)
+                vc = _gather(kv_layer, table, 1)[:ctx].to(q.dtype)
+                qpos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+                mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # [n, ctx]
+                o = F.scaled_dot_product_attention(
+                    qc, kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0),
+                    attn_mask=mask, scale=self.scale, enable_gqa=True,
+                )
+            out[start : start + n] = o.squeeze(0).transpose(0, 1)
+        return out.reshape(t, h * d)
 
 
 def _gather(kv_layer: torch.Tensor, block_ids: torch.Tensor, which: int) -> torch.Tensor:
@@ -66,56 +136,55 @@ def _gather(kv_layer: torch.Tensor, block_ids: torch.Tensor, which: int) -> torc
     return g.flatten(-4, -3)
 
 
-class TorchAttention:
-    """Reference backend: SDPA on gathered cache rows. Decodes run as one padded
-    batch with a length mask; each prefill chunk runs causally on its own."""
+class CpuPagedAttention:
+    """pdserve's C++ kernels: fused rotary + cache write, paged attention in place."""
 
-    def __init__(self, scale: float) -> None:
-        self.scale = scale
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 rotary: RotaryEmbedding) -> None:
+        self.k = kernels.require()
+        self.h, self.kvh, self.d = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.cos = rotary.cos.float().contiguous()
+        self.sin = rotary.sin.float().contiguous()
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 kv_layer: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        write_kv(kv_layer, k, v, meta)
-        out = torch.empty_like(q)
-        nd = meta.num_decode
-        if nd:
-            assert meta.decode_block_table is not None and meta.decode_mask is not None
-            kc = _gather(kv_layer, meta.decode_block_table, 0).transpose(1, 2)  # [B,KVH,L,D]
-            vc = _gather(kv_layer, meta.decode_block_table, 1).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2), kc, vc, attn_mask=meta.decode_mask,
-                scale=self.scale, enable_gqa=True,
-            )  # [B, H, 1, D]
-            out[:nd] = o.squeeze(2)
-        for c in meta.prefills:
-            s, n = c.query_start, c.num_new
-            qc = q[s : s + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            if c.context_len == n:  # no cached prefix: attend to the fresh K/V
-                kc = k[s : s + n].transpose(0, 1).unsqueeze(0)
-                vc = v[s : s + n].transpose(0, 1).unsqueeze(0)
-                o = F.scaled_dot_product_attention(
-                    qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=True)
-            else:  # prefix in the cache: query i sits at position context_len - n + i
-                kc = _gather(kv_layer, c.block_ids, 0)[: c.context_len]
-                vc = _gather(kv_layer, c.block_ids, 1)[: c.context_len]
-                qpos = torch.arange(c.context_len - n, c.context_len, device=q.device).unsqueeze(1)
-                mask = torch.arange(c.context_len, device=q.device).unsqueeze(0) <= qpos  # [n, ctx]
-                o = F.scaled_dot_product_attention(
-                    qc, kc.transpose(0, 1).unsqueeze(0), vc.transpose(0, 1).unsqueeze(0),
-                    attn_mask=mask, scale=self.scale, enable_gqa=True,
-                )
-            out[s : s + n] = o.squeeze(0).transpose(0, 1)
-        return out
+    def __call__(self, qkv: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        t, h, d = qkv.shape[0], self.h, self.d
+        in_dtype = qkv.dtype  # float32 unless the linear layers are the reference
+        qkv = qkv.float().contiguous()
+        self.k.rope_write_kv(qkv, meta.positions, self.cos, self.sin, kv_cache, layer,
+                             meta.slot_mapping, h, self.kvh)
+        q = qkv.view(t, -1, d)[:, :h]
+        out = torch.empty(t, h, d, dtype=torch.float32)
+        self.k.paged_attention(q, kv_cache, layer, meta.block_table, meta.seq_rows,
+                               meta.query_start, meta.query_len, meta.context_len,
+                               self.scale, out)
+        return out.view(t, h * d).to(in_dtype)
 
 
-ATTENTION_BACKENDS = {"torch": TorchAttention}
+ATTENTION_BACKENDS: dict[str, Callable[[int, int, int, RotaryEmbedding], AttentionBackend]] = {
+    "torch": TorchAttention, "cpu": CpuPagedAttention}
 
 
-def make_attention(name: str, scale: float) -> AttentionBackend:
-    try:
-        cls = ATTENTION_BACKENDS[name]
-    except KeyError:
+def resolve_attention_backend(name: str, device: str, head_dim: int, block_size: int) -> str:
+    """``auto`` -> the fastest backend that runs here; explicit names are checked."""
+    if name == "auto":
+        fits = head_dim % 16 == 0 and head_dim <= 256 and block_size % 8 == 0 and block_size <= 64
+        return "cpu" if device == "cpu" and fits and kernels.available() else "torch"
+    if name not in ATTENTION_BACKENDS:
         raise ValueError(
-            f"unknown attention backend {name!r}; available: {sorted(ATTENTION_BACKENDS)}"
-        ) from None
-    return cls(scale)
+            f"unknown attention backend {name!r}; available: auto, {', '.join(ATTENTION_BACKENDS)}")
+    if name == "cpu":
+        if device != "cpu":
+            raise ValueError("attention backend 'cpu' runs on the CPU only")
+        if kernels.reason() is not None:
+            raise ValueError(f"attention backend 'cpu' cannot run here: {kernels.reason()}")
+        if head_dim % 16 or head_dim > 256 or block_size % 8 or block_size > 64:
+            raise ValueError("attention backend 'cpu' needs head_dim a multiple of 16 (<= 256) "
+                             "and block_size a multiple of 8 (<= 64)")
+    return name
+
+
+def make_attention(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
+                   rotary: RotaryEmbedding) -> AttentionBackend:
+    return ATTENTION_BACKENDS[name](num_heads, num_kv_heads, head_dim, rotary)

@@ -151,9 +151,9 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU; None = leave as is
-    attention_backend: str = "torch"
-    # Linear layers: "torch" (F.linear, the reference), "onednn" (CPU: weights packed
-    # once for oneDNN, much faster at small batch), "auto" = onednn on CPU.
+    # Kernels (see attention.py / linear.py): "torch" is the plain-torch reference,
+    # "cpu" pdserve's C++ kernels (built at install), "auto" the fastest that runs here.
+    attention_backend: str = "auto"
     linear_backend: str = "auto"
 
     def __post_init__(self) -> None:
@@ -173,17 +173,11 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
-        if self.linear_backend not in ("auto", "torch", "onednn"):
-            raise ValueError(f"linear_backend must be auto, torch or onednn, got "
-                             f"{self.linear_backend!r}")
-        if self.linear_backend == "onednn" and self.device != "cpu":
-            raise ValueError("linear_backend='onednn' runs on the CPU only")
-
-    def resolve_linear_backend(self) -> str:
-        if self.linear_backend != "auto":
-            return self.linear_backend
-        cpu = self.device == "cpu" and torch.backends.mkldnn.is_available()
-        return "onednn" if cpu and self.dtype != "float16" else "torch"
+        for name in ("attention_backend", "linear_backend"):
+            if getattr(self, name) not in ("auto", "torch", "cpu"):
+                raise ValueError(f"{name} must be auto, torch or cpu, got {getattr(self, name)!r}")
+        if self.device != "cpu" and "cpu" in (self.attention_backend, self.linear_backend):
+            raise ValueError("the 'cpu' kernels run on the CPU only")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -25,10 +25,12 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.attention import make_attention
+from pdserve.engine.attention import make_attention, resolve_attention_backend
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ModelConfig, ceil_div
-from pdserve.engine.model import Linear, LlamaModel
+from pdserve.engine.input_batch import InputBatch
+from pdserve.engine.linear import resolve_linear_backend
+from pdserve.engine.model import LlamaModel
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.rope import RotaryEmbedding
 from pdserve.engine.runner import ModelRunner, Sampled
@@ -86,18 +88,23 @@ class LLMEngine:
         self.eos_token_ids = frozenset(eos)
 
         mc, dtype, device = self.model_config, self.config.torch_dtype, self.config.device
-        rotary = RotaryEmbedding(mc.rope, mc.head_dim, self.max_model_len, dtype, device)
+        self.block_size = self.config.block_size
+        self.attention_backend = resolve_attention_backend(
+            self.config.attention_backend, device, mc.head_dim, self.block_size)
+        self.linear_backend = resolve_linear_backend(
+            self.config.linear_backend, device, dtype,
+            (mc.hidden_size, mc.num_heads * mc.head_dim, mc.intermediate_size))
+        # The C++ attention kernel rotates in float32 whatever the model's dtype.
+        rope_dtype = torch.float32 if self.attention_backend == "cpu" else dtype
+        rotary = RotaryEmbedding(mc.rope, mc.head_dim, self.max_model_len, rope_dtype, device)
         with torch.device("meta"):  # no throw-away random init; weights come next
             model = LlamaModel(mc, rotary)
         model = model.to_empty(device=device).to(dtype)
         load_weights(model, self.model_dir)
-        if self.config.resolve_linear_backend() == "onednn":
-            for module in model.modules():
-                if isinstance(module, Linear):
-                    module.pack()
+        model.use(self.linear_backend, make_attention(
+            self.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim, rotary))
         self.model = model
 
-        self.block_size = self.config.block_size
         self.num_blocks = self.config.resolve_num_blocks(mc)
         # Block-major cache: one block of every layer is one contiguous region,
         # so the transfer channels move a request with one descriptor per block.
@@ -106,11 +113,12 @@ class LLMEngine:
             dtype=dtype, device=device,
         )
         self.pool = BlockPool(self.num_blocks, self.config.enable_prefix_caching)
+        inputs = InputBatch(self.config.max_num_seqs, self.max_model_len,
+                            self.config.max_num_batched_tokens, self.block_size)
         self.scheduler = Scheduler(self.pool, self.block_size,
-                                   self.config.max_num_batched_tokens, self.config.max_num_seqs)
-        attn = make_attention(self.config.attention_backend, mc.head_dim ** -0.5)
-        self.runner = ModelRunner(self.model, self.kv_cache, attn, self.block_size,
-                                  self.eos_token_ids)
+                                   self.config.max_num_batched_tokens, self.config.max_num_seqs,
+                                   on_release=inputs.release)
+        self.runner = ModelRunner(self.model, self.kv_cache, inputs, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.last_step: StepInfo | None = None  # the most recent step's shape and time
         self._tracking: dict[str, _Tracking] = {}

@@ -50,15 +50,29 @@ _TOP_P_CANDIDATES = 256
 
 @dataclass
 class SamplingRow:
-    """One sequence of the batch, filled by the engine runner."""
+    """One sequence of the batch, filled by the engine runner. Holds the request's
+    token list itself (no copy per step); the prompt / output slices are only made
+    for the rows whose penalties need them."""
 
     params: SamplingParams  # the request's sampling parameters
-    prompt_token_ids: Sequence[int]  # for the repetition penalty
-    output_token_ids: Sequence[int]  # tokens generated so far (penalties, min_tokens)
+    token_ids: Sequence[int]  # prompt + tokens generated so far
+    num_prompt_tokens: int
     # Per-request RNG, from make_generator(params, device) once per request and
     # kept across steps; None when unseeded (shares the global RNG).
     generator: torch.Generator | None = None
     eos_token_ids: frozenset[int] = frozenset()  # model's EOS ids (masked during min_tokens)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> Sequence[int]:  # for the repetition penalty
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> Sequence[int]:  # penalties
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 @dataclass
@@ -97,7 +111,7 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
         p.greedy
         and p.logprobs is None
         and not p.has_penalties
-        and len(row.output_token_ids) >= p.min_tokens
+        and row.num_output_tokens >= p.min_tokens
     )
 
 
@@ -183,7 +197,7 @@ def _mask_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     """In place: EOS and stop_token_ids get -inf until min_tokens have been generated."""
     vocab = logits.shape[1]
     for i, r in enumerate(rows):
-        if len(r.output_token_ids) < r.params.min_tokens:
+        if r.num_output_tokens < r.params.min_tokens:
             banned = [t for t in (*r.eos_token_ids, *r.params.stop_token_ids) if 0 <= t < vocab]
             if banned:
                 logits[i, banned] = -math.inf

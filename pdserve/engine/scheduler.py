@@ -15,6 +15,7 @@ additionally accepts requests whose KV arrives from outside into reserved blocks
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_pool import ROOT_HASH, BlockPool, hash_block
@@ -39,8 +40,12 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_num_batched_tokens: int,
-                 max_num_seqs: int) -> None:
+                 max_num_seqs: int,
+                 on_release: Callable[[Request], None] = lambda req: None) -> None:
         self.pool = pool
+        # Told whenever a request stops being computed with its current blocks
+        # (freed, preempted, or parked for hand-off): the runner reuses its row.
+        self.on_release = on_release
         self.block_size = block_size
         self.budget = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -153,6 +158,7 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _release_blocks(self, req: Request) -> None:
+        self.on_release(req)
         self.pool.free(req.block_ids)
         req.block_ids = []
         req.num_computed_tokens = 0
@@ -192,6 +198,7 @@ class Scheduler:
             self.waiting.remove(req)
         self.waiting_for_kv.pop(req.request_id, None)
         if keep_blocks:
+            self.on_release(req)
             req.status = RequestStatus.PREFILLED
         else:
             self._release_blocks(req)

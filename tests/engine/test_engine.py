@@ -9,12 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from pdserve.engine import kernels
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 
 GREEDY48 = SamplingParams(max_tokens=48, ignore_eos=True)
 PRESETS = ["llama-gqa", "llama-mha", "llama3-rope", "qwen2-bias", "mistral"]
+BACKENDS = ["torch", "cpu"]
 
 
 def prompts(n: int, lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
@@ -23,8 +25,16 @@ def prompts(n: int, lengths: list[int], vocab: int, seed: int = 0) -> list[list[
             for i in range(n)]
 
 
-def engine(path: Path, **kw: object) -> LLMEngine:
-    cfg = {"num_blocks": 256, **kw}
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """Every engine behaviour is checked on the reference and on the C++ kernels."""
+    if request.param == "cpu" and kernels.cpu_supported() is not None:
+        pytest.skip(str(kernels.cpu_supported()))
+    return str(request.param)
+
+
+def engine(path: Path, backend: str = "auto", **kw: object) -> LLMEngine:
+    cfg = {"num_blocks": 256, "attention_backend": backend, "linear_backend": backend, **kw}
     return LLMEngine(path, EngineConfig(**cfg))  # type: ignore[arg-type]
 
 
@@ -39,9 +49,9 @@ def hf_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_greedy_matches_transformers(tiny_model: Callable[[str], Path], preset: str) -> None:
+def test_greedy_matches_transformers(tiny_model: Callable[[str], Path], preset: str, backend: str) -> None:
     path = tiny_model(preset)
-    eng = engine(path, max_num_batched_tokens=64)  # the 100-token prompt is chunked
+    eng = engine(path, backend, max_num_batched_tokens=64)  # the 100-token prompt is chunked
     ps = prompts(4, [3, 16, 41, 100], eng.model_config.vocab_size)
     outs = eng.generate(ps, GREEDY48)
     for p, o in zip(ps, outs, strict=True):
@@ -49,8 +59,8 @@ def test_greedy_matches_transformers(tiny_model: Callable[[str], Path], preset: 
     eng.check_integrity()
 
 
-def test_batch_invariance(tiny_model: Callable[[str], Path]) -> None:
-    eng = engine(tiny_model("llama-gqa"))
+def test_batch_invariance(tiny_model: Callable[[str], Path], backend: str) -> None:
+    eng = engine(tiny_model("llama-gqa"), backend)
     ps = prompts(16, [5, 9, 17, 30, 64, 1, 100, 33], eng.model_config.vocab_size, seed=3)
     together = eng.generate(ps, GREEDY48)
     alone = eng.generate([ps[6]], GREEDY48)[0]
@@ -58,25 +68,25 @@ def test_batch_invariance(tiny_model: Callable[[str], Path]) -> None:
     assert eng.generate([ps[0]], GREEDY48)[0].token_ids == together[0].token_ids
 
 
-def test_chunked_prefill_equals_unchunked(tiny_model: Callable[[str], Path]) -> None:
+def test_chunked_prefill_equals_unchunked(tiny_model: Callable[[str], Path], backend: str) -> None:
     path = tiny_model("llama-gqa")
     ps = prompts(3, [70, 150, 33], 500, seed=5)
-    whole = engine(path, max_num_batched_tokens=2048).generate(ps, GREEDY48)
-    chunked_engine = engine(path, max_num_batched_tokens=16)
+    whole = engine(path, backend, max_num_batched_tokens=2048).generate(ps, GREEDY48)
+    chunked_engine = engine(path, backend, max_num_batched_tokens=16)
     chunked = chunked_engine.generate(ps, GREEDY48)
     assert [o.token_ids for o in chunked] == [o.token_ids for o in whole]
     chunked_engine.check_integrity()
 
 
-def test_prefix_cache_hit_equals_miss(tiny_model: Callable[[str], Path]) -> None:
+def test_prefix_cache_hit_equals_miss(tiny_model: Callable[[str], Path], backend: str) -> None:
     path = tiny_model("llama-gqa")
     shared = prompts(1, [40], 500, seed=7)[0]
     a, b = shared + [11, 12, 13], shared + [21, 22]
-    eng = engine(path)
+    eng = engine(path, backend)
     eng.generate([a], GREEDY48)
     hit = eng.generate([b], GREEDY48)[0]
     assert hit.cached_tokens == 32  # two full blocks of the shared 40 tokens
-    miss = engine(path, enable_prefix_caching=False).generate([b], GREEDY48)[0]
+    miss = engine(path, backend, enable_prefix_caching=False).generate([b], GREEDY48)[0]
     assert miss.cached_tokens == 0
     assert hit.token_ids == miss.token_ids
     # A prompt identical to a cached one still computes its last block.
@@ -85,11 +95,11 @@ def test_prefix_cache_hit_equals_miss(tiny_model: Callable[[str], Path]) -> None
     eng.check_integrity()
 
 
-def test_preempted_equals_uninterrupted(tiny_model: Callable[[str], Path]) -> None:
+def test_preempted_equals_uninterrupted(tiny_model: Callable[[str], Path], backend: str) -> None:
     path = tiny_model("llama-gqa")
     ps = prompts(6, [20, 28, 35], 500, seed=9)
-    roomy = engine(path).generate(ps, GREEDY48)
-    tight = engine(path, num_blocks=14)  # 6 x ~5 blocks do not fit: preemption
+    roomy = engine(path, backend).generate(ps, GREEDY48)
+    tight = engine(path, backend, num_blocks=14)  # 6 x ~5 blocks do not fit: preemption
     squeezed = tight.generate(ps, GREEDY48)
     assert tight.scheduler.num_preemptions > 0
     assert [o.token_ids for o in squeezed] == [o.token_ids for o in roomy]
@@ -97,13 +107,13 @@ def test_preempted_equals_uninterrupted(tiny_model: Callable[[str], Path]) -> No
     assert tight.pool.num_used == 0
 
 
-def test_prefill_to_decode_handoff_equals_colocated(tiny_model: Callable[[str], Path]) -> None:
+def test_prefill_to_decode_handoff_equals_colocated(tiny_model: Callable[[str], Path], backend: str) -> None:
     path = tiny_model("llama-gqa")
     prompt = prompts(1, [37], 500, seed=11)[0]
-    expected = engine(path).generate([prompt], GREEDY48)[0].token_ids
+    expected = engine(path, backend).generate([prompt], GREEDY48)[0].token_ids
 
-    prefill = engine(path, role="prefill")
-    decode = engine(path, role="decode", num_blocks=64)
+    prefill = engine(path, backend, role="prefill")
+    decode = engine(path, backend, role="decode", num_blocks=64)
     prefill.add_request("r", prompt, GREEDY48)
     outs = []
     while not outs:
@@ -127,8 +137,8 @@ def test_prefill_to_decode_handoff_equals_colocated(tiny_model: Callable[[str], 
     assert decode.pool.num_used == 0
 
 
-def test_seed_gives_same_text_regardless_of_neighbours(tiny_model: Callable[[str], Path]) -> None:
-    eng = engine(tiny_model("llama-gqa"))
+def test_seed_gives_same_text_regardless_of_neighbours(tiny_model: Callable[[str], Path], backend: str) -> None:
+    eng = engine(tiny_model("llama-gqa"), backend)
     ps = prompts(5, [8, 20, 3], 500, seed=13)
     seeded = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.9, seed=1234,
                             ignore_eos=True)
@@ -141,8 +151,8 @@ def test_seed_gives_same_text_regardless_of_neighbours(tiny_model: Callable[[str
     assert different.token_ids != alone.token_ids
 
 
-def test_stop_string_and_logprobs(tiny_model: Callable[[str], Path]) -> None:
-    eng = engine(tiny_model("llama-gqa"))
+def test_stop_string_and_logprobs(tiny_model: Callable[[str], Path], backend: str) -> None:
+    eng = engine(tiny_model("llama-gqa"), backend)
     tok = eng.tokenizer
     assert tok is not None
     prompt = tok.encode("The quick brown fox")
@@ -203,11 +213,37 @@ def test_unknown_model_path_and_architecture(tmp_path: Path) -> None:
         LLMEngine(tmp_path)
 
 
-def test_onednn_linear_path_agrees_with_reference(tiny_model: Callable[[str], Path]) -> None:
-    path = tiny_model("qwen2-bias")  # biases go through the packed path too
+@pytest.mark.parametrize(("attention", "linear"), [("cpu", "torch"), ("torch", "cpu")])
+def test_mixed_backends_agree_with_reference(tiny_model: Callable[[str], Path], attention: str,
+                                             linear: str) -> None:
+    if kernels.cpu_supported() is not None:
+        pytest.skip(str(kernels.cpu_supported()))
+    path = tiny_model("qwen2-bias")  # biases go through the kernels too
     ps = prompts(4, [5, 30, 64], 500, seed=21)
-    ref = engine(path, linear_backend="torch")
-    fast = engine(path, linear_backend="onednn")
-    assert all(m.packed is not None for m in fast.model.modules() if hasattr(m, "packed"))
-    assert [o.token_ids for o in fast.generate(ps, GREEDY48)] == \
+    ref = engine(path, "torch")
+    mixed = engine(path, attention_backend=attention, linear_backend=linear)
+    assert (mixed.attention_backend, mixed.linear_backend) == (attention, linear)
+    assert [o.token_ids for o in mixed.generate(ps, GREEDY48)] == \
         [o.token_ids for o in ref.generate(ps, GREEDY48)]
+
+
+def test_bfloat16_kernels_track_float32(tiny_model: Callable[[str], Path]) -> None:
+    """bf16 weights + KV with float32 activations (the kernels) stay as close to the
+    float32 model's logits as bf16 weights allow, and closer than the all-bf16
+    reference."""
+    if kernels.cpu_supported() is not None:
+        pytest.skip(str(kernels.cpu_supported()))
+    path = tiny_model("llama-gqa")
+    p = prompts(1, [40], 500, seed=23)[0]
+    params = SamplingParams(max_tokens=1, logprobs=5)
+
+    def top(eng: LLMEngine) -> list[tuple[int, float]]:
+        return eng.generate([p], params)[0].logprobs[0].top
+
+    exact = dict(top(engine(path, "torch")))
+    fast = top(engine(path, "cpu", dtype="bfloat16"))
+    ref = top(engine(path, "torch", dtype="bfloat16"))
+    assert fast[0][0] == next(iter(exact))
+    err_fast = max(abs(lp - exact[t]) for t, lp in fast if t in exact)
+    err_ref = max(abs(lp - exact[t]) for t, lp in ref if t in exact)
+    assert err_fast < 0.1 and err_fast <= err_ref * 1.5

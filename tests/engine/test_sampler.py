@@ -28,7 +28,7 @@ EOS = 3
 
 
 def row(p: SamplingParams, prompt: Sequence[int] = (), output: Sequence[int] = ()) -> SamplingRow:
-    return SamplingRow(p, list(prompt), list(output), make_generator(p), frozenset({EOS}))
+    return SamplingRow(p, [*prompt, *output], len(prompt), make_generator(p), frozenset({EOS}))
 
 
 # ---------------------------------------------------------------- references
@@ -163,7 +163,7 @@ def test_each_penalty_matches_the_reference(params: SamplingParams) -> None:
     ]
     work = logits.clone()
     _apply_penalties(work, rows)
-    rows[3].output_token_ids = [11, 12, 11]
+    rows[3] = row(params, [10] * 5, [11, 12, 11])  # the reference sees in-vocab ids only
     for i, r in enumerate(rows):
         torch.testing.assert_close(work[i], ref_penalised(logits[i], r), rtol=1e-6, atol=1e-6)
     changed = (work[0] != logits[0]).nonzero().squeeze(1).tolist()
@@ -344,7 +344,7 @@ def test_uniform_rounding_up_to_total_picks_a_token_with_mass(
 def test_mask_min_tokens_ignores_out_of_vocab_ids() -> None:
     logits = torch.zeros(1, 4)
     r = SamplingRow(
-        SamplingParams(min_tokens=1, stop_token_ids=(99,)), [], [], None, frozenset({2})
+        SamplingParams(min_tokens=1, stop_token_ids=(99,)), [], 0, None, frozenset({2})
     )
     _mask_min_tokens(logits, [r])
     assert logits.tolist() == [[0.0, 0.0, -math.inf, 0.0]]

@@ -1,0 +1,172 @@
+// Fused per-token ops of the decoder layer, float32 activations:
+//   rms_norm          out = x * rsqrt(mean(x^2) + eps) * w
+//   add_rms_norm      residual += x; out = rms_norm(residual)   (residual in place)
+//   rope_write_kv     rotary ("rotate half") on the q and k heads of a fused qkv row,
+//                     in place, then k and v stored into their cache slots
+//   silu_mul          out = silu(gate) * up for gate_up = [gate | up]
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/mm.h>
+
+#include <cmath>
+
+#include "vec.h"
+
+namespace pdk {
+namespace {
+
+constexpr int64_t kTokenGrain = 4;
+
+template <typename W>
+void norm_row(const float* x, const W* w, float* out, int64_t n, float eps) {
+  __m256 ss = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    __m256 v = load8(x + i);
+    ss = _mm256_fmadd_ps(v, v, ss);
+  }
+  const float inv = 1.f / std::sqrt(hsum(ss) / static_cast<float>(n) + eps);
+  const __m256 iv = _mm256_set1_ps(inv);
+  for (int64_t i = 0; i < n; i += 8)
+    store8(out + i, _mm256_mul_ps(_mm256_mul_ps(load8(x + i), iv), load8(w + i)));
+}
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              name, " must be a contiguous float32 [T, hidden] tensor");
+  TORCH_CHECK(x.size(1) % 8 == 0, name, ": hidden size must be a multiple of 8");
+}
+
+template <typename Fn>
+void with_weight(const at::Tensor& w, int64_t n, Fn fn) {
+  TORCH_CHECK(w.dim() == 1 && w.numel() == n && w.is_contiguous(), "norm weight must be [hidden]");
+  if (w.scalar_type() == at::kFloat) fn(w.data_ptr<float>());
+  else {
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16, "norm weight must be float32 or bfloat16");
+    fn(reinterpret_cast<const bf16_t*>(w.data_ptr<at::BFloat16>()));
+  }
+}
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, "x");
+  const int64_t T = x.size(0), n = x.size(1);
+  auto out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  with_weight(w, n, [&](auto* wp) {
+    at::parallel_for(0, T, kTokenGrain, [&](int64_t a, int64_t b) {
+      for (int64_t t = a; t < b; ++t) norm_row(xp + t * n, wp, op + t * n, n, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
+  check_rows(x, "x");
+  check_rows(residual, "residual");
+  TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual differ in shape");
+  const int64_t T = x.size(0), n = x.size(1);
+  auto out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  float* rp = residual.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  with_weight(w, n, [&](auto* wp) {
+    at::parallel_for(0, T, kTokenGrain, [&](int64_t a, int64_t b) {
+      for (int64_t t = a; t < b; ++t) {
+        float* r = rp + t * n;
+        for (int64_t i = 0; i < n; i += 8) store8(r + i, _mm256_add_ps(load8(r + i), load8(xp + t * n + i)));
+        norm_row(r, wp, op + t * n, n, static_cast<float>(eps));
+      }
+    });
+  });
+  return out;
+}
+
+// qkv [T, (H + 2 KVH) * D] float32 (rows contiguous); cos/sin [P, D] float32;
+// positions [T] int64; kv_cache [blocks, layers, 2, BS, KVH, D]; slots [T] int64
+// (block * BS + offset).
+void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                   const at::Tensor& sin, at::Tensor& kv_cache, int64_t layer,
+                   const at::Tensor& slots, int64_t num_heads, int64_t num_kv_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(),
+              "qkv must be contiguous float32 [T, (H + 2 KVH) * D]");
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous(), "kv_cache must be contiguous");
+  const int64_t T = qkv.size(0), D = kv_cache.size(5), L = kv_cache.size(1);
+  const int64_t BS = kv_cache.size(3), KVH = kv_cache.size(4);
+  TORCH_CHECK(KVH == num_kv_heads && qkv.size(1) == (num_heads + 2 * KVH) * D,
+              "qkv width does not match the heads");
+  TORCH_CHECK(D % 16 == 0, "head_dim must be a multiple of 16");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+              cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == D, "cos/sin must be float32 [P, D]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong &&
+              positions.numel() == T && slots.numel() == T, "positions/slots must be int64 [T]");
+  TORCH_CHECK(0 <= layer && layer < L, "layer out of range");
+  const int64_t P = cos.size(0), half = D / 2, width = qkv.size(1);
+  const int64_t slot_stride = KVH * D, kv_stride = BS * slot_stride;
+  const int64_t block_stride = L * 2 * kv_stride, num_slots = kv_cache.size(0) * BS;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(0 <= pos[t] && pos[t] < P && 0 <= sl[t] && sl[t] < num_slots,
+                "position or slot out of range at token ", t);
+  float* base = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  auto run = [&](auto* cache) {
+    using T_ = std::remove_pointer_t<decltype(cache)>;
+    at::parallel_for(0, T, kTokenGrain, [&](int64_t a, int64_t b) {
+      for (int64_t t = a; t < b; ++t) {
+        float* row = base + t * width;
+        const float* c = cp + pos[t] * D;
+        const float* s = sp + pos[t] * D;
+        for (int64_t h = 0; h < num_heads + KVH; ++h) {
+          float* x = row + h * D;
+          for (int64_t i = 0; i < half; i += 8) {
+            __m256 x1 = load8(x + i), x2 = load8(x + half + i);
+            store8(x + i, _mm256_fnmadd_ps(x2, load8(s + i), _mm256_mul_ps(x1, load8(c + i))));
+            store8(x + half + i, _mm256_fmadd_ps(x1, load8(s + half + i), _mm256_mul_ps(x2, load8(c + half + i))));
+          }
+        }
+        const int64_t blk = sl[t] / BS, off = sl[t] % BS;
+        T_* kdst = cache + blk * block_stride + layer * 2 * kv_stride + off * slot_stride;
+        T_* vdst = kdst + kv_stride;
+        const float* k = row + num_heads * D;
+        const float* v = k + KVH * D;
+        for (int64_t i = 0; i < KVH * D; i += 8) {
+          store8(kdst + i, load8(k + i));
+          store8(vdst + i, load8(v + i));
+        }
+      }
+    });
+  };
+  if (kv_cache.scalar_type() == at::kFloat) run(kv_cache.data_ptr<float>());
+  else {
+    TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16, "kv_cache must be float32 or bfloat16");
+    run(reinterpret_cast<bf16_t*>(kv_cache.data_ptr<at::BFloat16>()));
+  }
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(I % 8 == 0, "intermediate size must be a multiple of 8");
+  auto out = at::empty({T, I}, gate_up.options());
+  const float* g = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const __m256 one = _mm256_set1_ps(1.f);
+  at::parallel_for(0, T, kTokenGrain, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; ++t)
+      for (int64_t i = 0; i < I; i += 8) {
+        __m256 x = load8(g + t * 2 * I + i);
+        __m256 sig = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+        store8(op + t * I + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), load8(g + t * 2 * I + I + i)));
+      }
+  });
+  return out;
+}
+
+}  // namespace pdk

@@ -1,0 +1,136 @@
+"""``InputBatch``: the step's model inputs, built from persistent buffers.
+
+Each request that is being computed owns a row of a persistent block table for as
+long as it holds blocks; the row is written by deltas (only blocks allocated since
+the last step) and given back when the request finishes, is preempted or hands
+its KV off. Per step the work is O(sequences + new tokens) in vectorised numpy,
+never proportional to a context length or a generation's history.
+
+Buffers (numpy, shared with torch tensors without copies)::
+
+    block_table [max_num_seqs, max_blocks]  int32   row r = blocks of one request
+    tokens / positions / slots [max_tokens]  int64   this step's new tokens, in order:
+                                                     decodes first, then prefill chunks
+    per-sequence [max_num_seqs]              int32   row, query start/len, context len
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pdserve.engine.attention import AttentionMetadata
+from pdserve.engine.config import ceil_div
+from pdserve.engine.request import Request
+
+
+@dataclass
+class StepInputs:
+    """What ``InputBatch.prepare`` produced for one step."""
+
+    input_ids: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [R] int64, token index of each row that samples
+    sampled: list[Request]  # the requests of those rows, in order
+
+
+class InputBatch:
+    def __init__(self, max_num_seqs: int, max_model_len: int, max_num_tokens: int,
+                 block_size: int) -> None:
+        self.block_size = block_size
+        self.max_blocks = ceil_div(max_model_len, block_size)
+        self.block_table_np = np.zeros((max_num_seqs, self.max_blocks), dtype=np.int32)
+        self.block_table = torch.from_numpy(self.block_table_np)
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self._rows: dict[str, int] = {}  # request id -> row
+        self._written: dict[str, int] = {}  # request id -> blocks written into its row
+        n = max_num_tokens
+        self._tokens = np.zeros(n, dtype=np.int64)
+        self._positions = np.zeros(n, dtype=np.int64)
+        self._slots = np.zeros(n, dtype=np.int64)
+        self._arange = np.arange(n, dtype=np.int64)
+        self._seq = np.zeros((4, max_num_seqs), dtype=np.int32)  # row, q start, q len, ctx
+
+    # ------------------------------------------------------------------ rows
+    def release(self, req: Request) -> None:
+        """The request gave its blocks back (finished, preempted, handed off)."""
+        row = self._rows.pop(req.request_id, None)
+        if row is not None:
+            self._written.pop(req.request_id)
+            self._free_rows.append(row)
+
+    def _row(self, req: Request) -> int:
+        rid = req.request_id
+        row = self._rows.get(rid)
+        if row is None:
+            row = self._rows[rid] = self._free_rows.pop()
+            self._written[rid] = 0
+        done, have = self._written[rid], len(req.block_ids)
+        if have > done:  # blocks allocated since the last step
+            self.block_table_np[row, done:have] = req.block_ids[done:have]
+            self._written[rid] = have
+        return row
+
+    @property
+    def num_rows_in_use(self) -> int:
+        return len(self._rows)
+
+    # ------------------------------------------------------------------ step
+    def prepare(self, work: list[tuple[Request, int]]) -> StepInputs:
+        """Inputs for computing ``n`` new tokens of each ``(request, n)``; single
+        tokens first so that decodes lead the batch."""
+        work = sorted(work, key=lambda rn: rn[1] != 1)
+        s_count = len(work)
+        seq = self._seq[:, :s_count]
+        tokens: list[int] = []
+        sampled: list[Request] = []
+        logits_rows: list[int] = []
+        num_decode = 0
+        t = 0
+        for i, (req, n) in enumerate(work):
+            start = req.num_computed_tokens
+            end = start + n
+            seq[0, i] = self._row(req)
+            seq[1, i] = t
+            seq[2, i] = n
+            seq[3, i] = end
+            if n == 1:
+                tokens.append(req.token_ids[start])
+                num_decode += 1
+            else:
+                tokens.extend(req.token_ids[start:end])
+            t += n
+            if end == req.num_tokens:  # caught up: this row samples the next token
+                logits_rows.append(t - 1)
+                sampled.append(req)
+        self._tokens[:t] = tokens
+        # position of token j of sequence s = ctx_s - len_s + (j - start_s)
+        qlen = seq[2].astype(np.int64)
+        offset = np.repeat(seq[3] - seq[2] - seq[1], qlen)
+        positions = self._positions[:t]
+        np.add(self._arange[:t], offset, out=positions)
+        rows = np.repeat(seq[0], qlen)
+        bs = self.block_size
+        blocks = self.block_table_np[rows, positions // bs]
+        np.add(blocks.astype(np.int64) * bs, positions % bs, out=self._slots[:t])
+        meta = AttentionMetadata(
+            positions=torch.from_numpy(positions),
+            slot_mapping=torch.from_numpy(self._slots[:t]),
+            block_table=self.block_table,
+            seq_rows=torch.from_numpy(seq[0]),
+            query_start=torch.from_numpy(seq[1]),
+            query_len=torch.from_numpy(seq[2]),
+            context_len=torch.from_numpy(seq[3]),
+            num_decode=num_decode,
+            query_start_list=seq[1].tolist(),
+            query_len_list=seq[2].tolist(),
+            context_len_list=seq[3].tolist(),
+        )
+        return StepInputs(
+            input_ids=torch.from_numpy(self._tokens[:t]),
+            meta=meta,
+            logits_indices=torch.tensor(logits_rows, dtype=torch.long),
+            sampled=sampled,
+        )

@@ -1,0 +1,131 @@
+"""pdserve's CPU kernels (``csrc/``): build once at install time, load at run time.
+
+``python -m pdserve.engine.kernels`` (run by ``make``'s set-up) compiles the C++
+sources with torch's extension tooling into ``pdserve/engine/_kernels/``, next to a
+stamp holding a hash of the sources and flags. At run time ``load()`` imports that
+library if the stamp matches the sources; it never compiles. ``available()`` says
+whether the fast CPU paths can run here (x86-64 with AVX2 + FMA, the library built
+and current); when they cannot, ``reason()`` says why and the engine's ``auto``
+backends use the plain-torch reference paths.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import platform
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+NAME = "pdserve_kernels"
+_SRC = Path(__file__).with_name("csrc")
+_OUT = Path(__file__).with_name("_kernels")
+_SOURCES = ("bindings.cpp", "linear.cpp", "attention.cpp", "pointwise.cpp")
+_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++17")
+
+_module: ModuleType | None = None
+_why: str | None = None
+
+
+def _fingerprint() -> str:
+    h = hashlib.sha256()
+    for f in sorted(_SRC.iterdir()):
+        if f.suffix in (".cpp", ".h"):
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+    h.update(" ".join(_CFLAGS).encode())
+    h.update(torch.__version__.encode())
+    return h.hexdigest()
+
+
+def _library() -> Path:
+    return _OUT / f"{NAME}.so"
+
+
+def cpu_supported() -> str | None:
+    """None when this CPU can run the kernels, else why not."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"the CPU kernels need x86-64 with AVX2; this machine is {platform.machine()}"
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap not in ("AVX2", "AVX512"):
+        return f"the CPU kernels need AVX2 + FMA; torch reports CPU capability {cap}"
+    return None
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile the kernels (a no-op when the stamp is current)."""
+    from torch.utils import cpp_extension
+
+    stamp = _OUT / "stamp"
+    fp = _fingerprint()
+    if _library().is_file() and stamp.is_file() and stamp.read_text() == fp:
+        stamp.touch()  # current: tell make so
+        return _library()
+    _OUT.mkdir(exist_ok=True)
+    cpp_extension.load(
+        name=NAME,
+        sources=[str(_SRC / s) for s in _SOURCES],
+        extra_cflags=list(_CFLAGS),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(_OUT),
+        verbose=verbose,
+    )
+    stamp.write_text(fp)
+    return _library()
+
+
+def load() -> ModuleType | None:
+    """The kernels module, or None (see ``reason()``). Never compiles."""
+    global _module, _why
+    if _module is not None or _why is not None:
+        return _module
+    why = cpu_supported()
+    stamp = _OUT / "stamp"
+    if why is None and not (_library().is_file() and stamp.is_file()):
+        why = "the CPU kernels are not built (run `make venv` or `python -m pdserve.engine.kernels`)"
+    elif why is None and stamp.read_text() != _fingerprint():
+        why = "the CPU kernels are older than their sources (run `python -m pdserve.engine.kernels`)"
+    if why is not None:
+        _why = why
+        return None
+    loader = importlib.machinery.ExtensionFileLoader(NAME, str(_library()))
+    spec = importlib.util.spec_from_file_location(NAME, _library(), loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    _module = module
+    return module
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def reason() -> str | None:
+    """Why the kernels cannot be used here (None when they can)."""
+    load()
+    return _why
+
+
+def require() -> ModuleType:
+    module = load()
+    if module is None:
+        raise RuntimeError(str(_why))
+    return module
+
+
+def main() -> None:
+    why = cpu_supported()
+    if why is not None:
+        print(f"pdserve kernels: skipped ({why}); the engine uses its reference paths")
+        return
+    path = build(verbose="-v" in sys.argv)
+    print(f"pdserve kernels: {path}")
+
+
+if __name__ == "__main__":
+    main()

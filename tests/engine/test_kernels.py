@@ -1,0 +1,155 @@
+"""pdserve's C++ CPU kernels against plain-torch references, op by op."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine import kernels
+from pdserve.engine.attention import AttentionMetadata, CpuPagedAttention, TorchAttention
+from pdserve.engine.config import RopeConfig
+from pdserve.engine.rope import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(kernels.cpu_supported() is not None,
+                                reason=str(kernels.cpu_supported()))
+
+
+@pytest.fixture(scope="module")
+def k():  # type: ignore[no-untyped-def]
+    return kernels.require()  # on a CPU that can run them they must be built
+
+
+def test_kernels_are_built_and_current() -> None:
+    assert kernels.reason() is None
+
+
+# ------------------------------------------------------------------ linear
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_dense_small_matches_reference(k, dtype: torch.dtype, m: int, bias: bool) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(37, 96, generator=g).to(dtype)  # 37 rows: leftovers of every pass size
+    x = torch.randn(m, 96, generator=g)
+    b = torch.randn(37, generator=g) if bias else None
+    ref = F.linear(x, w.float(), b)
+    torch.testing.assert_close(k.dense_linear_small(x, w, b), ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 40, 257])
+@pytest.mark.parametrize("panel", [16, 256])
+def test_widened_bf16_matches_reference(k, m: int, panel: int) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(300, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(m, 64, generator=g)
+    b = torch.randn(300, generator=g)
+    ref = F.linear(x, w.float(), b)
+    out = k.widened_linear(x, w, None, None, 0, b, panel)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_linear_rejects_bad_shapes(k) -> None:  # type: ignore[no-untyped-def]
+    w = torch.randn(8, 64)
+    with pytest.raises(RuntimeError, match="columns"):
+        k.dense_linear_small(torch.randn(2, 32), w, None)
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        k.dense_linear_small(torch.randn(2, 12), torch.randn(8, 12), None)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        k.dense_linear_small(torch.randn(2, 64), w.half(), None)
+
+
+# --------------------------------------------------------------- pointwise
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_fused_residual(k, wdtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(1)
+    x, res = torch.randn(5, 64, generator=g), torch.randn(5, 64, generator=g)
+    w = torch.randn(64, generator=g).to(wdtype)
+    ref = F.rms_norm(x, (64,), w.float(), 1e-5)
+    torch.testing.assert_close(k.rms_norm(x, w, 1e-5), ref, rtol=1e-5, atol=1e-5)
+    want_res = res + x
+    out = k.add_rms_norm(x, res, w, 1e-5)
+    torch.testing.assert_close(res, want_res)  # residual updated in place
+    torch.testing.assert_close(out, F.rms_norm(want_res, (64,), w.float(), 1e-5),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_silu_mul(k) -> None:  # type: ignore[no-untyped-def]
+    gu = torch.randn(7, 2 * 48) * 4
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(k.silu_mul(gu), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- attention
+def _case(dtype: torch.dtype, head_dim: int, block_size: int, heads: tuple[int, int],
+          seqs: list[tuple[int, int]], seed: int = 0,
+          ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, RotaryEmbedding]:
+    """A random cache with a few sequences, each (new tokens, context after the step);
+    blocks handed out shuffled so that no sequence is contiguous."""
+    g = torch.Generator().manual_seed(seed)
+    h, kvh = heads
+    layers = 2
+    need = [-(-ctx // block_size) for _, ctx in seqs]
+    num_blocks = sum(need) + 3
+    cache = torch.randn(num_blocks, layers, 2, block_size, kvh, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    table = torch.zeros(len(seqs) + 2, max(need) + 1, dtype=torch.int32)
+    rows = [len(seqs) + 1 - i for i in range(len(seqs))]  # rows out of order too
+    qs, ql, cl, positions, slots = [], [], [], [], []
+    t = 0
+    for i, ((n, ctx), nb) in enumerate(zip(seqs, need, strict=True)):
+        blocks = [perm.pop() for _ in range(nb)]
+        table[rows[i], :nb] = torch.tensor(blocks, dtype=torch.int32)
+        qs.append(t)
+        ql.append(n)
+        cl.append(ctx)
+        for p in range(ctx - n, ctx):
+            positions.append(p)
+            slots.append(blocks[p // block_size] * block_size + p % block_size)
+        t += n
+    meta = AttentionMetadata(
+        positions=torch.tensor(positions), slot_mapping=torch.tensor(slots),
+        block_table=table, seq_rows=torch.tensor(rows, dtype=torch.int32),
+        query_start=torch.tensor(qs, dtype=torch.int32),
+        query_len=torch.tensor(ql, dtype=torch.int32),
+        context_len=torch.tensor(cl, dtype=torch.int32),
+        num_decode=sum(1 for n, _ in seqs if n == 1),
+        query_start_list=qs, query_len_list=ql, context_len_list=cl)
+    qkv = torch.randn(t, (h + 2 * kvh) * head_dim, generator=g)
+    rotary = RotaryEmbedding(RopeConfig(), head_dim, 4096, torch.float32)
+    return cache, qkv, meta, rotary
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "block_size", "heads"), [
+    (64, 16, (9, 3)), (16, 8, (4, 2)), (32, 32, (4, 1)), (128, 16, (8, 8)), (96, 64, (6, 2)),
+])
+def test_paged_attention_matches_reference(dtype: torch.dtype, head_dim: int, block_size: int,
+                                           heads: tuple[int, int]) -> None:
+    # decodes first (short and long contexts), then a chunk with no prefix, chunks
+    # with a cached prefix (tiles of 8 queries and a ragged one), a 1-token tail
+    seqs = [(1, 1), (1, 37), (1, 300), (20, 20), (9, 130), (33, 64), (1, 17)]
+    seqs = sorted(seqs, key=lambda s: s[0] != 1)
+    cache, qkv, meta, rotary = _case(dtype, head_dim, block_size, heads, seqs)
+    h, kvh = heads
+    ref_cache, ref_qkv = cache.clone(), qkv.clone()
+    ref = TorchAttention(h, kvh, head_dim, rotary)(ref_qkv, ref_cache, 1, meta)
+    out = CpuPagedAttention(h, kvh, head_dim, rotary)(qkv, cache, 1, meta)
+    # K/V stored in the same slots (rotary rounding differs by an ulp: fused FMAs)
+    torch.testing.assert_close(cache, ref_cache, rtol=1e-5, atol=1e-5)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref.float(), rtol=tol, atol=tol)
+
+
+def test_paged_attention_rejects_bad_metadata(k) -> None:  # type: ignore[no-untyped-def]
+    cache, qkv, meta, _rotary = _case(torch.float32, 64, 16, (9, 3), [(1, 40)])
+    q = qkv.view(1, -1, 64)[:, :9]
+    out = torch.empty(1, 9, 64)
+    bad = meta.block_table.clone()
+    bad[int(meta.seq_rows[0]), 0] = 10_000
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        k.paged_attention(q, cache, 0, bad, meta.seq_rows, meta.query_start, meta.query_len,
+                          meta.context_len, 0.125, out)
+    with pytest.raises(RuntimeError, match="metadata"):
+        k.paged_attention(q, cache, 0, meta.block_table, meta.seq_rows, meta.query_start,
+                          meta.query_len, torch.tensor([0], dtype=torch.int32), 0.125, out)
