@@ -79,7 +79,7 @@ def resolve_linear_backend(name: str, device: str, dtype: torch.dtype,
                            dims: tuple[int, ...]) -> str:
     """``auto`` -> ``cpu`` where the kernels run (CPU, float32/bfloat16, every
     input dimension a multiple of 8), else ``torch``; explicit names are checked."""
-    fits = dtype in SMALL_M and all(d % 8 == 0 for d in dims)
+    fits = dtype in SMALL_M and all(d % 16 == 0 for d in dims)
     if name == "auto":
         return "cpu" if device == "cpu" and fits and kernels.available() else "torch"
     if name not in ("torch", "cpu"):
@@ -91,7 +91,7 @@ def resolve_linear_backend(name: str, device: str, dtype: torch.dtype,
             raise ValueError(f"linear backend 'cpu' cannot run here: {kernels.reason()}")
         if not fits:
             raise ValueError("linear backend 'cpu' needs float32 or bfloat16 weights and "
-                             "hidden / intermediate sizes that are multiples of 8")
+                             "hidden / intermediate sizes that are multiples of 16")
     return name
 
 

@@ -53,7 +53,7 @@ def test_linear_rejects_bad_shapes(k) -> None:  # type: ignore[no-untyped-def]
     w = torch.randn(8, 64)
     with pytest.raises(RuntimeError, match="columns"):
         k.dense_linear_small(torch.randn(2, 32), w, None)
-    with pytest.raises(RuntimeError, match="multiple of 8"):
+    with pytest.raises(RuntimeError, match="multiple of 16"):
         k.dense_linear_small(torch.randn(2, 12), torch.randn(8, 12), None)
     with pytest.raises(RuntimeError, match="bfloat16"):
         k.dense_linear_small(torch.randn(2, 64), w.half(), None)

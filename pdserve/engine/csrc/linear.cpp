@@ -14,7 +14,7 @@
 // registers. Large M (prefill): a panel of rows of W is widened to float32 once
 // (in cache) and multiplied with the BLAS; see large_linear().
 //
-// x is float32 [M, K] contiguous; y float32 [M, N]. K must be a multiple of 8
+// x is float32 [M, K] contiguous; y float32 [M, N]. K must be a multiple of 16
 // (int4 / grouped int8: of the group size, itself a multiple of 32).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -34,36 +34,57 @@ template <int M>
 constexpr int rows_per_pass() { return M <= 3 ? 4 : (M <= 6 ? 2 : 1); }
 
 // ---------------------------------------------------------------- dense
+// 16 weights of a row per step. bf16 is widened with unpacks against zero, which
+// leaves the 16 values in the order (0-3, 8-11) (4-7, 12-15); x is permuted the
+// same way once per call (permute_x), so every dot product still pairs w_k with x_k.
+inline void load16(const float* p, __m256& a, __m256& b) { a = load8(p); b = load8(p + 8); }
+inline void load16(const bf16_t* p, __m256& a, __m256& b) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i z = _mm256_setzero_si256();
+  a = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v));
+  b = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
+}
+
+// x rows in the order load16 produces weights (bf16 only; float32 keeps x as is).
+void permute_x(const float* x, int64_t M, int64_t K, float* out) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; k += 16) {
+      const float* s = x + m * K + k;
+      float* d = out + m * K + k;
+      for (int i = 0; i < 4; ++i) {
+        d[i] = s[i]; d[4 + i] = s[8 + i]; d[8 + i] = s[4 + i]; d[12 + i] = s[12 + i];
+      }
+    }
+}
+
 template <typename T, int M>
 void dense_small(const float* x, int64_t K, const T* W, int64_t n0, int64_t n1, float* y,
                  int64_t N, const float* bias) {
   constexpr int R = rows_per_pass<M>();
-  int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    __m256 acc[R][M];
-    for (int r = 0; r < R; ++r)
+  auto pass = [&](int64_t n, auto rows_tag) {
+    constexpr int RR = decltype(rows_tag)::value;
+    __m256 acc[RR][M];
+    for (int r = 0; r < RR; ++r)
       for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-      __m256 xv[M];
-      for (int m = 0; m < M; ++m) xv[m] = load8(x + m * K + k);
-      for (int r = 0; r < R; ++r) {
-        __m256 w = load8(W + (n + r) * K + k);
-        for (int m = 0; m < M; ++m) acc[r][m] = _mm256_fmadd_ps(w, xv[m], acc[r][m]);
+    for (int64_t k = 0; k < K; k += 16) {
+      __m256 xa[M], xb[M];
+      for (int m = 0; m < M; ++m) { xa[m] = load8(x + m * K + k); xb[m] = load8(x + m * K + k + 8); }
+      for (int r = 0; r < RR; ++r) {
+        __m256 wa, wb;
+        load16(W + (n + r) * K + k, wa, wb);
+        for (int m = 0; m < M; ++m) {
+          acc[r][m] = _mm256_fmadd_ps(wa, xa[m], acc[r][m]);
+          acc[r][m] = _mm256_fmadd_ps(wb, xb[m], acc[r][m]);
+        }
       }
     }
-    for (int r = 0; r < R; ++r)
+    for (int r = 0; r < RR; ++r)
       for (int m = 0; m < M; ++m)
         y[m * N + n + r] = hsum(acc[r][m]) + (bias ? bias[n + r] : 0.f);
-  }
-  for (; n < n1; ++n) {  // rows left over from the R-row passes
-    __m256 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-      __m256 w = load8(W + n * K + k);
-      for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(w, load8(x + m * K + k), acc[m]);
-    }
-    for (int m = 0; m < M; ++m) y[m * N + n] = hsum(acc[m]) + (bias ? bias[n] : 0.f);
-  }
+  };
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) pass(n, std::integral_constant<int, R>{});
+  for (; n < n1; ++n) pass(n, std::integral_constant<int, 1>{});
 }
 
 // ----------------------------------------------------------------- int8
@@ -210,7 +231,7 @@ void check_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
-  TORCH_CHECK(K % 8 == 0, "K must be a multiple of 8, got ", K);
+  TORCH_CHECK(K % 16 == 0, "K must be a multiple of 16, got ", K);
 }
 
 const float* bias_ptr(const c10::optional<at::Tensor>& bias, int64_t N) {
@@ -248,8 +269,10 @@ at::Tensor dense_linear_small(const at::Tensor& x, const at::Tensor& w,
   } else {
     TORCH_CHECK(w.scalar_type() == at::kBFloat16, "dense weight must be float32 or bfloat16");
     const bf16_t* W = reinterpret_cast<const bf16_t*>(w.data_ptr<at::BFloat16>());
+    std::vector<float> xperm(M * K);
+    permute_x(xp, M, K, xperm.data());
     for_row_blocks(M, N, [&](int64_t n0, int64_t n1, int64_t m0, int64_t mm) {
-      by_m<DenseBF16>(mm, xp + m0 * K, K, W, n0, n1, yp + m0 * N, N, b);
+      by_m<DenseBF16>(mm, xperm.data() + m0 * K, K, W, n0, n1, yp + m0 * N, N, b);
     });
   }
   return y;
