@@ -71,8 +71,7 @@ class CpuDense:
             return self.k.dense_linear_small(x, self.weight, self.bias)
         if self.weight.dtype == torch.float32:
             return F.linear(x, self.weight, self.bias)
-        return self.k.widened_linear(x, self.weight, None, None, 0, self.bias,
-                                     WIDEN_PANEL)
+        return self.k.widened_linear(x, self.weight, 16, self.bias, WIDEN_PANEL)
 
 
 def resolve_linear_backend(name: str, device: str, dtype: torch.dtype,

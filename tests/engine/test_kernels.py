@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine import kernels
+from pdserve.engine import kernels, quant
 from pdserve.engine.attention import AttentionMetadata, CpuPagedAttention, TorchAttention
 from pdserve.engine.config import RopeConfig
 from pdserve.engine.rope import RotaryEmbedding
@@ -45,7 +45,7 @@ def test_widened_bf16_matches_reference(k, m: int, panel: int) -> None:  # type:
     x = torch.randn(m, 64, generator=g)
     b = torch.randn(300, generator=g)
     ref = F.linear(x, w.float(), b)
-    out = k.widened_linear(x, w, None, None, 0, b, panel)
+    out = k.widened_linear(x, w, 16, b, panel)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
 
 
@@ -57,6 +57,59 @@ def test_linear_rejects_bad_shapes(k) -> None:  # type: ignore[no-untyped-def]
         k.dense_linear_small(torch.randn(2, 12), torch.randn(8, 12), None)
     with pytest.raises(RuntimeError, match="bfloat16"):
         k.dense_linear_small(torch.randn(2, 64), w.half(), None)
+
+
+@pytest.mark.parametrize(("kind", "group"), [("int8", 32), ("int4", 32), ("int4", 64),
+                                            ("int4", 128)])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 11, 40])
+def test_quantized_linear_matches_dequantized_reference(k, kind: str, group: int,  # type: ignore[no-untyped-def]
+                                                        m: int) -> None:
+    g = torch.Generator().manual_seed(m + group)
+    w = torch.randn(37, 256, generator=g)
+    qw = quant.quantize(w, kind, group)
+    x = torch.randn(m, 256, generator=g) * 3
+    b = torch.randn(37, generator=g)
+    ref = F.linear(x, quant.dequantize(qw), b)
+    out = (k.quant_linear_small(x, qw.data, qw.bits, b) if m <= 8
+           else k.widened_linear(x, qw.data, qw.bits, b, 16))
+    # x is quantized to int16 per 32 values inside the small kernels: ~1e-5 relative
+    torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-4 * float(ref.abs().max()))
+
+
+def test_quantizers_round_trip() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 128, generator=g)
+    w8 = quant.dequantize(quant.quantize_int8(w))
+    step8 = w.abs().amax(dim=1, keepdim=True) / 127
+    assert bool(((w8 - w).abs() <= step8 * 0.51).all())  # half a step, per channel
+    for group in quant.GROUP_SIZES:
+        w4 = quant.dequantize(quant.quantize_int4(w, group))
+        gw = w.view(8, -1, group)
+        step4 = (gw.amax(dim=2) - gw.amin(dim=2)) / 15
+        err = (w4 - w).view(8, -1, group).abs().amax(dim=2)
+        assert bool((err <= step4 * 0.51 + 1e-3).all())
+
+
+def test_gguf_q4_0_becomes_q4_1_without_float_detour() -> None:
+    # two Q4_0 blocks by hand: d = 0.5 and 2.0, nibbles 0..15
+    qs = bytes((j | ((15 - j) << 4)) for j in range(16))
+    raw = [torch.tensor([0.5], dtype=torch.float16).view(torch.uint8).tolist() + list(qs),
+           torch.tensor([2.0], dtype=torch.float16).view(torch.uint8).tolist() + list(qs)]
+    import numpy as np
+    qw = quant.from_gguf(np.array([raw[0] + raw[1]], dtype=np.uint8), "Q4_0", "t")
+    assert qw.bits == 4 and qw.in_features == 64
+    q = torch.tensor(list(range(16)) + [15 - j for j in range(16)], dtype=torch.float32)
+    want = torch.cat([0.5 * (q - 8), 2.0 * (q - 8)])
+    assert torch.equal(quant.dequantize(qw)[0], want)
+    with pytest.raises(ValueError, match="Q6_K"):
+        quant.from_gguf(np.zeros((1, 210), dtype=np.uint8), "Q6_K", "blk.0.ffn_down.weight")
+
+
+def test_quantization_rejects_bad_groups() -> None:
+    with pytest.raises(ValueError, match="group size"):
+        quant.check_quantizable("layer", 256, 48)
+    with pytest.raises(ValueError, match="multiple"):
+        quant.check_quantizable("layer", 96, 64)
 
 
 # --------------------------------------------------------------- pointwise

@@ -4,12 +4,9 @@
 
 namespace pdk {
 at::Tensor dense_linear_small(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&);
-at::Tensor int8_linear_small(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                             const c10::optional<at::Tensor>&);
-at::Tensor int4_linear_small(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                             int64_t, const c10::optional<at::Tensor>&);
-at::Tensor widened_linear(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
-                          const c10::optional<at::Tensor>&, int64_t, const c10::optional<at::Tensor>&,
+at::Tensor quant_linear_small(const at::Tensor&, const at::Tensor&, int64_t,
+                              const c10::optional<at::Tensor>&);
+at::Tensor widened_linear(const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&,
                           int64_t);
 bool attention_supports_head_dim(int64_t);
 void paged_attention(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&,
@@ -25,8 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("dense_linear_small", &pdk::dense_linear_small, nogil);
-  m.def("int8_linear_small", &pdk::int8_linear_small, nogil);
-  m.def("int4_linear_small", &pdk::int4_linear_small, nogil);
+  m.def("quant_linear_small", &pdk::quant_linear_small, nogil);
   m.def("widened_linear", &pdk::widened_linear, nogil);
   m.def("paged_attention", &pdk::paged_attention, nogil);
   m.def("attention_supports_head_dim", &pdk::attention_supports_head_dim);
