@@ -151,7 +151,8 @@ class CpuPagedAttention:
                  meta: AttentionMetadata) -> torch.Tensor:
         t, h, d = qkv.shape[0], self.h, self.d
         in_dtype = qkv.dtype  # float32 unless the linear layers are the reference
-        qkv = qkv.float().contiguous()
+        if in_dtype != torch.float32:
+            qkv = qkv.float().contiguous()
         self.k.rope_write_kv(qkv, meta.positions, self.cos, self.sin, kv_cache, layer,
                              meta.slot_mapping, h, self.kvh)
         q = qkv.view(t, -1, d)[:, :h]
@@ -159,7 +160,8 @@ class CpuPagedAttention:
         self.k.paged_attention(q, kv_cache, layer, meta.block_table, meta.seq_rows,
                                meta.query_start, meta.query_len, meta.context_len,
                                self.scale, out)
-        return out.view(t, h * d).to(in_dtype)
+        out = out.view(t, h * d)
+        return out if in_dtype == torch.float32 else out.to(in_dtype)
 
 
 ATTENTION_BACKENDS: dict[str, Callable[[int, int, int, RotaryEmbedding], AttentionBackend]] = {

@@ -155,6 +155,11 @@ class EngineConfig:
     # "cpu" pdserve's C++ kernels (built at install), "auto" the fastest that runs here.
     attention_backend: str = "auto"
     linear_backend: str = "auto"
+    # Weight-only quantization of the linear layers (quant.py): "none", "int8" (per
+    # output channel) or "int4" (groups of quantization_group_size, with mins). The
+    # KV cache keeps ``dtype``, so quantized and float workers exchange the same KV.
+    quantization: str = "none"
+    quantization_group_size: int = 32
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -173,6 +178,11 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
+        if self.quantization not in ("none", "int8", "int4"):
+            raise ValueError(f"quantization must be none, int8 or int4, got {self.quantization!r}")
+        if self.quantization_group_size not in (32, 64, 128):
+            raise ValueError(f"quantization_group_size must be 32, 64 or 128, got "
+                             f"{self.quantization_group_size}")
         for name in ("attention_backend", "linear_backend"):
             if getattr(self, name) not in ("auto", "torch", "cpu"):
                 raise ValueError(f"{name} must be auto, torch or cpu, got {getattr(self, name)!r}")

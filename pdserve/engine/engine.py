@@ -31,6 +31,7 @@ from pdserve.engine.config import EngineConfig, ModelConfig, ceil_div
 from pdserve.engine.input_batch import InputBatch
 from pdserve.engine.linear import resolve_linear_backend
 from pdserve.engine.model import LlamaModel
+from pdserve.engine.quant_load import quantize_model
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.rope import RotaryEmbedding
 from pdserve.engine.runner import ModelRunner, Sampled
@@ -101,6 +102,10 @@ class LLMEngine:
             model = LlamaModel(mc, rotary)
         model = model.to_empty(device=device).to(dtype)
         load_weights(model, self.model_dir)
+        self.quant_report = None
+        if self.config.quantization != "none":
+            self.quant_report = quantize_model(model, self.model_dir, self.config.quantization,
+                                               self.config.quantization_group_size)
         model.use(self.linear_backend, make_attention(
             self.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim, rotary))
         self.model = model

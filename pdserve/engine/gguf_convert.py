@@ -36,7 +36,7 @@ from tqdm import tqdm
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the converted output changes, so stale caches are rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the marker records the GGUF's path (quantized serving reads its blocks)
 MARKER_FILE = ".pdserve-converted.json"
 
 # GGUF tensor name (per layer, after "blk.N.") -> Hugging Face name (after "model.layers.N.").
@@ -261,13 +261,24 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, progress: bool = Tr
             {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg},
         )
         write_tokenizer(reader, tmp, model_max_length=cfg["max_position_embeddings"])
-        marker = {"format_version": FORMAT_VERSION, "source": src.name}
+        marker = {"format_version": FORMAT_VERSION, "source": src.name,
+                  "gguf": str(src.resolve())}
         _write_json(tmp / MARKER_FILE, marker)
         tmp.chmod(0o755)  # mkdtemp made it private; the cache is an ordinary directory
         _swap_into_place(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def gguf_source(model_dir: str | Path) -> Path | None:
+    """The GGUF a prepared directory was converted from (None for other models)."""
+    try:
+        marker = json.loads((Path(model_dir) / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    path = marker.get("gguf") if isinstance(marker, dict) else None
+    return Path(path) if isinstance(path, str) else None
 
 
 def is_prepared(model_dir: str | Path) -> bool:

@@ -7,8 +7,12 @@ through a kernel chosen once at load (``Linear.use``):
 * ``cpu`` -- pdserve's C++ kernels on float32 activations (``csrc/linear.cpp``):
   batches of up to ``SMALL_M`` rows stream each weight once from memory and use it
   for every row (decode is memory-bound: the step time is the weight bytes over the
-  memory bandwidth); larger batches (prefill) widen panels of a bfloat16 weight to
-  float32 in cache and hand them to the BLAS, or call it directly for float32.
+  memory bandwidth); larger batches (prefill) widen panels of a bfloat16 or
+  quantized weight to float32 in cache and hand them to the BLAS, or call it
+  directly for float32.
+
+A quantized layer (``Linear.quantize``, formats in ``quant.py``) keeps only its
+blocks; its reference is ``dequantize`` then ``F.linear``.
 
 ``LayerOps`` is the matching switch for RMSNorm (with the residual add fused) and
 SiLU-and-multiply: ``TorchOps`` is the reference, ``CpuOps`` the fused kernels.
@@ -23,11 +27,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine import kernels
+from pdserve.engine.quant import QuantizedWeight, dequantize
 
 # Up to this many rows the streaming kernel beats the BLAS (measured on the default
 # model's matrices, 1 thread, bfloat16 weights: 31 ms for all matmuls at 8 rows
 # against 65 ms through the widened BLAS path; float32: 44 against 72 ms).
 SMALL_M = {torch.float32: 16, torch.bfloat16: 32}
+SMALL_M_QUANT = {8: 32, 4: 32}
 # Rows of a bfloat16 weight widened to float32 per BLAS call (stays in L2).
 WIDEN_PANEL = 256
 
@@ -46,15 +52,31 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False)
                      if bias else None)
         self.kernel: LinearKernel | None = None  # None: the reference F.linear
+        self.qweight: QuantizedWeight | None = None
+
+    def quantize(self, qweight: QuantizedWeight) -> None:
+        """Serve this layer from ``qweight``; the float weight is dropped."""
+        if (qweight.out_features, qweight.in_features) != (self.out_features, self.in_features):
+            raise ValueError(f"quantized weight is {qweight.out_features}x{qweight.in_features}, "
+                             f"the layer {self.out_features}x{self.in_features}")
+        self.qweight = qweight
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def use(self, backend: str) -> None:
         """Pick the kernel (``torch`` or ``cpu``); called once after loading."""
-        self.kernel = CpuDense(self.weight.data, self.bias) if backend == "cpu" else None
+        if self.qweight is not None:
+            self.kernel = (CpuQuantized(self.qweight, self.bias) if backend == "cpu"
+                           else TorchDequantized(self.qweight, self.bias))
+        else:
+            self.kernel = CpuDense(self.weight.data, self.bias) if backend == "cpu" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
             return self.kernel(x)
         return F.linear(x, self.weight, self.bias)
+
+    # Called ~120 times per decode step: skip nn.Module's hook machinery (~2 us a call).
+    __call__ = forward
 
 
 class CpuDense:
@@ -72,6 +94,32 @@ class CpuDense:
         if self.weight.dtype == torch.float32:
             return F.linear(x, self.weight, self.bias)
         return self.k.widened_linear(x, self.weight, 16, self.bias, WIDEN_PANEL)
+
+
+class CpuQuantized:
+    """int8 / int4 blocks, float32 activations in and out."""
+
+    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        self.k = kernels.require()
+        self.data, self.bits = qweight.data, qweight.bits
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.small_m = SMALL_M_QUANT[qweight.bits]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.small_m:
+            return self.k.quant_linear_small(x, self.data, self.bits, self.bias)
+        return self.k.widened_linear(x, self.data, self.bits, self.bias, WIDEN_PANEL)
+
+
+class TorchDequantized:
+    """Reference for quantized layers: dequantize, then ``F.linear`` in x's dtype."""
+
+    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        self.qweight, self.bias = qweight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = dequantize(self.qweight).to(x.dtype)
+        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
 
 def resolve_linear_backend(name: str, device: str, dtype: torch.dtype,

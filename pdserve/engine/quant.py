@@ -50,7 +50,7 @@ class QuantizedWeight:
 
 def check_quantizable(name: str, in_features: int, group_size: int) -> None:
     """ValueError unless a [*, in_features] weight can take this format."""
-    if group_size not in GROUP_SIZES:
+    if group_size not in GROUP_SIZES:  # 32 is also the int8 block
         raise ValueError(f"quantization group size must be one of {GROUP_SIZES}, got {group_size}")
     if in_features % group_size:
         raise ValueError(f"{name}: input size {in_features} is not a multiple of the "
@@ -123,7 +123,7 @@ def from_gguf(data: np.ndarray, type_name: str, name: str) -> QuantizedWeight:
     if type_name not in GGUF_NATIVE:
         raise ValueError(f"GGUF tensor {name} has type {type_name}, which pdserve does not "
                          f"serve quantized (supported: {', '.join(GGUF_NATIVE)})")
-    raw = torch.from_numpy(np.ascontiguousarray(data, dtype=np.uint8))
+    raw = torch.from_numpy(np.array(data, dtype=np.uint8))  # a copy: GGUF data is a read-only map
     if type_name == "Q4_0":  # d | 16 nibble bytes, w = d * (q - 8): add m = -8 d
         b = raw.view(raw.shape[0], -1, 18)
         d = b[..., 0:2].contiguous().view(torch.float16)
