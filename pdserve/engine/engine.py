@@ -59,6 +59,9 @@ class RequestOutput:
     stop_reason: str | int | None = None  # matched stop string / stop token id
     prefilled: bool = False  # prefill role: KV held for hand-off
     first_scheduled_time: float | None = None  # monotonic; ends the request's queue time
+    # With the request's first output when it asked for prompt logprobs: one entry per
+    # prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -260,7 +263,14 @@ class LLMEngine:
         )
         for req, n in batch.work:
             self.scheduler.advance(req, n)
-        return [self._append_token(s) for s in sampled]
+        outputs = [self._append_token(s) for s in sampled]
+        for req, _ in batch.work:  # max_tokens=0: the prompt is scored, nothing generated
+            if req.params.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:
+                req.finish_reason = "length"
+                self.scheduler.finish(req)
+                outputs.append(self._output(req, [], "", []))
+                self._forget(req.request_id)
+        return outputs
 
     def _append_token(self, s: Sampled) -> RequestOutput:
         req, track = s.request, self._tracking[s.request.request_id]
@@ -303,7 +313,15 @@ class LLMEngine:
             stop_reason=stop_reason,
             prefilled=prefilled,
             first_scheduled_time=req.first_scheduled_time,
+            prompt_logprobs=self._prompt_logprobs(req),
         )
+
+    def _prompt_logprobs(self, req: Request) -> list[TokenLogprobs | None] | None:
+        """The prompt's logprobs, on the first output of a request that computed them."""
+        if (req.params.prompt_logprobs is None or self.role == "decode"
+                or req.num_output_tokens > 1):
+            return None
+        return [None, *req.prompt_logprobs]
 
     def _forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
@@ -370,8 +388,11 @@ class Completion:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def add(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.token_ids.extend(out.new_token_ids)
         self.text += out.text
         self.logprobs.extend(out.logprobs)

@@ -32,8 +32,13 @@ class StepInputs:
 
     input_ids: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [R] int64, token index of each row that samples
-    sampled: list[Request]  # the requests of those rows, in order
+    # Rows the model computes logits for: first one per request that samples, then
+    # the prompt positions of requests that asked for prompt logprobs.
+    logits_indices: torch.Tensor  # [R + P] int64 token indices
+    sampled: list[Request]  # the requests of the first R rows, in order
+    # (request, target tokens) per prompt-logprob request, in row order: row j of
+    # its part predicts target j.
+    prompt_targets: list[tuple[Request, list[int]]]
 
 
 class InputBatch:
@@ -87,6 +92,8 @@ class InputBatch:
         tokens: list[int] = []
         sampled: list[Request] = []
         logits_rows: list[int] = []
+        prompt_rows: list[int] = []
+        prompt_targets: list[tuple[Request, list[int]]] = []
         num_decode = 0
         t = 0
         for i, (req, n) in enumerate(work):
@@ -101,9 +108,16 @@ class InputBatch:
                 num_decode += 1
             else:
                 tokens.extend(req.token_ids[start:end])
+            if req.params.prompt_logprobs is not None:
+                # positions p predict token p + 1; each prompt position is recorded once
+                lo = max(start, len(req.prompt_logprobs))
+                hi = min(end, req.num_prompt_tokens - 1)
+                if hi > lo:
+                    prompt_rows.extend(range(t + lo - start, t + hi - start))
+                    prompt_targets.append((req, req.token_ids[lo + 1 : hi + 1]))
             t += n
-            if end == req.num_tokens:  # caught up: this row samples the next token
-                logits_rows.append(t - 1)
+            if end == req.num_tokens and req.params.max_tokens > 0:
+                logits_rows.append(t - 1)  # caught up: this row samples the next token
                 sampled.append(req)
         self._tokens[:t] = tokens
         # position of token j of sequence s = ctx_s - len_s + (j - start_s)
@@ -131,6 +145,7 @@ class InputBatch:
         return StepInputs(
             input_ids=torch.from_numpy(self._tokens[:t]),
             meta=meta,
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long),
+            logits_indices=torch.tensor(logits_rows + prompt_rows, dtype=torch.long),
             sampled=sampled,
+            prompt_targets=prompt_targets,
         )

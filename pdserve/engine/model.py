@@ -63,9 +63,9 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids [T]; kv_cache [blocks, layers, 2, block, KVH, D]; returns
-        float32 logits [len(logits_indices), vocab]."""
+                rows: torch.Tensor) -> torch.Tensor:
+        """input_ids [T]; kv_cache [blocks, layers, 2, block, KVH, D]; returns the
+        final-normed hidden states of the token indices ``rows`` (see ``logits``)."""
         assert self.attn is not None, "call use() first"
         eps, ops = self.cfg.rms_norm_eps, self.ops
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
@@ -81,5 +81,9 @@ class LlamaModel(nn.Module):
                 x, residual = ops.add_rms_norm(d, residual, layers[i + 1].input_norm, eps)
             else:
                 residual = residual + d
-        x = ops.rms_norm(residual[logits_indices].contiguous(), self.norm, eps)
-        return self.lm_head(x).float()
+        return ops.rms_norm(residual[rows].contiguous(), self.norm, eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [n, vocab] of hidden states from ``forward``."""
+        return self.lm_head(hidden).float()

@@ -15,10 +15,14 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.sampler import TokenLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -51,6 +55,9 @@ class Request:
     generator: torch.Generator | None = None  # engine, from params.seed
     first_scheduled_time: float | None = None  # scheduler (queue time ends)
     first_token_time: float | None = None  # engine
+    # runner: logprobs of prompt tokens 1.. as their positions are computed (kept
+    # through preemption: recomputed positions are not recorded twice)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -11,8 +11,10 @@ import torch
 from pdserve.engine.input_batch import InputBatch
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import Sampler, SamplingRow, TokenLogprobs
+from pdserve.engine.sampler import Sampler, SamplingRow, TokenLogprobs, token_logprobs
 from pdserve.engine.scheduler import ScheduledBatch
+
+PROMPT_LOGITS_ROWS = 512  # prompt positions turned into logits at once
 
 
 @dataclass
@@ -32,12 +34,32 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
 
     def execute(self, batch: ScheduledBatch) -> list[Sampled]:
+        """Run the step; prompt logprobs land in each request's ``prompt_logprobs``."""
         step = self.inputs.prepare(batch.work)
-        logits = self.model(step.input_ids, self.kv_cache, step.meta, step.logits_indices)
-        if not step.sampled:
+        hidden = self.model(step.input_ids, self.kv_cache, step.meta, step.logits_indices)
+        n = len(step.sampled)
+        if step.prompt_targets:
+            self._prompt_logprobs(hidden[n:], step.prompt_targets)
+        if not n:
             return []
+        logits = self.model.logits(hidden[:n])
         rows = [SamplingRow(r.params, r.token_ids, r.num_prompt_tokens, r.generator,
                             self.eos_token_ids) for r in step.sampled]
         out = self.sampler(logits, rows)
         return [Sampled(r, t, lp) for r, t, lp in zip(step.sampled, out.token_ids, out.logprobs,
                                                       strict=True)]
+
+    def _prompt_logprobs(self, hidden: torch.Tensor,
+                         targets: list[tuple[Request, list[int]]]) -> None:
+        # The logits of a long prompt are large (rows x vocab floats): a slice at a time.
+        tokens = [t for _, ts in targets for t in ts]
+        owners = [r for r, ts in targets for _ in ts]
+        for lo in range(0, len(tokens), PROMPT_LOGITS_ROWS):
+            hi = min(lo + PROMPT_LOGITS_ROWS, len(tokens))
+            logits = self.model.logits(hidden[lo:hi])
+            n_top = max(r.params.prompt_logprobs or 0 for r in owners[lo:hi])
+            for req, lp in zip(owners[lo:hi], token_logprobs(logits, tokens[lo:hi], n_top),
+                               strict=True):
+                keep = req.params.prompt_logprobs or 0
+                req.prompt_logprobs.append(TokenLogprobs(lp.token_id, lp.logprob, lp.rank,
+                                                         lp.top[:keep]))

@@ -302,6 +302,21 @@ def _filter_sorted(
     return torch.full_like(logits, -math.inf).scatter_(1, order, vals), short
 
 
+def token_logprobs(raw_logits: torch.Tensor, token_ids: Sequence[int],
+                   n_top: int) -> list[TokenLogprobs]:
+    """Raw-model logprob, rank and top-``n_top`` of ``token_ids[i]`` under row i."""
+    lp = torch.log_softmax(raw_logits, dim=-1)
+    chosen = torch.tensor(list(token_ids), device=lp.device)[:, None]
+    chosen_lp = lp.gather(1, chosen)
+    ranks = ((lp > chosen_lp).sum(dim=-1) + 1).tolist()
+    top_vals, top_ids = lp.topk(min(n_top, lp.shape[1]), dim=-1)  # sorted, best first
+    top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+    chosen_l = chosen_lp.squeeze(1).tolist()
+    return [TokenLogprobs(t, chosen_l[j], ranks[j], list(zip(top_ids_l[j], top_vals_l[j],
+                                                             strict=True)))
+            for j, t in enumerate(token_ids)]
+
+
 def _logprobs(
     raw_logits: torch.Tensor, token_ids: Sequence[int], rows: Sequence[SamplingRow]
 ) -> list[TokenLogprobs | None]:
@@ -310,16 +325,9 @@ def _logprobs(
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if not want:
         return result
-    lp = torch.log_softmax(raw_logits[want], dim=-1)
-    chosen = torch.tensor([token_ids[i] for i in want], device=lp.device)[:, None]
-    chosen_lp = lp.gather(1, chosen)
-    ranks = ((lp > chosen_lp).sum(dim=-1) + 1).tolist()
-    n_top = min(max(rows[i].params.logprobs or 0 for i in want), lp.shape[1])
-    top_vals, top_ids = lp.topk(n_top, dim=-1)  # sorted, best first
-    top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
-    chosen_l = chosen_lp.squeeze(1).tolist()
-    for j, i in enumerate(want):
+    n_top = max(rows[i].params.logprobs or 0 for i in want)
+    got = token_logprobs(raw_logits[want], [token_ids[i] for i in want], n_top)
+    for i, lp in zip(want, got, strict=True):
         n = rows[i].params.logprobs or 0
-        top = list(zip(top_ids_l[j][:n], top_vals_l[j][:n], strict=True))
-        result[i] = TokenLogprobs(token_ids[i], chosen_l[j], ranks[j], top)
+        result[i] = TokenLogprobs(lp.token_id, lp.logprob, lp.rank, lp.top[:n])
     return result

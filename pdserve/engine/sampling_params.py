@@ -39,6 +39,10 @@ class SamplingParams:
     * ``ignore_eos``: the engine does not stop on EOS; EOS may still be sampled.
     * ``logprobs``: report the top-N logprobs (N in 0..20) of every sampled token,
       from the raw model distribution; 0 reports only the sampled token's logprob.
+    * ``prompt_logprobs``: the same for every prompt token after the first (the
+      first has no context to be predicted from); such a request bypasses the
+      prefix cache so that every prompt position is computed. With it,
+      ``max_tokens`` may be 0: score the prompt, generate nothing.
     * ``stop`` / ``stop_token_ids``: also accept a list (stored as a tuple); ``stop``
       also accepts one string. The stop string is cut from the output unless
       ``include_stop_str_in_output``.
@@ -59,6 +63,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Types first (normalising ints/floats/lists), then ranges.
@@ -76,16 +81,18 @@ class SamplingParams:
             self._set(name, _as_float(name, getattr(self, name)))
         if self.seed is not None:
             self._set("seed", _as_int("seed", self.seed))
-        if self.logprobs is not None:
-            self._set("logprobs", _as_int("logprobs", self.logprobs))
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                self._set(name, _as_int(name, getattr(self, name)))
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {_tname(getattr(self, name))}")
         self._set("stop", _as_stop(self.stop))
         self._set("stop_token_ids", _as_stop_token_ids(self.stop_token_ids))
 
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise ValueError(f"max_tokens must be >= 1 (0 only with prompt_logprobs), "
+                             f"got {self.max_tokens}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
@@ -109,10 +116,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {value}")
         if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
             raise ValueError(f"seed must be in the int64 range [-2**63, 2**63-1], got {self.seed}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(
-                f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
 
     def _set(self, name: str, value: object) -> None:
         # Frozen dataclass: normalisation in __post_init__ has to bypass __setattr__.

@@ -120,7 +120,10 @@ class Scheduler:
 
     def _take_prefix_hits(self, req: Request) -> None:
         # At least one token must be computed to get logits, so only full blocks
-        # inside the first num_tokens - 1 tokens may be hits.
+        # inside the first num_tokens - 1 tokens may be hits. Prompt logprobs need
+        # every prompt position computed: no hits.
+        if req.params.prompt_logprobs is not None:
+            return
         hashes = self._block_hashes(req, (req.num_tokens - 1) // self.block_size)
         hits = self.pool.lookup(hashes)
         if hits:

@@ -247,3 +247,51 @@ def test_bfloat16_kernels_track_float32(tiny_model: Callable[[str], Path]) -> No
     err_fast = max(abs(lp - exact[t]) for t, lp in fast if t in exact)
     err_ref = max(abs(lp - exact[t]) for t, lp in ref if t in exact)
     assert err_fast < 0.1 and err_fast <= err_ref * 1.5
+
+
+# ------------------------------------------------------------ prompt logprobs
+def test_prompt_logprobs_match_transformers(tiny_model: Callable[[str], Path],
+                                            backend: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_model("llama-gqa")
+    prompt = prompts(1, [70], 500, seed=31)[0]
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    want = [float(ref[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+    # chunked (16 tokens a step) and scored only (max_tokens=0)
+    eng = engine(path, backend, max_num_batched_tokens=16)
+    out = eng.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=2))[0]
+    assert out.token_ids == [] and out.finish_reason == "length"
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    got = out.prompt_logprobs[1:]
+    assert [lp.token_id for lp in got if lp] == prompt[1:]
+    assert all(lp is not None and len(lp.top) == 2 for lp in got)
+    torch.testing.assert_close(torch.tensor([lp.logprob for lp in got if lp]),
+                               torch.tensor(want), rtol=1e-4, atol=1e-4)
+    # with generation, and with a prefix already cached: the same numbers, once each
+    eng.generate([prompt], GREEDY48)
+    again = eng.generate([prompt], SamplingParams(max_tokens=3, prompt_logprobs=0,
+                                                  ignore_eos=True))[0]
+    assert again.cached_tokens == 0 and len(again.token_ids) == 3
+    assert again.prompt_logprobs is not None
+    assert [lp.logprob for lp in again.prompt_logprobs[1:] if lp] == \
+        [lp.logprob for lp in got if lp]
+    eng.check_integrity()
+
+
+def test_prompt_logprobs_survive_preemption(tiny_model: Callable[[str], Path],
+                                            backend: str) -> None:
+    path = tiny_model("llama-gqa")
+    ps = prompts(6, [20, 28, 35], 500, seed=9)
+    params = SamplingParams(max_tokens=48, ignore_eos=True, prompt_logprobs=0)
+    roomy = engine(path, backend).generate(ps, params)
+    tight = engine(path, backend, num_blocks=14)
+    squeezed = tight.generate(ps, params)
+    assert tight.scheduler.num_preemptions > 0
+    for a, b in zip(roomy, squeezed, strict=True):
+        assert a.prompt_logprobs is not None and b.prompt_logprobs is not None
+        assert len(b.prompt_logprobs) == len(a.prompt_logprobs)
+        assert [x.logprob if x else None for x in b.prompt_logprobs] == \
+            [x.logprob if x else None for x in a.prompt_logprobs]
