@@ -1,18 +1,27 @@
-"""What crosses the router <-> worker boundary (Ray actor calls). Plain
-dataclasses of built-in types, so they pickle cheaply and carry no torch."""
+"""What crosses the router <-> worker boundary. Plain types of built-in values, so
+they pickle cheaply (Ray calls, the token stream) and carry no torch.
+
+Per request: ``PrefillTask`` (router -> prefill worker) and its ``PrefillResult``;
+per engine step of a decode or colocated worker: one list of ``RequestDelta`` on the
+worker's token stream (``output_stream``). Per worker: ``WorkerLoad`` (small, for
+routing and health probes, asked for every ``stats_interval_s``) and
+``WorkerMetrics`` (observability, read by the worker's own ``/metrics``).
+"""
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.failures import FailReason
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import StepInfo
 
-# Histogram bucket upper bounds (``le``) of the per-step statistics in ``WorkerStats``.
+# Histogram bucket upper bounds (``le``) of the per-step statistics in ``WorkerMetrics``.
 # Step time: a tiny model's decode step on a GPU (~0.1 ms) to a long prompt chunk on a
 # few CPU threads (minutes).
 STEP_SECONDS_BUCKETS = (
@@ -27,56 +36,117 @@ BATCH_TOKENS_BUCKETS = (
     1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
 )  # fmt: skip
 
+ROLES = ("prefill", "decode", "colocated")
+
+
+class TokenLogprob(NamedTuple):
+    """One sampled token's logprobs: the one shape from the worker to the API layers
+    (the engine's sampler fills the same fields)."""
+
+    token_id: int
+    logprob: float  # under the raw model distribution
+    top: Sequence[tuple[int, float]] = ()  # top-N (token id, logprob), best first
+    rank: int = 0  # 1 + tokens with a strictly higher logprob (0: not computed)
+
+    def to_json(self) -> dict[str, Any]:
+        """For the KV transfer's notify payload (JSON on every backend)."""
+        return {"token_id": self.token_id, "logprob": self.logprob,
+                "top": [list(t) for t in self.top], "rank": self.rank}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> TokenLogprob:
+        return cls(int(d["token_id"]), float(d["logprob"]),
+                   [(int(t), float(v)) for t, v in d["top"]], int(d["rank"]))
+
 
 @dataclass
 class PrefillTask:
     """Router -> prefill worker: compute a prompt, push its KV to a decode worker."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    decode_worker: str  # id of the decode worker whose blocks were reserved
-    dst_block_ids: list[int]  # reserved blocks on that worker, in token order
+    request_id: str  # router: the attempt's id (unique per attempt)
+    prompt_token_ids: list[int]  # router: prompt + tokens already streamed by a failed attempt
+    params: SamplingParams  # router
+    decode_worker: str  # router: id of the decode worker whose blocks were reserved
+    dst_block_ids: list[int]  # decode worker (reserve): its blocks, in token order
 
 
 @dataclass
 class PrefillResult:
-    """Prefill worker -> router, once the decode worker acknowledged the KV."""
+    """Prefill worker -> router, once the decode worker acknowledged the KV. The
+    first token itself goes to the decode worker with the KV (and from there to the
+    router on the token stream)."""
 
     request_id: str
-    first_token: int
     num_cached_tokens: int  # prompt tokens served by this worker's prefix cache
     prefill_queue_s: float  # received -> first scheduled (prefill worker's clock)
     prefill_s: float  # first scheduled -> first token sampled
-    kv_transfer_s: float  # send started -> acknowledged
+    kv_transfer_s: float  # last chunk's send started -> acknowledged (not hidden by compute)
     kv_bytes: int
 
 
-@dataclass
-class DecodeOutput:
-    """One request's part of a decode step's output batch (decode worker -> router)."""
+class Stages(NamedTuple):
+    """Stage timings a token worker measured (its own clock), sent with the delta
+    that carries a request's first token (colocated) or first decode step (decode)."""
+
+    prefill_queue_s: float | None = None  # colocated: received -> first scheduled
+    prefill_s: float | None = None  # colocated: first scheduled -> first token
+    decode_queue_s: float | None = None  # decode: KV arrived -> first decode step
+    num_cached_tokens: int = 0  # colocated: prompt tokens served by the prefix cache
+
+
+class RequestDelta(NamedTuple):
+    """One request's part of one engine step (decode or colocated worker -> router).
+    Tokens only: text and stop strings are the router's (``engine/output.py``)."""
 
     request_id: str
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    logprobs: list[tuple[int, float, list[tuple[int, float]]]] = field(default_factory=list)
-    decode_queue_s: float | None = None  # with the first token: KV arrived -> decoding
-    error: str | None = None  # the request failed on this worker (e.g. KV never arrived)
+    token_ids: list[int]  # new tokens (usually one)
+    logprobs: list[TokenLogprob] | None = None  # one per token when asked for
+    finish_reason: str | None = None  # engine: "stop" | "length" | "abort" | "error"
+    stop_reason: int | None = None  # the stop token id that ended it (None for EOS)
+    failure: FailReason | None = None  # finish_reason == "error": why
+    error: str = ""  # finish_reason == "error": detail for the log
+    stages: Stages | None = None
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A worker's load and identity: the routing policies' input and the health
+    probe's answer (filled on the worker's loop thread)."""
+
+    worker_id: str
+    role: str  # "prefill" | "decode" | "colocated"
+    incarnation: str  # new on every start of the worker (Ray restarts included)
+    num_running: int
+    num_waiting: int  # queued for computation
+    num_waiting_for_kv: int  # decode: reserved, KV not arrived
+    num_free_blocks: int  # allocatable: free + evictable cached
+    num_blocks: int
+    queued_prefill_tokens: int  # prompt tokens not yet computed
+    # Blocks granted by reserve/admit since the worker started: the router's own count
+    # minus this is what it reserved that the snapshot does not show yet.
+    blocks_granted: int = 0
+
+
+@dataclass(frozen=True)
+class JoinInfo:
+    """What the router needs once per incarnation to put a worker in routing."""
+
+    incarnation: str
+    stream: tuple[str, int, str] | None  # token workers: host, port, token of the stream
+    kv_endpoint: dict[str, Any] | None  # decode: the receiver's endpoint for P.connect
+    metrics: tuple[str, int] | None  # its ``/metrics`` (None in-process)
 
 
 @dataclass
-class WorkerStats:
-    """A worker's load, for routing policies and metrics (worker's snapshot)."""
+class WorkerMetrics:
+    """A worker's observability snapshot (its ``/metrics``; never used for routing)."""
 
     worker_id: str
-    role: str  # "prefill" | "decode"
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_blocks: int
+    role: str
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_blocks: int = 0
+    num_blocks: int = 0
     queued_prefill_tokens: int = 0
     num_waiting_for_kv: int = 0
     prefix_queries: int = 0
@@ -90,7 +160,7 @@ class WorkerStats:
     # Per engine step that ran a batch, cumulative (``observe_step``): the step-time and
     # batch histograms keep one count per bucket of the *_BUCKETS bounds plus +Inf (not
     # cumulative across buckets; the exporter sums them). Tuples, replaced on every step,
-    # so a snapshot copied with ``WorkerStats(**vars(s))`` never changes under a reader.
+    # so a snapshot copied with ``WorkerMetrics(**vars(s))`` never changes under a reader.
     steps: int = 0
     step_seconds: float = 0.0  # forward + sampling time (``StepInfo.seconds``)
     step_seconds_buckets: tuple[int, ...] = (0,) * (len(STEP_SECONDS_BUCKETS) + 1)
@@ -98,7 +168,7 @@ class WorkerStats:
     batch_size_buckets: tuple[int, ...] = (0,) * (len(BATCH_SIZE_BUCKETS) + 1)
     tokens_computed: int = 0
     batch_tokens_buckets: tuple[int, ...] = (0,) * (len(BATCH_TOKENS_BUCKETS) + 1)
-    model_flops: float = 0.0  # model FLOPs of those steps (``deploy/efficiency.py``)
+    model_flops: float = 0.0  # model FLOPs of those steps (``engine/cost.py``)
     memory_bytes_read: float = 0.0  # weights + KV bytes read by those steps
 
     def observe_step(self, info: StepInfo, flops: float, bytes_read: float) -> None:

@@ -1,19 +1,38 @@
-"""``WorkerLoop``: what the prefill and decode workers share -- the engine in its
-role on the loop thread, its KV layout, the per-step metrics (batch shape, step
-time, FLOPs and bytes for MFU/MBU), the stats snapshot and the integrity check.
-Each worker adds its transfer channel and its request hand-off."""
+"""``WorkerLoop``: what every worker kind (prefill, decode, colocated) shares -- the
+engine in its role on the loop thread, its KV layout, the async methods the router
+calls (the same object in-process and inside a Ray actor: Ray wraps the worker class
+itself), the load answer of health probes, the per-step metrics (batch shape, step
+time, FLOPs and bytes for MFU/MBU) and their snapshot, the integrity check.
+
+Threads: the engine belongs to the loop thread (``EngineLoop``). Async methods run
+on the caller's event loop (Ray's actor loop, or the router's in-process) and hand
+their work to the loop thread with ``_on_loop``. The loop thread publishes the load
+after every iteration and the metrics snapshot at most every ``METRICS_PERIOD_S``
+(and whenever it idles), so ``load()`` (the health probe) and ``/metrics`` answer
+from the last ones at once, even while a long prefill step runs: a busy worker is
+not an unhealthy one. A worker whose loop has stopped answers ``WorkerGone``.
+"""
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cost import cost_model
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.loop import EngineLoop
+from pdserve.failures import WorkerGone
 from pdserve.kv_transfer import KVLayout
-from pdserve.messages import WorkerStats
+from pdserve.messages import JoinInfo, RequestDelta, Stages, TokenLogprob, WorkerLoad, WorkerMetrics
+
+T = TypeVar("T")
+METRICS_PERIOD_S = 0.5
+IDLE_WAIT_S = 1.0  # nothing to do: the loop sleeps until a call wakes it (or this long)
 
 
 class WorkerLoop(EngineLoop):
@@ -21,38 +40,114 @@ class WorkerLoop(EngineLoop):
                  config: EngineConfig) -> None:
         if config.role != role:
             raise ValueError(f"a {role} worker needs role={role!r}, got {config.role!r}")
-        super().__init__(name=f"{role}-{worker_id}")
+        super().__init__(name=f"{role}-{worker_id}", idle_wait_s=IDLE_WAIT_S)
         self.worker_id = worker_id
+        self.role = role
+        self.incarnation = uuid.uuid4().hex  # new for every process that builds a worker
         self.engine = LLMEngine(model_dir, config)
         self.layout = KVLayout(**self.engine.kv_layout_spec())  # type: ignore[arg-type]
-        self._stats = WorkerStats(worker_id, role, 0, 0, 0, self.engine.num_blocks)
+        self._metrics = WorkerMetrics(worker_id, role, num_blocks=self.engine.num_blocks)
+        self._published = WorkerMetrics(**vars(self._metrics))
+        self._published_at = 0.0
+        self.blocks_granted = 0  # by reserve/admit (WorkerLoad.blocks_granted)
+        self.metrics_at: tuple[str, int] | None = None  # its /metrics, set by who serves it
+        self._load = self._make_load()
         self._cost = cost_model(self.engine.model_config, config.dtype)
 
-    # ----------------------------------------------------- called from any thread
-    def stats(self) -> Future[WorkerStats]:
-        return self.call(self._snapshot)
+    # ------------------------------------------------------------ async API
+    async def load(self) -> WorkerLoad:
+        """Routing load and identity (the last published): the router's health probe."""
+        self._check_running()
+        return self._load
 
-    def check_integrity(self) -> Future[None]:
-        return self.call(self.engine.check_integrity)
+    async def join_info(self) -> JoinInfo:
+        return JoinInfo(self.incarnation, None, None, self.metrics_at)
 
-    # ---------------------------------------------------------------- loop side
+    async def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is and free its blocks (idempotent). Queued on
+        the loop; never waits for it (a stalled worker must not stall the caller)."""
+        self.call(lambda: self._abort(request_id))
+
+    async def check_integrity(self) -> None:
+        await self._on_loop(self.engine.check_integrity)
+
+    def metrics(self) -> WorkerMetrics:
+        """The last published snapshot (any thread; never waits for the engine)."""
+        return self._published
+
+    def metrics_address(self) -> tuple[str, int] | None:
+        """Where this worker's ``/metrics`` is served (deploy/ starts one per actor)."""
+        return self.metrics_at
+
+    async def _on_loop(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the loop thread; ``WorkerGone`` once the loop has stopped."""
+        self._check_running()
+        try:
+            return await asyncio.wrap_future(self.call(fn))
+        except RuntimeError:
+            self._check_running()  # stopped meanwhile: WorkerGone, else fn's own error
+            raise
+
+    def _check_running(self) -> None:
+        if self.error is not None or not self._thread.is_alive():
+            raise WorkerGone(f"{self.role} worker {self.worker_id} is not running "
+                             f"({self.error!r})")
+
+    # ------------------------------------------------------------- loop side
+    def _abort(self, request_id: str) -> None:
+        raise NotImplementedError
+
     def busy(self) -> bool:
         return self.engine.has_unfinished()
 
+    def iterate(self) -> None:
+        if self.engine.has_unfinished():
+            self._run_step()
+        self._load = self._make_load()
+        self._publish_metrics(force=not self.busy())
+
+    def _run_step(self) -> None:
+        """One engine step and what the worker does with its outputs."""
+        raise NotImplementedError
+
     def _step(self) -> list[RequestOutput]:
         """One engine step, recorded in the worker's step metrics when it ran."""
-        last = self.engine.last_step
-        outputs = self.engine.step()
-        info = self.engine.last_step
-        if info is not None and info is not last:  # a batch ran (it may have been empty)
-            self._stats.observe_step(info, *self._cost.step(info, len(outputs)))
-        return outputs
+        result = self.engine.step()
+        if result.info is not None:
+            self._metrics.observe_step(result.info, *self._cost.step(result.info,
+                                                                     len(result.outputs)))
+        return result.outputs
 
-    def _snapshot(self) -> WorkerStats:
-        e, s = self.engine.stats(), self._stats
-        s.num_running, s.num_waiting = e.num_running, e.num_waiting
-        s.num_waiting_for_kv, s.num_free_blocks = e.num_waiting_for_kv, e.num_free_blocks
-        s.queued_prefill_tokens = e.queued_prefill_tokens
-        s.prefix_queries, s.prefix_hits = e.prefix_queries, e.prefix_hits
-        s.num_preemptions = e.num_preemptions
-        return WorkerStats(**vars(s))
+    def _make_load(self) -> WorkerLoad:
+        e = self.engine.stats()
+        return WorkerLoad(self.worker_id, self.role, self.incarnation, e.num_running,
+                          e.num_waiting, e.num_waiting_for_kv, e.num_free_blocks,
+                          e.num_blocks, e.queued_prefill_tokens, self.blocks_granted)
+
+    def _publish_metrics(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._published_at < METRICS_PERIOD_S:
+            return
+        self._published_at = now
+        e, m = self.engine.stats(), self._metrics
+        m.num_running, m.num_waiting = e.num_running, e.num_waiting
+        m.num_waiting_for_kv, m.num_free_blocks = e.num_waiting_for_kv, e.num_free_blocks
+        m.queued_prefill_tokens = e.queued_prefill_tokens
+        m.prefix_queries, m.prefix_hits = e.prefix_queries, e.prefix_hits
+        m.num_preemptions = e.num_preemptions
+        self._before_publish(m)
+        self._published = WorkerMetrics(**vars(m))  # one reference swap: readers see all or none
+
+    def _before_publish(self, m: WorkerMetrics) -> None:
+        """Fill role-specific metrics (loop thread)."""
+
+
+def delta_of(out: RequestOutput, stages: Stages | None = None,
+             logprobs: list[TokenLogprob] | None = None) -> RequestDelta:
+    """The router's view of one engine output (decode and colocated workers)."""
+    if logprobs is None and out.logprobs:
+        logprobs = [TokenLogprob(lp.token_id, lp.logprob, lp.top, lp.rank)
+                    for lp in out.logprobs]
+    return RequestDelta(out.request_id, out.new_token_ids, logprobs,
+                        out.finish_reason if out.finished else None, out.stop_reason,
+                        stages=stages)

@@ -1,7 +1,8 @@
 """Writes ``dashboards/pdserve.json``: the pdserve Grafana dashboard.
 
-Rows follow a request's path: overview -> latency -> per-stage breakdown -> prefill
-pool -> KV transfer -> decode pool -> efficiency -> per-worker drill-down. Template
+Rows follow a request's path: overview -> faults -> latency -> per-stage breakdown ->
+prefill pool -> KV transfer -> decode pool (with colocated workers) -> efficiency ->
+per-worker drill-down. Template
 variables ``model`` and ``worker`` filter every panel (``=~`` matchers, so "All"
 works). Each panel's description says what it shows and what to do when it looks
 wrong; ``docs/observability.md`` has the same per panel.
@@ -64,7 +65,8 @@ STAGES = (  # request-flow order; the stacked means add up to the mean TTFT
     ("KV transfer", "pdserve_kv_transfer_seconds"),
     ("decode queue", "pdserve_decode_queue_seconds"),
 )
-P, D = f'{W}, role="prefill"', f'{W}, role="decode"'
+# Token workers: decode and colocated (a colocated worker decodes too).
+P, D = f'{W}, role="prefill"', f'{W}, role=~"decode|colocated"'
 FAILED = ', status!~"stop|length|abort"'  # ended without an answer (errors, rejections)
 MET = ', met="true"'
 
@@ -89,9 +91,23 @@ ROWS: list[tuple[str, list[Panel]]] = [
               "queue/prefill stages; TPOT misses: decode batch size and decode step time.",
               [(f"{rate('pdserve_slo_requests_total', M + MET, 'slo')}"
                 f" / {rate('pdserve_slo_requests_total', M, 'slo')}", "{{slo}}")], "percentunit"),
+    ]),
+    ("Faults", [
+        Panel("Failed attempts by reason", "Request attempts that failed on a worker per second, by "
+              "reason (timeout, peer_died, worker_died, unhealthy, ...). Each was retried on another "
+              "worker or, past the retry budget, ended in an error. Steady timeouts: a decode worker "
+              "is too slow for kv_timeout_s; worker_died: see restarts.",
+              [(rate("pdserve_failed_attempts_total", M, "reason"), "{{reason}}")], "ops"),
         Panel("Retries", "Requests moved to another prefill/decode pair after a failure. Non-zero: "
               "a worker died or a transfer failed.",
               [(rate("pdserve_request_retries_total", M), "retries")], "reqps"),
+        Panel("Worker restarts", "Workers that came back with a new process (Ray restarted them) "
+              "per hour. Repeated restarts of one worker: read its actor log (OOM, crash).",
+              [("sum by (worker) (increase(pdserve_worker_restarts_total{" + M + "}[1h]))",
+                "{{worker}}")], "short"),
+        Panel("Workers in routing", "Workers of each pool the router sends requests to. Below the "
+              "configured count: a worker died, failed its health probes, or is restarting.",
+              [('sum by (pool) (pdserve_workers_in_routing{' + M + '})', "{{pool}}")], "short"),
     ]),
     ("Latency", [
         Panel("Time to first token", "Router: arrival to first token.",
@@ -151,7 +167,7 @@ ROWS: list[tuple[str, list[Panel]]] = [
               [(f'{rate("pdserve_kv_transfer_bytes_total", P, "worker")} / '
                 f'{rate("pdserve_kv_transfer_busy_seconds_total", P, "worker")}', "{{worker}}")], "Bps"),
     ]),
-    ("Decode pool", [
+    ("Decode pool (and colocated workers)", [
         Panel("Decode batch size", "Mean sequences per decode step, and running requests.",
               [(mean("pdserve_batch_size", D, "worker"), "{{worker}} mean batch"),
                ("sum by (worker) (pdserve_num_requests_running{" + D + "})", "{{worker}} running")]),

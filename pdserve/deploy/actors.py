@@ -1,21 +1,64 @@
-"""The Ray actors: the one place where workers become actors.
+"""The Ray side of the workers: the one place where worker classes become actors, and
+``RayWorker``, the router's proxy for one actor.
 
-Each actor builds its worker (a plain class) and forwards calls to it. Actors are
-async so that many in-flight prefills (each awaiting its transfer's ack) do not
-each hold a thread; blocking waits go through the worker's futures.
+The actor classes *are* the worker classes (subclasses that take the deployment's
+config, start the worker's own ``/metrics`` server, and wait out the restart
+back-off); nothing forwards calls in between. ``RayWorker`` exposes the workers'
+async methods (router/clients.py) as Ray calls and turns Ray's errors into the fault
+model's: a dead or restarting actor -> ``WorkerGone``; an error the worker raised
+-> that error (``AttemptFailed``, ``ValueError``), never a Ray traceback; anything
+else -> ``AttemptFailed(TRANSPORT)``. ``abort`` is fire-and-forget: a stalled actor
+gets it when it resumes.
+
+Restarts: actors run with ``max_restarts`` (a cap); a restarted actor sleeps
+``restart_backoff_s * 2**(n-1)`` (at most ``MAX_BACKOFF_S``) before building its
+engine, ``n`` being its restart count, kept in Ray's GCS key-value store.
 """
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import os
+import time
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError, RayTaskError
 
+from pdserve.colocated_worker.worker import ColocatedWorker
+from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.deploy.config import PoolConfig
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.messages import DecodeOutput, PrefillResult, PrefillTask, WorkerStats
+from pdserve.failures import AttemptFailed, FailReason, WorkerGone
+from pdserve.messages import JoinInfo, PrefillResult, PrefillTask, WorkerLoad
+from pdserve.prefill_worker.worker import PrefillWorker
+
+MAX_BACKOFF_S = 60.0
+
+
+@dataclass(frozen=True)
+class ActorSettings:
+    """What every actor of a cluster is built with (besides its pool's config)."""
+
+    transfer: str
+    transfer_options: dict[str, Any]
+    kv_timeout_s: float
+    loopback: bool  # embedded cluster: every listener binds 127.0.0.1
+    restart_backoff_s: float
+
+    def host(self) -> str:
+        return "127.0.0.1" if self.loopback else ray.util.get_node_ip_address()
+
+    def receiver_options(self) -> dict[str, Any]:
+        opts = self.transfer_options
+        if self.transfer in ("torch", "nixl") and "host" not in opts:
+            # The receiver listens where prefill workers can reach it (loopback when
+            # embedded; the node's address in a joined cluster).
+            opts = {**opts, "host": self.host()}
+        return opts
 
 
 def _device() -> str:
@@ -24,87 +67,75 @@ def _device() -> str:
     return "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
 
 
-class _MetricsMixin:
-    """Starts the worker's own ``/metrics`` server next to it."""
+def _restart_backoff(settings: ActorSettings) -> None:
+    """Sleep before rebuilding a restarted actor; counts its restarts in the GCS."""
+    ctx = ray.get_runtime_context()
+    with warnings.catch_warnings():  # Ray's own property uses a deprecated one inside
+        warnings.simplefilter("ignore", DeprecationWarning)
+        restarted = ctx.was_current_actor_reconstructed
+    if not restarted:
+        return
+    from ray.experimental import internal_kv
 
-    worker: Any
+    key = f"pdserve-restarts-{ctx.get_actor_id()}".encode()
+    n = int(internal_kv._internal_kv_get(key) or 0) + 1
+    internal_kv._internal_kv_put(key, str(n).encode(), overwrite=True)
+    time.sleep(min(MAX_BACKOFF_S, settings.restart_backoff_s * 2 ** (n - 1)))
 
-    def _serve_metrics(self, model_dir: str, loopback: bool) -> None:
+
+class _InActor:
+    """What a worker adds inside its actor process: its own ``/metrics`` server next
+    to it, and its process id (for fault injection)."""
+
+    metrics_at: tuple[str, int] | None
+
+    def _serve_metrics(self, model_dir: str, host: str) -> None:
         from pdserve.deploy.worker_metrics import serve_worker_metrics
 
-        self.metrics_host = "127.0.0.1" if loopback else ray.util.get_node_ip_address()
-        self.metrics_port = serve_worker_metrics(
-            os.path.basename(model_dir), lambda: self.worker.stats().result(timeout=10),
-            host=self.metrics_host)
+        port = serve_worker_metrics(os.path.basename(model_dir), self.metrics,  # type: ignore[attr-defined]
+                                    host=host)
+        self.metrics_at = (host, port)
 
-    async def metrics_address(self) -> tuple[str, int]:
-        return self.metrics_host, self.metrics_port
-
-
-class PrefillActor(_MetricsMixin):
-    def __init__(self, worker_id: str, model_dir: str, pool: PoolConfig, transfer: str,
-                 transfer_options: dict[str, Any], loopback: bool) -> None:
-        from pdserve.prefill_worker.worker import PrefillWorker
-
-        self.worker = PrefillWorker(worker_id, model_dir, pool.engine_config("prefill", _device()),
-                                    transfer, transfer_options)
-        self._serve_metrics(model_dir, loopback)
-
-    async def ping(self) -> int:
+    def process_id(self) -> int:
         return os.getpid()
 
-    async def connect(self, decode_worker: str, endpoint: dict[str, Any]) -> None:
-        await asyncio.wrap_future(self.worker.connect(decode_worker, endpoint))
 
-    async def prefill(self, task: PrefillTask) -> PrefillResult:
-        return await asyncio.wrap_future(self.worker.submit(task))
-
-    async def abort(self, request_id: str) -> None:
-        self.worker.abort(request_id)
-
-    async def stats(self) -> WorkerStats:
-        return await asyncio.wrap_future(self.worker.stats())
-
-    async def check_integrity(self) -> None:
-        await asyncio.wrap_future(self.worker.check_integrity())
+class PrefillActor(_InActor, PrefillWorker):
+    def __init__(self, worker_id: str, model_dir: str, pool: PoolConfig,
+                 settings: ActorSettings) -> None:
+        _restart_backoff(settings)
+        PrefillWorker.__init__(self, worker_id, model_dir,
+                               pool.engine_config("prefill", _device()), settings.transfer,
+                               settings.transfer_options)
+        self._serve_metrics(model_dir, settings.host())
 
 
-class DecodeActor(_MetricsMixin):
-    def __init__(self, worker_id: str, model_dir: str, pool: PoolConfig, transfer: str,
-                 transfer_options: dict[str, Any], kv_timeout_s: float, loopback: bool) -> None:
-        from pdserve.decode_worker.worker import DecodeWorker
-
-        if transfer in ("torch", "nixl") and not loopback and "host" not in transfer_options:
-            # The receiver listens where prefill workers on other nodes can reach it.
-            transfer_options = {**transfer_options, "host": ray.util.get_node_ip_address()}
-        self.worker = DecodeWorker(worker_id, model_dir, pool.engine_config("decode", _device()),
-                                   transfer, transfer_options, kv_timeout_s)
-        self._serve_metrics(model_dir, loopback)
-
-    async def ping(self) -> int:
-        return os.getpid()
-
-    async def endpoint(self) -> dict[str, Any]:
-        return await asyncio.wrap_future(self.worker.endpoint())
-
-    async def reserve(self, request_id: str, prompt_token_ids: list[int],
-                      params: SamplingParams) -> list[int] | None:
-        return await asyncio.wrap_future(self.worker.reserve(request_id, prompt_token_ids, params))
-
-    async def abort(self, request_id: str) -> None:
-        self.worker.abort(request_id)
-
-    async def poll_outputs(self, timeout_s: float) -> list[DecodeOutput]:
-        return await asyncio.to_thread(self.worker.poll_outputs, timeout_s)
-
-    async def stats(self) -> WorkerStats:
-        return await asyncio.wrap_future(self.worker.stats())
-
-    async def check_integrity(self) -> None:
-        await asyncio.wrap_future(self.worker.check_integrity())
+class DecodeActor(_InActor, DecodeWorker):
+    def __init__(self, worker_id: str, model_dir: str, pool: PoolConfig,
+                 settings: ActorSettings) -> None:
+        _restart_backoff(settings)
+        DecodeWorker.__init__(self, worker_id, model_dir,
+                              pool.engine_config("decode", _device()), settings.transfer,
+                              settings.receiver_options(), settings.kv_timeout_s,
+                              settings.host())
+        self._serve_metrics(model_dir, settings.host())
 
 
-def actor_options(pool: PoolConfig, cluster_has_gpus: bool, name: str) -> dict[str, Any]:
+class ColocatedActor(_InActor, ColocatedWorker):
+    def __init__(self, worker_id: str, model_dir: str, pool: PoolConfig,
+                 settings: ActorSettings) -> None:
+        _restart_backoff(settings)
+        ColocatedWorker.__init__(self, worker_id, model_dir,
+                                 pool.engine_config("colocated", _device()), settings.host())
+        self._serve_metrics(model_dir, settings.host())
+
+
+REMOTE: dict[str, Any] = {"prefill": ray.remote(PrefillActor), "decode": ray.remote(DecodeActor),
+          "colocated": ray.remote(ColocatedActor)}
+
+
+def actor_options(pool: PoolConfig, cluster_has_gpus: bool, name: str,
+                  max_restarts: int) -> dict[str, Any]:
     gpus = pool.num_gpus if pool.num_gpus is not None else (1 if cluster_has_gpus else 0)
     return {
         "num_cpus": pool.num_cpus,
@@ -112,9 +143,57 @@ def actor_options(pool: PoolConfig, cluster_has_gpus: bool, name: str) -> dict[s
         "resources": dict(pool.resources),
         "name": name,
         "max_concurrency": 1000,  # concurrent awaits, not threads
-        "max_restarts": 0,  # the router retries on live workers instead
+        "max_restarts": max_restarts,
+        "max_task_retries": 0,  # a call on a dead actor fails; the router decides
     }
 
 
-RemotePrefill = ray.remote(PrefillActor)
-RemoteDecode = ray.remote(DecodeActor)
+class RayWorker:
+    """The router's handle on one worker actor: the worker's own async methods."""
+
+    def __init__(self, worker_id: str, role: str, handle: Any) -> None:
+        self.worker_id = worker_id
+        self.role = role
+        self.handle = handle
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return await getattr(self.handle, method).remote(*args)
+        except RayActorError as exc:
+            raise WorkerGone(f"actor of {self.worker_id}: {type(exc).__name__}") from None
+        except RayTaskError as exc:
+            cause = exc.cause
+            if isinstance(cause, AttemptFailed | WorkerGone | ValueError):
+                raise cause from None
+            raise AttemptFailed(FailReason.TRANSPORT,
+                                f"{self.worker_id}.{method}: {type(cause).__name__}") from None
+
+    async def load(self) -> WorkerLoad:
+        return await self._call("load")
+
+    async def join_info(self) -> JoinInfo:
+        return await self._call("join_info")
+
+    async def abort(self, request_id: str) -> None:
+        with contextlib.suppress(Exception):  # fire and forget
+            self.handle.abort.remote(request_id)
+
+    async def connect(self, decode_worker: str, endpoint: dict[str, Any]) -> None:
+        await self._call("connect", decode_worker, endpoint)
+
+    async def prefill(self, task: PrefillTask) -> PrefillResult:
+        return await self._call("prefill", task)
+
+    async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
+                      params: SamplingParams) -> list[int] | None:
+        return await self._call("reserve", request_id, list(prompt_token_ids), params)
+
+    async def admit(self, request_id: str, prompt_token_ids: Sequence[int],
+                    params: SamplingParams) -> bool:
+        return bool(await self._call("admit", request_id, list(prompt_token_ids), params))
+
+    async def check_integrity(self) -> None:
+        await self._call("check_integrity")
+
+    async def metrics(self) -> Any:
+        return await self._call("metrics")

@@ -49,6 +49,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model directory or name (default model)")
     p.add_argument("--prefill-workers", type=int, default=None)
     p.add_argument("--decode-workers", type=int, default=None)
+    p.add_argument("--colocated-workers", type=int, default=None,
+                   help="workers doing both phases (default 0; each gets the CPUs of one "
+                        "prefill + one decode worker)")
     p.add_argument("--transfer", default=None, help="nixl | torch | ray | local (default nixl)")
     p.add_argument("--grpc-port", type=int, default=None, help="default 50051")
     p.add_argument("--http-port", type=int, default=None, help="default 8000")
@@ -106,6 +109,7 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         "model": args.model,
         "prefill.workers": getattr(args, "prefill_workers", None),
         "decode.workers": getattr(args, "decode_workers", None),
+        "colocated.workers": getattr(args, "colocated_workers", None),
         "transfer": args.transfer,
         "grpc_port": getattr(args, "grpc_port", None),
         "http_port": getattr(args, "http_port", None),

@@ -1,13 +1,21 @@
-"""Bringing a pdserve cluster up and down on Ray: the prefill and decode actor
-pools, the P x D transfer channels, and a router wired to them.
+"""Bringing a pdserve cluster up and down on Ray: the prefill, decode and colocated
+actor pools and a router over them (the router opens the P x D transfer channels and
+the token streams itself, at start and whenever a worker restarts).
 
-``Cluster`` is used by ``pdserve serve``, ``pdserve generate --disaggregated``
-and the integration tests (which start it with a small ``num_cpus``).
+``Cluster`` is used by ``pdserve serve``, ``pdserve generate --disaggregated``, the
+benchmarks and the integration tests (which start it with a small ``num_cpus``).
+
+Start-up fails fast: before any actor is created, the pools' CPUs, GPUs and custom
+resources are checked against the Ray cluster's, and a shortfall names the resource,
+what the pools need and what the cluster has. Waiting for the actors to load their
+model is bounded (``start_timeout_s``) and can be cancelled (``cancel()``, from a
+signal handler), so no stop leaves a half-started cluster behind.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,12 +23,11 @@ from typing import Any
 
 import ray
 
-from pdserve.deploy.actors import RemoteDecode, RemotePrefill, actor_options
-from pdserve.deploy.config import ClusterConfig
+from pdserve.deploy.actors import REMOTE, ActorSettings, RayWorker, actor_options
+from pdserve.deploy.config import ClusterConfig, PoolConfig
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.gguf_convert import resolve_model
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.router.clients import RayDecodeClient, RayPrefillClient
 from pdserve.router.router import Router
 
 log = logging.getLogger("pdserve.deploy")
@@ -28,24 +35,39 @@ log = logging.getLogger("pdserve.deploy")
 # An embedded cluster lives on loopback. Ray replaces 127.0.0.1 with the machine's
 # interface address, but keeps any other loopback address.
 EMBEDDED_NODE_IP = "127.0.0.2"
+# UCX (nixl) opens its own listeners; an embedded cluster keeps them on loopback.
+EMBEDDED_ENV = {"UCX_NET_DEVICES": "lo"}
+
+
+class StartupError(ValueError):
+    """The cluster cannot start as configured (names what is missing); the CLI
+    prints it as one line."""
 
 
 def init_local_ray(num_cpus: int | None = None) -> None:
     """Start an embedded single-node Ray cluster bound to loopback only."""
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
-             logging_level=logging.WARNING, _node_ip_address=EMBEDDED_NODE_IP)
+             logging_level=logging.WARNING, _node_ip_address=EMBEDDED_NODE_IP,
+             runtime_env={"env_vars": EMBEDDED_ENV})
 
 
 class Cluster:
     def __init__(self, config: ClusterConfig, num_cpus: int | None = None,
-                 progress: Callable[[str], None] = lambda msg: None) -> None:
+                 progress: Callable[[str], None] = lambda msg: None,
+                 start_timeout_s: float = 600.0) -> None:
         self.config = config
         self.num_cpus = num_cpus
         self.progress = progress
+        self.start_timeout_s = start_timeout_s
         self.model_dir: Path | None = None
-        self.prefill: dict[str, Any] = {}  # worker id -> actor handle
-        self.decode: dict[str, Any] = {}
+        self.handles: dict[str, Any] = {}  # worker id -> actor handle
+        self.roles: dict[str, str] = {}  # worker id -> "prefill" | "decode" | "colocated"
         self._owns_ray = False
+        self._cancelled = threading.Event()
+
+    def pools(self) -> dict[str, PoolConfig]:
+        cfg = self.config
+        return {"prefill": cfg.prefill, "decode": cfg.decode, "colocated": cfg.colocated_pool}
 
     def start(self) -> None:
         cfg = self.config
@@ -58,81 +80,114 @@ class Cluster:
                 init_local_ray(self.num_cpus)
             self._owns_ray = cfg.address is None
         has_gpus = ray.cluster_resources().get("GPU", 0) > 0
-        model = str(self.model_dir)
-        for i in range(cfg.prefill.workers):
-            wid = f"prefill-{i}"
-            opts = actor_options(cfg.prefill, has_gpus, f"pdserve-{wid}-{time.time_ns()}")
-            self.prefill[wid] = RemotePrefill.options(**opts).remote(
-                wid, model, cfg.prefill, cfg.transfer, cfg.transfer_options, self.loopback)
-        for i in range(cfg.decode.workers):
-            wid = f"decode-{i}"
-            opts = actor_options(cfg.decode, has_gpus, f"pdserve-{wid}-{time.time_ns()}")
-            self.decode[wid] = RemoteDecode.options(**opts).remote(
-                wid, model, cfg.decode, cfg.transfer, cfg.transfer_options, cfg.kv_timeout_s,
-                self.loopback)
-        self.progress(f"loading the model on {len(self.prefill)} prefill + "
-                      f"{len(self.decode)} decode workers")
-        ray.get([h.ping.remote() for h in (self.prefill | self.decode).values()])
-        self.progress(f"connecting {len(self.prefill)}x{len(self.decode)} "
-                      f"{cfg.transfer} channels")
-        endpoints = dict(zip(self.decode, ray.get([h.endpoint.remote()
-                                                    for h in self.decode.values()]),
-                             strict=True))
-        ray.get([p.connect.remote(did, ep) for p in self.prefill.values()
-                 for did, ep in endpoints.items()])
+        self._check_resources(has_gpus)
+        settings = ActorSettings(cfg.transfer, cfg.transfer_options, cfg.kv_timeout_s,
+                                 self.loopback, cfg.restart_backoff_s)
+        for role, pool in self.pools().items():
+            for i in range(pool.workers):
+                wid = f"{role}-{i}"
+                opts = actor_options(pool, has_gpus, f"pdserve-{wid}-{time.time_ns()}",
+                                     cfg.max_restarts)
+                self.handles[wid] = REMOTE[role].options(**opts).remote(
+                    wid, str(self.model_dir), pool, settings)
+                self.roles[wid] = role
+        counts = ", ".join(f"{p.workers} {r}" for r, p in self.pools().items() if p.workers)
+        self.progress(f"loading the model on {counts} worker(s)")
+        self._wait_built()
+
+    def cancel(self) -> None:
+        """Stop waiting in ``start`` (it raises ``StartupError``); any thread."""
+        self._cancelled.set()
+
+    def _check_resources(self, has_gpus: bool) -> None:
+        need: dict[str, float] = {}
+        who: dict[str, list[str]] = {}
+        for role, pool in self.pools().items():
+            if not pool.workers:
+                continue
+            gpus = pool.num_gpus if pool.num_gpus is not None else (1 if has_gpus else 0)
+            for res, amount in {"CPU": pool.num_cpus, "GPU": gpus, **pool.resources}.items():
+                if amount:
+                    need[res] = need.get(res, 0) + amount * pool.workers
+                    who.setdefault(res, []).append(f"{pool.workers} {role} x {amount:g}")
+        have = ray.cluster_resources()
+        for res, amount in need.items():
+            if have.get(res, 0) + 1e-9 < amount:
+                raise StartupError(
+                    f"not enough {res} for the worker pools: they need {amount:g} "
+                    f"({' + '.join(who[res])}), the Ray cluster has {have.get(res, 0):g}; "
+                    f"use fewer workers or a smaller num_cpus/num_gpus per pool")
+
+    def _wait_built(self) -> None:
+        pending = {h.load.remote(): wid for wid, h in self.handles.items()}
+        deadline = time.monotonic() + self.start_timeout_s
+        while pending:
+            if self._cancelled.is_set():
+                raise StartupError("start-up cancelled")
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.5)
+            for ref in ready:
+                ray.get(ref)  # a constructor that raised fails the start here
+                pending.pop(ref)
+            if pending and time.monotonic() > deadline:
+                raise StartupError(f"workers {sorted(pending.values())} were not up after "
+                                   f"{self.start_timeout_s:.0f}s (still loading or not placed)")
 
     @property
     def loopback(self) -> bool:
         """An embedded cluster lives on this machine: everything binds loopback."""
         return self.config.address is None
 
-    def metrics_targets(self) -> dict[str, tuple[str, int]]:
-        """worker id -> (host, port) of its ``/metrics``."""
-        handles = self.prefill | self.decode
-        addrs = ray.get([h.metrics_address.remote() for h in handles.values()])
-        return dict(zip(handles, addrs, strict=True))
+    def workers(self) -> list[RayWorker]:
+        """The router's handles on every worker."""
+        return [RayWorker(wid, self.roles[wid], h) for wid, h in self.handles.items()]
 
     def make_router(self, metrics: object | None = None) -> Router:
         """A router over this cluster's workers (call inside the asyncio loop)."""
         assert self.model_dir is not None, "start() first"
         mc = ModelConfig.from_dir(self.model_dir)
-        max_len = EngineConfig.from_dict(self.config.decode.engine).resolve_max_model_len(mc)
-        return Router(
-            self.model_dir.name, Tokenizer.from_dir(self.model_dir), max_len,
-            [RayPrefillClient(w, h) for w, h in self.prefill.items()],
-            [RayDecodeClient(w, h) for w, h in self.decode.items()],
-            self.config.router, metrics,
-        )
+        token_pool = self.config.decode if self.config.decode.workers else self.config.colocated_pool
+        max_len = EngineConfig.from_dict(token_pool.engine).resolve_max_model_len(mc)
+        return Router(self.model_dir.name, Tokenizer.from_dir(self.model_dir), max_len,
+                      self.workers(), self.config.router, metrics)
 
-    def kill(self, worker_id: str) -> None:
-        """Fault injection: kill one worker's actor process."""
-        handle = self.prefill.get(worker_id) or self.decode[worker_id]
-        ray.kill(handle, no_restart=True)
+    def metrics_targets(self) -> dict[str, tuple[str, int]]:
+        """worker id -> (host, port) of its ``/metrics`` (the running incarnation's)."""
+        addrs = ray.get([h.metrics_address.remote() for h in self.handles.values()])
+        return dict(zip(self.handles, addrs, strict=True))
+
+    def pid(self, worker_id: str) -> int:
+        """The worker actor's process id (fault injection: kill -9, SIGSTOP)."""
+        return int(ray.get(self.handles[worker_id].process_id.remote(), timeout=30))
+
+    def kill(self, worker_id: str, restart: bool = False) -> None:
+        """Fault injection: kill one worker's actor process (Ray restarts it if asked)."""
+        ray.kill(self.handles[worker_id], no_restart=not restart)
 
     def check_integrity(self) -> None:
         """Block-pool integrity on every live worker (raises on the first failure)."""
-        for wid, h in (self.prefill | self.decode).items():
+        for wid, h in self.handles.items():
             try:
                 ray.get(h.check_integrity.remote(), timeout=30)
             except ray.exceptions.RayActorError:
                 log.info("skipping dead worker %s", wid)
 
     def stats(self) -> dict[str, Any]:
+        """worker id -> its last published ``WorkerMetrics`` (live workers)."""
         out = {}
-        for wid, h in (self.prefill | self.decode).items():
+        for wid, h in self.handles.items():
             try:
-                out[wid] = ray.get(h.stats.remote(), timeout=30)
+                out[wid] = ray.get(h.metrics.remote(), timeout=30)
             except ray.exceptions.RayActorError:
                 continue
         return out
 
     def shutdown(self) -> None:
-        for h in (self.prefill | self.decode).values():
+        for h in self.handles.values():
             try:
                 ray.kill(h, no_restart=True)
             except Exception as exc:  # already dead
                 log.debug("kill failed: %r", exc)
-        self.prefill.clear()
-        self.decode.clear()
+        self.handles.clear()
+        self.roles.clear()
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()

@@ -9,7 +9,14 @@ Example YAML::
     prefill: {workers: 2, num_cpus: 1, resources: {prefill_node: 1},
               engine: {max_num_batched_tokens: 2048}}
     decode:  {workers: 1, num_cpus: 1, engine: {num_blocks: 2048}}
+    colocated: {workers: 1}    # both phases in one engine, beside the pairs
     router:  {policy: prefix_affinity, max_waiting: 512}
+
+Pools: ``prefill`` + ``decode`` (disaggregated pairs) and ``colocated``; a deployment
+has pairs, colocated workers, or both (``prefill: {workers: 0}, decode: {workers: 0},
+colocated: {workers: 1}`` is colocated only). A colocated worker's ``num_cpus``
+defaults to one prefill plus one decode worker's, so an A/B of the two modes compares
+equal hardware (docs/operations.md says how to choose).
 """
 
 from __future__ import annotations
@@ -36,8 +43,8 @@ class PoolConfig:
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig overrides
 
     def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise ValueError(f"pool workers must be >= 1, got {self.workers}")
+        if self.workers < 0:
+            raise ValueError(f"pool workers must be >= 0, got {self.workers}")
         if self.num_cpus <= 0:
             raise ValueError(f"num_cpus must be > 0, got {self.num_cpus}")
         if self.num_gpus is not None and self.num_gpus < 0:
@@ -64,8 +71,12 @@ class ClusterConfig:
     http_port: int = 8000
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
+    # None: 0 workers with one prefill + one decode worker's CPUs and GPUs each
+    colocated: PoolConfig | None = None
     router: RouterConfig = field(default_factory=RouterConfig)
     kv_timeout_s: float = 30.0  # decode side: KV must arrive this soon after reserve
+    max_restarts: int = 5  # Ray restarts a dead worker actor at most this often ...
+    restart_backoff_s: float = 1.0  # ... waiting this long, doubling with each restart
     api_key: str | None = None  # HTTP + gRPC: required Bearer token (None = open) ...
     api_key_file: str | None = None  # ... and/or a file of them, one per line
     protect_probes: bool = False  # the keys guard /health, /metrics, grpc.health.v1 too
@@ -82,10 +93,26 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be in [0, 65535], got {port}")
         if self.kv_timeout_s <= 0:
             raise ValueError("kv_timeout_s must be > 0")
+        if self.max_restarts < 0 or self.restart_backoff_s < 0:
+            raise ValueError("max_restarts and restart_backoff_s must be >= 0")
+        if (self.prefill.workers == 0) != (self.decode.workers == 0):
+            raise ValueError("prefill and decode workers come in pairs: give both or neither "
+                             f"(got {self.prefill.workers} prefill, {self.decode.workers} decode)")
+        if self.prefill.workers == 0 and self.colocated_pool.workers == 0:
+            raise ValueError("no workers: give prefill + decode workers, colocated workers, "
+                             "or both")
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+
+    @property
+    def colocated_pool(self) -> PoolConfig:
+        """The colocated pool with its defaults filled in."""
+        c = self.colocated
+        if c is None:
+            return PoolConfig(workers=0, num_cpus=self.prefill.num_cpus + self.decode.num_cpus)
+        return c
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ClusterConfig:
@@ -120,6 +147,12 @@ def _build(cls: type, d: dict[str, Any], where: str) -> Any:
         raise ValueError(f"unknown key(s) in {where}: {unknown}; known: {sorted(fields)}")
     kwargs = {}
     for key, value in d.items():
-        sub = {"prefill": PoolConfig, "decode": PoolConfig, "router": RouterConfig}.get(key)
+        sub = {"prefill": PoolConfig, "decode": PoolConfig, "colocated": PoolConfig,
+               "router": RouterConfig}.get(key)
         kwargs[key] = _build(sub, value, f"{where}.{key}") if sub and cls is ClusterConfig else value
+    if cls is ClusterConfig and isinstance(d.get("colocated"), dict) \
+            and "num_cpus" not in d["colocated"]:
+        # A colocated worker does both phases: by default it gets both workers' CPUs.
+        cpus = sum(kwargs.get(pool, PoolConfig()).num_cpus for pool in ("prefill", "decode"))
+        kwargs["colocated"] = dataclasses.replace(kwargs["colocated"], num_cpus=cpus)
     return cls(**kwargs)

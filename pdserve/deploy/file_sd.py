@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-ROLES = ("router", "prefill", "decode")
+ROLES = ("router", "prefill", "decode", "colocated")
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Target:
     """One ``/metrics`` endpoint."""
 
     address: str  # "host:port"
-    role: str  # "router" | "prefill" | "decode"
+    role: str  # "router" | "prefill" | "decode" | "colocated"
     worker: str  # worker id; "router" for the router
     model: str
 
@@ -45,12 +45,12 @@ def cluster_targets(model: str, router: tuple[str, int] | None,
                     workers: Mapping[str, tuple[str, int]]) -> list[Target]:
     """Targets of a cluster: ``router`` = its (host, port) or ``None``; ``workers`` =
     ``Cluster.metrics_targets()`` (worker id -> (host, port)), whose ids start with
-    their role ("prefill-0", "decode-1")."""
+    their role ("prefill-0", "decode-1", "colocated-0")."""
     out = [Target(_address(*router), "router", "router", model)] if router else []
     for wid, (host, port) in sorted(workers.items()):
         role = wid.split("-", 1)[0]
-        if role not in ("prefill", "decode"):
-            raise ValueError(f"worker id {wid!r} does not start with 'prefill-' or 'decode-'")
+        if role not in ROLES[1:]:
+            raise ValueError(f"worker id {wid!r} does not start with a pool name: {ROLES[1:]}")
         out.append(Target(_address(host, port), role, wid, model))
     return out
 

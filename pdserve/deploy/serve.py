@@ -17,7 +17,7 @@ import uuid
 
 from prometheus_client import CollectorRegistry
 
-from pdserve.deploy.cluster import Cluster
+from pdserve.deploy.cluster import Cluster, StartupError
 from pdserve.deploy.config import ClusterConfig
 from pdserve.deploy.file_sd import FileSD, cluster_targets
 from pdserve.engine.sampling_params import SamplingParams
@@ -52,7 +52,8 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
     file_sd = FileSD(cfg.file_sd_path) if cfg.file_sd_path else None
     tasks: list[asyncio.Task[None]] = []
     try:
-        await asyncio.to_thread(cluster.start)
+        if not await _start(cluster, stop):
+            return
         assert cluster.model_dir is not None
         registry = CollectorRegistry()
         router = cluster.make_router(RouterMetrics(
@@ -71,16 +72,16 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
                   f"/v1/models{f'; {len(keys)} Bearer key(s) required' if keys else ''})")
         _progress(f"HTTP   {base}/health, {base}/metrics (router; "
                   f"{'key required' if keys and cfg.protect_probes else 'open'})")
-        workers = cluster.metrics_targets()
-        for wid, (host, port) in workers.items():
+        for wid, (host, port) in router.metrics_targets().items():
             _progress(f"worker {wid}: http://{host}:{port}/metrics")
         if file_sd is not None:
-            file_sd.update(cluster_targets(router.model_name, (cfg.host, http_port), workers))
-            _progress(f"Prometheus file-SD targets: {file_sd.path}")
             tasks.append(asyncio.create_task(_track_workers(
-                file_sd, router, (cfg.host, http_port), workers)))
-        _progress(f"serving {cluster.model_dir.name} with {cfg.prefill.workers} prefill + "
-                  f"{cfg.decode.workers} decode workers over {cfg.transfer}; Ctrl-C stops")
+                file_sd, router, (cfg.host, http_port))))
+            _progress(f"Prometheus file-SD targets: {file_sd.path}")
+        pools = ", ".join(f"{p.workers} {role}" for role, p in cluster.pools().items()
+                          if p.workers)
+        _progress(f"serving {cluster.model_dir.name} with {pools} worker(s) over "
+                  f"{cfg.transfer}; Ctrl-C stops")
         await stop.wait()
     finally:
         _progress("shutting down")
@@ -97,17 +98,33 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
         cluster.shutdown()
 
 
+async def _start(cluster: Cluster, stop: asyncio.Event) -> bool:
+    """``cluster.start()`` on a thread, abandoned (cancelled) if ``stop`` is set first;
+    True once started."""
+    starting = asyncio.ensure_future(asyncio.to_thread(cluster.start))
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not starting.done():
+        cluster.cancel()
+        with contextlib.suppress(StartupError):
+            await starting
+        return False
+    starting.result()  # raises what the start-up raised
+    return True
+
+
 async def _track_workers(file_sd: FileSD, router: Router, router_addr: tuple[str, int],
-                         workers: dict[str, tuple[str, int]], interval_s: float = 2.0) -> None:
-    """Keep the file-SD targets to the live workers (the router drops dead ones)."""
-    listed = set(workers)
+                         interval_s: float = 1.0) -> None:
+    """Keep the file-SD targets to the workers in routing, with their current
+    ``/metrics`` addresses (a restarted worker has a new one)."""
+    listed: dict[str, tuple[str, int]] | None = None
     while True:
-        await asyncio.sleep(interval_s)
-        live = {w for w, alive in router.worker_states().items() if alive} & set(workers)
+        live = router.metrics_targets()
         if live != listed:
             listed = live
-            file_sd.update(cluster_targets(router.model_name, router_addr,
-                                           {w: workers[w] for w in sorted(live)}))
+            file_sd.update(cluster_targets(router.model_name, router_addr, live))
+        await asyncio.sleep(interval_s)
 
 
 def _url_host(host: str) -> str:

@@ -1,10 +1,10 @@
 """Each worker's own ``/metrics``: a Prometheus collector that reads the worker's
-``WorkerStats`` snapshot at scrape time, served on the worker's own port.
+``WorkerMetrics`` snapshot at scrape time, served on the worker's own port.
 
 This module owns the worker metric names, their types and help, and the MFU/MBU
 gauges. Labels: ``model``, ``role`` (prefill/decode), ``worker``; never a request id.
 Counters and histograms are cumulative since the worker started. The workers keep
-plain numbers (``WorkerStats``, filled on their loop thread); nothing here runs on
+plain numbers (``WorkerMetrics``, filled on their loop thread); nothing here runs on
 the engine's thread, and the engine never imports Prometheus.
 
 Efficiency (formulas in ``deploy/efficiency.py`` and ``docs/observability.md``):
@@ -40,10 +40,10 @@ from pdserve.messages import (
     BATCH_SIZE_BUCKETS,
     BATCH_TOKENS_BUCKETS,
     STEP_SECONDS_BUCKETS,
-    WorkerStats,
+    WorkerMetrics,
 )
 
-Getter = Callable[[WorkerStats], float]
+Getter = Callable[[WorkerMetrics], float]
 LABELS = ("model", "role", "worker")
 
 # (name, help, value) of the gauges and counters (counters get "_total" on export).
@@ -85,7 +85,7 @@ COUNTERS: list[tuple[str, str, Getter]] = [
      lambda s: s.memory_bytes_read),
 ]
 # (name, help, bounds, per-bucket counts, sum) of the per-step histograms.
-HISTOGRAMS: list[tuple[str, str, tuple[float, ...], Callable[[WorkerStats], tuple[int, ...]],
+HISTOGRAMS: list[tuple[str, str, tuple[float, ...], Callable[[WorkerMetrics], tuple[int, ...]],
                        Getter]] = [
     ("pdserve_engine_step_seconds", "Engine step time (forward + sampling).",
      STEP_SECONDS_BUCKETS, lambda s: s.step_seconds_buckets, lambda s: s.step_seconds),
@@ -122,7 +122,7 @@ class _Window:
         self._samples: deque[tuple[float, float, float, float]] = deque()
         self._lock = threading.Lock()  # scrapes run on the HTTP server's threads
 
-    def ratios(self, s: WorkerStats, peaks: DevicePeaks) -> tuple[float, float]:
+    def ratios(self, s: WorkerMetrics, peaks: DevicePeaks) -> tuple[float, float]:
         now = time.monotonic()
         with self._lock:
             self._samples.append((now, s.model_flops, s.memory_bytes_read, s.step_seconds))
@@ -138,7 +138,7 @@ class _Window:
 
 
 class WorkerCollector(Collector):
-    def __init__(self, model: str, snapshot: Callable[[], WorkerStats],
+    def __init__(self, model: str, snapshot: Callable[[], WorkerMetrics],
                  peaks: DevicePeaks, window_s: float = 60.0) -> None:
         self.model = model
         self.snapshot = snapshot
@@ -174,7 +174,7 @@ class WorkerCollector(Collector):
         yield info
 
 
-def serve_worker_metrics(model: str, snapshot: Callable[[], WorkerStats],
+def serve_worker_metrics(model: str, snapshot: Callable[[], WorkerMetrics],
                          host: str = "127.0.0.1", port: int = 0,
                          peaks: DevicePeaks | None = None) -> int:
     """Start the worker's ``/metrics`` server; returns the bound port. ``peaks``

@@ -12,6 +12,11 @@ Disaggregated use (what the prefill and decode workers call):
   outside; the KV is written (``write_kv`` or a channel writing ``kv_cache``);
   ``start_decode(rid, first_token)`` makes it run; ``step`` decodes.
 
+``step`` streams token ids and applies the token-level stops (EOS, stop token ids,
+max_tokens), which free a request's blocks at once. Text and stop strings are made
+outside the step loop by an ``OutputProcessor`` (``engine/output.py``): the router's
+for served requests, ``generate``'s here.
+
 Bad input raises ``ValueError`` from ``add_request``/``reserve`` and leaves the
 engine serving.
 """
@@ -31,6 +36,7 @@ from pdserve.engine.config import EngineConfig, ModelConfig, ceil_div
 from pdserve.engine.input_batch import InputBatch
 from pdserve.engine.linear import resolve_linear_backend
 from pdserve.engine.model import LlamaModel
+from pdserve.engine.output import OutputProcessor
 from pdserve.engine.quant_load import quantize_model
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.rope import RotaryEmbedding
@@ -38,8 +44,8 @@ from pdserve.engine.runner import ModelRunner, Sampled
 from pdserve.engine.sampler import TokenLogprobs, make_generator
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.stop import StopChecker
-from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from pdserve.engine.stop import StopChecker, StopDecision
+from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.weights import load_weights
 
 
@@ -49,14 +55,13 @@ class RequestOutput:
 
     request_id: str
     new_token_ids: list[int]  # tokens sampled this step (0 or 1)
-    text: str  # new text safe to stream ("" without a tokenizer)
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served by the prefix cache
     num_output_tokens: int
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-    stop_reason: str | int | None = None  # matched stop string / stop token id
+    stop_reason: int | None = None  # the stop token id that ended it (None for EOS)
     prefilled: bool = False  # prefill role: KV held for hand-off
     first_scheduled_time: float | None = None  # monotonic; ends the request's queue time
     # With the request's first output when it asked for prompt logprobs: one entry per
@@ -65,11 +70,11 @@ class RequestOutput:
 
 
 @dataclass
-class _Tracking:
-    """Per-request output state kept beside the scheduler's ``Request``."""
+class StepOutput:
+    """What ``step`` returns: the requests that changed and the step's shape."""
 
-    stop: StopChecker
-    detok: IncrementalDetokenizer | None
+    outputs: list[RequestOutput]
+    info: StepInfo | None  # None when nothing was scheduled
 
 
 class LLMEngine:
@@ -128,8 +133,7 @@ class LLMEngine:
                                    on_release=inputs.release)
         self.runner = ModelRunner(self.model, self.kv_cache, inputs, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
-        self.last_step: StepInfo | None = None  # the most recent step's shape and time
-        self._tracking: dict[str, _Tracking] = {}
+        self._stops: dict[str, StopChecker] = {}  # token-level stop rules per request
         self.role = self.config.role
 
     # ------------------------------------------------------------------ intake
@@ -151,7 +155,9 @@ class LLMEngine:
                 f"exceeds the context of {self.max_model_len} tokens "
                 f"(at most {self.max_model_len - n} new tokens)"
             )
-        if ceil_div(n + params.max_tokens, self.block_size) > self.num_blocks:
+        # A prefill engine holds only the prompt (its first token's KV is made later).
+        need = n if self.role == "prefill" else n + params.max_tokens
+        if ceil_div(need, self.block_size) > self.num_blocks:
             raise ValueError(
                 f"prompt ({n}) + max_tokens ({params.max_tokens}) needs more KV blocks than "
                 f"this engine has ({self.num_blocks} blocks of {self.block_size})"
@@ -168,9 +174,7 @@ class LLMEngine:
         self.validate(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params)
         req.generator = make_generator(params, self.config.device)
-        detok = (IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids)
-                 if self.tokenizer is not None else None)
-        self._tracking[request_id] = _Tracking(StopChecker(params, self.eos_token_ids), detok)
+        self._stops[request_id] = StopChecker(params, self.eos_token_ids)
         self.requests[request_id] = req
         return req
 
@@ -222,7 +226,7 @@ class LLMEngine:
         """Prefill role: free a PREFILLED request's blocks after hand-off
         (idempotent; unknown ids are ignored)."""
         req = self.requests.pop(request_id, None)
-        self._tracking.pop(request_id, None)
+        self._stops.pop(request_id, None)
         if req is not None and req.status is RequestStatus.PREFILLED:
             self.scheduler.release(req)
 
@@ -236,7 +240,7 @@ class LLMEngine:
             return None
         self.scheduler.finish(req)
         req.finish_reason = "abort"
-        out = self._output(req, [], self._tracking[request_id].stop.flush(), [])
+        out = self._output(req, [], [])
         self._forget(request_id)
         return out
 
@@ -244,11 +248,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> StepOutput:
         """Schedule, run the model once, sample, and report what changed."""
         batch = self.scheduler.schedule()
         if not batch:
-            return []
+            return StepOutput([], None)
         now = time.monotonic()
         context = 0
         for req, n in batch.work:
@@ -256,7 +260,7 @@ class LLMEngine:
                 req.first_scheduled_time = now
             context += req.num_computed_tokens + n
         sampled = self.runner.execute(batch)
-        self.last_step = StepInfo(
+        info = StepInfo(
             num_seqs=len(batch.work), num_tokens=batch.num_tokens,
             num_decode=sum(1 for _, n in batch.work if n == 1),
             context_tokens=context, seconds=time.monotonic() - now,
@@ -268,42 +272,36 @@ class LLMEngine:
             if req.params.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:
                 req.finish_reason = "length"
                 self.scheduler.finish(req)
-                outputs.append(self._output(req, [], "", []))
+                outputs.append(self._output(req, [], []))
                 self._forget(req.request_id)
-        return outputs
+        return StepOutput(outputs, info)
 
     def _append_token(self, s: Sampled) -> RequestOutput:
-        req, track = s.request, self._tracking[s.request.request_id]
+        req = s.request
         req.token_ids.append(s.token_id)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         logprobs = [s.logprobs] if s.logprobs is not None else []
         if self.role == "prefill":
-            # Hand-off: the decode side owns text and stop decisions (it sees the
-            # first token again in ``start_decode``), so the KV is always kept.
+            # Hand-off: the decode side owns stop decisions (it sees the first token
+            # again in ``start_decode``), so the KV is always kept.
             self.scheduler.finish(req, keep_blocks=True)
-            return self._output(req, [s.token_id], "", logprobs, prefilled=True)
-        delta = track.detok.push(s.token_id) if track.detok is not None else ""
-        text, decision = track.stop.push(s.token_id, delta, req.num_output_tokens)
+            return self._output(req, [s.token_id], logprobs, prefilled=True)
+        decision = self._stops[req.request_id].token_decision(s.token_id, req.num_output_tokens)
         if decision is not None:
-            if track.detok is not None and not isinstance(decision.stop_reason, str):
-                # Bytes of an unfinished character come out as U+FFFD, as in a full
-                # decode; after a stop string nothing more is emitted.
-                text += track.detok.finish()
             req.finish_reason = decision.finish_reason
             self.scheduler.finish(req)
-            out = self._output(req, [s.token_id], text, logprobs, decision.stop_reason)
+            stop_id = decision.stop_reason if isinstance(decision.stop_reason, int) else None
+            out = self._output(req, [s.token_id], logprobs, stop_id)
             self._forget(req.request_id)
             return out
-        return self._output(req, [s.token_id], text, logprobs)
+        return self._output(req, [s.token_id], logprobs)
 
-    def _output(self, req: Request, tokens: list[int], text: str,
-                logprobs: list[TokenLogprobs], stop_reason: str | int | None = None,
-                prefilled: bool = False) -> RequestOutput:
+    def _output(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs],
+                stop_reason: int | None = None, prefilled: bool = False) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id,
             new_token_ids=tokens,
-            text=text,
             finished=req.status is RequestStatus.FINISHED,
             finish_reason=req.finish_reason,
             num_prompt_tokens=req.num_prompt_tokens,
@@ -325,7 +323,7 @@ class LLMEngine:
 
     def _forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
-        self._tracking.pop(request_id, None)
+        self._stops.pop(request_id, None)
 
     # ---------------------------------------------------------------- helpers
     def stats(self) -> EngineStats:
@@ -359,18 +357,24 @@ class LLMEngine:
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  ) -> list[Completion]:
         """Run ``prompts`` to completion together (continuous batching) and return
-        one ``Completion`` each, in order."""
+        one ``Completion`` each, in order (text and stop strings by an
+        ``OutputProcessor`` per request, as the router makes them)."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
         results = {rid: Completion() for rid in ids}
+        text: dict[str, OutputProcessor] = {}
         try:
             for rid, prompt, p in zip(ids, prompts, params, strict=True):
                 self.add_request(rid, prompt, p)
-                results[rid].prompt_tokens = self.requests[rid].num_prompt_tokens
+                req = self.requests[rid]
+                results[rid].prompt_tokens = req.num_prompt_tokens
+                text[rid] = OutputProcessor(self.tokenizer, req.prompt_token_ids, p)
             while any(rid in self.requests for rid in ids):
-                for out in self.step():
-                    results[out.request_id].add(out)
+                for out in self.step().outputs:
+                    done = results[out.request_id].add(out, text[out.request_id])
+                    if done and out.request_id in self.requests:  # a stop string
+                        self.abort(out.request_id)
         finally:
             for rid in ids:
                 if rid in self.requests:
@@ -390,15 +394,25 @@ class Completion:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
-    def add(self, out: RequestOutput) -> None:
+    def add(self, out: RequestOutput, processor: OutputProcessor) -> bool:
+        """Add one step's output; True once the request is over."""
+        if self.finish_reason is not None:
+            return True
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
-        self.token_ids.extend(out.new_token_ids)
-        self.text += out.text
-        self.logprobs.extend(out.logprobs)
+        engine = (StopDecision(out.finish_reason, out.stop_reason)  # type: ignore[arg-type]
+                  if out.finished and out.finish_reason in ("stop", "length") else None)
+        text, decision, n = processor.push(out.new_token_ids, engine)
+        self.token_ids.extend(out.new_token_ids[:n])
+        self.text += text
+        self.logprobs.extend(out.logprobs[:n])
         self.cached_tokens = out.num_cached_tokens
-        if out.finished:
+        if decision is not None:
+            self.finish_reason = decision.finish_reason
+        elif out.finished:
+            self.text += processor.flush()
             self.finish_reason = out.finish_reason
+        return self.finish_reason is not None
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,12 @@ max_tokens, min_tokens) and the hold-back buffer that keeps a partial stop
 string out of the stream. It sees token ids and already-detokenized text
 deltas; detokenization is someone else's job.
 
+The rules come in two halves run in two places: ``token_decision`` (EOS, stop
+token ids, max_tokens) is what the engine applies in its step loop to free a
+finished request's blocks; ``push`` adds stop strings and the text rules, and runs
+outside the step loop (``engine/output.py``: the router, ``LLMEngine.generate``),
+given the engine's decision for each token so that both halves agree.
+
 Contract of ``StopChecker.push(token_id, text_delta, num_output_tokens)``, called
 once per generated token in order (``num_output_tokens`` counts this token):
 
@@ -15,7 +21,8 @@ once per generated token in order (``num_output_tokens`` counts this token):
 * Stop conditions are inactive while ``num_output_tokens <= min_tokens`` (the
   sampler masks EOS/stop ids over the same tokens). While inactive no text is
   held back and no stop string is matched, so a stop string only matches text
-  of tokens after the first ``min_tokens``.
+  of tokens after the first ``min_tokens``. ``max_tokens`` always applies (so
+  ``min_tokens == max_tokens`` gives exactly that many tokens).
 * Active, in priority order on one token:
   1. ``token_id`` in ``stop_token_ids``, or in ``eos_token_ids`` unless
      ``ignore_eos`` -> ``"stop"`` (``stop_reason`` = the token id for a stop
@@ -34,6 +41,8 @@ once per generated token in order (``num_output_tokens`` counts this token):
   completes.
 * ``flush()`` returns (and clears) the held-back tail; call it when generation
   ends for a reason the checker did not decide (abort, model length limit).
+* ``push(..., decided=d)`` takes the token-level decision ``d`` (the engine's
+  ``token_decision`` for this token, None = it goes on) instead of computing it.
 """
 
 from __future__ import annotations
@@ -56,6 +65,9 @@ class StopDecision:
     stop_reason: str | int | None = None
 
 
+_OWN = object()  # push(): compute the token-level decision here
+
+
 class StopChecker:
     """Incremental stop detection for one request; see the module docstring."""
 
@@ -72,8 +84,22 @@ class StopChecker:
         """The final decision once made, else None."""
         return self._decision
 
+    def token_decision(self, token_id: int, num_output_tokens: int) -> StopDecision | None:
+        """The token-level rules for this token (the engine's half): a stop token id
+        or EOS once past ``min_tokens`` -> "stop"; the last allowed token -> "length"."""
+        p = self._params
+        if num_output_tokens > p.min_tokens:
+            if token_id in self._stop_ids:
+                return StopDecision("stop", token_id)
+            if token_id in self._eos and not p.ignore_eos:
+                return StopDecision("stop", None)
+        if num_output_tokens >= p.max_tokens:
+            return StopDecision("length")
+        return None
+
     def push(
-        self, token_id: int, text_delta: str, num_output_tokens: int
+        self, token_id: int, text_delta: str, num_output_tokens: int,
+        decided: StopDecision | object | None = _OWN,
     ) -> tuple[str, StopDecision | None]:
         if self._decision is not None:
             raise RuntimeError(f"push after generation stopped ({self._decision})")
@@ -81,16 +107,15 @@ class StopChecker:
             raise ValueError(
                 f"num_output_tokens counts this token, must be >= 1, got {num_output_tokens}"
             )
+        token = self.token_decision(token_id, num_output_tokens) if decided is _OWN else decided
+        assert token is None or isinstance(token, StopDecision)
         p = self._params
+        if token is not None and token.finish_reason == "stop":  # a stop id or EOS
+            own = text_delta if p.include_stop_str_in_output else ""
+            return self._finish(self.flush() + own, token)
         if num_output_tokens <= p.min_tokens:
             # Stops are inactive; the tail is empty because nothing was held back yet.
-            return text_delta, None
-
-        is_stop_id = token_id in self._stop_ids
-        if is_stop_id or (token_id in self._eos and not p.ignore_eos):
-            own = text_delta if p.include_stop_str_in_output else ""
-            reason = token_id if is_stop_id else None
-            return self._finish(self.flush() + own, StopDecision("stop", reason))
+            return (text_delta, None) if token is None else self._finish(text_delta, token)
 
         pending = self._tail + text_delta
         self._tail = ""
@@ -100,8 +125,8 @@ class StopChecker:
             end = start + len(stop) if p.include_stop_str_in_output else start
             return self._finish(pending[:end], StopDecision("stop", stop))
 
-        if num_output_tokens >= p.max_tokens:
-            return self._finish(pending, StopDecision("length"))
+        if token is not None:  # "length"
+            return self._finish(pending, token)
 
         hold = self._partial_suffix_len(pending)
         self._tail = pending[len(pending) - hold :]

@@ -22,31 +22,25 @@ Failure and abort rules (both sides):
 * after a failed SendEvent the backend no longer reads the request's source blocks;
 * nothing waits forever: expectations time out, sends time out, dead peers are noticed.
 
-Usage rules: call one sender/receiver from one thread (the engine loop) and poll it
-regularly — some backends make progress only inside poll() (nixl: D's poll also lets P's
-writes complete). A request id names one attempt: once it has ended, sends for it are
+Usage rules: call one sender/receiver from one thread (``driver.ChannelThread``) and
+poll it regularly -- some backends make progress only inside poll() (nixl: D's poll
+also lets P's writes complete). ``KVReceiver.expect`` is the exception: every backend
+only records it under its tracker's lock, so it may be called from any thread. A request id names one attempt: once it has ended, sends for it are
 dropped, so a retry uses a new id. The KV tensor must outlive the object wrapping it.
 """
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.failures import FailReason  # the fault model's reasons, end to end
+
 from .layout import KVLayout
 
-
-class FailReason(str, enum.Enum):
-    """Why a request's transfer ended without data (decides retry vs. give up upstream)."""
-
-    ABORTED = "aborted"  # abort() on this side or on the peer
-    TIMEOUT = "timeout"  # expect() / send timeout passed
-    PEER_DIED = "peer_died"  # the other process went away (or closed its channel)
-    TRANSPORT = "transport"  # the backend reported an error
-    CLOSED = "closed"  # this side was closed with the request pending
+__all__ = ["FailReason", "KVReceiver", "KVSender", "RecvEvent", "SendEvent", "is_final"]
 
 
 @dataclass(frozen=True)

@@ -2,38 +2,43 @@
 
 It batches prompts from many requests under the engine's token budget (chunked
 prefill, prefix reuse), samples each request's first token, and pushes the
-request's KV blocks into the blocks a decode worker reserved, over its transfer
-channel. The request's blocks stay referenced here until the decode side
-acknowledges the KV (or the transfer fails); then they are released.
+request's KV into the blocks a decode worker reserved -- overlapped with compute:
+after every engine step, the blocks that step completed go out at once (prefix-cache
+hits with the first chunk), and the last send, once the first token is sampled,
+carries the rest (the partial last block) and the first token. So only the last
+chunk's share of the transfer is added to TTFT. The channel runs on its own thread
+(``kv_transfer.driver``), so sends progress and are acknowledged while the engine
+steps.
 
-A request's life here (all on the loop thread)::
+Block ownership: every block handed to a send is pinned (one extra reference in the
+engine's pool) until the request's transfer has ended, so a preemption cannot reuse
+it while a backend may still read it. A request's life here::
 
-    submit -> engine WAITING -> (chunks) -> PREFILLED -> sender.send -> SENDING
-           -> SendEvent ok  -> release blocks, resolve the future with PrefillResult
-           -> SendEvent err -> release blocks, fail the future
+    prefill() -> engine WAITING -> (chunk: send its full blocks) ... -> PREFILLED
+              -> final send (rest + first token) -> SendEvent ok  -> PrefillResult
+                                                 -> SendEvent err -> AttemptFailed
+    (blocks released and pins dropped on the event)
 
-A plain class: a sync constructor builds it in a unit test; ``deploy/`` wraps it
-as a Ray actor.
+A plain class with async methods: a sync constructor builds it in a test, the router
+calls it in-process, ``deploy/`` wraps the class itself as a Ray actor.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import asyncio
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.sampler import TokenLogprobs
-from pdserve.kv_transfer import make_sender
-from pdserve.messages import PrefillResult, PrefillTask, WorkerStats
+from pdserve.engine.engine import RequestOutput
+from pdserve.failures import AttemptFailed, FailReason
+from pdserve.kv_transfer import SendEvent, make_sender
+from pdserve.kv_transfer.driver import ChannelThread
+from pdserve.messages import PrefillResult, PrefillTask, TokenLogprob, WorkerMetrics
 from pdserve.worker_loop import WorkerLoop
-
-
-class PrefillError(RuntimeError):
-    """The prefill or its KV transfer failed; the router retries elsewhere."""
 
 
 @dataclass
@@ -41,12 +46,13 @@ class _InFlight:
     task: PrefillTask
     future: Future[PrefillResult]
     received: float
-    first_token: int | None = None
+    peer: str
+    sent_blocks: int = 0  # leading blocks already handed to a send
+    pinned: list[int] = field(default_factory=list)  # source blocks referenced for sends
+    num_cached_tokens: int = 0
     scheduled: float | None = None
     sampled: float | None = None
-    send_started: float | None = None
-    num_cached_tokens: int = 0
-    num_blocks: int = 0
+    final_sent: float | None = None  # when the last send started
 
 
 class PrefillWorker(WorkerLoop):
@@ -55,104 +61,129 @@ class PrefillWorker(WorkerLoop):
         super().__init__("prefill", worker_id, model_dir, config)
         self.sender = make_sender(transfer, self.engine.kv_cache, self.layout,
                                   **(transfer_options or {}))
-        self._peers: dict[str, Any] = {}  # decode worker id -> sender peer id
+        self.transfer = ChannelThread(self.sender, self._on_send_events,
+                                      f"kv-send-{worker_id}")
+        self._peers: dict[str, tuple[str, dict[str, Any]]] = {}  # decode id -> (peer, endpoint)
         self._inflight: dict[str, _InFlight] = {}
         self.start()
 
-    # ----------------------------------------------------- called from any thread
-    def connect(self, decode_worker: str, endpoint: dict[str, Any]) -> Future[None]:
-        """Open the channel to a decode worker (checks the KV layout)."""
-        return self.call(lambda: self._connect(decode_worker, endpoint))
+    # ------------------------------------------------------------ async API
+    async def connect(self, decode_worker: str, endpoint: dict[str, Any]) -> None:
+        """Open the channel to a decode worker (checks the KV layout); a decode worker
+        that restarted (new endpoint) gets a new channel."""
+        known = self._peers.get(decode_worker)
+        if known is not None and known[1] == endpoint:
+            return
+        peer = await asyncio.wrap_future(self.transfer.call(lambda: self.sender.connect(endpoint)))
+        await self._on_loop(lambda: self._peers.__setitem__(decode_worker, (peer, endpoint)))
 
-    def submit(self, task: PrefillTask) -> Future[PrefillResult]:
+    async def prefill(self, task: PrefillTask) -> PrefillResult:
+        """Compute the prompt and push its KV; resolves once the decode worker has
+        it all. ``AttemptFailed`` when the transfer fails (the router retries)."""
         fut: Future[PrefillResult] = Future()
         now = time.monotonic()
 
         def add() -> None:
-            if task.decode_worker not in self._peers:
-                raise PrefillError(f"not connected to decode worker {task.decode_worker!r}")
+            known = self._peers.get(task.decode_worker)
+            if known is None:
+                raise AttemptFailed(FailReason.NOT_CONNECTED,
+                                    f"no channel to decode worker {task.decode_worker!r}")
             self.engine.add_request(task.request_id, task.prompt_token_ids, task.params)
-            self._inflight[task.request_id] = _InFlight(task, fut, now)
+            self._inflight[task.request_id] = _InFlight(task, fut, now, known[0])
 
-        self.call(add).add_done_callback(lambda added: _forward_failure(added, fut))
-        return fut
-
-    def abort(self, request_id: str) -> None:
-        self.call(lambda: self._abort(request_id, "aborted"))
+        await self._on_loop(add)
+        return await asyncio.wrap_future(fut)
 
     def close(self) -> None:
         self.stop()
-        self.sender.close()
+        self.transfer.close()
 
-    # ---------------------------------------------------------------- loop side
-    def _connect(self, decode_worker: str, endpoint: dict[str, Any]) -> None:
-        if decode_worker not in self._peers:
-            self._peers[decode_worker] = self.sender.connect(endpoint)
-
-    def iterate(self) -> None:
-        if self.engine.has_unfinished():
-            outputs = self._step()
-            now = time.monotonic()
-            for out in outputs:
-                f = self._inflight[out.request_id]
-                f.scheduled = out.first_scheduled_time
-                self._send(f, out.new_token_ids[0], out.num_cached_tokens, now,
-                           out.logprobs[0] if out.logprobs else None)
-        for ev in self.sender.poll():
-            self._on_send_event(ev)
-
-    def _send(self, f: _InFlight, first_token: int, cached: int, now: float,
-              logprobs: TokenLogprobs | None) -> None:
-        rid = f.task.request_id
-        f.first_token, f.sampled, f.num_cached_tokens = first_token, now, cached
-        src = self.engine.block_ids(rid)
-        f.num_blocks = len(src)
-        f.send_started = time.monotonic()
-        self.sender.send(self._peers[f.task.decode_worker], rid, src, f.task.dst_block_ids,
-                         notify={"first_token": first_token,
-                                 "logprobs": None if logprobs is None else dataclasses.asdict(logprobs)})
-
-    def _on_send_event(self, ev: Any) -> None:
-        f = self._inflight.pop(ev.request_id, None)
-        self.engine.release(ev.request_id)
-        if f is None:
-            return
-        if not ev.ok:
-            self._stats.kv_transfer_failures += 1
-            if not f.future.done():
-                f.future.set_exception(PrefillError(f"KV transfer failed: {ev.error}"))
-            return
+    # ------------------------------------------------------------- loop side
+    def _run_step(self) -> None:
+        outputs = {out.request_id: out for out in self._step()}
         now = time.monotonic()
-        assert f.first_token is not None and f.sampled is not None
-        assert f.send_started is not None
-        nbytes = f.num_blocks * self.layout.block_bytes
-        self._stats.kv_transfers += 1
-        self._stats.kv_transfer_bytes += nbytes
-        self._stats.kv_transfer_seconds += now - f.send_started
-        scheduled = f.scheduled if f.scheduled is not None else f.sampled
-        f.future.set_result(PrefillResult(
-            request_id=ev.request_id, first_token=f.first_token,
-            num_cached_tokens=f.num_cached_tokens,
-            prefill_queue_s=max(0.0, scheduled - f.received),
-            prefill_s=f.sampled - scheduled,
-            kv_transfer_s=now - f.send_started, kv_bytes=nbytes,
-        ))
+        for rid, f in self._inflight.items():
+            if f.final_sent is not None:
+                continue
+            out = outputs.get(rid)
+            if out is not None:
+                self._send_last(f, out, now)
+            else:
+                self._send_computed(f)
 
-    def _abort(self, request_id: str, why: str) -> None:
-        f = self._inflight.pop(request_id, None)
-        if f is not None and f.send_started is not None:
-            self.sender.abort(request_id)
-        self.engine.abort(request_id)  # frees blocks whether queued or prefilled
+    def _send_computed(self, f: _InFlight) -> None:
+        """Send the full blocks computed so far that were not sent yet."""
+        req = self.engine.requests.get(f.task.request_id)
+        if req is None:
+            return
+        if f.scheduled is None and req.first_scheduled_time is not None:
+            f.scheduled = req.first_scheduled_time
+            f.num_cached_tokens = req.num_cached_tokens
+        full = min(req.num_computed_tokens // self.engine.block_size, len(f.task.dst_block_ids))
+        if full > f.sent_blocks:
+            self._send(f, req.block_ids[f.sent_blocks:full], f.sent_blocks, None)
+
+    def _send_last(self, f: _InFlight, out: RequestOutput, now: float) -> None:
+        if f.scheduled is None:
+            f.scheduled = out.first_scheduled_time
+        f.num_cached_tokens, f.sampled, f.final_sent = out.num_cached_tokens, now, now
+        src = self.engine.block_ids(out.request_id)[f.sent_blocks:]
+        lp = out.logprobs[0] if out.logprobs else None
+        notify = {"first_token": out.new_token_ids[0], "logprobs": None if lp is None else
+                  TokenLogprob(lp.token_id, lp.logprob, lp.top, lp.rank).to_json()}
+        self._send(f, src, f.sent_blocks, notify)
+
+    def _send(self, f: _InFlight, src: list[int], start: int, notify: dict[str, Any] | None,
+              ) -> None:
+        rid, dst = f.task.request_id, f.task.dst_block_ids[start:start + len(src)]
+        self.engine.pool.acquire(src)
+        f.pinned.extend(src)
+        f.sent_blocks = start + len(src)
+        layers = None if notify is not None else (0, self.layout.num_layers)
+        peer = f.peer
+        self.transfer.call(lambda: self.sender.send(peer, rid, src, dst, layers=layers,
+                                                    notify=notify))
+
+    def _on_send_events(self, events: list[SendEvent], when: float) -> None:
+        self.call(lambda: self._sent(events, when))  # channel thread -> loop thread
+
+    def _sent(self, events: list[SendEvent], when: float) -> None:
+        for ev in events:
+            f = self._inflight.pop(ev.request_id, None)
+            self.engine.release(ev.request_id)
+            if f is None:
+                continue
+            self.engine.pool.free(f.pinned)
+            if not ev.ok:
+                self._metrics.kv_transfer_failures += 1
+                if not f.future.done():
+                    f.future.set_exception(AttemptFailed(
+                        ev.reason or FailReason.TRANSPORT,
+                        f"KV transfer to {f.task.decode_worker} failed: {ev.error}"))
+                continue
+            assert f.sampled is not None and f.final_sent is not None
+            nbytes = len(f.pinned) * self.layout.block_bytes
+            self._metrics.kv_transfers += 1
+            self._metrics.kv_transfer_bytes += nbytes
+            self._metrics.kv_transfer_seconds += when - f.final_sent
+            scheduled = f.scheduled if f.scheduled is not None else f.sampled
+            f.future.set_result(PrefillResult(
+                request_id=ev.request_id, num_cached_tokens=f.num_cached_tokens,
+                prefill_queue_s=max(0.0, scheduled - f.received),
+                prefill_s=f.sampled - scheduled,
+                kv_transfer_s=max(0.0, when - f.final_sent), kv_bytes=nbytes,
+            ))
+
+    def _abort(self, request_id: str) -> None:
+        f = self._inflight.get(request_id)
+        if f is not None and f.pinned:  # sends started: the event ends it (pins, release)
+            self.transfer.call(lambda: self.sender.abort(request_id))
+        else:
+            self._inflight.pop(request_id, None)
+        self.engine.abort(request_id)  # frees its blocks whether queued, running or prefilled
         if f is not None and not f.future.done():
-            f.future.set_exception(PrefillError(f"request {request_id} {why}"))
+            f.future.set_exception(AttemptFailed(FailReason.ABORTED,
+                                                 f"request {request_id} aborted"))
 
-    def _snapshot(self) -> WorkerStats:
-        self._stats.blocks_in_flight = sum(f.num_blocks for f in self._inflight.values()
-                                           if f.send_started is not None)
-        return super()._snapshot()
-
-
-def _forward_failure(src: Future[Any], dst: Future[Any]) -> None:
-    exc = src.exception()
-    if exc is not None and not dst.done():
-        dst.set_exception(exc)
+    def _before_publish(self, m: WorkerMetrics) -> None:
+        m.blocks_in_flight = sum(len(f.pinned) for f in self._inflight.values())

@@ -1,119 +1,46 @@
-"""How the router talks to workers: two async client protocols, with an
-in-process implementation (plain worker objects; unit tests, ``generate
---disaggregated`` without Ray) and a Ray one (actor handles from ``deploy/``).
+"""What the router calls on a worker: one protocol per worker kind.
 
-Any exception from a client call means the worker is unusable for that request
-(dead actor, crashed loop, transfer failure); the router retries elsewhere.
-``ValueError`` is the exception: it is the request's fault.
+The worker classes themselves (``PrefillWorker``, ``DecodeWorker``,
+``ColocatedWorker``) implement these with async methods, so the in-process "client"
+is the worker object; ``deploy/actors.py`` wraps the same classes as Ray actors and
+hands the router ``RayWorker`` proxies with the same methods. That is the one
+forwarding layer: router -> (Ray) -> worker -> its engine loop.
+
+Errors a call may raise (``pdserve.failures``): ``AttemptFailed`` -- this request's
+attempt failed, the worker is fine; ``WorkerGone`` -- the worker is not running;
+``ValueError`` -- the request can never be served (the client's fault). Anything
+else is a transport problem the health probes judge. ``abort`` never raises and
+never waits for a worker that does not answer.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.messages import DecodeOutput, PrefillResult, PrefillTask, WorkerStats
+from pdserve.messages import JoinInfo, PrefillResult, PrefillTask, WorkerLoad
 
 
-class PrefillClient(Protocol):
+class WorkerHandle(Protocol):
     worker_id: str
+    role: str  # "prefill" | "decode" | "colocated"
 
-    async def prefill(self, task: PrefillTask) -> PrefillResult: ...
+    async def load(self) -> WorkerLoad: ...
+    async def join_info(self) -> JoinInfo: ...
     async def abort(self, request_id: str) -> None: ...
-    async def stats(self) -> WorkerStats: ...
 
 
-class DecodeClient(Protocol):
-    worker_id: str
+class PrefillHandle(WorkerHandle, Protocol):
+    async def connect(self, decode_worker: str, endpoint: dict[str, Any]) -> None: ...
+    async def prefill(self, task: PrefillTask) -> PrefillResult: ...
 
+
+class DecodeHandle(WorkerHandle, Protocol):
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
                       params: SamplingParams) -> list[int] | None: ...
-    async def abort(self, request_id: str) -> None: ...
-    async def poll_outputs(self, timeout_s: float) -> list[DecodeOutput]: ...
-    async def stats(self) -> WorkerStats: ...
 
 
-class LocalPrefillClient:
-    """Wraps a ``PrefillWorker`` living in this process."""
-
-    def __init__(self, worker: Any) -> None:
-        self.worker = worker
-        self.worker_id: str = worker.worker_id
-
-    async def prefill(self, task: PrefillTask) -> PrefillResult:
-        return await asyncio.wrap_future(self.worker.submit(task))
-
-    async def abort(self, request_id: str) -> None:
-        self.worker.abort(request_id)
-
-    async def stats(self) -> WorkerStats:
-        return await asyncio.wrap_future(self.worker.stats())
-
-
-class LocalDecodeClient:
-    """Wraps a ``DecodeWorker`` living in this process."""
-
-    def __init__(self, worker: Any) -> None:
-        self.worker = worker
-        self.worker_id: str = worker.worker_id
-
-    async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
-                      params: SamplingParams) -> list[int] | None:
-        return await asyncio.wrap_future(self.worker.reserve(request_id, prompt_token_ids, params))
-
-    async def abort(self, request_id: str) -> None:
-        self.worker.abort(request_id)
-
-    async def poll_outputs(self, timeout_s: float) -> list[DecodeOutput]:
-        return await asyncio.to_thread(self.worker.poll_outputs, timeout_s)
-
-    async def stats(self) -> WorkerStats:
-        return await asyncio.wrap_future(self.worker.stats())
-
-
-class RayPrefillClient:
-    """Wraps a prefill worker actor handle (see ``deploy/actors.py``)."""
-
-    def __init__(self, worker_id: str, handle: Any) -> None:
-        self.worker_id = worker_id
-        self.handle = handle
-
-    async def prefill(self, task: PrefillTask) -> PrefillResult:
-        return await self.handle.prefill.remote(task)
-
-    async def abort(self, request_id: str) -> None:
-        self.handle.abort.remote(request_id)
-
-    async def stats(self) -> WorkerStats:
-        return await self.handle.stats.remote()
-
-
-class RayDecodeClient:
-    """Wraps a decode worker actor handle (see ``deploy/actors.py``)."""
-
-    def __init__(self, worker_id: str, handle: Any) -> None:
-        self.worker_id = worker_id
-        self.handle = handle
-
-    async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
-                      params: SamplingParams) -> list[int] | None:
-        try:
-            return await self.handle.reserve.remote(request_id, list(prompt_token_ids), params)
-        except Exception as exc:
-            # A ValueError raised in the actor arrives wrapped with the remote
-            # traceback; the client gets the plain message.
-            cause = getattr(exc, "cause", None)
-            if isinstance(cause, ValueError):
-                raise ValueError(str(cause)) from None
-            raise
-
-    async def abort(self, request_id: str) -> None:
-        self.handle.abort.remote(request_id)
-
-    async def poll_outputs(self, timeout_s: float) -> list[DecodeOutput]:
-        return await self.handle.poll_outputs.remote(timeout_s)
-
-    async def stats(self) -> WorkerStats:
-        return await self.handle.stats.remote()
+class ColocatedHandle(WorkerHandle, Protocol):
+    async def admit(self, request_id: str, prompt_token_ids: Sequence[int],
+                    params: SamplingParams) -> bool: ...

@@ -23,12 +23,19 @@ request when a target is configured (``slo="both"`` only when both are):
 * Rejected requests (``observe_rejected``) are counted only in ``requests_total``.
 
 Attainment = ``met="true"`` / (``met="true"`` + ``met="false"``) over a window.
+
+Failures (the fault model, ARCHITECTURE.md): ``pdserve_failed_attempts_total{reason}``
+counts attempts that failed and were retried or gave up, by ``FailReason`` (every
+reason is exported from 0); ``pdserve_worker_restarts_total{pool, worker}`` counts
+workers that rejoined with a new incarnation (Ray restarted them);
+``pdserve_workers_in_routing{pool}`` is how many of each pool serve now.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pdserve.failures import FailReason
 from pdserve.router.types import ErrorKind, FinalChunk
 
 ROLE = "router"
@@ -163,7 +170,37 @@ class RouterMetrics:
             (*_LABELS, "slo", "met"),
             registry=registry,
         )
+        self._failed = Counter(
+            "pdserve_failed_attempts",
+            "Request attempts that failed on a worker (then retried or given up), by reason.",
+            (*_LABELS, "reason"),
+            registry=registry,
+        )
+        for reason in FailReason:
+            self._failed.labels(**labels, reason=reason.value)
+        self._restarts = Counter(
+            "pdserve_worker_restarts",
+            "Workers that rejoined routing with a new incarnation (restarted).",
+            (*_LABELS, "pool", "worker"),
+            registry=registry,
+        )
+        self._in_routing = Gauge(
+            "pdserve_workers_in_routing",
+            "Workers of each pool in routing now.",
+            (*_LABELS, "pool"),
+            registry=registry,
+        )
         self._labels = labels
+
+    def observe_attempt_failed(self, reason: FailReason) -> None:
+        self._failed.labels(**self._labels, reason=reason.value).inc()
+
+    def observe_worker(self, worker: str, pool: str, what: str, in_routing: int) -> None:
+        """A worker joined, rejoined after a restart ("restarted") or left routing."""
+        restarts = self._restarts.labels(**self._labels, pool=pool, worker=worker)
+        if what == "restarted":
+            restarts.inc()
+        self._in_routing.labels(**self._labels, pool=pool).set(in_routing)
 
     def observe_finished(self, final: FinalChunk) -> None:
         """Record one request that reached its FinalChunk (any finish reason)."""

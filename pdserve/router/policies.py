@@ -1,10 +1,12 @@
 """Routing policies: pure functions of a cluster snapshot and one request.
 
-Each returns (prefill worker id, decode worker ids in order of preference); the
-router reserves on the first decode worker with room. Nothing here talks to a
-worker or keeps state: the snapshot carries the router's own fresh counters
-(tokens and requests it dispatched and has not seen finish) beside the workers'
-last reported stats.
+Each returns (prefill worker id, token worker ids in order of preference). Token
+workers are the decode workers and the colocated ones, ranked together: admission
+reserves on the first with room; for a decode worker it then asks the policy again
+with the prefill workers connected to it to pick P (None when there are none).
+Nothing here talks to a worker or keeps state: the snapshot carries the router's own
+fresh counters (tokens and requests it dispatched and has not seen finish, blocks it
+reserved that the last report does not show) beside the workers' last reported load.
 """
 
 from __future__ import annotations
@@ -19,14 +21,15 @@ class WorkerView:
     worker_id: str
     outstanding_tokens: int = 0  # prefill: prompt tokens dispatched, not yet prefilled
     outstanding_requests: int = 0  # requests dispatched, not yet finished
-    free_blocks: int = 0  # decode: last reported allocatable KV blocks
+    free_blocks: int = 0  # token workers: allocatable KV blocks (reported - claimed since)
     total_blocks: int = 1
+    colocated: bool = False  # a colocated worker (prefills its own requests)
 
 
 @dataclass(frozen=True)
 class ClusterSnapshot:
-    prefill: Sequence[WorkerView]  # live prefill workers
-    decode: Sequence[WorkerView]  # live decode workers
+    prefill: Sequence[WorkerView]  # live prefill workers (may be empty)
+    decode: Sequence[WorkerView]  # live token workers: decode and colocated
     sequence: int = 0  # requests routed so far (round-robin position)
     # prefix-affinity: which prefill worker last saw each prompt block hash
     prefix_owner: dict[int, str] = field(default_factory=dict)
@@ -38,7 +41,7 @@ class RouteInput:
     block_hashes: Sequence[int]  # chained hashes of the prompt's full blocks
 
 
-Choice = tuple[str, list[str]]
+Choice = tuple[str | None, list[str]]
 Policy = Callable[[ClusterSnapshot, RouteInput], Choice]
 
 
@@ -48,13 +51,15 @@ def _decode_by_room(snap: ClusterSnapshot) -> list[str]:
     return [w.worker_id for w in ranked]
 
 
-def _least_loaded_prefill(workers: Sequence[WorkerView]) -> str:
+def _least_loaded_prefill(workers: Sequence[WorkerView]) -> str | None:
+    if not workers:
+        return None
     return min(workers, key=lambda w: (w.outstanding_tokens, w.outstanding_requests,
                                        w.worker_id)).worker_id
 
 
 def round_robin(snap: ClusterSnapshot, req: RouteInput) -> Choice:
-    p = snap.prefill[snap.sequence % len(snap.prefill)].worker_id
+    p = snap.prefill[snap.sequence % len(snap.prefill)].worker_id if snap.prefill else None
     d = len(snap.decode)
     order = [snap.decode[(snap.sequence + i) % d].worker_id for i in range(d)]
     return p, order
@@ -78,7 +83,7 @@ def prefix_affinity(snap: ClusterSnapshot, req: RouteInput) -> Choice:
         if owner in live:
             best, best_len = owner, i + 1
     fallback = _least_loaded_prefill(snap.prefill)
-    if best is None:
+    if best is None or fallback is None:
         return fallback, _decode_by_room(snap)
     # A hit saves best_len blocks of compute; do not queue behind more than a few
     # times that much extra work.

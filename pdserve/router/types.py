@@ -11,6 +11,10 @@ import enum
 from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.messages import TokenLogprob  # the one logprobs shape, worker to API
+
+__all__ = ["ErrorKind", "FinalChunk", "GenerateRequest", "ModelInfo", "RouterError",
+           "StageTimings", "StreamChunk", "TokenLogprob", "Usage"]
 
 
 @dataclass
@@ -23,13 +27,6 @@ class GenerateRequest:
     messages: list[dict[str, str]] | None = None  # ... or chat messages (chat template) ...
     prompt_token_ids: list[int] | None = None  # ... or pre-tokenized ids; exactly one is set
     timeout_s: float | None = None  # deadline from arrival; None = the router's default
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)  # best first
 
 
 @dataclass

@@ -117,7 +117,7 @@ def test_prefill_to_decode_handoff_equals_colocated(tiny_model: Callable[[str], 
     prefill.add_request("r", prompt, GREEDY48)
     outs = []
     while not outs:
-        outs = prefill.step()
+        outs = prefill.step().outputs
     (first,) = outs
     assert first.prefilled and not first.finished and len(first.new_token_ids) == 1
     dest = decode.reserve("r", prompt, GREEDY48)
@@ -130,7 +130,7 @@ def test_prefill_to_decode_handoff_equals_colocated(tiny_model: Callable[[str], 
     tokens = list(first.new_token_ids)
     decode.start_decode("r", first.new_token_ids[0])
     while decode.has_unfinished():
-        for o in decode.step():
+        for o in decode.step().outputs:
             tokens.extend(o.new_token_ids)
     assert tokens == expected
     decode.check_integrity()
@@ -189,7 +189,7 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(
     assert not eng.requests.keys() - {"ok"}
     done = []
     while eng.has_unfinished():
-        done += [o for o in eng.step() if o.finished]
+        done += [o for o in eng.step().outputs if o.finished]
     assert [o.request_id for o in done] == ["ok"] and len(eng.requests) == 0
     eng.check_integrity()
 

@@ -1,5 +1,6 @@
-"""Router + prefill/decode workers in one process (local transfer backend, no Ray):
-the disaggregated path's logic, fast."""
+"""Router + prefill/decode/colocated workers in one process (local transfer backend,
+no Ray): the serving path's logic, fast. The same worker objects Ray wraps are the
+router's handles here."""
 
 from __future__ import annotations
 
@@ -9,38 +10,49 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.colocated_worker.worker import ColocatedWorker
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.prefill_worker.worker import PrefillWorker
-from pdserve.router.clients import LocalDecodeClient, LocalPrefillClient
 from pdserve.router.router import Router, RouterConfig
 from pdserve.router.types import ErrorKind, FinalChunk, GenerateRequest, RouterError, StreamChunk
+from tests.integration.waiting import until_async
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
 
 class Pair:
+    """``n_prefill`` x ``n_decode`` workers (and ``n_colocated``) behind one router."""
+
     def __init__(self, model: Path, n_prefill: int = 1, n_decode: int = 1,
-                 decode_blocks: int = 128, **router_kw: object) -> None:
-        self.prefill = [PrefillWorker(f"prefill-{i}", model, EngineConfig(role="prefill", num_blocks=128),
-                                      "local") for i in range(n_prefill)]
-        self.decode = [DecodeWorker(f"decode-{i}", model, EngineConfig(role="decode",
-                                                                 num_blocks=decode_blocks),
-                                    "local", kv_timeout_s=5) for i in range(n_decode)]
-        for p in self.prefill:
-            for d in self.decode:
-                p.connect(d.worker_id, d.endpoint().result()).result()
-        tok = self.prefill[0].engine.tokenizer
+                 decode_blocks: int = 128, n_colocated: int = 0,
+                 prefill_engine: dict[str, object] | None = None,
+                 **router_kw: object) -> None:
+        self.prefill = [PrefillWorker(f"prefill-{i}", model, EngineConfig(
+            role="prefill", num_blocks=128, **(prefill_engine or {})), "local")  # type: ignore[arg-type]
+            for i in range(n_prefill)]
+        self.decode = [DecodeWorker(f"decode-{i}", model, EngineConfig(
+            role="decode", num_blocks=decode_blocks), "local", kv_timeout_s=5)
+            for i in range(n_decode)]
+        self.colocated = [ColocatedWorker(f"colocated-{i}", model, EngineConfig(
+            role="colocated", num_blocks=decode_blocks)) for i in range(n_colocated)]
+        tok = self.workers[0].engine.tokenizer
         assert tok is not None
-        self.router = Router("tiny", tok, 2048, [LocalPrefillClient(p) for p in self.prefill],
-                             [LocalDecodeClient(d) for d in self.decode],
+        self.router = Router("tiny", tok, 2048, self.workers,
                              RouterConfig(**router_kw))  # type: ignore[arg-type]
 
+    @property
+    def workers(self) -> list[PrefillWorker | DecodeWorker | ColocatedWorker]:
+        return [*self.prefill, *self.decode, *self.colocated]
+
+    def used_blocks(self) -> dict[str, int]:
+        return {w.worker_id: w.engine.pool.num_used for w in self.workers}
+
     def close(self) -> None:
-        for w in [*self.prefill, *self.decode]:
-            w.check_integrity().result()
+        for w in self.workers:
+            w.call(w.engine.check_integrity).result()
             assert w.engine.pool.num_used == 0, f"{w.worker_id} leaked blocks"
             w.close()
 
@@ -70,131 +82,180 @@ async def collect(stream: AsyncIterator[StreamChunk | FinalChunk]) -> tuple[list
     raise AssertionError("no final chunk")
 
 
-def test_disaggregated_equals_colocated(pair_factory: Callable[..., Pair],
-                                        tiny_model: Callable[[str], Path]) -> None:
-    pair = pair_factory()
+def run(pair: Pair, body: Callable[[Router], object]) -> object:
+    async def main() -> object:
+        await pair.router.start()
+        try:
+            return await body(pair.router)  # type: ignore[misc]
+        finally:
+            await pair.router.stop()
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode", ["pair", "colocated"])
+def test_served_equals_the_engine(pair_factory: Callable[..., Pair],
+                                  tiny_model: Callable[[str], Path], mode: str) -> None:
+    pair = (pair_factory() if mode == "pair"
+            else pair_factory(n_prefill=0, n_decode=0, n_colocated=1))
     eng = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=256))
     prompts = [list(range(5, 5 + n)) for n in (3, 16, 17, 50)]
     expected = eng.generate(prompts, GREEDY)
 
-    async def main() -> list[tuple[list[int], str, FinalChunk]]:
-        await pair.router.start()
-        try:
-            return await asyncio.gather(*(
-                collect(pair.router.generate(GenerateRequest(f"r{i}", GREEDY,
-                                                             prompt_token_ids=p)))
-                for i, p in enumerate(prompts)))
-        finally:
-            await pair.router.stop()
+    async def body(router: Router) -> list[tuple[list[int], str, FinalChunk]]:
+        return await asyncio.gather(*(
+            collect(router.generate(GenerateRequest(f"r{i}", GREEDY, prompt_token_ids=p)))
+            for i, p in enumerate(prompts)))
 
-    results = asyncio.run(main())
-    for (tokens, text, final), exp in zip(results, expected, strict=True):
+    results = run(pair, body)
+    for (tokens, text, final), exp in zip(results, expected, strict=True):  # type: ignore[call-overload]
         assert tokens == exp.token_ids
         assert text == exp.text
         assert final.finish_reason == "length"
-        assert final.usage.completion_tokens == 24
+        assert final.usage.completion_tokens == 24 and final.num_retries == 0
         t = final.timings
-        assert t.ttft is not None and t.prefill is not None and t.kv_transfer is not None
+        assert t.ttft is not None and t.prefill is not None and t.prefill_queue is not None
         assert t.router_queue is not None and t.e2e is not None and len(t.inter_token) == 23
+        assert (t.kv_transfer is not None) == (mode == "pair")
+
+
+def test_stop_strings_are_cut_in_the_router(pair_factory: Callable[..., Pair],
+                                            tiny_model: Callable[[str], Path]) -> None:
+    """The decode worker streams token ids; the router's text processor finds the stop
+    string, ends the stream there, and the request is aborted on the worker."""
+    pair = pair_factory()
+    eng = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=256))
+    prompt = list(range(40, 60))
+    full = eng.generate([prompt], SamplingParams(max_tokens=40, ignore_eos=True))[0]
+    stop = full.text[len(full.text) // 2:][:3]
+    params = SamplingParams(max_tokens=40, ignore_eos=True, stop=(stop,))
+    expected = eng.generate([prompt], params)[0]
+    assert expected.finish_reason == "stop" and len(expected.token_ids) < 40
+
+    async def body(router: Router) -> tuple[list[int], str, FinalChunk]:
+        got = await collect(router.generate(GenerateRequest("s", params, prompt_token_ids=prompt)))
+        await until_async("the stopped request's blocks back",
+                          lambda: not any(pair.used_blocks().values()))
+        return got
+
+    tokens, text, final = run(pair, body)  # type: ignore[misc]
+    assert (tokens, text) == (expected.token_ids, expected.text)
+    assert text == full.text[: full.text.index(stop)]
+    assert final.finish_reason == "stop" and final.stop_reason == stop
 
 
 def test_cancel_mid_stream_frees_blocks(pair_factory: Callable[..., Pair]) -> None:
     pair = pair_factory()
 
-    async def main() -> None:
-        await pair.router.start()
-        try:
-            stream = pair.router.generate(GenerateRequest(
-                "c", SamplingParams(max_tokens=500, ignore_eos=True), prompt_token_ids=[5] * 40))
-            got = 0
-            async for item in stream:
-                got += isinstance(item, StreamChunk)
-                if got == 3:
-                    break
-            await stream.aclose()  # type: ignore[attr-defined]
-            for _ in range(100):  # the abort reaches the workers' loops asynchronously
-                if all(w.engine.pool.num_used == 0 for w in pair.decode):
-                    break
-                await asyncio.sleep(0.02)
-        finally:
-            await pair.router.stop()
+    async def body(router: Router) -> int:
+        stream = router.generate(GenerateRequest(
+            "c", SamplingParams(max_tokens=500, ignore_eos=True), prompt_token_ids=[5] * 40))
+        got = 0
+        async for item in stream:
+            got += isinstance(item, StreamChunk)
+            if got == 3:
+                break
+        assert pair.decode[0].engine.pool.num_used > 0  # it was running, holding blocks
+        await stream.aclose()  # type: ignore[attr-defined]
+        await until_async("blocks freed on both workers",
+                          lambda: not any(pair.used_blocks().values()))
+        return pair.decode[0].engine.stats().num_running
 
-    asyncio.run(main())
+    assert run(pair, body) == 0
 
 
 def test_bad_input_and_overload(pair_factory: Callable[..., Pair]) -> None:
     pair = pair_factory(decode_blocks=12, queue_timeout_s=0.3)
 
-    async def main() -> None:
-        await pair.router.start()
-        try:
-            with pytest.raises(RouterError) as e:
-                await collect(pair.router.generate(GenerateRequest("e", GREEDY, prompt="")))
-            assert e.value.kind is ErrorKind.INVALID
-            with pytest.raises(RouterError) as e:
-                await collect(pair.router.generate(GenerateRequest(
-                    "m", GREEDY, messages=[{"role": "nobody"}])))
-            assert e.value.kind is ErrorKind.INVALID
-            # Hold 10 of the decode worker's 12 blocks with a reservation whose KV
-            # never comes: a 100-token prompt (7 blocks) must wait, then get 429.
-            held = pair.decode[0].reserve("hold", [7] * 150, GREEDY).result()
-            assert held is not None
-            with pytest.raises(RouterError) as e:
-                await collect(pair.router.generate(GenerateRequest(
-                    "b2", GREEDY, prompt_token_ids=[9] * 100)))
-            assert e.value.kind is ErrorKind.OVERLOADED and e.value.retry_after_s
-            pair.decode[0].abort("hold")
-            tokens, _, _ = await collect(pair.router.generate(GenerateRequest(
-                "ok", GREEDY, prompt_token_ids=[9] * 10)))
-            assert len(tokens) == 24
-        finally:
-            await pair.router.stop()
+    async def body(router: Router) -> None:
+        with pytest.raises(RouterError) as e:
+            await collect(router.generate(GenerateRequest("e", GREEDY, prompt="")))
+        assert e.value.kind is ErrorKind.INVALID
+        with pytest.raises(RouterError) as e:
+            await collect(router.generate(GenerateRequest(
+                "m", GREEDY, messages=[{"role": "nobody"}])))
+        assert e.value.kind is ErrorKind.INVALID
+        # Hold 10 of the decode worker's 12 blocks with a reservation whose KV never
+        # comes: a 100-token prompt (7 blocks) must wait, then get 429.
+        held = await pair.decode[0].reserve("hold", [7] * 150, GREEDY)
+        assert held is not None
+        with pytest.raises(RouterError) as e:
+            await collect(router.generate(GenerateRequest(
+                "b2", GREEDY, prompt_token_ids=[9] * 100)))
+        assert e.value.kind is ErrorKind.OVERLOADED and e.value.retry_after_s
+        await pair.decode[0].abort("hold")
+        tokens, _, _ = await collect(router.generate(GenerateRequest(
+            "ok", GREEDY, prompt_token_ids=[9] * 10)))
+        assert len(tokens) == 24
 
-    asyncio.run(main())
+    run(pair, body)
 
 
 def test_duplicate_request_id_in_flight_is_rejected(pair_factory: Callable[..., Pair]) -> None:
     pair = pair_factory()
 
-    async def main() -> None:
-        await pair.router.start()
-        try:
-            long = SamplingParams(max_tokens=200, ignore_eos=True)
-            first = pair.router.generate(GenerateRequest("same", long, prompt_token_ids=[5] * 8))
-            await first.__anext__()
-            with pytest.raises(RouterError) as e:
-                await collect(pair.router.generate(GenerateRequest(
-                    "same", GREEDY, prompt_token_ids=[6] * 8)))
-            assert e.value.kind is ErrorKind.INVALID and "in flight" in e.value.message
-            await first.aclose()  # type: ignore[attr-defined]
-            tokens, _, _ = await collect(pair.router.generate(GenerateRequest(
-                "same", GREEDY, prompt_token_ids=[6] * 8)))  # free again once finished
-            assert len(tokens) == 24
-        finally:
-            await pair.router.stop()
+    async def body(router: Router) -> None:
+        long = SamplingParams(max_tokens=200, ignore_eos=True)
+        first = router.generate(GenerateRequest("same", long, prompt_token_ids=[5] * 8))
+        await first.__anext__()
+        with pytest.raises(RouterError) as e:
+            await collect(router.generate(GenerateRequest(
+                "same", GREEDY, prompt_token_ids=[6] * 8)))
+        assert e.value.kind is ErrorKind.INVALID and "in flight" in e.value.message
+        await first.aclose()  # type: ignore[attr-defined]
+        tokens, _, _ = await collect(router.generate(GenerateRequest(
+            "same", GREEDY, prompt_token_ids=[6] * 8)))  # free again once finished
+        assert len(tokens) == 24
 
-    asyncio.run(main())
+    run(pair, body)
+
+
+def test_burst_spreads_over_decode_workers(pair_factory: Callable[..., Pair]) -> None:
+    """Admission counts its own reservations: a burst arriving at once (one load
+    snapshot) does not pile onto the decode worker that looked emptiest."""
+    pair = pair_factory(n_decode=2, stats_interval_s=60)  # no fresh snapshot in the burst
+
+    async def body(router: Router) -> list[FinalChunk]:
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        results = await asyncio.gather(*(
+            collect(router.generate(GenerateRequest(f"b{i}", params, prompt_token_ids=[5 + i] * 40)))
+            for i in range(8)))
+        return [final for _, _, final in results]
+
+    finals = run(pair, body)
+    assert all(f.finish_reason == "length" for f in finals)  # type: ignore[attr-defined]
+    served = [w.metrics().tokens_computed for w in pair.decode]
+    assert all(n > 0 for n in served), f"decode tokens per worker: {served}"
+    assert max(served) <= 3 * min(served), f"decode tokens per worker: {served}"
 
 
 def test_file_sd_follows_live_workers(pair_factory: Callable[..., Pair], tmp_path: Path) -> None:
     import json
 
-    from pdserve.deploy.file_sd import FileSD, cluster_targets
+    from pdserve.deploy.file_sd import FileSD
     from pdserve.deploy.serve import _track_workers
 
     pair = pair_factory(n_prefill=2)
-    workers = {"prefill-0": ("127.0.0.1", 9001), "prefill-1": ("127.0.0.1", 9002),
-               "decode-0": ("127.0.0.1", 9003)}
+    for i, w in enumerate(pair.workers):  # deploy/ sets this where it serves /metrics
+        w.metrics_at = ("127.0.0.1", 9001 + i)
     file_sd = FileSD(tmp_path / "sd.json")
 
-    async def main() -> list[str]:
-        file_sd.update(cluster_targets("tiny", ("127.0.0.1", 8000), workers))
-        task = asyncio.create_task(_track_workers(file_sd, pair.router, ("127.0.0.1", 8000),
-                                                  workers, interval_s=0.02))
-        pair.router._mark("prefill-1", RuntimeError("killed for the test"))
-        await asyncio.sleep(0.2)
-        task.cancel()
-        groups = json.loads((tmp_path / "sd.json").read_text())
-        return sorted(g["labels"]["worker"] for g in groups)
+    def listed() -> list[str]:
+        if not file_sd.path.exists():
+            return []
+        return sorted(g["labels"]["worker"] for g in json.loads(file_sd.path.read_text()))
 
-    assert asyncio.run(main()) == ["decode-0", "prefill-0", "router"]
+    async def body(router: Router) -> None:
+        task = asyncio.create_task(_track_workers(file_sd, router, ("127.0.0.1", 8000),
+                                                  interval_s=0.02))
+        try:
+            await until_async("every worker listed", lambda: listed() == [
+                "decode-0", "prefill-0", "prefill-1", "router"])
+            pair.prefill[1].close()  # its loop stops: the next probe says it is gone
+            await until_async("the stopped worker dropped", lambda: listed() == [
+                "decode-0", "prefill-0", "router"])
+        finally:
+            task.cancel()
+
+    run(pair, body)
+    pair.prefill.pop(1)  # closed above

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.deploy.efficiency import DevicePeaks
 from pdserve.deploy.worker_metrics import WorkerCollector
-from pdserve.messages import WorkerStats
+from pdserve.messages import WorkerMetrics
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.types import ErrorKind, FinalChunk, StageTimings, Usage
 
@@ -71,8 +71,8 @@ def prometheus_bins() -> tuple[str, str]:
     return promtool, prometheus
 
 
-def sample_stats() -> WorkerStats:
-    return WorkerStats("decode-0", "decode", 2, 1, 90, 128)
+def sample_stats() -> WorkerMetrics:
+    return WorkerMetrics("decode-0", "decode", 2, 1, 90, 128)
 
 
 def router_registry() -> CollectorRegistry:
@@ -93,7 +93,7 @@ def router_with_traffic() -> CollectorRegistry:
     return registry
 
 
-def worker_registry(stats: WorkerStats | None = None) -> CollectorRegistry:
+def worker_registry(stats: WorkerMetrics | None = None) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(WorkerCollector("tiny", lambda: stats or sample_stats(), PEAKS))
     return registry

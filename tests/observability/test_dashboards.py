@@ -14,8 +14,9 @@ import yaml
 from tests.observability.conftest import DEPLOY, REPO, RULES, load_script
 
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "pdserve.json"
-ROW_ORDER = ["Overview", "Latency", "Per-stage breakdown", "Prefill pool", "KV transfer",
-             "Decode pool", "Efficiency", "Per-worker drill-down"]
+ROW_ORDER = ["Overview", "Faults", "Latency", "Per-stage breakdown", "Prefill pool",
+             "KV transfer", "Decode pool (and colocated workers)", "Efficiency",
+             "Per-worker drill-down"]
 # A name right before a selector or range, or one of our prefixes anywhere.
 METRIC = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*(?=\{|\[)|\b(?:pdserve_|vllm:|worker:|pool:)[\w:]+")
 

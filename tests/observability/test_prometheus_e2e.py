@@ -6,6 +6,7 @@ data, and the stage histograms must count every completed request once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import socket
@@ -166,7 +167,19 @@ def test_prometheus_scrapes_a_cluster_under_load(
             "sum(pdserve_e2e_request_latency_seconds_count)") == NUM_REQUESTS)
         prom.wait_until("rules evaluated on them", lambda: prom.value(
             "sum(vllm:e2e_request_latency_seconds_count)") == NUM_REQUESTS)
-        time.sleep(2)  # one more scrape + evaluation of everything
+
+        def empty_queries() -> list[str]:
+            empty = [f"{p['title']}: {expr}" for p in panels() for t in p["targets"]
+                     if not prom.query(expr := grafana_to_promql(t["expr"]))
+                     and expr not in ALLOWED_EMPTY]
+            return empty + [f"rule {r}" for r in sorted(rule_outputs())
+                            if not prom.query(r) and r not in ALLOWED_EMPTY]
+
+        # Rate windows need two scrapes of the final values: wait for data, with a deadline.
+        with contextlib.suppress(AssertionError):
+            prom.wait_until("every query to have data", lambda: not empty_queries())
+        empty = empty_queries()
+        assert not empty, "queries without data:\n" + "\n".join(empty)
 
         counts = {f"sum({name}_count)": NUM_REQUESTS for name in ROUTER_STAGES} | {
             "sum(pdserve_inter_token_latency_seconds_count)": NUM_REQUESTS * (MAX_TOKENS - 1),
@@ -178,17 +191,7 @@ def test_prometheus_scrapes_a_cluster_under_load(
         wrong = {q: (prom.value(q), want) for q, want in counts.items() if prom.value(q) != want}
         assert not wrong, f"(got, expected): {wrong}"
         assert prom.value("sum(pdserve_prefix_cache_hits_total)") > 0
-
-        empty = []
-        for p in panels():
-            for t in p["targets"]:
-                expr = grafana_to_promql(t["expr"])
-                if not prom.query(expr) and expr not in ALLOWED_EMPTY:
-                    empty.append(f"{p['title']}: {expr}")
-        for record in sorted(rule_outputs()):
-            if not prom.query(record) and record not in ALLOWED_EMPTY:
-                empty.append(f"rule {record}")
-        assert not empty, "queries without data:\n" + "\n".join(empty)
+        assert prom.value('sum(pdserve_workers_in_routing{pool="decode"})') == 1
         for ratio in ("mfu", "mbu"):
             for role in ("prefill", "decode"):
                 v = prom.value(f'pool:pdserve_{ratio}_ratio:rate1m{{role="{role}"}}')

@@ -14,7 +14,7 @@ from pdserve.deploy import top
 from pdserve.deploy.file_sd import FileSD, cluster_targets
 from pdserve.deploy.worker_metrics import WorkerCollector
 from pdserve.engine.engine import StepInfo
-from pdserve.messages import WorkerStats
+from pdserve.messages import WorkerMetrics
 from tests.observability.conftest import PEAKS, router_with_traffic
 
 
@@ -47,14 +47,14 @@ def test_discovery(tmp_path: Path) -> None:
 def servers() -> Iterator[dict[str, tuple[str, int]]]:
     """A router and two workers on loopback; each worker runs one step per scrape."""
 
-    def busy(s: WorkerStats) -> WorkerStats:
+    def busy(s: WorkerMetrics) -> WorkerMetrics:
         s.observe_step(StepInfo(2, 64, 0, 64, 0.05), 1e10, 1e9)  # 20% of PEAKS, both ways
         s.kv_transfer_bytes += 1 << 20
         return s
 
     regs = {"router": router_with_traffic()}
     for role in ("prefill", "decode"):
-        stats = WorkerStats(f"{role}-0", role, 1, 2, 48, 64)
+        stats = WorkerMetrics(f"{role}-0", role, 1, 2, 48, 64)
         regs[f"{role}-0"] = CollectorRegistry()
         regs[f"{role}-0"].register(
             WorkerCollector("tiny", lambda s=stats: busy(s), PEAKS))  # type: ignore[misc]

@@ -1,10 +1,11 @@
-"""The worker collector: step histograms recorded in ``WorkerStats``, exported as
+"""The worker collector: step histograms recorded in ``WorkerMetrics``, exported as
 Prometheus histograms; counters, gauges, labels, the MFU/MBU window; and the real
-prefill/decode workers filling them (in-process, local transfer)."""
+prefill/decode workers filling them (in-process, local transfer), answering while busy."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,16 +13,13 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.deploy.worker_metrics import WorkerCollector, bucket_samples
-from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import StepInfo
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.messages import STEP_SECONDS_BUCKETS, WorkerStats
-from pdserve.prefill_worker.worker import PrefillWorker
-from pdserve.router.clients import LocalDecodeClient, LocalPrefillClient
-from pdserve.router.router import Router, RouterConfig
+from pdserve.messages import STEP_SECONDS_BUCKETS, WorkerMetrics
 from pdserve.router.types import FinalChunk, GenerateRequest
+from tests.integration.test_inprocess import Pair
+from tests.integration.waiting import until_async
 from tests.observability.conftest import PEAKS, worker_registry
 
 LABEL_KEYS = {"model", "role", "worker"}
@@ -32,7 +30,7 @@ def step(seconds: float, seqs: int = 1, tokens: int = 1) -> StepInfo:
                     seconds=seconds)
 
 
-def samples(stats: WorkerStats) -> dict[str, list[tuple[dict[str, str], float]]]:
+def samples(stats: WorkerMetrics) -> dict[str, list[tuple[dict[str, str], float]]]:
     text = generate_latest(worker_registry(stats)).decode()
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
     for family in text_string_to_metric_families(text):
@@ -42,7 +40,7 @@ def samples(stats: WorkerStats) -> dict[str, list[tuple[dict[str, str], float]]]
 
 
 def test_observe_step_buckets_by_upper_bound() -> None:
-    s = WorkerStats("p", "prefill", 0, 0, 0, 8)
+    s = WorkerMetrics("p", "prefill", 0, 0, 0, 8)
     first = STEP_SECONDS_BUCKETS[0]
     for seconds in (first, first * 1.01, 1e9):  # on a bound, just above it, above all
         s.observe_step(step(seconds), 0.0, 0.0)
@@ -61,7 +59,7 @@ def test_bucket_samples_are_cumulative() -> None:
 
 
 def test_exported_histograms_counters_and_labels() -> None:
-    stats = WorkerStats("decode-0", "decode", 3, 2, 32, 128, kv_transfer_seconds=1.5,
+    stats = WorkerMetrics("decode-0", "decode", 3, 2, 32, 128, kv_transfer_seconds=1.5,
                         kv_transfer_bytes=4096, num_preemptions=2)
     for seconds in (0.002, 0.004, 0.5):
         stats.observe_step(step(seconds, seqs=4, tokens=4), 1e9, 2e8)
@@ -87,7 +85,7 @@ def test_exported_histograms_counters_and_labels() -> None:
 
 
 def test_ratio_gauges_cover_the_recent_window() -> None:
-    stats = WorkerStats("p", "prefill", 0, 0, 0, 8)
+    stats = WorkerMetrics("p", "prefill", 0, 0, 0, 8)
     collector = WorkerCollector("tiny", lambda: stats, PEAKS, window_s=0.0)
 
     def mfu() -> float:
@@ -101,30 +99,25 @@ def test_ratio_gauges_cover_the_recent_window() -> None:
 
 
 def test_real_workers_fill_step_statistics(tiny_model: Callable[[str], Path]) -> None:
-    model = tiny_model("llama-gqa")
-    pre = PrefillWorker("prefill-0", model, EngineConfig(role="prefill", num_blocks=64), "local")
-    dec = DecodeWorker("decode-0", model, EngineConfig(role="decode", num_blocks=64), "local",
-                       kv_timeout_s=5)
+    pair = Pair(tiny_model("llama-gqa"), decode_blocks=64)
+
+    async def main() -> None:
+        await pair.router.start()
+        try:
+            for i, n in enumerate((5, 40)):
+                req = GenerateRequest(f"r{i}", SamplingParams(max_tokens=4, ignore_eos=True),
+                                      prompt_token_ids=list(range(5, 5 + n)))
+                items = [item async for item in pair.router.generate(req)]
+                assert isinstance(items[-1], FinalChunk)
+            # Both workers idle now: their next loop pass publishes the final snapshot.
+            await until_async("idle workers' snapshots", lambda: all(
+                w.metrics().steps and not w.metrics().num_running for w in pair.workers))
+        finally:
+            await pair.router.stop()
+
     try:
-        pre.connect(dec.worker_id, dec.endpoint().result()).result()
-        tok = pre.engine.tokenizer
-        assert tok is not None
-        router = Router("tiny", tok, 2048, [LocalPrefillClient(pre)], [LocalDecodeClient(dec)],
-                        RouterConfig())
-
-        async def main() -> None:
-            await router.start()
-            try:
-                for i, n in enumerate((5, 40)):
-                    req = GenerateRequest(f"r{i}", SamplingParams(max_tokens=4, ignore_eos=True),
-                                          prompt_token_ids=list(range(5, 5 + n)))
-                    items = [item async for item in router.generate(req)]
-                    assert isinstance(items[-1], FinalChunk)
-            finally:
-                await router.stop()
-
         asyncio.run(main())
-        p, d = pre.stats().result(), dec.stats().result()
+        p, d = pair.prefill[0].metrics(), pair.decode[0].metrics()
         assert p.steps >= 2 and p.tokens_computed == 45 and p.model_flops > 0
         assert sum(p.step_seconds_buckets) == p.steps == sum(p.batch_tokens_buckets)
         assert p.kv_transfers == 2 and p.kv_transfer_bytes > 0
@@ -133,5 +126,22 @@ def test_real_workers_fill_step_statistics(tiny_model: Callable[[str], Path]) ->
         text = generate_latest(worker_registry(d)).decode()
         assert "r0" not in text and "r1" not in text  # never a request id
     finally:
-        pre.close()
-        dec.close()
+        pair.close()
+
+
+def test_metrics_answer_while_the_engine_is_busy(tiny_model: Callable[[str], Path]) -> None:
+    """/metrics and the health probe read the last published snapshots: a worker
+    whose engine is stuck in a long step still answers both at once."""
+    pair = Pair(tiny_model("llama-gqa"))
+    gate = threading.Event()
+    w = pair.decode[0]
+    try:
+        before = w.metrics()
+        w.call(gate.wait)  # the loop thread is busy until the gate opens
+        text = generate_latest(worker_registry(w.metrics())).decode()
+        assert "pdserve_kv_blocks_free" in text
+        load = asyncio.run(asyncio.wait_for(w.load(), timeout=5))
+        assert load.worker_id == "decode-0" and w.metrics() is before
+    finally:
+        gate.set()
+        pair.close()

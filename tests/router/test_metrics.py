@@ -142,7 +142,7 @@ def test_exposition_parses_and_has_no_request_ids() -> None:
     assert expected <= set(families)
     assert families["pdserve_requests"].type == "counter"
     assert families["pdserve_prefill_seconds"].type == "histogram"
-    allowed = {"model", "role", "status", "slo", "met", "le"}
+    allowed = {"model", "role", "status", "slo", "met", "le", "reason", "pool", "worker"}
     for family in families.values():
         if not family.name.startswith("pdserve_"):
             continue

@@ -1,0 +1,1 @@
+"""A colocated pool member: one engine that prefills (chunked) and decodes."""

@@ -1,0 +1,78 @@
+"""``ColocatedWorker``: both phases in one engine (chunked prefill in the decode
+batch), behind the same router, API and metrics as a prefill/decode pair.
+
+The router admits a request here when the engine's free blocks cover its prompt
+plus the prompts already queued (admission control: no room -> False, the router
+waits or tries another worker); the request is queued at once and its tokens, the
+first one included, go out on the worker's output stream like a decode worker's.
+The first token's delta carries the prefill stage timings (this worker's clock).
+
+A plain class with async methods: a sync constructor builds it in a test, the router
+calls it in-process, ``deploy/`` wraps the class itself as a Ray actor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from pdserve.engine.config import EngineConfig, ceil_div
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.messages import JoinInfo, Stages
+from pdserve.output_stream import OutputServer
+from pdserve.worker_loop import WorkerLoop, delta_of
+
+
+class ColocatedWorker(WorkerLoop):
+    def __init__(self, worker_id: str, model_dir: str | Path, config: EngineConfig,
+                 host: str = "127.0.0.1") -> None:
+        super().__init__("colocated", worker_id, model_dir, config)
+        self.outputs = OutputServer(host, f"outputs-{worker_id}")
+        self._received: dict[str, float] = {}  # request id -> admitted at (until its first token)
+        self.start()
+
+    # ------------------------------------------------------------ async API
+    async def join_info(self) -> JoinInfo:
+        return JoinInfo(self.incarnation, self.outputs.address, None, self.metrics_at)
+
+    async def admit(self, request_id: str, prompt_token_ids: Sequence[int],
+                    params: SamplingParams) -> bool:
+        """Queue the request if its prompt fits now (False: no room). Fails with
+        ``ValueError`` for a request this worker can never serve."""
+        return await self._on_loop(lambda: self._admit(request_id, prompt_token_ids, params))
+
+    def close(self) -> None:
+        self.stop()
+        self.outputs.close()
+
+    # ------------------------------------------------------------- loop side
+    def _admit(self, rid: str, prompt: Sequence[int], params: SamplingParams) -> bool:
+        self.engine.validate(prompt, params)
+        bs = self.engine.block_size
+        queued = sum(ceil_div(r.num_tokens, bs) - len(r.block_ids)
+                     for r in self.engine.scheduler.waiting)
+        if ceil_div(len(prompt), bs) + queued > self.engine.pool.num_free:
+            return False
+        self.engine.add_request(rid, prompt, params)
+        self.blocks_granted += ceil_div(len(prompt), bs)
+        self._received[rid] = time.monotonic()
+        return True
+
+    def _abort(self, rid: str) -> None:
+        self._received.pop(rid, None)
+        self.engine.abort(rid)
+
+    def _run_step(self) -> None:
+        outputs = self._step()
+        now = time.monotonic()
+        batch = []
+        for out in outputs:
+            received = self._received.pop(out.request_id, None)
+            stages = None
+            if received is not None and out.first_scheduled_time is not None:
+                stages = Stages(prefill_queue_s=max(0.0, out.first_scheduled_time - received),
+                                prefill_s=now - out.first_scheduled_time,
+                                num_cached_tokens=out.num_cached_tokens)
+            batch.append(delta_of(out, stages))
+        self.outputs.publish(batch)

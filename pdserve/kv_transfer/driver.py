@@ -1,0 +1,72 @@
+"""``ChannelThread``: a sender or receiver driven by a thread of its own, so transfers
+make progress and are reported while the engine steps.
+
+Without it a worker polls its channel between engine steps: a prefill chunk of a few
+seconds on CPU holds every acknowledgement (and, for nixl, the transfer itself, which
+progresses only inside ``poll``) for that long. Measured before this change at 2 req/s
+of 128/32 tokens: the ``kv_transfer`` stage had p50 17 ms, mean 246 ms, p99 1,420 ms.
+
+The thread is the channel's one caller (the backends' usage rule): the worker hands it
+work with ``call(fn)`` (``EngineLoop.call``: ``fn`` runs on the thread between polls,
+its result resolves the returned future) -- except ``KVReceiver.expect``, which only records an expectation
+under the tracker's lock and may be called from the engine loop directly. Events go to
+``on_events(events, when)`` on this thread, with the monotonic time of the poll that
+found them; the worker forwards them to its engine loop.
+
+While requests are pending the thread polls every ``MIN_POLL_S``, backing off to
+``MAX_POLL_S`` over polls that find nothing; with nothing pending it sleeps until a
+call arrives.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from pdserve.engine.loop import EngineLoop
+
+from .base import KVReceiver, KVSender, RecvEvent, SendEvent
+
+C = TypeVar("C", KVSender, KVReceiver)
+log = logging.getLogger(__name__)
+
+MIN_POLL_S = 0.0005
+MAX_POLL_S = 0.01
+IDLE_S = 1.0
+
+
+class ChannelThread(EngineLoop, Generic[C]):
+    """An ``EngineLoop`` whose unit of work is one ``poll`` of the channel."""
+
+    def __init__(self, channel: C,
+                 on_events: Callable[[list[Any], float], None], name: str) -> None:
+        super().__init__(name=name, idle_wait_s=IDLE_S)
+        self.channel: C = channel
+        self._on_events = on_events
+        self._wait = MIN_POLL_S
+        self._pending = 0
+        self.start()
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread, then close the channel (pending requests fail CLOSED)."""
+        self.stop(timeout_s)
+        self.channel.close()
+
+    def busy(self) -> bool:
+        return False  # the next poll waits ``_idle_wait_s`` (set by iterate) or a call
+
+    def iterate(self) -> None:
+        try:
+            events: list[SendEvent] | list[RecvEvent] = self.channel.poll()
+        except Exception:
+            log.exception("transfer channel poll failed")
+            events = []
+        if events:
+            self._on_events(events, time.monotonic())
+        pending = self.channel.num_pending
+        busier = pending > self._pending  # a new request: poll it soon
+        self._pending = pending
+        self._wait = MIN_POLL_S if events or busier else min(MAX_POLL_S, self._wait * 2)
+        self._idle_wait_s = self._wait if pending else IDLE_S

@@ -1,0 +1,221 @@
+"""A token worker's output stream: one long-lived TCP connection from each decode or
+colocated worker to the router, carrying every engine step's ``RequestDelta`` list as
+one frame. The router fans each frame out to the request streams in one hop.
+
+Why not a Ray streaming generator: measured on this 2-core machine (100 batches/s of
+8 deltas), a Ray ``num_returns="streaming"`` actor generator cost 2.7 ms of CPU per
+batch across the processes involved and 2.0 ms median latency; a polled actor call
+3.6 ms; this socket 0.4 ms and 0.35 ms. Ray still carries the control plane (reserve,
+prefill, abort, health probes); this carries only tokens.
+
+Worker side (``OutputServer``): listens on ``host:0``; the engine loop thread calls
+``publish(batch)`` (a queue put, never blocks); a writer thread coalesces what is
+queued into one frame and sends it to the connected router. One router at a time: a
+new connection that presents the stream's token replaces the old one. With no router
+connected, batches are dropped (their requests were given up by the router).
+
+Router side (``connect_stream``): an asyncio protocol that parses frames in
+``data_received`` and calls ``on_batch`` synchronously -- no task, no queue per
+worker -- and ``on_lost`` once when the connection ends.
+
+Frame: 4-byte big-endian length, then the pickled ``list[RequestDelta]``. The router
+sends the 32-character token first; the worker answers with an empty frame once the
+connection is its router's (so nothing published after ``connect_stream`` returns is
+dropped). Binds loopback for embedded clusters; in a
+joined cluster the port must stay inside the cluster network (docs/operations.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import pickle
+import queue
+import secrets
+import select
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from pdserve.messages import RequestDelta
+
+log = logging.getLogger("pdserve.output_stream")
+
+_LEN = struct.Struct(">I")
+TOKEN_LEN = 32
+ACCEPT_POLL_S = 0.05  # how soon a connecting router is accepted
+SEND_TIMEOUT_S = 10.0  # a router that reads nothing this long is cut off
+MAX_FRAME = 256 << 20
+
+
+class OutputServer:
+    """Worker side; ``address`` is what the router needs to connect."""
+
+    def __init__(self, host: str = "127.0.0.1", name: str = "outputs") -> None:
+        self._listener = socket.create_server((host, 0))
+        self._listener.setblocking(False)
+        self._token = secrets.token_hex(TOKEN_LEN // 2)
+        self._queue: queue.SimpleQueue[list[RequestDelta] | None] = queue.SimpleQueue()
+        self._conn: socket.socket | None = None
+        self.dropped = 0  # batches published while no router was connected
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> tuple[str, int, str]:
+        host, port = self._listener.getsockname()[:2]
+        return str(host), int(port), self._token
+
+    def publish(self, batch: list[RequestDelta]) -> None:
+        """Queue one step's deltas (any thread; returns at once)."""
+        if batch:
+            self._queue.put(batch)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(5.0)
+        for s in (self._conn, self._listener):
+            if s is not None:
+                with contextlib.suppress(OSError):
+                    s.close()
+
+    def _run(self) -> None:
+        while True:
+            self._accept()
+            try:
+                item = self._queue.get(timeout=ACCEPT_POLL_S)
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            batch = item
+            while True:  # coalesce whatever is queued into one frame
+                try:
+                    more = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self._send(batch)
+                    return
+                batch.extend(more)
+            self._send(batch)
+
+    def _send(self, batch: list[RequestDelta]) -> None:
+        if self._conn is None:
+            self.dropped += 1
+            return
+        data = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            self._conn.sendall(_LEN.pack(len(data)) + data)
+        except OSError as exc:
+            log.warning("output stream: router connection lost: %s", exc)
+            self._drop_conn()
+            self.dropped += 1
+
+    def _accept(self) -> None:
+        readable, _, _ = select.select([self._listener], [], [], 0)
+        if not readable:
+            return
+        try:
+            conn, _ = self._listener.accept()
+        except OSError:
+            return
+        conn.setblocking(True)
+        conn.settimeout(2.0)
+        try:
+            token = _recv_exactly(conn, TOKEN_LEN)
+        except OSError:
+            token = b""
+        if not hmac.compare_digest(token, self._token.encode()):
+            log.warning("output stream: refused a connection without the stream's token")
+            conn.close()
+            return
+        conn.settimeout(SEND_TIMEOUT_S)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._drop_conn()
+        self._conn = conn
+        self._send([])  # "you are connected"
+
+    def _drop_conn(self) -> None:
+        if self._conn is not None:
+            with contextlib.suppress(OSError):
+                self._conn.close()
+            self._conn = None
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            break
+        buf += chunk
+    return buf
+
+
+class _StreamProtocol(asyncio.Protocol):
+    def __init__(self, on_batch: Callable[[list[RequestDelta]], None],
+                 on_lost: Callable[[str], None]) -> None:
+        self._on_batch = on_batch
+        self._on_lost = on_lost
+        self._buf = bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        start = 0
+        while len(buf) - start >= _LEN.size:
+            (size,) = _LEN.unpack_from(buf, start)
+            if size > MAX_FRAME:
+                self._fail(f"frame of {size} bytes")
+                return
+            end = start + _LEN.size + size
+            if len(buf) < end:
+                break
+            batch: Any = pickle.loads(memoryview(buf)[start + _LEN.size:end])
+            start = end
+            if batch:
+                self._on_batch(batch)
+            elif not self.ready.done():
+                self.ready.set_result(None)
+        if start:
+            del buf[:start]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.ready.done():
+            self.ready.set_exception(ConnectionError("the worker refused the stream"))
+        self._on_lost(f"connection closed ({exc})" if exc else "connection closed")
+
+    def _fail(self, why: str) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        self._on_lost(why)
+
+
+async def connect_stream(address: tuple[str, int, str],
+                         on_batch: Callable[[list[RequestDelta]], None],
+                         on_lost: Callable[[str], None],
+                         timeout_s: float = 10.0) -> asyncio.Transport:
+    """Connect to a worker's ``OutputServer``; returns the transport (``close()``
+    it to stop). ``on_lost`` is called once when the stream ends, whoever ends it."""
+    host, port, token = address
+    loop = asyncio.get_running_loop()
+    transport, protocol = await asyncio.wait_for(
+        loop.create_connection(lambda: _StreamProtocol(on_batch, on_lost), host, port),
+        timeout_s)
+    transport.write(token.encode())
+    try:
+        await asyncio.wait_for(asyncio.shield(protocol.ready), timeout_s)
+    except BaseException:
+        transport.close()
+        raise
+    return transport

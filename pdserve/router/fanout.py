@@ -1,0 +1,90 @@
+"""The stream fan-out: every token worker's output stream feeds the inboxes of the
+attempts it serves, in one hop.
+
+``Fanout.deliver`` is the stream protocol's ``on_batch`` (called synchronously as a
+frame is parsed; see ``output_stream``): per delta, one dict lookup and one
+``Inbox.push`` -- a deque append, plus waking the attempt if it is waiting. No task,
+no queue object and no future per token: the attempt's ``get`` makes a future only
+when its inbox is empty.
+
+An attempt's inbox also receives, from elsewhere, the other things that end or
+advance it: the prefill call's completion (its future), a worker's failure
+(``fail_worker``: every attempt on it gets an ``AttemptFailed``) and its deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import Any
+
+from pdserve.failures import AttemptFailed, FailReason
+from pdserve.messages import RequestDelta
+
+
+class Inbox:
+    """One attempt's items, in arrival order; read by one coroutine."""
+
+    __slots__ = ("_items", "_waiter", "workers")
+
+    def __init__(self, workers: tuple[str, ...]) -> None:
+        self._items: deque[Any] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self.workers = workers  # the workers whose failure ends this attempt
+
+    def push(self, item: Any) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> Any:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+
+class Fanout:
+    def __init__(self) -> None:
+        self._inboxes: dict[str, Inbox] = {}  # attempt id -> inbox
+        self.undelivered = 0  # deltas for attempts already gone (late tokens of aborts)
+
+    def open(self, attempt_id: str, workers: tuple[str, ...]) -> Inbox:
+        inbox = self._inboxes[attempt_id] = Inbox(workers)
+        return inbox
+
+    def attach(self, attempt_id: str, worker_id: str) -> None:
+        """``worker_id``'s failure now ends the attempt too (its prefill worker)."""
+        inbox = self._inboxes[attempt_id]
+        inbox.workers = (*inbox.workers, worker_id)
+
+    def close(self, attempt_id: str) -> None:
+        self._inboxes.pop(attempt_id, None)
+
+    def deliver(self, batch: list[RequestDelta]) -> None:
+        inboxes = self._inboxes
+        for delta in batch:
+            inbox = inboxes.get(delta.request_id)
+            if inbox is None:
+                self.undelivered += 1
+            else:
+                inbox.push(delta)
+
+    def fail_worker(self, worker_id: str, reason: FailReason, message: str) -> None:
+        failure = AttemptFailed(reason, message)
+        for inbox in self._inboxes.values():
+            if worker_id in inbox.workers:
+                inbox.push(failure)
+
+    def workers_of(self, request_id: str) -> set[str]:
+        """The workers serving the attempts of a client request now."""
+        prefix = f"{request_id}#"
+        return {w for aid, inbox in self._inboxes.items() if aid.startswith(prefix)
+                for w in inbox.workers}
+
+    def __len__(self) -> int:
+        return len(self._inboxes)

@@ -1,0 +1,283 @@
+"""``RequestRun``: one request's life in the router -- attempts on a prefill/decode
+pair or a colocated worker until it finishes, fails with a clear error, or passes
+its deadline.
+
+One attempt (``_attempt``)::
+
+    admission: reserve on a decode worker (or admit on a colocated one)
+      -> decode: pick a prefill worker connected to it, start P.prefill(task)
+      -> read the attempt's inbox: token deltas from the worker's stream, the
+         prefill call's completion, a worker's failure, the deadline
+      -> the engine finished it, or a stop string did (then abort it on the worker)
+    cleanup: counters, inbox, and -- unless the engine finished -- abort on both
+    workers (idempotent there; never waited for)
+
+Retries (``stream``): an ``AttemptFailed`` (a transfer failed, a worker died or left
+routing, a transport error) moves the request to another attempt, at most
+``max_retries`` times and never past the deadline, with the prompt plus every token
+already streamed as the new prompt (and max_tokens/min_tokens reduced by them), so no
+token is sent twice or skipped. Text is made here, once per request, by one
+``OutputProcessor`` that lives across attempts: held-back stop-string prefixes and
+half-decoded characters carry over exactly. What cannot be served ends with a
+``RouterError``: INVALID (the worker says the request can never fit), OVERLOADED /
+NOT_READY (no room / nobody serving within the queue timeout), DEADLINE, or INTERNAL
+naming the failure reasons (details go to the log with the request id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.block_pool import prefix_block_hashes
+from pdserve.engine.output import OutputProcessor
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.stop import StopDecision
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.failures import AttemptFailed, FailReason, WorkerGone
+from pdserve.messages import PrefillResult, PrefillTask, RequestDelta
+from pdserve.router.admission import Admission
+from pdserve.router.fanout import Fanout, Inbox
+from pdserve.router.policies import PrefixIndex, RouteInput
+from pdserve.router.types import (
+    ErrorKind,
+    FinalChunk,
+    GenerateRequest,
+    RouterError,
+    StageTimings,
+    StreamChunk,
+    Usage,
+)
+from pdserve.router.workers import WorkerSet, WorkerState
+
+log = logging.getLogger("pdserve.router")
+_DEADLINE = object()  # pushed into an attempt's inbox when the request's deadline passes
+LATE_PREFILL_WAIT_S = 5.0  # P's timings may come after a request done in a token or two
+
+
+@dataclass
+class Services:
+    """What every request's orchestration shares (owned by ``Router``)."""
+
+    workers: WorkerSet
+    admission: Admission
+    fanout: Fanout
+    prefix: PrefixIndex
+    tokenizer: Tokenizer
+    block_size: int
+    max_retries: int
+    metrics: Any = None  # RouterMetrics or None
+    attempt_ids: itertools.count[int] = field(default_factory=itertools.count)
+
+
+@dataclass
+class _PrefillLeg:
+    """An attempt's prefill call, counted against its worker until settled."""
+
+    worker: WorkerState
+    future: asyncio.Future[PrefillResult]
+    num_tokens: int
+    settled: bool = False
+
+    def __post_init__(self) -> None:
+        self.worker.outstanding_tokens += self.num_tokens
+        self.worker.outstanding_requests += 1
+
+    def settle(self) -> None:
+        if not self.settled:
+            self.settled = True
+            self.worker.outstanding_tokens -= self.num_tokens
+            self.worker.outstanding_requests -= 1
+
+
+class RequestRun:
+    def __init__(self, s: Services, req: GenerateRequest, prompt: list[int], arrival: float,
+                 deadline: float) -> None:
+        self.s = s
+        self.req = req
+        self.prompt = prompt
+        self.arrival = arrival
+        self.deadline = deadline
+        self.emitted: list[int] = []
+        self.text = OutputProcessor(s.tokenizer, prompt, req.params)
+        self.timings = StageTimings()
+        self.cached = 0
+        self._last_token_at: float | None = None
+
+    async def stream(self) -> AsyncIterator[StreamChunk | FinalChunk]:
+        failures: list[AttemptFailed] = []
+        for attempt in range(self.s.max_retries + 1):
+            try:
+                async with contextlib.aclosing(self._attempt()) as deltas:
+                    async for delta in deltas:
+                        chunk, final = self._process(delta, attempt)
+                        if chunk is not None:
+                            yield chunk
+                        if final is not None:
+                            yield final
+                            return
+            except AttemptFailed as exc:
+                failures.append(exc)
+                if self.s.metrics is not None:
+                    self.s.metrics.observe_attempt_failed(exc.reason)
+                log.warning("request %s attempt %d failed (%s): %s", self.req.request_id,
+                            attempt, exc.reason.value, exc.message)
+                if time.monotonic() >= self.deadline:
+                    break
+        reasons = ", ".join(f.reason.value for f in failures)
+        raise RouterError(ErrorKind.INTERNAL,
+                          f"request failed after {len(failures)} attempt(s): {reasons}")
+
+    # ------------------------------------------------------------ one attempt
+    async def _attempt(self) -> AsyncGenerator[RequestDelta, None]:
+        s = self.s
+        aid = f"{self.req.request_id}#{next(s.attempt_ids)}"  # unique per attempt
+        ids, params = self.prompt + self.emitted, self._params_left()
+        hashes = prefix_block_hashes(ids, s.block_size)
+        route = RouteInput(len(ids), hashes)
+        target = await s.admission.admit(aid, ids, params, hashes, self.deadline)
+        if self.timings.router_queue is None:
+            self.timings.router_queue = time.monotonic() - self.arrival
+        token = target.worker
+        inbox = s.fanout.open(aid, (token.worker_id,))
+        timer = asyncio.get_running_loop().call_later(
+            max(0.0, self.deadline - time.monotonic()), inbox.push, _DEADLINE)
+        leg: _PrefillLeg | None = None
+        done = False  # the engine finished the request (nothing to abort)
+        try:
+            if token.role == "decode":
+                p = s.admission.pick_prefill(token.worker_id, route)
+                if p is None:
+                    raise AttemptFailed(FailReason.NOT_CONNECTED,
+                                        f"no prefill worker is connected to {token.worker_id}")
+                assert target.blocks is not None
+                leg = self._start_prefill(p, inbox, PrefillTask(
+                    aid, ids, params, token.worker_id, target.blocks), hashes)
+            while True:
+                item = await inbox.get()
+                if isinstance(item, RequestDelta):
+                    if item.finish_reason == "error":
+                        raise AttemptFailed(item.failure or FailReason.TRANSPORT,
+                                            f"{token.worker_id}: {item.error}")
+                    done = item.finish_reason is not None
+                    yield item
+                    if done:
+                        await self._late_prefill(leg)
+                        return
+                elif leg is not None and item is leg.future:
+                    self._prefill_done(leg)
+                elif item is _DEADLINE:
+                    raise RouterError(ErrorKind.DEADLINE,
+                                      f"request {self.req.request_id} passed its deadline")
+                elif isinstance(item, AttemptFailed):
+                    raise item
+        finally:
+            timer.cancel()
+            s.fanout.close(aid)
+            token.outstanding_requests -= 1
+            if leg is not None and not leg.future.done():
+                leg.future.cancel()
+            if leg is not None:
+                leg.settle()
+            if not done:  # cancelled, failed, stopped by a stop string, past its deadline
+                for w in (token, leg.worker if leg is not None else None):
+                    if w is not None:
+                        with contextlib.suppress(Exception):
+                            await w.handle.abort(aid)
+            s.admission.wake()
+
+    def _start_prefill(self, p: WorkerState, inbox: Inbox, task: PrefillTask,
+                       hashes: list[int]) -> _PrefillLeg:
+        self.s.fanout.attach(task.request_id, p.worker_id)
+        self.s.prefix.record(hashes, p.worker_id)
+        fut = asyncio.ensure_future(p.handle.prefill(task))
+        fut.add_done_callback(inbox.push)  # its completion is an inbox item
+        return _PrefillLeg(p, fut, len(task.prompt_token_ids))
+
+    def _prefill_done(self, leg: _PrefillLeg) -> None:
+        leg.settle()
+        fut, p = leg.future, leg.worker
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is None:
+            res = fut.result()
+            t = self.timings
+            t.prefill_queue, t.prefill, t.kv_transfer = (res.prefill_queue_s, res.prefill_s,
+                                                         res.kv_transfer_s)
+            self.cached = self.cached or res.num_cached_tokens
+            return
+        if isinstance(exc, ValueError):
+            raise RouterError(ErrorKind.INVALID, str(exc)) from exc
+        if isinstance(exc, WorkerGone):
+            self.s.workers.gone(p.worker_id, str(exc))
+            raise AttemptFailed(FailReason.WORKER_DIED, f"{p.worker_id}: {exc}") from exc
+        if isinstance(exc, AttemptFailed):
+            raise exc
+        raise AttemptFailed(FailReason.TRANSPORT, f"{p.worker_id}: {exc!r}") from exc
+
+    async def _late_prefill(self, leg: _PrefillLeg | None) -> None:
+        """The request ended; P's acknowledgement (its timings) may not be in yet."""
+        if leg is None or leg.settled:
+            return
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(leg.future), LATE_PREFILL_WAIT_S)
+        if leg.future.done():
+            with contextlib.suppress(RouterError, AttemptFailed):
+                self._prefill_done(leg)  # the tokens are all in: a late failure is moot
+
+    # --------------------------------------------------------------- tokens
+    def _process(self, delta: RequestDelta, attempt: int,
+                 ) -> tuple[StreamChunk | None, FinalChunk | None]:
+        t = self.timings
+        if delta.stages is not None:
+            st = delta.stages
+            t.decode_queue = st.decode_queue_s if st.decode_queue_s is not None else t.decode_queue
+            if st.prefill_s is not None:
+                t.prefill_queue, t.prefill = st.prefill_queue_s, st.prefill_s
+                self.cached = self.cached or st.num_cached_tokens
+        chunk = None
+        decision = None
+        if delta.token_ids:
+            engine = (StopDecision(delta.finish_reason, delta.stop_reason)  # type: ignore[arg-type]
+                      if delta.finish_reason in ("stop", "length") else None)
+            text, decision, n = self.text.push(delta.token_ids, engine)
+            tokens = delta.token_ids[:n]
+            now = time.monotonic()
+            if t.ttft is None:
+                t.ttft = now - self.arrival
+            elif self._last_token_at is not None:
+                t.inter_token.append(now - self._last_token_at)
+            self._last_token_at = now
+            self.emitted.extend(tokens)
+            chunk = StreamChunk(tokens, text, list(delta.logprobs[:n]) if delta.logprobs else [])
+        if decision is None and delta.finish_reason is None:
+            return chunk, None
+        if decision is None:  # the engine ended it without a token
+            if delta.finish_reason not in ("stop", "length"):  # aborted under us
+                raise AttemptFailed(FailReason.ABORTED,
+                                    f"ended by the worker: {delta.finish_reason}")
+            decision = StopDecision(delta.finish_reason, delta.stop_reason)  # type: ignore[arg-type]
+            if chunk is None and (tail := self.text.flush()):
+                chunk = StreamChunk([], tail)
+        t.e2e = time.monotonic() - self.arrival
+        final = FinalChunk(decision.finish_reason,
+                           Usage(len(self.prompt), len(self.emitted), self.cached),
+                           stop_reason=decision.stop_reason, timings=t, num_retries=attempt)
+        if self.s.metrics is not None:
+            self.s.metrics.observe_finished(final)
+        return chunk, final
+
+    def _params_left(self) -> SamplingParams:
+        p, n = self.req.params, len(self.emitted)
+        if not n:
+            return p
+        return dataclasses.replace(p, max_tokens=p.max_tokens - n,
+                                   min_tokens=max(0, p.min_tokens - n))

@@ -1,0 +1,222 @@
+"""``WorkerSet``: the router's view of every worker -- who is in routing, their load,
+their token streams and transfer channels -- and the fault model's rules for when a
+worker leaves routing and how it comes back.
+
+Health (one probe task per worker, every ``stats_interval_s``): the probe is
+``load()``, answered from the worker's last published load without waiting for its
+engine, so a busy worker answers. A worker leaves routing when
+
+* a call says it is gone (``WorkerGone``: its actor died, its loop stopped), or
+* its probes have failed (errors, no answer in ``probe_timeout_s``) for
+  ``health_timeout_s`` in a row (a stalled process, an unreachable one), or
+* its token stream to the router broke;
+
+never because one request's attempt failed on it. Leaving fails every attempt that
+depends on it (their inboxes get an ``AttemptFailed``; the requests retry elsewhere).
+
+Joining (``_join``), on the first answered probe of an incarnation -- the first one,
+the same one back after a stall, or a new one after Ray restarted the actor: read its
+``JoinInfo``, connect its token stream, open the P x D transfer channels that involve
+it, then put it in routing. A new incarnation counts as a restart. Channels that
+could not be opened are retried on every probe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.failures import FailReason, WorkerGone
+from pdserve.messages import WorkerLoad
+from pdserve.output_stream import connect_stream
+from pdserve.router.fanout import Fanout
+
+log = logging.getLogger("pdserve.router")
+TOKEN_ROLES = ("decode", "colocated")
+
+
+@dataclass
+class WorkerState:
+    handle: Any  # a WorkerHandle (router/clients.py)
+    worker_id: str
+    role: str
+    alive: bool = False  # in routing
+    incarnation: str | None = None  # of the last join
+    load: WorkerLoad | None = None  # last probe answer
+    failing_since: float | None = None  # first failed probe of the current run
+    stream: asyncio.BaseTransport | None = None  # token workers: the output stream
+    kv_endpoint: dict[str, Any] | None = None  # decode: its receiver
+    metrics: tuple[str, int] | None = None  # its /metrics
+    outstanding_tokens: int = 0  # prefill: prompt tokens dispatched, not yet prefilled
+    outstanding_requests: int = 0  # attempts using it
+    restarts: int = 0
+    peers: set[str] = field(default_factory=set)  # prefill: decode workers it has channels to
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    interval_s: float = 0.25  # probe period
+    probe_timeout_s: float = 2.0  # one probe's answer
+    health_timeout_s: float = 10.0  # failed probes this long in a row: out of routing
+    join_timeout_s: float = 30.0  # join info, stream, channels
+
+
+class WorkerSet:
+    def __init__(self, handles: list[Any], fanout: Fanout, health: HealthConfig,
+                 on_change: Callable[[WorkerState, str], None] = lambda w, what: None) -> None:
+        self.workers = {h.worker_id: WorkerState(h, h.worker_id, h.role) for h in handles}
+        self._fanout = fanout
+        self._health = health
+        self._on_change = on_change  # (worker, "joined" | "left" | "restarted")
+        self._tasks: list[asyncio.Task[None]] = []
+        self._joins: dict[str, asyncio.Task[None]] = {}
+        self._stopping = False
+
+    # --------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """Probe and join every worker once, then keep probing."""
+        await asyncio.gather(*(self._probe(w) for w in self.workers.values()))
+        await asyncio.gather(*self._joins.values(), return_exceptions=True)
+        self._tasks = [asyncio.create_task(self._probe_loop(w), name=f"probe-{w.worker_id}")
+                       for w in self.workers.values()]
+
+    async def stop(self) -> None:
+        self._stopping = True  # closing the streams below is not their workers leaving
+        for t in [*self._tasks, *self._joins.values()]:
+            t.cancel()
+        for t in [*self._tasks, *self._joins.values()]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        for w in self.workers.values():
+            self._close_stream(w)
+
+    # ------------------------------------------------------------------ queries
+    def live(self, *roles: str) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.alive and w.role in roles]
+
+    def prefill_for(self, decode_id: str) -> list[WorkerState]:
+        """Live prefill workers with a channel to ``decode_id``."""
+        return [w for w in self.live("prefill") if decode_id in w.peers]
+
+    def ready(self) -> bool:
+        """Some token path is in routing: a colocated worker, or a connected P + D."""
+        if self.live("colocated"):
+            return True
+        return any(self.prefill_for(d.worker_id) for d in self.live("decode"))
+
+    def gone(self, worker_id: str, why: str) -> None:
+        """A call said the worker is not running: out of routing now."""
+        w = self.workers.get(worker_id)
+        if w is not None:
+            self._leave(w, FailReason.WORKER_DIED, why)
+
+    # ------------------------------------------------------------------- health
+    async def _probe_loop(self, w: WorkerState) -> None:
+        while True:
+            await asyncio.sleep(self._health.interval_s)
+            await self._probe(w)
+
+    async def _probe(self, w: WorkerState) -> None:
+        now = time.monotonic()
+        try:
+            load: WorkerLoad = await asyncio.wait_for(w.handle.load(),
+                                                      self._health.probe_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except WorkerGone as exc:
+            self._leave(w, FailReason.WORKER_DIED, str(exc))
+            return
+        except Exception as exc:  # no answer, transport error: the health timeout decides
+            w.failing_since = w.failing_since or now
+            if now - w.failing_since >= self._health.health_timeout_s:
+                self._leave(w, FailReason.UNHEALTHY, f"no health answer for "
+                            f"{now - w.failing_since:.1f}s ({type(exc).__name__})")
+            return
+        w.failing_since = None
+        if w.alive and load.incarnation != w.incarnation:
+            self._leave(w, FailReason.WORKER_DIED, "restarted")
+        w.load = load
+        if not w.alive and w.worker_id not in self._joins:
+            task = asyncio.create_task(self._join(w, load), name=f"join-{w.worker_id}")
+            self._joins[w.worker_id] = task
+            task.add_done_callback(lambda _: self._joins.pop(w.worker_id, None))
+        elif w.alive:
+            await self._open_channels(w)
+
+    async def _join(self, w: WorkerState, load: WorkerLoad) -> None:
+        timeout = self._health.join_timeout_s
+        try:
+            info = await asyncio.wait_for(w.handle.join_info(), timeout)
+            if info.incarnation != load.incarnation:
+                return  # restarted again meanwhile: the next probe joins the new one
+            if w.role in TOKEN_ROLES:
+                assert info.stream is not None
+                incarnation = info.incarnation
+                w.stream = await connect_stream(
+                    info.stream, self._fanout.deliver,
+                    lambda why: self._stream_lost(w, incarnation, why), timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("worker %s could not join: %r", w.worker_id, exc)
+            self._close_stream(w)
+            return
+        restarted = w.incarnation is not None and w.incarnation != info.incarnation
+        w.incarnation, w.kv_endpoint, w.metrics = info.incarnation, info.kv_endpoint, info.metrics
+        w.peers.clear()
+        for p in self.workers.values():
+            p.peers.discard(w.worker_id)
+        w.alive = True
+        if restarted:
+            w.restarts += 1
+        log.info("worker %s (%s) %s", w.worker_id, w.role, "rejoined" if restarted else "joined")
+        await self._open_channels(w)
+        self._on_change(w, "restarted" if restarted else "joined")
+
+    async def _open_channels(self, w: WorkerState) -> None:
+        """Open the transfer channels of the P x D pairs that involve ``w``."""
+        if w.role == "prefill":
+            pairs = [(w, d) for d in self.live("decode") if d.worker_id not in w.peers]
+        elif w.role == "decode":
+            pairs = [(p, w) for p in self.live("prefill") if w.worker_id not in p.peers]
+        else:
+            return
+        for p, d in pairs:
+            try:
+                await asyncio.wait_for(p.handle.connect(d.worker_id, d.kv_endpoint),
+                                       self._health.join_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("channel %s -> %s not open yet: %r", p.worker_id, d.worker_id, exc)
+                continue
+            if p.alive and d.alive:
+                p.peers.add(d.worker_id)
+
+    def _stream_lost(self, w: WorkerState, incarnation: str, why: str) -> None:
+        if w.alive and w.incarnation == incarnation and not self._stopping:
+            self._leave(w, FailReason.STREAM_LOST, f"token stream lost: {why}")
+
+    def _leave(self, w: WorkerState, reason: FailReason, why: str) -> None:
+        if not w.alive:
+            return
+        log.error("worker %s (%s) leaves routing: %s", w.worker_id, w.role, why)
+        w.alive = False
+        self._close_stream(w)
+        w.peers.clear()
+        for p in self.workers.values():
+            p.peers.discard(w.worker_id)
+        self._fanout.fail_worker(w.worker_id, reason, f"worker {w.worker_id}: {why}")
+        self._on_change(w, "left")
+
+    @staticmethod
+    def _close_stream(w: WorkerState) -> None:
+        if w.stream is not None:
+            w.stream.close()
+            w.stream = None
