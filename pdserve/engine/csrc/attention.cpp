@@ -18,9 +18,9 @@
 //
 // Rows of a task: r = (kv head, query token, head in the group), so each kv head's
 // rows are contiguous. Few rows per kv head (decodes): one dot product per
-// (row, slot). Many (prefill tiles): the K block is transposed once and scored
-// with broadcast FMAs. head_dim is a template parameter so that the per-row
-// accumulators stay in registers.
+// (row, slot). Many (prefill tiles): scores vectorised over rows (attend_rows).
+// head_dim is a template parameter so that the per-row accumulators stay in
+// registers.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
@@ -47,6 +47,13 @@ struct Geometry {
 inline void prefetch_region(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
+// The widest part of a row, at most 8 vectors, that divides D.
+constexpr int pv_chunk(int D) {
+  for (int c = 64; c > 8; c -= 8)
+    if (D % c == 0) return c;
+  return 8;
 }
 
 // S[r][j] = q_r . k_j for R rows, slots j < nslots, straight from the cache.
@@ -78,38 +85,7 @@ inline void dot_scores(const float* Q, int rows, const T* kb, int64_t slot_strid
   }
 }
 
-// The same for many rows: Kt is the block transposed, [D][BS].
-template <int D>
-inline void broadcast_scores(const float* Q, int rows, const float* Kt, float* S, int BS, int ld) {
-  for (int c = 0; c < BS; c += 8) {
-    int r = 0;
-    for (; r + 4 <= rows; r += 4) {
-      __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      for (int d = 0; d < D; ++d) {
-        const __m256 k = load8(Kt + d * BS + c);
-        for (int i = 0; i < 4; ++i) a[i] = _mm256_fmadd_ps(_mm256_set1_ps(Q[(r + i) * D + d]), k, a[i]);
-      }
-      for (int i = 0; i < 4; ++i) store8(S + (r + i) * ld + c, a[i]);
-    }
-    for (; r < rows; ++r) {
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-      for (int d = 0; d < D; d += 2) {
-        a0 = _mm256_fmadd_ps(_mm256_set1_ps(Q[r * D + d]), load8(Kt + d * BS + c), a0);
-        a1 = _mm256_fmadd_ps(_mm256_set1_ps(Q[r * D + d + 1]), load8(Kt + (d + 1) * BS + c), a1);
-      }
-      store8(S + r * ld + c, _mm256_add_ps(a0, a1));
-    }
-  }
-}
-
 // O_r = O_r * corr + sum_{j < limit} P[j] V[j], 8 vectors of the row at a time.
-// The widest part of a row, at most 8 vectors, that divides D.
-constexpr int pv_chunk(int D) {
-  for (int c = 64; c > 8; c -= 8)
-    if (D % c == 0) return c;
-  return 8;
-}
-
 template <int D>
 inline void accumulate_pv(float* orow, const float* P, int limit, const float* V, float corr) {
   constexpr int kChunk = pv_chunk(D);
@@ -126,6 +102,122 @@ inline void accumulate_pv(float* orow, const float* P, int limit, const float* V
   }
 }
 
+// Many query rows of one kv head (prefill tiles): scores vectorised over rows.
+// Q is transposed once per group of up to 8 * NV rows (Qt[d][lane]); each slot's
+// key is broadcast against it, so the cache is read in its own layout and the
+// online softmax runs on row vectors. P V goes row by row (a broadcast P[r][j]
+// times 8 vectors of V[j]).
+template <typename T, int D, int NV>
+void attend_rows(const float* Q, int nr, const int64_t* row_pos, const T* cache, const Geometry& g,
+                 int kvh, const int32_t* blocks, int64_t ctx, float* O, float* lsum) {
+  constexpr int W = 8 * NV;  // row lanes
+  constexpr int CS = 64;     // slots per softmax update
+  alignas(32) float Qt[D * W];
+  alignas(32) float St[CS * W];
+  alignas(32) float Kc[CS * D];
+  alignas(32) float Vc[CS * D];
+  alignas(32) float posf[W], corr[W];
+  for (int d = 0; d < D; ++d)
+    for (int r = 0; r < W; ++r) Qt[d * W + r] = r < nr ? Q[r * D + d] : 0.f;
+  int64_t max_pos = 0;
+  for (int r = 0; r < W; ++r) {
+    posf[r] = r < nr ? static_cast<float>(row_pos[r]) : -1.f;  // padded lanes attend nothing
+    if (r < nr) max_pos = std::max(max_pos, row_pos[r]);
+  }
+  __m256 m[NV], l[NV], pv[NV];
+  for (int v = 0; v < NV; ++v) {
+    m[v] = _mm256_set1_ps(kNegInf);
+    l[v] = _mm256_setzero_ps();
+    pv[v] = load8(posf + 8 * v);
+  }
+  for (int r = 0; r < nr; ++r)
+    for (int d = 0; d < D; d += 8) store8(O + r * D + d, _mm256_setzero_ps());
+  const int BS = g.BS;
+  const int64_t end = std::min<int64_t>(ctx, max_pos + 1);  // slots any row attends
+  for (int64_t c0 = 0; c0 < end; c0 += CS) {
+    const int cs = static_cast<int>(std::min<int64_t>(CS, end - c0));
+    for (int j = 0; j < cs; ++j) {  // widen this chunk's K and V rows
+      const int64_t p = c0 + j;
+      const T* kj = cache + static_cast<int64_t>(blocks[p / BS]) * g.block_stride + kvh * D +
+                    (p % BS) * g.slot_stride;
+      const T* vj = kj + g.kv_stride;
+      for (int d = 0; d < D; d += 8) {
+        store8(Kc + j * D + d, load8(kj + d));
+        store8(Vc + j * D + d, load8(vj + d));
+      }
+    }
+    int j = 0;
+    for (; j + 2 <= cs; j += 2) {
+      __m256 a0[NV], a1[NV];
+      for (int v = 0; v < NV; ++v) a0[v] = a1[v] = _mm256_setzero_ps();
+      const float* k0 = Kc + j * D;
+      const float* k1 = k0 + D;
+      for (int d = 0; d < D; ++d) {
+        const __m256 b0 = _mm256_set1_ps(k0[d]), b1 = _mm256_set1_ps(k1[d]);
+        for (int v = 0; v < NV; ++v) {
+          const __m256 qv = load8(Qt + d * W + 8 * v);
+          a0[v] = _mm256_fmadd_ps(qv, b0, a0[v]);
+          a1[v] = _mm256_fmadd_ps(qv, b1, a1[v]);
+        }
+      }
+      for (int v = 0; v < NV; ++v) {
+        store8(St + j * W + 8 * v, a0[v]);
+        store8(St + (j + 1) * W + 8 * v, a1[v]);
+      }
+    }
+    for (; j < cs; ++j) {
+      __m256 a0[NV];
+      for (int v = 0; v < NV; ++v) a0[v] = _mm256_setzero_ps();
+      for (int d = 0; d < D; ++d) {
+        const __m256 b0 = _mm256_set1_ps(Kc[j * D + d]);
+        for (int v = 0; v < NV; ++v) a0[v] = _mm256_fmadd_ps(load8(Qt + d * W + 8 * v), b0, a0[v]);
+      }
+      for (int v = 0; v < NV; ++v) store8(St + j * W + 8 * v, a0[v]);
+    }
+    // causal mask, online softmax on row vectors
+    const __m256 ninf = _mm256_set1_ps(kNegInf);
+    for (int v = 0; v < NV; ++v) {
+      __m256 mx = ninf;
+      for (int jj = 0; jj < cs; ++jj) {
+        const __m256 future = _mm256_cmp_ps(pv[v], _mm256_set1_ps(static_cast<float>(c0 + jj)), _CMP_LT_OQ);
+        const __m256 sc = _mm256_blendv_ps(load8(St + jj * W + 8 * v), ninf, future);
+        store8(St + jj * W + 8 * v, sc);
+        mx = _mm256_max_ps(mx, sc);
+      }
+      const __m256 m_new = _mm256_max_ps(m[v], mx);
+      const __m256 cv = exp8(_mm256_sub_ps(m[v], m_new));
+      __m256 sum = _mm256_setzero_ps();
+      for (int jj = 0; jj < cs; ++jj) {
+        const __m256 p = exp8(_mm256_sub_ps(load8(St + jj * W + 8 * v), m_new));
+        store8(St + jj * W + 8 * v, p);
+        sum = _mm256_add_ps(sum, p);
+      }
+      l[v] = _mm256_fmadd_ps(l[v], cv, sum);
+      m[v] = m_new;
+      store8(corr + 8 * v, cv);
+    }
+    for (int r = 0; r < nr; ++r) {
+      const float* p = St + r;  // P[r][jj] = St[jj * W + r]
+      float* orow = O + r * D;
+      constexpr int kChunk = pv_chunk(D);
+      const __m256 cvr = _mm256_set1_ps(corr[r]);
+      for (int d0 = 0; d0 < D; d0 += kChunk) {
+        __m256 acc[kChunk / 8];
+        for (int i = 0; i < kChunk / 8; ++i) acc[i] = _mm256_mul_ps(load8(orow + d0 + 8 * i), cvr);
+        for (int jj = 0; jj < cs; ++jj) {
+          const __m256 pj = _mm256_set1_ps(p[jj * W]);
+          const float* vj = Vc + jj * D + d0;
+          for (int i = 0; i < kChunk / 8; ++i) acc[i] = _mm256_fmadd_ps(pj, load8(vj + 8 * i), acc[i]);
+        }
+        for (int i = 0; i < kChunk / 8; ++i) store8(orow + d0 + 8 * i, acc[i]);
+      }
+    }
+  }
+  alignas(32) float lf[W];
+  for (int v = 0; v < NV; ++v) store8(lf + 8 * v, l[v]);
+  for (int r = 0; r < nr; ++r) lsum[r] = lf[r];
+}
+
 template <typename T, int D>
 void attend_tile(const float* q, int64_t q_row_stride, float* out, int64_t out_row_stride,
                  const T* cache, const Geometry& g, const int32_t* blocks, int64_t ctx,
@@ -136,7 +228,7 @@ void attend_tile(const float* q, int64_t q_row_stride, float* out, int64_t out_r
   std::vector<float> Qb(static_cast<size_t>(rows) * D), Ob(static_cast<size_t>(rows) * D, 0.f);
   const int CS = std::max(BS, kChunkSlots);  // slots per chunk (a multiple of BS)
   std::vector<float> mrow(rows, kNegInf), lrow(rows, 0.f), Sb(static_cast<size_t>(rows) * CS);
-  std::vector<float> Kt(static_cast<size_t>(D) * BS), Vb(static_cast<size_t>(CS) * D);
+  std::vector<float> Vb(static_cast<size_t>(CS) * D);
   // Row r = (kvh * nq + qi) * G + gi holds head kvh * G + gi of query token qi.
   const __m256 sv = _mm256_set1_ps(scale);
   for (int kvh = 0; kvh < KVH; ++kvh)
@@ -146,62 +238,73 @@ void attend_tile(const float* q, int64_t q_row_stride, float* out, int64_t out_r
         float* dst = Qb.data() + ((kvh * nq + qi) * G + gi) * D;
         for (int d = 0; d < D; d += 8) store8(dst + d, _mm256_mul_ps(load8(src + d), sv));
       }
-  const int64_t nblocks = (first_pos + nq - 1) / BS + 1;
-  const int64_t region = g.kv_stride * 2 * static_cast<int64_t>(sizeof(T));  // K + V of a block
-  // Blocks are taken kChunkSlots slots at a time: scores and widened V for the whole
-  // chunk, then one softmax update and one P V pass per row.
-  const int per_chunk = std::max(1, kChunkSlots / BS);
-  for (int64_t b0 = 0; b0 < nblocks; b0 += per_chunk) {
-    const int64_t b1 = std::min<int64_t>(nblocks, b0 + per_chunk);
-    const int64_t c0 = b0 * BS;  // position of the chunk's first slot
-    const int cslots = static_cast<int>(std::min<int64_t>(ctx, b1 * BS) - c0);
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t nb = b + per_chunk;
-      if (nb < nblocks) prefetch_region(cache + static_cast<int64_t>(blocks[nb]) * g.block_stride, region);
-    }
-    for (int kvh = 0; kvh < KVH; ++kvh) {
-      float* S = Sb.data() + static_cast<size_t>(kvh) * per_kvh * CS;
-      const float* Q = Qb.data() + static_cast<size_t>(kvh) * per_kvh * D;
-      for (int64_t b = b0; b < b1; ++b) {
-        const T* kb = cache + static_cast<int64_t>(blocks[b]) * g.block_stride + kvh * D;
-        const T* vb = kb + g.kv_stride;
-        const int off = static_cast<int>((b - b0) * BS);
-        const int nslots = static_cast<int>(std::min<int64_t>(BS, ctx - b * BS));
-        for (int j = 0; j < nslots; ++j)
-          for (int d = 0; d < D; d += 8) store8(Vb.data() + (off + j) * D + d, load8(vb + j * g.slot_stride + d));
-        if (per_kvh <= kDotRows) {
-          dot_scores<D>(Q, per_kvh, kb, g.slot_stride, nslots, S + off, CS);
-        } else {
-          for (int j = 0; j < BS; ++j)
-            for (int d = 0; d < D; ++d)
-              Kt[d * BS + j] = j < nslots ? to_float(kb[j * g.slot_stride + d]) : 0.f;
-          broadcast_scores<D>(Q, per_kvh, Kt.data(), S + off, BS, CS);
+  if (per_kvh > kDotRows) {  // prefill tiles: scores vectorised over rows
+    int64_t pos[8 * 3];
+    for (int kvh = 0; kvh < KVH; ++kvh)
+      for (int r0 = 0; r0 < per_kvh; r0 += 24) {
+        const int nr = std::min(24, per_kvh - r0);
+        for (int i = 0; i < nr; ++i) pos[i] = first_pos + (r0 + i) / G;
+        const size_t row = static_cast<size_t>(kvh) * per_kvh + r0;
+        float* o = Ob.data() + row * D;
+        float* l = lrow.data() + row;
+        const float* qr = Qb.data() + row * D;
+        switch ((nr + 7) / 8) {
+          case 1: attend_rows<T, D, 1>(qr, nr, pos, cache, g, kvh, blocks, ctx, o, l); break;
+          case 2: attend_rows<T, D, 2>(qr, nr, pos, cache, g, kvh, blocks, ctx, o, l); break;
+          default: attend_rows<T, D, 3>(qr, nr, pos, cache, g, kvh, blocks, ctx, o, l); break;
         }
       }
-      // Mask (causal, and slots past the context), online softmax, P V.
-      for (int rr = 0; rr < per_kvh; ++rr) {
-        const int r = kvh * per_kvh + rr;
-        const int64_t pos = first_pos + rr / G;
-        float* sr = S + rr * CS;
-        const int limit = static_cast<int>(std::min<int64_t>(cslots, pos - c0 + 1));
-        if (limit <= 0) continue;  // the whole chunk is in this row's future
-        float mx = kNegInf;
-        for (int j = 0; j < limit; ++j) mx = std::max(mx, sr[j]);
-        const float m_new = std::max(mrow[r], mx);
-        const float corr = mrow[r] == kNegInf ? 0.f : std::exp(mrow[r] - m_new);
-        const __m256 mv = _mm256_set1_ps(m_new);
-        __m256 sum8 = _mm256_setzero_ps();
-        int j = 0;
-        for (; j + 8 <= limit; j += 8) {
-          const __m256 p = exp8(_mm256_sub_ps(load8(sr + j), mv));
-          store8(sr + j, p);
-          sum8 = _mm256_add_ps(sum8, p);
+  } else {  // decodes: few rows per kv head, dot products
+    const int64_t nblocks = (first_pos + nq - 1) / BS + 1;
+    const int64_t region = g.kv_stride * 2 * static_cast<int64_t>(sizeof(T));  // K + V of a block
+    // Blocks are taken kChunkSlots slots at a time: scores and widened V for the whole
+    // chunk, then one softmax update and one P V pass per row.
+    const int per_chunk = std::max(1, kChunkSlots / BS);
+    for (int64_t b0 = 0; b0 < nblocks; b0 += per_chunk) {
+      const int64_t b1 = std::min<int64_t>(nblocks, b0 + per_chunk);
+      const int64_t c0 = b0 * BS;  // position of the chunk's first slot
+      const int cslots = static_cast<int>(std::min<int64_t>(ctx, b1 * BS) - c0);
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t nb = b + per_chunk;
+        if (nb < nblocks) prefetch_region(cache + static_cast<int64_t>(blocks[nb]) * g.block_stride, region);
+      }
+      for (int kvh = 0; kvh < KVH; ++kvh) {
+        float* S = Sb.data() + static_cast<size_t>(kvh) * per_kvh * CS;
+        const float* Q = Qb.data() + static_cast<size_t>(kvh) * per_kvh * D;
+        for (int64_t b = b0; b < b1; ++b) {
+          const T* kb = cache + static_cast<int64_t>(blocks[b]) * g.block_stride + kvh * D;
+          const T* vb = kb + g.kv_stride;
+          const int off = static_cast<int>((b - b0) * BS);
+          const int nslots = static_cast<int>(std::min<int64_t>(BS, ctx - b * BS));
+          for (int j = 0; j < nslots; ++j)
+            for (int d = 0; d < D; d += 8) store8(Vb.data() + (off + j) * D + d, load8(vb + j * g.slot_stride + d));
+          dot_scores<D>(Q, per_kvh, kb, g.slot_stride, nslots, S + off, CS);
         }
-        float sum = hsum(sum8);
-        for (; j < limit; ++j) { sr[j] = std::exp(sr[j] - m_new); sum += sr[j]; }
-        lrow[r] = lrow[r] * corr + sum;
-        mrow[r] = m_new;
-        accumulate_pv<D>(Ob.data() + r * D, sr, limit, Vb.data(), corr);
+        // Mask (causal, and slots past the context), online softmax, P V.
+        for (int rr = 0; rr < per_kvh; ++rr) {
+          const int r = kvh * per_kvh + rr;
+          const int64_t pos = first_pos + rr / G;
+          float* sr = S + rr * CS;
+          const int limit = static_cast<int>(std::min<int64_t>(cslots, pos - c0 + 1));
+          if (limit <= 0) continue;  // the whole chunk is in this row's future
+          float mx = kNegInf;
+          for (int j = 0; j < limit; ++j) mx = std::max(mx, sr[j]);
+          const float m_new = std::max(mrow[r], mx);
+          const float corr = mrow[r] == kNegInf ? 0.f : std::exp(mrow[r] - m_new);
+          const __m256 mv = _mm256_set1_ps(m_new);
+          __m256 sum8 = _mm256_setzero_ps();
+          int j = 0;
+          for (; j + 8 <= limit; j += 8) {
+            const __m256 p = exp8(_mm256_sub_ps(load8(sr + j), mv));
+            store8(sr + j, p);
+            sum8 = _mm256_add_ps(sum8, p);
+          }
+          float sum = hsum(sum8);
+          for (; j < limit; ++j) { sr[j] = std::exp(sr[j] - m_new); sum += sr[j]; }
+          lrow[r] = lrow[r] * corr + sum;
+          mrow[r] = m_new;
+          accumulate_pv<D>(Ob.data() + r * D, sr, limit, Vb.data(), corr);
+        }
       }
     }
   }
