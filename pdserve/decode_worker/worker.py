@@ -84,6 +84,7 @@ class DecodeWorker(WorkerLoop):
             self.engine.abort(rid)
             log.error("decode worker %s: reservation %s refused: %s", self.worker_id, rid, exc)
             return None
+        self.transfer.wake()  # poll soon: it may be asleep with nothing pending
         self._expecting.add(rid)
         self.blocks_granted += len(blocks)
         return blocks
