@@ -11,8 +11,11 @@ Cost of one step (``StepInfo`` + the model's shape; ``L`` layers, hidden ``h``,
     FLOPs = 2·L·P·num_tokens            every computed token through every matmul
           + 2·h·V·num_sampled           the LM head, only on rows that sample
           + 4·L·Hq·d·attended           QKᵀ and PV: 2 FLOPs per multiply-add each
-    bytes = b·(L·P + [num_sampled>0]·h·V)          weights, read once per step
+    bytes = w·L·P + [num_sampled>0]·w_head·h·V     weights, read once per step
           + b·2·L·Hkv·d·context_tokens             K and V of every attended token
+
+``w`` = bytes per weight: ``b`` for float weights, 34/32 for int8 (Q8_0 blocks), 20/32
+for int4 (Q4_1 blocks); a quantized model's LM head is int8 (``quant_load.py``).
 
 ``attended`` = Σ over the step's new tokens of the tokens each attends (causal, itself
 included): a sequence with ``c`` tokens already computed and ``n`` new ones adds
@@ -32,6 +35,8 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.engine import StepInfo
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Bytes per weight of the quantized formats (block bytes / 32 weights).
+QUANT_BYTES = {"int8": 34 / 32, "int4": 20 / 32}
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,8 @@ class CostModel:
     attn_flops_per_pair: int  # 4·L·Hq·d: one new token attending one context token
     kv_bytes_per_token: int  # K+V of one token, all layers
     dtype_bytes: int
+    weight_bytes: float  # per linear weight (dtype_bytes, or a quantized format's)
+    head_weight_bytes: float  # per LM-head weight
 
     def flops(self, info: StepInfo, num_sampled: int) -> float:
         linear = 2 * self.num_layers * self.linear_params_per_layer * info.num_tokens
@@ -51,10 +58,16 @@ class CostModel:
                      + self.attn_flops_per_pair * attended_tokens(info))
 
     def bytes_read(self, info: StepInfo, num_sampled: int) -> float:
-        params = self.num_layers * self.linear_params_per_layer
+        weights = self.num_layers * self.linear_params_per_layer * self.weight_bytes
         if num_sampled:
-            params += self.head_params
-        return float(params * self.dtype_bytes + self.kv_bytes_per_token * info.context_tokens)
+            weights += self.head_params * self.head_weight_bytes
+        return float(weights + self.kv_bytes_per_token * info.context_tokens)
+
+    @property
+    def step_weight_bytes(self) -> float:
+        """Weight bytes a decode step reads (every matmul, LM head included)."""
+        return (self.num_layers * self.linear_params_per_layer * self.weight_bytes
+                + self.head_params * self.head_weight_bytes)
 
     def step(self, info: StepInfo, num_sampled: int) -> tuple[float, float]:
         """(model FLOPs, bytes read) of one step; ``num_sampled`` = rows that sampled."""
@@ -62,11 +75,13 @@ class CostModel:
 
 
 @lru_cache(maxsize=16)
-def cost_model(model: ModelConfig, dtype: str) -> CostModel:
-    """The cost model of ``model`` served in ``dtype`` (cached: workers call it per step)."""
+def cost_model(model: ModelConfig, dtype: str, quantization: str = "none") -> CostModel:
+    """The cost model of ``model`` served in ``dtype`` with weights quantized or not
+    (cached: workers call it per step)."""
     h, d, L = model.hidden_size, model.head_dim, model.num_layers
     q, kv = model.num_heads * d, model.num_kv_heads * d
     b = DTYPE_BYTES[dtype]
+    w = QUANT_BYTES.get(quantization, b)
     return CostModel(
         num_layers=L,
         linear_params_per_layer=h * (q + 2 * kv) + q * h + 3 * h * model.intermediate_size,
@@ -74,6 +89,8 @@ def cost_model(model: ModelConfig, dtype: str) -> CostModel:
         attn_flops_per_pair=4 * L * q,
         kv_bytes_per_token=2 * L * kv * b,
         dtype_bytes=b,
+        weight_bytes=w,
+        head_weight_bytes=QUANT_BYTES["int8"] if quantization in QUANT_BYTES else b,
     )
 
 
