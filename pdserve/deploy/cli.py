@@ -35,13 +35,28 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--logprobs", type=int, default=None, help="top-N logprobs per token")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: the CPU default)")
+    _add_format_flags(p, per_pool=False)
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the engine")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--disaggregated", action="store_true",
                    help="run through a fresh 1 prefill + 1 decode cluster")
     p.add_argument("--transfer", default=None, help="KV transfer backend with --disaggregated")
     p.set_defaults(func=cmd_generate)
+
+
+def _add_format_flags(p: argparse.ArgumentParser, per_pool: bool) -> None:
+    """Weights' dtype and quantization (engine keys; YAML sets them per pool)."""
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default float32)")
+    p.add_argument("--quantization", default=None, choices=["none", "int8", "int4"],
+                   help="weight-only quantization of the linear layers (default none); the "
+                        "default model serves its GGUF blocks natively")
+    p.add_argument("--quantization-group-size", type=int, default=None,
+                   help="int4 group: 32 (default), 64 or 128")
+    if per_pool:
+        for pool in ("prefill", "decode"):
+            p.add_argument(f"--{pool}-quantization", default=None,
+                           choices=["none", "int8", "int4"],
+                           help=f"the {pool} pool's own quantization (overrides --quantization)")
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -71,6 +86,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="write a Prometheus file-SD targets file here (kept current)")
     p.add_argument("--ttft-slo-ms", type=float, default=None, help="TTFT target for SLO metrics")
     p.add_argument("--tpot-slo-ms", type=float, default=None, help="TPOT target for SLO metrics")
+    _add_format_flags(p, per_pool=True)
     p.set_defaults(func=cmd_serve)
 
 
@@ -103,6 +119,15 @@ def cmd_top(args: argparse.Namespace) -> int:
 
 
 def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
+    config = _load_cluster_config(args, _format_overrides(args, ("prefill", "decode")))
+    if config.colocated is None:
+        return config
+    # The format flags reach a colocated pool only when there is one (setting its
+    # keys would otherwise create it).
+    return _load_cluster_config(args, _format_overrides(args, ("prefill", "decode", "colocated")))
+
+
+def _load_cluster_config(args: argparse.Namespace, formats: dict[str, Any]) -> ClusterConfig:
     from pdserve.deploy.config import ClusterConfig
 
     return ClusterConfig.load(getattr(args, "config", None), {
@@ -122,7 +147,19 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
         "file_sd_path": getattr(args, "file_sd", None),
         "ttft_slo_ms": getattr(args, "ttft_slo_ms", None),
         "tpot_slo_ms": getattr(args, "tpot_slo_ms", None),
+        **formats,
     })
+
+
+def _format_overrides(args: argparse.Namespace, pools: tuple[str, ...]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pool in pools:
+        quant = getattr(args, f"{pool}_quantization", None) or getattr(args, "quantization", None)
+        out[f"{pool}.engine.quantization"] = quant
+        out[f"{pool}.engine.quantization_group_size"] = getattr(
+            args, "quantization_group_size", None)
+        out[f"{pool}.engine.dtype"] = getattr(args, "dtype", None)
+    return out
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -174,8 +211,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = Completion(tokens, text, final.finish_reason, len(prompt_ids),
                          final.usage.cached_tokens)
     else:
-        engine = LLMEngine(model_dir, EngineConfig(dtype=args.dtype or "float32",
-                                                   num_threads=args.threads), tokenizer=tok)
+        engine = LLMEngine(model_dir, EngineConfig(
+            dtype=args.dtype or "float32", num_threads=args.threads,
+            quantization=args.quantization or "none",
+            quantization_group_size=args.quantization_group_size or 32), tokenizer=tok)
         (out,) = engine.generate([prompt_ids], params)
     elapsed = time.perf_counter() - t0
     if args.json:

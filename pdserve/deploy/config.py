@@ -128,14 +128,20 @@ class ClusterConfig:
                 raise ValueError(f"{path}: the top level must be a mapping")
             data = loaded
         for key, value in overrides.items():
-            if value is None:
-                continue
-            if "." in key:  # "prefill.workers" -> nested
-                outer, inner = key.split(".", 1)
-                data = {**data, outer: {**(data.get(outer) or {}), inner: value}}
-            else:
-                data = {**data, key: value}
+            if value is not None:  # "decode.engine.quantization" -> nested, merged
+                data = _merged(data, key.split("."), value)
         return cls.from_dict(data)
+
+
+def _merged(data: dict[str, Any], path: list[str], value: Any) -> dict[str, Any]:
+    """``data`` with ``value`` at the nested ``path`` (inner mappings merged, not replaced)."""
+    head, rest = path[0], path[1:]
+    if not rest:
+        return {**data, head: value}
+    inner = data.get(head) or {}
+    if not isinstance(inner, dict):
+        raise ValueError(f"config key {head!r} must be a mapping to set {'.'.join(path)}")
+    return {**data, head: _merged(inner, rest, value)}
 
 
 def _build(cls: type, d: dict[str, Any], where: str) -> Any:

@@ -1,0 +1,46 @@
+"""`pdserve serve` / `generate` flags for weight formats reach the pools' engine
+configs, merged with a YAML config instead of replacing it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdserve.deploy.cli import _cluster_config, build_parser
+from pdserve.deploy.config import ClusterConfig
+
+
+def config(*argv: str) -> ClusterConfig:
+    return _cluster_config(build_parser().parse_args(["serve", *argv]))
+
+
+def test_quantization_flags_per_pool_and_global() -> None:
+    c = config("--quantization", "int8", "--decode-quantization", "int4",
+               "--quantization-group-size", "64")
+    assert c.prefill.engine == {"quantization": "int8", "quantization_group_size": 64}
+    assert c.decode.engine == {"quantization": "int4", "quantization_group_size": 64}
+    assert c.colocated is None  # the flags do not create a colocated pool
+    c = config("--colocated-workers", "1", "--dtype", "bfloat16")
+    assert c.colocated is not None and c.colocated.engine == {"dtype": "bfloat16"}
+    assert config().decode.engine == {}
+
+
+def test_flags_merge_with_the_yaml_engine_keys(tmp_path: Path) -> None:
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("decode: {workers: 2, engine: {num_blocks: 512, quantization: int8}}\n")
+    c = config("--config", str(yaml), "--decode-quantization", "int4")
+    assert c.decode.workers == 2
+    assert c.decode.engine == {"num_blocks": 512, "quantization": "int4"}
+    assert c.prefill.engine == {}
+
+
+def test_bad_values_are_clear_errors(tmp_path: Path) -> None:
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("decode: {engine: {quantization: int3}}\n")
+    with pytest.raises(ValueError, match="quantization must be none, int8 or int4"):
+        config("--config", str(yaml))
+    with pytest.raises(ValueError, match="quantization_group_size must be 32, 64 or 128"):
+        config("--quantization-group-size", "48")
+    with pytest.raises(SystemExit):
+        config("--quantization", "int3")
