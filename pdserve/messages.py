@@ -155,6 +155,7 @@ class WorkerMetrics:
     kv_transfer_bytes: int = 0
     kv_transfer_failures: int = 0
     kv_transfers: int = 0
+    kv_sends: int = 0  # send calls: one per step that completed blocks, plus the last
     kv_transfer_seconds: float = 0.0
     blocks_in_flight: int = 0  # blocks held for transfers not yet acknowledged
     # Per engine step that ran a batch, cumulative (``observe_step``): the step-time and

@@ -71,6 +71,8 @@ COUNTERS: list[tuple[str, str, Getter]] = [
     ("pdserve_num_preemptions", "Requests preempted for recomputation.",
      lambda s: s.num_preemptions),
     ("pdserve_kv_transfers", "KV transfers completed (sender side).", lambda s: s.kv_transfers),
+    ("pdserve_kv_sends", "KV send calls (sender side): one per engine step that completed "
+     "blocks of a prompt, plus the last (overlap with prefill).", lambda s: s.kv_sends),
     ("pdserve_kv_transfer_bytes", "KV bytes transferred (sender side).",
      lambda s: s.kv_transfer_bytes),
     # Not "pdserve_kv_transfer_seconds": that is the router's per-request histogram.

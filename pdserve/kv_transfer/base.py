@@ -20,7 +20,9 @@ Failure and abort rules (both sides):
 * after a failed RecvEvent no more data for that request will land in its blocks, so D
   may reuse them (backends whose writes D cannot stop wait for the sender to confirm);
 * after a failed SendEvent the backend no longer reads the request's source blocks;
-* nothing waits forever: expectations time out, sends time out, dead peers are noticed.
+* nothing waits forever: expectations time out (``timeout_s`` without a message landing),
+  sends time out (``timeout_s`` after the request's last send call), dead peers are
+  noticed.
 
 Usage rules: call one sender/receiver from one thread (``driver.ChannelThread``) and
 poll it regularly -- some backends make progress only inside poll() (nixl: D's poll

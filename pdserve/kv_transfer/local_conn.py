@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from .base import FailReason, KVReceiver, KVSender, RecvEvent, SendEvent, is_final
-from .layout import KVLayout, check_send
+from .base import FailReason, KVReceiver, RecvEvent, SendEvent
+from .layout import KVLayout
 from .recv_state import RecvTracker
 from .regions import Staging, scatter
-from .send_state import SendTracker
+from .send_state import Numbered
+from .sender_base import BaseSender, Outgoing
 
 # endpoint id -> receiver; guarded by _TABLE_LOCK.
 _TABLE: dict[str, LocalReceiver] = {}
@@ -94,12 +95,9 @@ class LocalReceiver(KVReceiver):
             self._state.end(rid, reason, why)
 
 
-class LocalSender(KVSender):
+class LocalSender(BaseSender):
     def __init__(self, kv: torch.Tensor, layout: KVLayout, timeout_s: float = 30.0) -> None:
-        self.layout = layout
-        self.kv = kv
-        self.num_blocks = layout.check_tensor(kv)
-        self._state = SendTracker(timeout_s)
+        super().__init__(kv, layout, timeout_s)
         self._peers: dict[str, LocalReceiver] = {}
         self._me = f"local-sender-{uuid.uuid4().hex[:12]}"
         self._staging = Staging(kv.device)
@@ -113,56 +111,28 @@ class LocalSender(KVSender):
         self._peers[endpoint["id"]] = receiver
         return str(endpoint["id"])
 
-    def send(
-        self,
-        peer_id: str,
-        request_id: str,
-        src_block_ids: Sequence[int],
-        dst_block_ids: Sequence[int],
-        layers: tuple[int, int] | None = None,
-        notify: dict[str, Any] | None = None,
-    ) -> None:
-        receiver = self._peers[peer_id]
-        src, dst, rng = check_send(
-            self.layout, src_block_ids, dst_block_ids, self.num_blocks, receiver.num_blocks, layers
-        )
-        numbered = self._state.begin(peer_id, request_id, is_final(layers, notify), 1)
-        if numbered is None:
-            return
-        failure: tuple[FailReason, str] | None = None
-        try:
-            receiver.deliver(
-                self._me,
-                request_id,
-                numbered.first_seq,
-                numbered.total,
-                notify,
-                dst,
-                rng,
-                self._staging.gather(self.kv, src, rng),
-            )
-        except ConnectionError as exc:
-            failure = (FailReason.PEER_DIED, str(exc))
-        self._state.message_done(request_id, failure)
-
     def poll(self) -> list[SendEvent]:
-        return self._state.drain()
+        return self.state.drain()
 
-    def abort(self, request_id: str) -> None:
-        peer = self._state.peer_of(request_id)
-        self._state.fail(request_id, FailReason.ABORTED, "aborted by sender")
-        if peer is not None:
-            self._peers[peer].sender_gone(
-                self._me, request_id, FailReason.ABORTED, "aborted by sender"
-            )
+    def _peer_blocks(self, peer_id: str) -> int:
+        return self._peers[peer_id].num_blocks
 
-    def close(self) -> None:
-        for rid in self._state.pending_ids():
-            self._state.fail(rid, FailReason.CLOSED, "sender closed", now=True)
+    def _transmit(self, peer_id: str, jobs: list[Outgoing], numbered: Numbered) -> None:
+        for msg, src in jobs:  # copied now, under the receiver's lock
+            failure: tuple[FailReason, str] | None = None
+            try:
+                self._peers[peer_id].deliver(
+                    self._me, msg.request_id, msg.seq, msg.total, msg.notify, list(msg.dst),
+                    msg.layers, self._staging.gather(self.kv, src, msg.layers))
+            except ConnectionError as exc:
+                failure = (FailReason.PEER_DIED, str(exc))
+            self.state.message_done(msg.request_id, failure)
+
+    def _tell_abort(self, peer_id: str, request_id: str) -> None:
+        self._peers[peer_id].sender_gone(self._me, request_id, FailReason.ABORTED,
+                                         "aborted by sender")
+
+    def _goodbye(self) -> None:
         for receiver in self._peers.values():
             receiver.sender_gone(self._me, None, FailReason.PEER_DIED, "sender closed")
         self._peers.clear()
-
-    @property
-    def num_pending(self) -> int:
-        return self._state.num_pending

@@ -13,18 +13,18 @@ transfer in flight ("ack" for D's abort, "aborted" for our own).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .base import FailReason, KVSender, SendEvent, is_final
+from .base import FailReason, SendEvent
 from .control_link import Link
-from .layout import KVLayout, check_send
+from .layout import KVLayout
 from .nixl_agent import decode_metadata, descs, device_id, encode_notif, mem_type, new_agent
 from .regions import byte_regions
-from .send_state import SendTracker
+from .send_state import Numbered
+from .sender_base import BaseSender, Outgoing
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class _Peer:
     num_blocks: int
 
 
-class NixlSender(KVSender):
+class NixlSender(BaseSender):
     def __init__(
         self,
         kv: torch.Tensor,
@@ -46,10 +46,7 @@ class NixlSender(KVSender):
         timeout_s: float = 30.0,
         connect_timeout_s: float = 10.0,
     ) -> None:
-        self.layout = layout
-        self.kv = kv
-        self.num_blocks = layout.check_tensor(kv)
-        self._state = SendTracker(timeout_s)
+        super().__init__(kv, layout, timeout_s)
         self._connect_timeout_s = connect_timeout_s
         self._agent, self._name = new_agent("send")
         self._reg = self._agent.register_memory(kv)
@@ -74,38 +71,23 @@ class NixlSender(KVSender):
         )
         return peer
 
-    def send(
-        self,
-        peer_id: str,
-        request_id: str,
-        src_block_ids: Sequence[int],
-        dst_block_ids: Sequence[int],
-        layers: tuple[int, int] | None = None,
-        notify: dict[str, Any] | None = None,
-    ) -> None:
-        peer = self._peers[peer_id]
-        src, dst, rng = check_send(
-            self.layout, src_block_ids, dst_block_ids, self.num_blocks, peer.num_blocks, layers
-        )
-        numbered = self._state.begin(peer_id, request_id, is_final(layers, notify), 1)
-        if numbered is None:
-            return
+    def _peer_blocks(self, peer_id: str) -> int:
+        return self._peers[peer_id].num_blocks
+
+    def _transmit(self, peer_id: str, jobs: list[Outgoing], numbered: Numbered) -> None:
+        ((msg, src),) = jobs  # one WRITE per send() call
+        request_id, peer = msg.request_id, self._peers[peer_id]
         if peer.link.closed is not None:
-            self._state.message_done(request_id, (FailReason.PEER_DIED, peer.link.closed))
+            self.state.message_done(request_id, (FailReason.PEER_DIED, peer.link.closed))
             return
         if numbered.first_seq == 0:  # D now fails rid if this link dies
             peer.link.send({"t": "begin", "r": request_id})
-        note = encode_notif(
-            request_id,
-            numbered.first_seq,
-            numbered.total,
-            notify if numbered.total is not None else None,
-        )
-        regions = byte_regions(self.layout, src, dst, rng)
+        note = encode_notif(request_id, msg.seq, msg.total, msg.notify)
+        regions = byte_regions(self.layout, src, list(msg.dst), msg.layers)
         try:
             if not regions:
                 self._agent.send_notif(peer_id, note)
-                self._state.message_done(request_id, None)
+                self.state.message_done(request_id, None)
                 return
             handle = self._agent.initialize_xfer(
                 "WRITE",
@@ -124,11 +106,11 @@ class NixlSender(KVSender):
             # The agent may notice a dead receiver before our control link does.
             reason = (FailReason.PEER_DIED if "REMOTE_DISCONNECT" in str(exc)
                       else FailReason.TRANSPORT)
-            self._state.message_done(request_id, (reason, str(exc)))
+            self.state.message_done(request_id, (reason, str(exc)))
             return
         if status == "ERR":
             handle.release()
-            self._state.message_done(request_id, (FailReason.TRANSPORT, "transfer failed"))
+            self.state.message_done(request_id, (FailReason.TRANSPORT, "transfer failed"))
             return
         self._xfers.setdefault(request_id, []).append(handle)
 
@@ -137,22 +119,17 @@ class NixlSender(KVSender):
             for msg in peer.link.receive():
                 self._on_message(peer_id, msg)
             if peer.link.closed is not None:
-                self._state.fail_peer(peer_id, FailReason.PEER_DIED, peer.link.closed)
+                self.state.fail_peer(peer_id, FailReason.PEER_DIED, peer.link.closed)
         self._check_transfers()
-        events = self._state.drain()
+        events = self.state.drain()
         self._drop_orphans()
         self._send_replies()
         return events
 
-    def abort(self, request_id: str) -> None:
-        peer = self._state.peer_of(request_id)
-        self._state.fail(request_id, FailReason.ABORTED, "aborted by sender")
-        if peer is not None:
-            self._replies.append((peer, request_id, {"t": "aborted", "r": request_id}))
+    def _tell_abort(self, peer_id: str, request_id: str) -> None:
+        self._replies.append((peer_id, request_id, {"t": "aborted", "r": request_id}))
 
-    def close(self) -> None:
-        for rid in self._state.pending_ids():
-            self._state.fail(rid, FailReason.CLOSED, "sender closed", now=True)
+    def _goodbye(self) -> None:
         self._drop_orphans()
         for peer in self._peers.values():
             peer.link.close()
@@ -162,21 +139,17 @@ class NixlSender(KVSender):
         except Exception as exc:
             log.warning("NIXL deregister failed: %s", exc)
 
-    @property
-    def num_pending(self) -> int:
-        return self._state.num_pending
-
     # --- helpers -------------------------------------------------------------------
 
     def _on_message(self, peer_id: str, msg: dict[str, Any]) -> None:
         if msg.get("t") == "abort":  # D gave up: stop, ack once nothing is in flight
             rid = str(msg["r"])
-            self._state.fail(rid, FailReason.ABORTED, "aborted by receiver")
-            self._state.fail_unknown(rid, FailReason.ABORTED, "aborted by receiver")
+            self.state.fail(rid, FailReason.ABORTED, "aborted by receiver")
+            self.state.fail_unknown(rid, FailReason.ABORTED, "aborted by receiver")
             self._replies.append((peer_id, rid, {"t": "ack", "r": rid}))
         elif msg.get("t") == "reject":  # D found a layout mismatch we did not
             self._peers[peer_id].link.close()
-            self._state.fail_peer(peer_id, FailReason.TRANSPORT, str(msg.get("error")))
+            self.state.fail_peer(peer_id, FailReason.TRANSPORT, str(msg.get("error")))
 
     def _check_transfers(self) -> None:
         for rid, handles in list(self._xfers.items()):
@@ -187,13 +160,13 @@ class NixlSender(KVSender):
                 handles.remove(h)
                 h.release()
                 failure = None if status == "DONE" else (FailReason.TRANSPORT, "transfer failed")
-                self._state.message_done(rid, failure)
+                self.state.message_done(rid, failure)
             if not handles:
                 del self._xfers[rid]
 
     def _drop_orphans(self) -> None:
         """Requests already reported (dead peer, timeout, close): cancel their transfers."""
-        pending = set(self._state.pending_ids())
+        pending = set(self.state.pending_ids())
         for rid in [r for r in self._xfers if r not in pending]:
             for h in self._xfers.pop(rid):
                 try:

@@ -29,12 +29,13 @@ from typing import Any, cast
 
 import torch
 
-from .base import FailReason, KVReceiver, KVSender, RecvEvent, SendEvent, is_final
-from .layout import KVLayout, check_send
+from .base import FailReason, KVReceiver, RecvEvent, SendEvent
+from .layout import KVLayout
 from .recv_state import RecvTracker
-from .regions import Staging, chunk_slices, scatter
-from .send_state import SendTracker
+from .regions import Staging, scatter
+from .send_state import Numbered
 from .send_worker import Job, PeerWorker, describe
+from .sender_base import BaseSender, Outgoing
 from .wire import Kind, Message
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,7 @@ class RayReceiver(KVReceiver):
         self._state.landed(msg.request_id, msg.seq, msg.total, msg.notify, sender)
 
 
-class RaySender(KVSender):
+class RaySender(BaseSender):
     def __init__(
         self,
         kv: torch.Tensor,
@@ -167,13 +168,10 @@ class RaySender(KVSender):
         timeout_s: float = 30.0,
         chunk_bytes: int = 64 << 20,
     ) -> None:
-        self.layout = layout
-        self.kv = kv
-        self.num_blocks = layout.check_tensor(kv)
+        super().__init__(kv, layout, timeout_s)
         self._ray = _ray()
-        self._state = SendTracker(timeout_s)
         self._timeout_s = timeout_s
-        self._chunk_bytes = chunk_bytes
+        self.chunk_bytes = chunk_bytes
         self._me = f"ray-sender-{uuid.uuid4().hex[:12]}"
         self._peers: dict[str, tuple[Any, int, PeerWorker]] = {}  # actor, num_blocks, thread
 
@@ -191,61 +189,27 @@ class RaySender(KVSender):
             item = (self._me, _to_plain(job.msg), ref)
             self._ray.get(actor.put_nowait.remote(item), timeout=self._timeout_s)
 
-        worker = PeerWorker(f"kv-send-{peer}", transmit, self._state.completions)
+        worker = PeerWorker(f"kv-send-{peer}", transmit, self.state.completions)
         self._peers[peer] = (actor, int(endpoint["num_blocks"]), worker)
         return peer
-
-    def send(
-        self,
-        peer_id: str,
-        request_id: str,
-        src_block_ids: Sequence[int],
-        dst_block_ids: Sequence[int],
-        layers: tuple[int, int] | None = None,
-        notify: dict[str, Any] | None = None,
-    ) -> None:
-        _, dst_blocks, worker = self._peers[peer_id]
-        src, dst, rng = check_send(
-            self.layout, src_block_ids, dst_block_ids, self.num_blocks, dst_blocks, layers
-        )
-        per_block = (rng[1] - rng[0]) * self.layout.layer_bytes
-        chunks = chunk_slices(len(src), per_block, self._chunk_bytes) or [slice(0, 0)]
-        numbered = self._state.begin(peer_id, request_id, is_final(layers, notify), len(chunks))
-        if numbered is None:
-            return
-        for i, sl in enumerate(chunks):
-            last = i == len(chunks) - 1
-            total = numbered.total if last else None
-            msg = Message(
-                Kind.DATA,
-                request_id,
-                numbered.first_seq + i,
-                total,
-                tuple(dst[sl]),
-                rng,
-                notify if total is not None else None,
-            )
-            worker.submit(Job(msg, tuple(src[sl]), numbered.cancel))
 
     def poll(self) -> list[SendEvent]:
         for peer_id, (_, _, worker) in self._peers.items():
             if worker.dead is not None:
-                self._state.fail_peer(peer_id, FailReason.PEER_DIED, worker.dead)
-        return self._state.drain()
+                self.state.fail_peer(peer_id, FailReason.PEER_DIED, worker.dead)
+        return self.state.drain()
 
-    def abort(self, request_id: str) -> None:
-        peer = self._state.peer_of(request_id)
-        self._state.fail(request_id, FailReason.ABORTED, "aborted by sender")
-        if peer is not None:
-            self._peers[peer][2].submit(Job(Message(Kind.ABORT, request_id)))
+    def _peer_blocks(self, peer_id: str) -> int:
+        return self._peers[peer_id][1]
 
-    def close(self) -> None:
-        for rid in self._state.pending_ids():
-            self._state.fail(rid, FailReason.CLOSED, "sender closed", now=True)
+    def _transmit(self, peer_id: str, jobs: list[Outgoing], numbered: Numbered) -> None:
+        for msg, src in jobs:
+            self._peers[peer_id][2].submit(Job(msg, tuple(src), numbered.cancel))
+
+    def _tell_abort(self, peer_id: str, request_id: str) -> None:
+        self._peers[peer_id][2].submit(Job(Message(Kind.ABORT, request_id)))
+
+    def _goodbye(self) -> None:
         for _, _, worker in self._peers.values():
             worker.stop(Job(Message(Kind.BYE)), timeout_s=5.0)
         self._peers.clear()
-
-    @property
-    def num_pending(self) -> int:
-        return self._state.num_pending

@@ -32,6 +32,7 @@ from .layout import check_block_ids
 class _Expected:
     dst_set: frozenset[int]
     deadline: float
+    timeout_s: float  # each landed message moves the deadline this far ahead
     peers: set[str] = field(default_factory=set)  # senders that touched it (death -> fail)
     seen: set[int] = field(default_factory=set)  # message indices landed
     total: int | None = None  # number of messages, known once the final one lands
@@ -61,7 +62,8 @@ class RecvTracker:
             clash = taken.intersection(ids)
             if clash:
                 raise ValueError(f"blocks {sorted(clash)[:8]} are expected by another request")
-            self._live[request_id] = _Expected(frozenset(ids), self._clock() + timeout_s)
+            self._live[request_id] = _Expected(frozenset(ids), self._clock() + timeout_s,
+                                               timeout_s)
 
     def expire_and_drain(self) -> list[RecvEvent]:
         """Fail expectations past their timeout, then hand out every finished event
@@ -115,6 +117,7 @@ class RecvTracker:
             if peer:
                 exp.peers.add(peer)
             exp.seen.add(seq)
+            exp.deadline = max(exp.deadline, self._clock() + exp.timeout_s)
             if total is not None:
                 exp.total, exp.notify = total, notify
             if exp.total is not None and len(exp.seen) >= exp.total:

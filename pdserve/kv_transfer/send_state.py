@@ -76,8 +76,10 @@ class SendTracker:
                 self._events.append(SendEvent(request_id, False, owed[0], owed[1]))
             return None
         out = self._out.get(request_id)
+        deadline = self._clock() + self._timeout_s
         if out is None:
-            out = self._out[request_id] = _Outgoing(peer, self._clock() + self._timeout_s)
+            out = self._out[request_id] = _Outgoing(peer, deadline)
+        out.deadline = deadline  # a request sent in chunks times out between sends, not in all
         if out.peer != peer:
             raise ValueError(f"request {request_id!r} is already being sent to {out.peer}")
         if out.final_sent:

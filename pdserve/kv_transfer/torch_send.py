@@ -14,17 +14,17 @@ from __future__ import annotations
 import datetime
 import json
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .base import FailReason, KVSender, SendEvent, is_final
-from .layout import KVLayout, KVLayoutMismatch, check_send
-from .regions import Staging, chunk_slices
-from .send_state import SendTracker
+from .base import FailReason, SendEvent
+from .layout import KVLayout, KVLayoutMismatch
+from .regions import Staging
+from .send_state import Numbered
 from .send_worker import Job, PeerWorker
+from .sender_base import BaseSender, Outgoing
 from .torch_group import (
     PING_INTERVAL_S,
     RECEIVER_RANK,
@@ -77,7 +77,7 @@ class _Pair:
         self.transmit(Job(Message(Kind.PING)))
 
 
-class TorchSender(KVSender):
+class TorchSender(BaseSender):
     def __init__(
         self,
         kv: torch.Tensor,
@@ -87,13 +87,10 @@ class TorchSender(KVSender):
         peer_timeout_s: float = 10.0,
         chunk_bytes: int = 64 << 20,
     ) -> None:
-        self.layout = layout
-        self.kv = kv
-        self.num_blocks = layout.check_tensor(kv)
-        self.state = SendTracker(timeout_s)
+        super().__init__(kv, layout, timeout_s)
         self.connect_timeout_s = connect_timeout_s
         self.peer_timeout_s = peer_timeout_s
-        self._chunk_bytes = chunk_bytes
+        self.chunk_bytes = chunk_bytes
         self._pairs: dict[str, _Pair] = {}
 
     def connect(self, endpoint: dict[str, Any]) -> str:
@@ -102,56 +99,24 @@ class TorchSender(KVSender):
         self._pairs[peer_id] = _Pair(self, endpoint, f"kv-send-{peer_id}")
         return peer_id
 
-    def send(
-        self,
-        peer_id: str,
-        request_id: str,
-        src_block_ids: Sequence[int],
-        dst_block_ids: Sequence[int],
-        layers: tuple[int, int] | None = None,
-        notify: dict[str, Any] | None = None,
-    ) -> None:
-        pair = self._pairs[peer_id]
-        src, dst, rng = check_send(
-            self.layout, src_block_ids, dst_block_ids, self.num_blocks, pair.num_blocks, layers
-        )
-        per_block = (rng[1] - rng[0]) * self.layout.layer_bytes
-        chunks = chunk_slices(len(src), per_block, self._chunk_bytes) or [slice(0, 0)]
-        numbered = self.state.begin(peer_id, request_id, is_final(layers, notify), len(chunks))
-        if numbered is None:
-            return
-        for i, sl in enumerate(chunks):
-            last = i == len(chunks) - 1
-            msg = Message(
-                Kind.DATA,
-                request_id,
-                numbered.first_seq + i,
-                numbered.total if last else None,
-                tuple(dst[sl]),
-                rng,
-                notify if last and numbered.total is not None else None,
-            )
-            pair.worker.submit(Job(msg, tuple(src[sl]), numbered.cancel))
-
     def poll(self) -> list[SendEvent]:
         for peer_id, pair in self._pairs.items():
             if pair.worker.dead is not None:
                 self.state.fail_peer(peer_id, FailReason.PEER_DIED, pair.worker.dead)
         return self.state.drain()
 
-    def abort(self, request_id: str) -> None:
-        peer = self.state.peer_of(request_id)
-        self.state.fail(request_id, FailReason.ABORTED, "aborted by sender")
-        if peer is not None:  # tell D so it can release the blocks now
-            self._pairs[peer].worker.submit(Job(Message(Kind.ABORT, request_id)))
+    def _peer_blocks(self, peer_id: str) -> int:
+        return self._pairs[peer_id].num_blocks
 
-    def close(self) -> None:
-        for rid in self.state.pending_ids():
-            self.state.fail(rid, FailReason.CLOSED, "sender closed", now=True)
+    def _transmit(self, peer_id: str, jobs: list[Outgoing], numbered: Numbered) -> None:
+        for msg, src in jobs:
+            self._pairs[peer_id].worker.submit(Job(msg, tuple(src), numbered.cancel))
+
+    def _tell_abort(self, peer_id: str, request_id: str) -> None:
+        # tell D so it can release the blocks now
+        self._pairs[peer_id].worker.submit(Job(Message(Kind.ABORT, request_id)))
+
+    def _goodbye(self) -> None:
         for pair in self._pairs.values():
             pair.worker.stop(Job(Message(Kind.BYE)), timeout_s=self.peer_timeout_s)
         self._pairs.clear()
-
-    @property
-    def num_pending(self) -> int:
-        return self.state.num_pending

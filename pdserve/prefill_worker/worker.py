@@ -139,6 +139,7 @@ class PrefillWorker(WorkerLoop):
         self.engine.pool.acquire(src)
         f.pinned.extend(src)
         f.sent_blocks = start + len(src)
+        self._metrics.kv_sends += 1
         layers = None if notify is not None else (0, self.layout.num_layers)
         peer = f.peer
         self.transfer.call(lambda: self.sender.send(peer, rid, src, dst, layers=layers,

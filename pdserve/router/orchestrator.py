@@ -167,9 +167,10 @@ class RequestRun:
                         raise AttemptFailed(item.failure or FailReason.TRANSPORT,
                                             f"{token.worker_id}: {item.error}")
                     done = item.finish_reason is not None
+                    if done:  # P's timings belong in the final chunk's
+                        await self._late_prefill(leg)
                     yield item
                     if done:
-                        await self._late_prefill(leg)
                         return
                 elif leg is not None and item is leg.future:
                     self._prefill_done(leg)

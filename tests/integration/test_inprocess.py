@@ -30,8 +30,8 @@ class Pair:
                  decode_blocks: int = 128, n_colocated: int = 0,
                  prefill_engine: dict[str, object] | None = None,
                  **router_kw: object) -> None:
-        self.prefill = [PrefillWorker(f"prefill-{i}", model, EngineConfig(
-            role="prefill", num_blocks=128, **(prefill_engine or {})), "local")  # type: ignore[arg-type]
+        self.prefill = [PrefillWorker(f"prefill-{i}", model, EngineConfig(**{
+            "role": "prefill", "num_blocks": 128, **(prefill_engine or {})}), "local")  # type: ignore[arg-type]
             for i in range(n_prefill)]
         self.decode = [DecodeWorker(f"decode-{i}", model, EngineConfig(
             role="decode", num_blocks=decode_blocks), "local", kv_timeout_s=5)
@@ -117,6 +117,28 @@ def test_served_equals_the_engine(pair_factory: Callable[..., Pair],
         assert t.ttft is not None and t.prefill is not None and t.prefill_queue is not None
         assert t.router_queue is not None and t.e2e is not None and len(t.inter_token) == 23
         assert (t.kv_transfer is not None) == (mode == "pair")
+
+
+def test_kv_sent_chunk_by_chunk(pair_factory: Callable[..., Pair],
+                                tiny_model: Callable[[str], Path]) -> None:
+    """Prompts prefilled in 32-token chunks go out block by block as the chunks are
+    computed (the last send carries the rest and the first token): the decode side
+    gets exactly the KV, and P sent every prompt block once."""
+    pair = pair_factory(prefill_engine={"max_num_batched_tokens": 32})
+    eng = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=256))
+    prompts = [[7 + (i * 13 + j) % 400 for j in range(150)] for i in range(3)]
+    expected = eng.generate(prompts, GREEDY)
+
+    async def body(router: Router) -> list[tuple[list[int], str, FinalChunk]]:
+        return await asyncio.gather(*(
+            collect(router.generate(GenerateRequest(f"k{i}", GREEDY, prompt_token_ids=p)))
+            for i, p in enumerate(prompts)))
+
+    results = run(pair, body)
+    assert [tokens for tokens, _, _ in results] == [e.token_ids for e in expected]  # type: ignore[attr-defined]
+    p = pair.prefill[0].metrics()
+    assert p.kv_transfers == 3 and p.kv_sends > p.kv_transfers  # blocks went out early
+    assert p.kv_transfer_bytes == 3 * 10 * pair.prefill[0].layout.block_bytes  # 10 blocks each
 
 
 def test_stop_strings_are_cut_in_the_router(pair_factory: Callable[..., Pair],

@@ -52,6 +52,10 @@ class _Objects:
             self.poll_one(oid)
             out, self.events[oid] = self.events[oid], []
             return out
+        if cmd == "inflight":  # a sender's messages of one request not finished yet
+            oid, rid = args
+            self.poll_one(oid)
+            return self.objs[oid].state.inflight(rid)
         if cmd == "digest":
             oid, ids, layers = args
             blocks = self.objs[oid].kv[ids]
@@ -172,6 +176,9 @@ class Peer:
 
     def events(self) -> list[Any]:
         return list(self.host.request("events", self.oid))
+
+    def inflight(self, request_id: str) -> int:
+        return int(self.host.request("inflight", self.oid, request_id))
 
     def digest(self, ids: list[int], layers: tuple[int, int] | None = None) -> str:
         return str(self.host.request("digest", self.oid, ids, layers))
