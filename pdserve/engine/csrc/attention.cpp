@@ -26,6 +26,7 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -36,7 +37,7 @@ namespace {
 constexpr int kTileQ = 8;       // query tokens per task
 constexpr int kMaxBlock = 64;   // slots per KV block the kernel handles
 constexpr int kDotRows = 4;     // rows per kv head up to which scores are dot products
-constexpr int kChunkSlots = 64; // slots per softmax update
+constexpr int kChunkSlots = 32; // slots per softmax update
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Geometry {
@@ -56,38 +57,30 @@ constexpr int pv_chunk(int D) {
   return 8;
 }
 
-// S[r][j] = q_r . k_j for R rows, slots j < nslots, straight from the cache.
-template <int D, int R, typename T>
-inline void dot_scores_r(const float* Q, const T* kb, int64_t slot_stride, int nslots, float* S,
-                         int ld) {
-  for (int j = 0; j < nslots; ++j) {
-    const T* kj = kb + j * slot_stride;
-    __m256 a[R][2];
-    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
-    for (int d = 0; d < D; d += 8) {
-      const __m256 k = load8(kj + d);
-      for (int r = 0; r < R; ++r) a[r][(d / 8) & 1] = _mm256_fmadd_ps(load8(Q + r * D + d), k, a[r][(d / 8) & 1]);
-    }
-    for (int r = 0; r < R; ++r) S[r * ld + j] = hsum(_mm256_add_ps(a[r][0], a[r][1]));
-  }
+// The 8 horizontal sums of a0..a7 as one vector (lane j = sum of aj).
+inline __m256 reduce8(const __m256 a[8]) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-template <int D, typename T>
-inline void dot_scores(const float* Q, int rows, const T* kb, int64_t slot_stride, int nslots,
-                       float* S, int ld) {
-  int r = 0;
-  for (; r + 4 <= rows; r += 4) dot_scores_r<D, 4>(Q + r * D, kb, slot_stride, nslots, S + r * ld, ld);
-  switch (rows - r) {
-    case 3: dot_scores_r<D, 3>(Q + r * D, kb, slot_stride, nslots, S + r * ld, ld); break;
-    case 2: dot_scores_r<D, 2>(Q + r * D, kb, slot_stride, nslots, S + r * ld, ld); break;
-    case 1: dot_scores_r<D, 1>(Q + r * D, kb, slot_stride, nslots, S + r * ld, ld); break;
-    default: break;
+// Scores of one query row against 8 keys (float32 rows of D values).
+template <int D>
+inline __m256 qk8(const float* q, const float* const* k) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  for (int d = 0; d < D; d += 8) {
+    const __m256 qv = load8(q + d);
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, load8(k[j] + d), acc[j]);
   }
+  return reduce8(acc);
 }
 
 // O_r = O_r * corr + sum_{j < limit} P[j] V[j], 8 vectors of the row at a time.
 template <int D>
-inline void accumulate_pv(float* orow, const float* P, int limit, const float* V, float corr) {
+inline void accumulate_pv(float* orow, const float* P, int limit, const float* const* V,
+                          float corr) {
   constexpr int kChunk = pv_chunk(D);
   const __m256 cv = _mm256_set1_ps(corr);
   for (int d0 = 0; d0 < D; d0 += kChunk) {
@@ -95,7 +88,7 @@ inline void accumulate_pv(float* orow, const float* P, int limit, const float* V
     for (int i = 0; i < kChunk / 8; ++i) acc[i] = _mm256_mul_ps(load8(orow + d0 + 8 * i), cv);
     for (int j = 0; j < limit; ++j) {
       const __m256 p = _mm256_set1_ps(P[j]);
-      const float* vj = V + j * D + d0;
+      const float* vj = V[j] + d0;
       for (int i = 0; i < kChunk / 8; ++i) acc[i] = _mm256_fmadd_ps(p, load8(vj + 8 * i), acc[i]);
     }
     for (int i = 0; i < kChunk / 8; ++i) store8(orow + d0 + 8 * i, acc[i]);
@@ -228,7 +221,13 @@ void attend_tile(const float* q, int64_t q_row_stride, float* out, int64_t out_r
   std::vector<float> Qb(static_cast<size_t>(rows) * D), Ob(static_cast<size_t>(rows) * D, 0.f);
   const int CS = std::max(BS, kChunkSlots);  // slots per chunk (a multiple of BS)
   std::vector<float> mrow(rows, kNegInf), lrow(rows, 0.f), Sb(static_cast<size_t>(rows) * CS);
-  std::vector<float> Vb(static_cast<size_t>(CS) * D);
+  std::vector<float> Kb, Vb;  // widened bfloat16 keys / values of a chunk
+  if constexpr (!std::is_same_v<T, float>) {
+    Kb.resize(static_cast<size_t>(CS) * D);
+    Vb.resize(static_cast<size_t>(CS) * D);
+  }
+  const float* kp[kChunkSlots + kMaxBlock];
+  const float* vp[kChunkSlots + kMaxBlock];
   // Row r = (kvh * nq + qi) * G + gi holds head kvh * G + gi of query token qi.
   const __m256 sv = _mm256_set1_ps(scale);
   for (int kvh = 0; kvh < KVH; ++kvh)
@@ -271,15 +270,35 @@ void attend_tile(const float* q, int64_t q_row_stride, float* out, int64_t out_r
       for (int kvh = 0; kvh < KVH; ++kvh) {
         float* S = Sb.data() + static_cast<size_t>(kvh) * per_kvh * CS;
         const float* Q = Qb.data() + static_cast<size_t>(kvh) * per_kvh * D;
+        // Row pointers of the chunk's keys and values: float32 read in place,
+        // bfloat16 widened once here (each is read by every row of the group).
+        // A block's slots are taken 8 at a time; slots past the context are masked.
+        int padded = 0;
         for (int64_t b = b0; b < b1; ++b) {
           const T* kb = cache + static_cast<int64_t>(blocks[b]) * g.block_stride + kvh * D;
-          const T* vb = kb + g.kv_stride;
           const int off = static_cast<int>((b - b0) * BS);
           const int nslots = static_cast<int>(std::min<int64_t>(BS, ctx - b * BS));
-          for (int j = 0; j < nslots; ++j)
-            for (int d = 0; d < D; d += 8) store8(Vb.data() + (off + j) * D + d, load8(vb + j * g.slot_stride + d));
-          dot_scores<D>(Q, per_kvh, kb, g.slot_stride, nslots, S + off, CS);
+          const int n8 = (nslots + 7) / 8 * 8;
+          for (int j = 0; j < n8; ++j) {
+            const T* kj = kb + j * g.slot_stride;
+            if constexpr (std::is_same_v<T, float>) {
+              kp[off + j] = kj;
+              vp[off + j] = kj + g.kv_stride;
+            } else {
+              float* kd = Kb.data() + (off + j) * D;
+              float* vd = Vb.data() + (off + j) * D;
+              for (int d = 0; d < D; d += 8) {
+                store8(kd + d, load8(kj + d));
+                store8(vd + d, load8(kj + g.kv_stride + d));
+              }
+              kp[off + j] = kd;
+              vp[off + j] = vd;
+            }
+          }
+          padded = off + n8;
         }
+        for (int rr = 0; rr < per_kvh; ++rr)
+          for (int j = 0; j < padded; j += 8) store8(S + rr * CS + j, qk8<D>(Q + rr * D, kp + j));
         // Mask (causal, and slots past the context), online softmax, P V.
         for (int rr = 0; rr < per_kvh; ++rr) {
           const int r = kvh * per_kvh + rr;
@@ -303,7 +322,7 @@ void attend_tile(const float* q, int64_t q_row_stride, float* out, int64_t out_r
           for (; j < limit; ++j) { sr[j] = std::exp(sr[j] - m_new); sum += sr[j]; }
           lrow[r] = lrow[r] * corr + sum;
           mrow[r] = m_new;
-          accumulate_pv<D>(Ob.data() + r * D, sr, limit, Vb.data(), corr);
+          accumulate_pv<D>(Ob.data() + r * D, sr, limit, vp, corr);
         }
       }
     }
