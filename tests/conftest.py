@@ -8,6 +8,16 @@ from pathlib import Path
 import pytest
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--device", default="cpu",
+                     help="device for the engine tests (scripts/gpu_check.sh passes cuda)")
+
+
+@pytest.fixture(scope="session")
+def device(request: pytest.FixtureRequest) -> str:
+    return str(request.config.getoption("--device"))
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """``tiny_model(preset)`` -> directory of a tiny checkpoint (made on first use)."""

@@ -57,7 +57,9 @@ class AttentionMetadata:
     query_len: torch.Tensor  # [S] int32
     context_len: torch.Tensor  # [S] int32, tokens in the cache after this step
     num_decode: int  # sequences with query_len == 1, at the front
-    # The same per-sequence values as Python ints, for backends that loop in Python.
+    # The same per-sequence values as Python ints, for backends that loop in Python
+    # (no device sync per layer).
+    seq_rows_list: list[int]
     query_start_list: list[int]
     query_len_list: list[int]
     context_len_list: list[int]
@@ -117,7 +119,7 @@ class TorchAttention:
                 o = F.scaled_dot_product_attention(
                     qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=True)
             else:  # prefix in the cache: query i sits at position ctx - n + i
-                table = meta.block_table[int(meta.seq_rows[s]), : -(-ctx // bs)].long()
+                table = meta.block_table[meta.seq_rows_list[s], : -(-ctx // bs)].long()
                 kc = _gather(kv_layer, table, 0)[:ctx].to(q.dtype)
                 vc = _gather(kv_layer, table, 1)[:ctx].to(q.dtype)
                 qpos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)

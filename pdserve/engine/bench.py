@@ -42,28 +42,35 @@ FORMATS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"),
            "int8": ("float32", "int8"), "int4": ("float32", "int4")}
 
 
-def memory_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
+def _best_seconds(fn: Callable[[], object], device: str, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def memory_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5,
+                          device: str = "cpu") -> float:
     """Bytes/s of a streaming reduction over a buffer much larger than the caches."""
-    buf = torch.ones(num_bytes // 4, dtype=torch.float32)
-    buf.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t0)
-    return num_bytes / best
+    buf = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    return num_bytes / _best_seconds(buf.sum, device, repeats)
 
 
-def matmul_peak(dtype: torch.dtype, n: int = 1536, repeats: int = 4) -> float:
+def matmul_peak(dtype: torch.dtype, n: int = 1536, repeats: int = 4,
+                device: str = "cpu") -> float:
     """FLOP/s of a large square matmul: the compute ceiling MFU is measured against."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
+    if device == "cuda":
+        n = 8192
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    return 2 * n**3 / _best_seconds(lambda: a @ b, device, repeats)
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -206,7 +213,8 @@ def bench_format(model_dir: Path, fmt: str, threads: int, bw: float, peak: float
 
     def make() -> LLMEngine:
         return LLMEngine(model_dir, EngineConfig(
-            dtype=dtype, quantization=quant, num_threads=threads, max_num_seqs=max(conc),
+            dtype=dtype, quantization=quant, device=args.device,
+            num_threads=threads if args.device == "cpu" else None, max_num_seqs=max(conc),
             enable_prefix_caching=False, max_num_batched_tokens=2048,
             max_model_len=max(longest + 64, 2048)))
 
@@ -279,6 +287,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (scripts/gpu_check.sh)")
     args = ap.parse_args()
     from pdserve.engine.config import ModelConfig
     from pdserve.engine.gguf_convert import resolve_model
@@ -289,10 +298,11 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     for threads in (int(t) for t in args.threads.split(",")):
         torch.set_num_threads(threads)
-        bw = memory_read_bandwidth()
-        peak = matmul_peak(torch.float32)
-        print(f"\n== {threads} thread(s): memory read bandwidth {bw / 1e9:.1f} GB/s, "
-              f"float32 matmul peak {peak / 1e9:.0f} GFLOP/s")
+        bw = memory_read_bandwidth(device=args.device)
+        peak_dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
+        peak = matmul_peak(peak_dtype, device=args.device)
+        print(f"\n== {args.device}, {threads} thread(s): memory read bandwidth "
+              f"{bw / 1e9:.1f} GB/s, {peak_dtype} matmul peak {peak / 1e9:.0f} GFLOP/s")
         hf = {} if args.no_hf else hf_reference(model_dir, args, vocab)
         for fmt in args.formats.split(","):
             r = bench_format(model_dir, fmt, threads, bw, peak, args, hf)

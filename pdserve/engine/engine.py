@@ -127,7 +127,7 @@ class LLMEngine:
         )
         self.pool = BlockPool(self.num_blocks, self.config.enable_prefix_caching)
         inputs = InputBatch(self.config.max_num_seqs, self.max_model_len,
-                            self.config.max_num_batched_tokens, self.block_size)
+                            self.config.max_num_batched_tokens, self.block_size, device)
         self.scheduler = Scheduler(self.pool, self.block_size,
                                    self.config.max_num_batched_tokens, self.config.max_num_seqs,
                                    on_release=inputs.release)

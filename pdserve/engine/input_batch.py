@@ -12,6 +12,9 @@ Buffers (numpy, shared with torch tensors without copies)::
     tokens / positions / slots [max_tokens]  int64   this step's new tokens, in order:
                                                      decodes first, then prefill chunks
     per-sequence [max_num_seqs]              int32   row, query start/len, context len
+
+On a GPU the buffers are pinned host memory and each step's slices go to the device
+with non-blocking copies (one per tensor, none per layer).
 """
 
 from __future__ import annotations
@@ -41,22 +44,31 @@ class StepInputs:
     prompt_targets: list[tuple[Request, list[int]]]
 
 
+def _host(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> np.ndarray:
+    """A zeroed host buffer as numpy, backed by pinned memory when asked."""
+    return torch.zeros(shape, dtype=dtype, pin_memory=pinned).numpy()
+
+
 class InputBatch:
     def __init__(self, max_num_seqs: int, max_model_len: int, max_num_tokens: int,
-                 block_size: int) -> None:
+                 block_size: int, device: str = "cpu") -> None:
         self.block_size = block_size
+        self.device = torch.device(device)
+        pinned = self.device.type == "cuda"
         self.max_blocks = ceil_div(max_model_len, block_size)
-        self.block_table_np = np.zeros((max_num_seqs, self.max_blocks), dtype=np.int32)
+        self.block_table_np = _host((max_num_seqs, self.max_blocks), torch.int32, pinned)
         self.block_table = torch.from_numpy(self.block_table_np)
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self._rows: dict[str, int] = {}  # request id -> row
         self._written: dict[str, int] = {}  # request id -> blocks written into its row
         n = max_num_tokens
-        self._tokens = np.zeros(n, dtype=np.int64)
-        self._positions = np.zeros(n, dtype=np.int64)
-        self._slots = np.zeros(n, dtype=np.int64)
+        self._tokens = _host((n,), torch.int64, pinned)
+        self._positions = _host((n,), torch.int64, pinned)
+        self._slots = _host((n,), torch.int64, pinned)
         self._arange = np.arange(n, dtype=np.int64)
-        self._seq = np.zeros((4, max_num_seqs), dtype=np.int32)  # row, q start, q len, ctx
+        self._seq = _host((4, max_num_seqs), torch.int32, pinned)  # row, q start, q len, ctx
+        # GPU: the last step's copies must be done before its buffers are rewritten.
+        self._copied: torch.cuda.Event | None = None
 
     # ------------------------------------------------------------------ rows
     def release(self, req: Request) -> None:
@@ -78,6 +90,11 @@ class InputBatch:
             self._written[rid] = have
         return row
 
+    def _to_device(self, a: np.ndarray) -> torch.Tensor:
+        """A buffer slice as a tensor on the engine's device (no copy on the CPU)."""
+        t = torch.from_numpy(a)
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
     @property
     def num_rows_in_use(self) -> int:
         return len(self._rows)
@@ -87,6 +104,8 @@ class InputBatch:
         """Inputs for computing ``n`` new tokens of each ``(request, n)``; single
         tokens first so that decodes lead the batch."""
         work = sorted(work, key=lambda rn: rn[1] != 1)
+        if self._copied is not None:
+            self._copied.synchronize()
         s_count = len(work)
         seq = self._seq[:, :s_count]
         tokens: list[int] = []
@@ -129,23 +148,30 @@ class InputBatch:
         bs = self.block_size
         blocks = self.block_table_np[rows, positions // bs]
         np.add(blocks.astype(np.int64) * bs, positions % bs, out=self._slots[:t])
+        dev = self._to_device
         meta = AttentionMetadata(
-            positions=torch.from_numpy(positions),
-            slot_mapping=torch.from_numpy(self._slots[:t]),
-            block_table=self.block_table,
-            seq_rows=torch.from_numpy(seq[0]),
-            query_start=torch.from_numpy(seq[1]),
-            query_len=torch.from_numpy(seq[2]),
-            context_len=torch.from_numpy(seq[3]),
+            positions=dev(positions),
+            slot_mapping=dev(self._slots[:t]),
+            block_table=dev(self.block_table_np),
+            seq_rows=dev(seq[0]),
+            query_start=dev(seq[1]),
+            query_len=dev(seq[2]),
+            context_len=dev(seq[3]),
             num_decode=num_decode,
+            seq_rows_list=seq[0].tolist(),
             query_start_list=seq[1].tolist(),
             query_len_list=seq[2].tolist(),
             context_len_list=seq[3].tolist(),
         )
+        input_ids = dev(self._tokens[:t])
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
         return StepInputs(
-            input_ids=torch.from_numpy(self._tokens[:t]),
+            input_ids=input_ids,
             meta=meta,
-            logits_indices=torch.tensor(logits_rows + prompt_rows, dtype=torch.long),
+            logits_indices=torch.tensor(logits_rows + prompt_rows, dtype=torch.long,
+                                        device=self.device),
             sampled=sampled,
             prompt_targets=prompt_targets,
         )

@@ -166,7 +166,7 @@ def _case(dtype: torch.dtype, head_dim: int, block_size: int, heads: tuple[int, 
         query_start=torch.tensor(qs, dtype=torch.int32),
         query_len=torch.tensor(ql, dtype=torch.int32),
         context_len=torch.tensor(cl, dtype=torch.int32),
-        num_decode=sum(1 for n, _ in seqs if n == 1),
+        num_decode=sum(1 for n, _ in seqs if n == 1), seq_rows_list=rows,
         query_start_list=qs, query_len_list=ql, context_len_list=cl)
     qkv = torch.randn(t, (h + 2 * kvh) * head_dim, generator=g)
     rotary = RotaryEmbedding(RopeConfig(), head_dim, 4096, torch.float32)

@@ -35,12 +35,11 @@ def assert_same_greedy(got: list[Completion], want: list[Completion], margin: fl
     where the reference's top two logits were within ``margin`` (a near-tie that
     float rounding decides), and are compared up to there."""
     for g, w in zip(got, want, strict=True):
-        for a, b, lb in zip(g.token_ids, w.token_ids, w.logprobs, strict=True):
-            if a != b:
-                assert lb.top[0][1] - lb.top[1][1] < margin, (g.token_ids, w.token_ids)
-                break
-        n = next((i for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)) if a != b),
-                 len(w.token_ids))
+        same = [a == b for a, b in zip(g.token_ids, w.token_ids, strict=True)]
+        n = same.index(False) if False in same else len(same)
+        if n < len(same):
+            top = w.logprobs[n].top
+            assert top[0][1] - top[1][1] < margin, (g.token_ids, w.token_ids)
         for la, lb in zip(g.logprobs[:n], w.logprobs[:n], strict=True):
             assert abs(la.logprob - lb.logprob) < atol
 
