@@ -56,6 +56,24 @@ def cpu_supported() -> str | None:
     return None
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def native_bf16_matmul() -> bool:
+    """True where oneDNN multiplies bfloat16 in hardware (AVX512-BF16 or AMX): there
+    large bfloat16 matmuls beat widening to float32 (about 2x, PERF-NOTES)."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
 def build(verbose: bool = False) -> Path:
     """Compile the kernels (a no-op when the stamp is current)."""
     from torch.utils import cpp_extension

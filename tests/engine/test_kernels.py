@@ -49,6 +49,22 @@ def test_widened_bf16_matches_reference(k, m: int, panel: int) -> None:  # type:
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_large_bf16_batches_both_ways(native: bool) -> None:
+    """Widened to float32 for the BLAS, or bfloat16 through oneDNN (the branch taken
+    on CPUs with AVX512-BF16 / AMX; forced here so that it runs everywhere)."""
+    from pdserve.engine.linear import CpuDense
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+    b = torch.randn(96, generator=g)
+    x = torch.randn(50, 64, generator=g)
+    ref = F.linear(x, w.float(), b)
+    out = CpuDense(w, b, native_bf16=native)(x)
+    tol = 5e-2 if native else 1e-4  # bf16 activations: ~3 significant digits
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol * float(ref.abs().max()))
+
+
 def test_linear_rejects_bad_shapes(k) -> None:  # type: ignore[no-untyped-def]
     w = torch.randn(8, 64)
     with pytest.raises(RuntimeError, match="columns"):
