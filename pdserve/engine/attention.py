@@ -151,18 +151,13 @@ class CpuPagedAttention:
 
     def __call__(self, qkv: torch.Tensor, kv_cache: torch.Tensor, layer: int,
                  meta: AttentionMetadata) -> torch.Tensor:
-        t, h, d = qkv.shape[0], self.h, self.d
         in_dtype = qkv.dtype  # float32 unless the linear layers are the reference
         if in_dtype != torch.float32:
             qkv = qkv.float().contiguous()
-        self.k.rope_write_kv(qkv, meta.positions, self.cos, self.sin, kv_cache, layer,
-                             meta.slot_mapping, h, self.kvh)
-        q = qkv.view(t, -1, d)[:, :h]
-        out = torch.empty(t, h, d, dtype=torch.float32)
-        self.k.paged_attention(q, kv_cache, layer, meta.block_table, meta.seq_rows,
-                               meta.query_start, meta.query_len, meta.context_len,
-                               self.scale, out)
-        out = out.view(t, h * d)
+        out = self.k.attention_step(
+            qkv, meta.positions, self.cos, self.sin, kv_cache, layer, meta.slot_mapping,
+            meta.block_table, meta.seq_rows, meta.query_start, meta.query_len,
+            meta.context_len, self.h, self.kvh, self.scale)
         return out if in_dtype == torch.float32 else out.to(in_dtype)
 
 

@@ -16,6 +16,22 @@ at::Tensor add_rms_norm(const at::Tensor&, at::Tensor&, const at::Tensor&, doubl
 void rope_write_kv(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
                    int64_t, const at::Tensor&, int64_t, int64_t);
 at::Tensor silu_mul(const at::Tensor&);
+
+// One layer's attention for a step: rotary on q/k in the fused qkv, K/V into their
+// slots, paged attention; returns [T, H * D]. (One call instead of two + views.)
+at::Tensor attention_step(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
+                          const at::Tensor& sin, at::Tensor& kv_cache, int64_t layer,
+                          const at::Tensor& slots, const at::Tensor& block_table,
+                          const at::Tensor& seq_rows, const at::Tensor& q_start,
+                          const at::Tensor& q_len, const at::Tensor& ctx_len, int64_t num_heads,
+                          int64_t num_kv_heads, double scale) {
+  rope_write_kv(qkv, positions, cos, sin, kv_cache, layer, slots, num_heads, num_kv_heads);
+  const int64_t T = qkv.size(0), D = kv_cache.size(5);
+  auto q = qkv.view({T, -1, D}).narrow(1, 0, num_heads);
+  auto out = at::empty({T, num_heads, D}, qkv.options());
+  paged_attention(q, kv_cache, layer, block_table, seq_rows, q_start, q_len, ctx_len, scale, out);
+  return out.view({T, num_heads * D});
+}
 }  // namespace pdk
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -30,4 +46,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &pdk::add_rms_norm, nogil);
   m.def("rope_write_kv", &pdk::rope_write_kv, nogil);
   m.def("silu_mul", &pdk::silu_mul, nogil);
+  m.def("attention_step", &pdk::attention_step, nogil);
 }
