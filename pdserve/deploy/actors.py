@@ -52,6 +52,10 @@ class ActorSettings:
     def host(self) -> str:
         return "127.0.0.1" if self.loopback else ray.util.get_node_ip_address()
 
+    def sender_options(self) -> dict[str, Any]:
+        """A transfer that makes no progress for ``kv_timeout_s`` fails, on both sides."""
+        return {"timeout_s": self.kv_timeout_s, **self.transfer_options}
+
     def receiver_options(self) -> dict[str, Any]:
         opts = self.transfer_options
         if self.transfer in ("torch", "nixl") and "host" not in opts:
@@ -106,7 +110,7 @@ class PrefillActor(_InActor, PrefillWorker):
         _restart_backoff(settings)
         PrefillWorker.__init__(self, worker_id, model_dir,
                                pool.engine_config("prefill", _device()), settings.transfer,
-                               settings.transfer_options)
+                               settings.sender_options())
         self._serve_metrics(model_dir, settings.host())
 
 

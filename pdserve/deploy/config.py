@@ -74,7 +74,7 @@ class ClusterConfig:
     # None: 0 workers with one prefill + one decode worker's CPUs and GPUs each
     colocated: PoolConfig | None = None
     router: RouterConfig = field(default_factory=RouterConfig)
-    kv_timeout_s: float = 30.0  # decode side: KV must arrive this soon after reserve
+    kv_timeout_s: float = 30.0  # a KV transfer without progress this long fails (P and D)
     max_restarts: int = 5  # Ray restarts a dead worker actor at most this often ...
     restart_backoff_s: float = 1.0  # ... waiting this long, doubling with each restart
     api_key: str | None = None  # HTTP + gRPC: required Bearer token (None = open) ...

@@ -64,18 +64,20 @@ class PrefillWorker(WorkerLoop):
         self.transfer = ChannelThread(self.sender, self._on_send_events,
                                       f"kv-send-{worker_id}")
         self._peers: dict[str, tuple[str, dict[str, Any]]] = {}  # decode id -> (peer, endpoint)
+        self._broken: set[str] = set()  # decode ids whose channel died: reconnect on connect()
         self._inflight: dict[str, _InFlight] = {}
         self.start()
 
     # ------------------------------------------------------------ async API
     async def connect(self, decode_worker: str, endpoint: dict[str, Any]) -> None:
         """Open the channel to a decode worker (checks the KV layout); a decode worker
-        that restarted (new endpoint) gets a new channel."""
+        that restarted (new endpoint), or whose channel died, gets a new channel."""
         known = self._peers.get(decode_worker)
-        if known is not None and known[1] == endpoint:
+        if known is not None and known[1] == endpoint and decode_worker not in self._broken:
             return
         peer = await asyncio.wrap_future(self.transfer.call(lambda: self.sender.connect(endpoint)))
-        await self._on_loop(lambda: self._peers.__setitem__(decode_worker, (peer, endpoint)))
+        self._peers[decode_worker] = (peer, endpoint)  # one dict store: the loop reads it
+        self._broken.discard(decode_worker)
 
     async def prefill(self, task: PrefillTask) -> PrefillResult:
         """Compute the prompt and push its KV; resolves once the decode worker has
@@ -85,7 +87,7 @@ class PrefillWorker(WorkerLoop):
 
         def add() -> None:
             known = self._peers.get(task.decode_worker)
-            if known is None:
+            if known is None or task.decode_worker in self._broken:
                 raise AttemptFailed(FailReason.NOT_CONNECTED,
                                     f"no channel to decode worker {task.decode_worker!r}")
             self.engine.add_request(task.request_id, task.prompt_token_ids, task.params)
@@ -97,6 +99,7 @@ class PrefillWorker(WorkerLoop):
     def close(self) -> None:
         self.stop()
         self.transfer.close()
+
 
     # ------------------------------------------------------------- loop side
     def _run_step(self) -> None:
@@ -151,12 +154,17 @@ class PrefillWorker(WorkerLoop):
     def _sent(self, events: list[SendEvent], when: float) -> None:
         for ev in events:
             f = self._inflight.pop(ev.request_id, None)
-            self.engine.release(ev.request_id)
+            # Hand-off done, or the transfer failed -- perhaps while the prompt is still
+            # being prefilled (a dead peer fails every request sent to it): free it
+            # wherever it is.
+            self.engine.abort(ev.request_id)
             if f is None:
                 continue
             self.engine.pool.free(f.pinned)
             if not ev.ok:
                 self._metrics.kv_transfer_failures += 1
+                if ev.reason is FailReason.PEER_DIED:  # the channel is gone, not just this request
+                    self._broken.add(f.task.decode_worker)
                 if not f.future.done():
                     f.future.set_exception(AttemptFailed(
                         ev.reason or FailReason.TRANSPORT,

@@ -75,18 +75,30 @@ class Admission:
         """Room may have appeared (a request ended, a worker joined)."""
         self._capacity.set()
 
+    def watch(self) -> None:
+        """Start watching for ``wake``: call before checking what ``wait_for_change``
+        waits for, so that no wake in between is missed."""
+        self._capacity.clear()
+
+    async def wait_for_change(self, timeout_s: float) -> None:
+        """Until ``wake`` since the last ``watch``, at most ``timeout_s`` (and 0.5 s)."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._capacity.wait(), timeout=min(timeout_s, 0.5))
+
     def full(self) -> bool:
         return self.num_waiting >= self.max_waiting
 
     async def admit(self, attempt_id: str, ids: list[int], params: SamplingParams,
-                    hashes: list[int], deadline: float) -> Target:
+                    hashes: list[int], deadline: float, avoid: frozenset[str] = frozenset(),
+                    ) -> Target:
+        """``avoid``: workers this request already failed on (tried last)."""
         give_up = min(deadline, time.monotonic() + self.queue_timeout_s)
         need = -(-len(ids) // self._block_size)
         self.num_waiting += 1
         try:
             while True:
-                self._capacity.clear()
-                for w in self.rank(RouteInput(len(ids), hashes)):
+                self.watch()
+                for w in self.rank(RouteInput(len(ids), hashes), avoid):
                     target = await self._try(w, attempt_id, ids, params, need)
                     if target is not None:
                         return target
@@ -98,8 +110,7 @@ class Admission:
                     raise RouterError(ErrorKind.OVERLOADED,
                                       "no decode worker has room for this request",
                                       retry_after_s=1.0)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._capacity.wait(), timeout=min(remaining, 0.5))
+                await self.wait_for_change(remaining)
         finally:
             self.num_waiting -= 1
 
@@ -110,10 +121,10 @@ class Admission:
         granted = False
         try:
             if w.role == "decode":
-                blocks = await w.handle.reserve(attempt_id, ids, params)
+                blocks = await self._workers.call(w, w.handle.reserve(attempt_id, ids, params))
                 granted = blocks is not None
                 return Target(w, blocks) if granted else None
-            granted = bool(await w.handle.admit(attempt_id, ids, params))
+            granted = bool(await self._workers.call(w, w.handle.admit(attempt_id, ids, params)))
             return Target(w, None) if granted else None
         except ValueError as exc:  # the worker can never serve it: the request's fault
             raise RouterError(ErrorKind.INVALID, str(exc)) from exc
@@ -121,6 +132,7 @@ class Admission:
             self._workers.gone(w.worker_id, str(exc))
             return None
         except AttemptFailed:
+            await w.handle.abort(attempt_id)  # it may still reserve: free that (never waits)
             raise
         except Exception as exc:  # a transport error: this attempt fails, probes judge w
             raise AttemptFailed(FailReason.TRANSPORT,
@@ -130,8 +142,8 @@ class Admission:
             if not granted:
                 w.outstanding_requests -= 1
 
-    def rank(self, req: RouteInput) -> list[WorkerState]:
-        """Live token workers in the policy's order of preference."""
+    def rank(self, req: RouteInput, avoid: frozenset[str] = frozenset()) -> list[WorkerState]:
+        """Live token workers in the policy's order of preference (``avoid`` last)."""
         tokens = self._workers.live("decode", "colocated")
         self._sequence += 1
         snap = ClusterSnapshot(prefill=[], decode=[self._view(w) for w in tokens],
@@ -139,11 +151,15 @@ class Admission:
         _, order = self._policy(snap, req)
         by_id = {w.worker_id: w for w in tokens}
         # A decode worker without a connected prefill worker cannot be served now.
-        return [by_id[i] for i in order
-                if by_id[i].role == "colocated" or self._workers.prefill_for(i)]
+        ranked = [by_id[i] for i in order
+                  if by_id[i].role == "colocated" or self._workers.prefill_for(i)]
+        return sorted(ranked, key=lambda w: w.worker_id in avoid)  # stable
 
-    def pick_prefill(self, decode_id: str, req: RouteInput) -> WorkerState | None:
+    def pick_prefill(self, decode_id: str, req: RouteInput,
+                     avoid: frozenset[str] = frozenset()) -> WorkerState | None:
         candidates = self._workers.prefill_for(decode_id)
+        fresh = [w for w in candidates if w.worker_id not in avoid]
+        candidates = fresh or candidates  # a retry tries another prefill worker first
         if not candidates:
             return None
         snap = ClusterSnapshot(prefill=[self._view(w) for w in candidates], decode=[],

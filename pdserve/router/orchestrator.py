@@ -84,6 +84,7 @@ class _PrefillLeg:
     worker: WorkerState
     future: asyncio.Future[PrefillResult]
     num_tokens: int
+    decode_worker: str
     settled: bool = False
 
     def __post_init__(self) -> None:
@@ -110,6 +111,7 @@ class RequestRun:
         self.timings = StageTimings()
         self.cached = 0
         self._last_token_at: float | None = None
+        self._failed_on: set[str] = set()  # workers an attempt of this request failed on
 
     async def stream(self) -> AsyncIterator[StreamChunk | FinalChunk]:
         failures: list[AttemptFailed] = []
@@ -142,7 +144,8 @@ class RequestRun:
         ids, params = self.prompt + self.emitted, self._params_left()
         hashes = prefix_block_hashes(ids, s.block_size)
         route = RouteInput(len(ids), hashes)
-        target = await s.admission.admit(aid, ids, params, hashes, self.deadline)
+        avoid = frozenset(self._failed_on)
+        target = await s.admission.admit(aid, ids, params, hashes, self.deadline, avoid)
         if self.timings.router_queue is None:
             self.timings.router_queue = time.monotonic() - self.arrival
         token = target.worker
@@ -153,7 +156,7 @@ class RequestRun:
         done = False  # the engine finished the request (nothing to abort)
         try:
             if token.role == "decode":
-                p = s.admission.pick_prefill(token.worker_id, route)
+                p = s.admission.pick_prefill(token.worker_id, route, avoid)
                 if p is None:
                     raise AttemptFailed(FailReason.NOT_CONNECTED,
                                         f"no prefill worker is connected to {token.worker_id}")
@@ -179,6 +182,9 @@ class RequestRun:
                                       f"request {self.req.request_id} passed its deadline")
                 elif isinstance(item, AttemptFailed):
                     raise item
+        except AttemptFailed:
+            self._failed_on.update((token.worker_id, *([leg.worker.worker_id] if leg else [])))
+            raise
         finally:
             timer.cancel()
             s.fanout.close(aid)
@@ -200,7 +206,7 @@ class RequestRun:
         self.s.prefix.record(hashes, p.worker_id)
         fut = asyncio.ensure_future(p.handle.prefill(task))
         fut.add_done_callback(inbox.push)  # its completion is an inbox item
-        return _PrefillLeg(p, fut, len(task.prompt_token_ids))
+        return _PrefillLeg(p, fut, len(task.prompt_token_ids), task.decode_worker)
 
     def _prefill_done(self, leg: _PrefillLeg) -> None:
         leg.settle()
@@ -221,6 +227,8 @@ class RequestRun:
             self.s.workers.gone(p.worker_id, str(exc))
             raise AttemptFailed(FailReason.WORKER_DIED, f"{p.worker_id}: {exc}") from exc
         if isinstance(exc, AttemptFailed):
+            if exc.reason in (FailReason.PEER_DIED, FailReason.NOT_CONNECTED):
+                self.s.workers.channel_lost(p.worker_id, leg.decode_worker)
             raise exc
         raise AttemptFailed(FailReason.TRANSPORT, f"{p.worker_id}: {exc!r}") from exc
 

@@ -126,9 +126,7 @@ class Router:
         try:
             prompt = self._tokenize(req)
             self._validate(prompt, req.params)
-            if not self.ready():
-                raise RouterError(ErrorKind.NOT_READY, "no worker is serving right now",
-                                  retry_after_s=1.0)
+            await self._wait_ready()
             if self.admission.full():
                 raise RouterError(ErrorKind.OVERLOADED, "too many requests waiting for KV blocks",
                                   retry_after_s=1.0)
@@ -150,6 +148,17 @@ class Router:
             self._active.discard(req.request_id)
 
     # ------------------------------------------------------------------ helpers
+    async def _wait_ready(self) -> None:
+        """Nobody serving: wait (at most ``health_timeout_s``) for a worker rejoining."""
+        give_up = time.monotonic() + self.config.health_timeout_s
+        self.admission.watch()
+        while not self.ready():
+            if time.monotonic() >= give_up:
+                raise RouterError(ErrorKind.NOT_READY, "no worker is serving right now",
+                                  retry_after_s=1.0)
+            await self.admission.wait_for_change(give_up - time.monotonic())
+            self.admission.watch()
+
     def _tokenize(self, req: GenerateRequest) -> list[int]:
         given = [x is not None for x in (req.prompt, req.messages, req.prompt_token_ids)]
         if sum(given) != 1:

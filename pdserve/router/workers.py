@@ -27,16 +27,17 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from pdserve.failures import FailReason, WorkerGone
+from pdserve.failures import AttemptFailed, FailReason, WorkerGone
 from pdserve.messages import WorkerLoad
 from pdserve.output_stream import connect_stream
 from pdserve.router.fanout import Fanout
 
 log = logging.getLogger("pdserve.router")
+T = TypeVar("T")
 TOKEN_ROLES = ("decode", "colocated")
 
 
@@ -56,6 +57,7 @@ class WorkerState:
     outstanding_requests: int = 0  # attempts using it
     restarts: int = 0
     peers: set[str] = field(default_factory=set)  # prefill: decode workers it has channels to
+    left: asyncio.Event | None = None  # set when this join's stay in routing ends
 
 
 @dataclass(frozen=True)
@@ -109,6 +111,31 @@ class WorkerSet:
         if self.live("colocated"):
             return True
         return any(self.prefill_for(d.worker_id) for d in self.live("decode"))
+
+    async def call(self, w: WorkerState, coro: Coroutine[Any, Any, T]) -> T:
+        """Await a call on ``w``, given up (``AttemptFailed``) if ``w`` leaves routing
+        first: a stalled worker never holds a request in admission."""
+        left = w.left
+        if left is None or left.is_set():
+            coro.close()
+            raise AttemptFailed(FailReason.UNHEALTHY, f"worker {w.worker_id} is not in routing")
+        task = asyncio.ensure_future(coro)
+        leaving = asyncio.ensure_future(left.wait())
+        try:
+            await asyncio.wait({task, leaving}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            leaving.cancel()
+            if not task.done():
+                task.cancel()
+        if not task.done() or task.cancelled():
+            raise AttemptFailed(FailReason.UNHEALTHY, f"worker {w.worker_id} left routing")
+        return task.result()
+
+    def channel_lost(self, prefill_id: str, decode_id: str) -> None:
+        """A transfer found the P -> D channel gone: not used until a probe reopens it."""
+        p = self.workers.get(prefill_id)
+        if p is not None:
+            p.peers.discard(decode_id)
 
     def gone(self, worker_id: str, why: str) -> None:
         """A call said the worker is not running: out of routing now."""
@@ -173,6 +200,7 @@ class WorkerSet:
         for p in self.workers.values():
             p.peers.discard(w.worker_id)
         w.alive = True
+        w.left = asyncio.Event()
         if restarted:
             w.restarts += 1
         log.info("worker %s (%s) %s", w.worker_id, w.role, "rejoined" if restarted else "joined")
@@ -208,6 +236,8 @@ class WorkerSet:
             return
         log.error("worker %s (%s) leaves routing: %s", w.worker_id, w.role, why)
         w.alive = False
+        if w.left is not None:
+            w.left.set()
         self._close_stream(w)
         w.peers.clear()
         for p in self.workers.values():

@@ -28,13 +28,13 @@ class Pair:
 
     def __init__(self, model: Path, n_prefill: int = 1, n_decode: int = 1,
                  decode_blocks: int = 128, n_colocated: int = 0,
-                 prefill_engine: dict[str, object] | None = None,
+                 prefill_engine: dict[str, object] | None = None, kv_timeout_s: float = 5,
                  **router_kw: object) -> None:
         self.prefill = [PrefillWorker(f"prefill-{i}", model, EngineConfig(**{
             "role": "prefill", "num_blocks": 128, **(prefill_engine or {})}), "local")  # type: ignore[arg-type]
             for i in range(n_prefill)]
         self.decode = [DecodeWorker(f"decode-{i}", model, EngineConfig(
-            role="decode", num_blocks=decode_blocks), "local", kv_timeout_s=5)
+            role="decode", num_blocks=decode_blocks), "local", kv_timeout_s=kv_timeout_s)
             for i in range(n_decode)]
         self.colocated = [ColocatedWorker(f"colocated-{i}", model, EngineConfig(
             role="colocated", num_blocks=decode_blocks)) for i in range(n_colocated)]
@@ -209,6 +209,25 @@ def test_bad_input_and_overload(pair_factory: Callable[..., Pair]) -> None:
         tokens, _, _ = await collect(router.generate(GenerateRequest(
             "ok", GREEDY, prompt_token_ids=[9] * 10)))
         assert len(tokens) == 24
+
+    run(pair, body)
+
+
+def test_cancel_while_waiting_for_room(pair_factory: Callable[..., Pair]) -> None:
+    pair = pair_factory(decode_blocks=12, queue_timeout_s=60)
+
+    async def body(router: Router) -> None:
+        held = await pair.decode[0].reserve("hold", [7] * 150, GREEDY)  # 10 of 12 blocks
+        assert held is not None
+        waiting = asyncio.create_task(collect(router.generate(GenerateRequest(
+            "w", GREEDY, prompt_token_ids=[9] * 100))))
+        await until_async("the request waiting for room",
+                          lambda: router.admission.num_waiting == 1)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        assert router.admission.num_waiting == 0
+        await pair.decode[0].abort("hold")
+        await until_async("blocks freed", lambda: not any(pair.used_blocks().values()))
 
     run(pair, body)
 

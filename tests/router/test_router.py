@@ -1,0 +1,149 @@
+"""The router's retry and leave-routing rules over real in-process workers (local
+transfer): a failed attempt is retried on another pair and costs no worker; a worker
+that is gone leaves routing and its requests continue elsewhere; the retry budget and
+the deadline end a request with a clear, typed error; nothing leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.router import Router
+from pdserve.router.types import ErrorKind, GenerateRequest, RouterError, StreamChunk
+from tests.integration.test_inprocess import Pair, collect, pair_factory, run  # noqa: F401
+from tests.integration.waiting import until_async
+
+PARAMS = SamplingParams(max_tokens=30, ignore_eos=True)
+PROMPT = list(range(20, 60))
+
+
+def failed(registry: CollectorRegistry, reason: str) -> float:
+    value = registry.get_sample_value("pdserve_failed_attempts_total",
+                                      {"model": "tiny", "role": "router", "reason": reason})
+    return float(value or 0)
+
+
+def stall(worker: object) -> threading.Event:
+    """Block a worker's engine loop until the returned event is set (a stuck step)."""
+    gate = threading.Event()
+    worker.call(gate.wait)  # type: ignore[attr-defined]
+    return gate
+
+
+def test_failed_attempt_is_retried_elsewhere_and_costs_no_worker(
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:  # noqa: F811
+    # prefill-0 is stuck: decode's KV expectation for the first attempt times out
+    # (a request-level failure); the retry goes to prefill-1.
+    pair = pair_factory(n_prefill=2, kv_timeout_s=1)
+    registry = CollectorRegistry()
+    pair.router.metrics = RouterMetrics(registry, "tiny")
+    expected = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=64)).generate(
+        [PROMPT], PARAMS)[0].token_ids
+    async def body(router: Router) -> None:
+        gate = stall(pair.prefill[0])
+        try:
+            tokens, _, final = await collect(router.generate(
+                GenerateRequest("r", PARAMS, prompt_token_ids=PROMPT)))
+        finally:
+            gate.set()
+        assert tokens == expected and final.num_retries == 1
+        assert all(router.worker_states().values()), router.worker_states()
+        assert failed(registry, "timeout") == 1
+        await until_async("blocks freed", lambda: not any(pair.used_blocks().values()))
+
+    run(pair, body)
+
+
+def test_gone_worker_leaves_routing_and_its_stream_continues_elsewhere(
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:  # noqa: F811
+    pair = pair_factory(n_decode=2)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    expected = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=64)).generate(
+        [PROMPT], params)[0].token_ids
+
+    async def body(router: Router) -> None:
+        tokens: list[int] = []
+        closed: list[str] = []
+        async for item in router.generate(GenerateRequest("g", params, prompt_token_ids=PROMPT)):
+            if not isinstance(item, StreamChunk):
+                assert item.num_retries == 1
+                continue
+            tokens += item.token_ids
+            if len(tokens) >= 5 and not closed:
+                (serving,) = [w for w in router.fanout.workers_of("g") if w.startswith("decode")]
+                worker = next(w for w in pair.decode if w.worker_id == serving)
+                worker.close()  # its loop and token stream stop: it is gone
+                closed.append(serving)
+        assert tokens == expected  # continued on the other decode worker, exactly
+        assert router.worker_states()[closed[0]] is False and router.ready()
+        pair.decode = [w for w in pair.decode if w.worker_id != closed[0]]
+
+    run(pair, body)
+
+
+def test_retry_budget_ends_with_a_clear_error(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+    pair = pair_factory(kv_timeout_s=0.5, max_retries=1)
+
+    async def body(router: Router) -> None:
+        gate = stall(pair.prefill[0])
+        try:
+            with pytest.raises(RouterError) as e:
+                await collect(router.generate(GenerateRequest("b", PARAMS, prompt_token_ids=PROMPT)))
+        finally:
+            gate.set()
+        assert e.value.kind is ErrorKind.INTERNAL
+        assert e.value.message == "request failed after 2 attempt(s): timeout, timeout"
+        assert all(router.worker_states().values())  # failed requests cost no worker
+        await until_async("blocks freed", lambda: not any(pair.used_blocks().values()))
+        tokens, _, _ = await collect(router.generate(
+            GenerateRequest("after", PARAMS, prompt_token_ids=PROMPT)))
+        assert len(tokens) == 30
+
+    run(pair, body)
+
+
+def test_deadline_ends_a_stuck_request(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+    pair = pair_factory()
+
+    async def body(router: Router) -> None:
+        gate = stall(pair.prefill[0])
+        try:
+            with pytest.raises(RouterError) as e:
+                await collect(router.generate(GenerateRequest(
+                    "d", PARAMS, prompt_token_ids=PROMPT, timeout_s=0.5)))
+        finally:
+            gate.set()
+        assert e.value.kind is ErrorKind.DEADLINE
+        await until_async("blocks freed", lambda: not any(pair.used_blocks().values()))
+
+    run(pair, body)
+
+
+def test_colocated_and_pairs_side_by_side(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+    """Routing picks a pair or a colocated worker; both serve, and a request whose
+    colocated worker is gone continues on a pair."""
+    pair = pair_factory(n_colocated=1)
+
+    async def body(router: Router) -> set[str]:
+        served: set[str] = set()
+
+        async def one(i: int) -> None:
+            stream = router.generate(GenerateRequest(f"m{i}", PARAMS, prompt_token_ids=[9 + i] * 30))
+            async for item in stream:
+                served.update(w.split("-")[0] for w in router.fanout.workers_of(f"m{i}"))
+                if not isinstance(item, StreamChunk):
+                    assert item.finish_reason == "length"
+
+        await asyncio.gather(*(one(i) for i in range(6)))
+        return served
+
+    assert run(pair, body) >= {"colocated", "decode", "prefill"}
