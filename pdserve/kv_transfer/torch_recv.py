@@ -1,6 +1,7 @@
 """Decode side of the `torch` backend (torch.distributed point-to-point, gloo or NCCL).
 
-D hosts a TCPStore (port 0 -> the real port goes in its endpoint). An accept thread
+D hosts a TCPStore on a socket bound to ``host`` (port 0 -> the real port goes in its
+endpoint). An accept thread
 watches the "pairs" counter and starts one receive thread per prefill worker that joins
 (see torch_group for the rendezvous). A receive thread loops: header -> payload ->
 scatter into the expected blocks (under the tracker lock, dropped if the request was
@@ -17,6 +18,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import socket
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -59,12 +61,17 @@ class TorchReceiver(KVReceiver):
         self._state = RecvTracker(self.num_blocks)
         self._connect_timeout_s = connect_timeout_s
         self._peer_timeout_s = peer_timeout_s
+        # TCPStore's own server listens on every interface: hand it a socket bound to
+        # ``host`` instead (loopback in an embedded cluster). The store owns the fd.
+        listener = socket.create_server((host, port))
         self._store = dist.TCPStore(
             host,
-            port,
+            listener.getsockname()[1],
             is_master=True,
             wait_for_workers=False,
             timeout=datetime.timedelta(seconds=connect_timeout_s),
+            master_listen_fd=listener.detach(),
+            use_libuv=False,  # the libuv server ignores master_listen_fd
         )
         self._host = host
         self._closed = threading.Event()
