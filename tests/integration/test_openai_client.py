@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from pdserve.engine.tokenizer import Tokenizer  # noqa: E402
+from tests.integration.procs import kill_marked, marked_env, processes_with  # noqa: E402
 
 KEY = "test-key"
 CONFIG = """\
@@ -47,27 +47,13 @@ class Served:
     file_sd: Path  # the Prometheus targets file serve keeps
 
 
-def _processes_with(mark: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if f"PDSERVE_TEST_MARK={mark}".encode() in (entry / "environ").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue  # gone meanwhile, or not ours to read
-    return found
-
-
 @pytest.fixture(scope="module")
 def served(tiny_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory,
            ) -> Iterator[Served]:
     model = tiny_model("llama-gqa")
     tmp = tmp_path_factory.mktemp("serve")
     (tmp / "cluster.yaml").write_text(CONFIG + f"file_sd_path: {tmp / 'targets.json'}\n")
-    mark = uuid.uuid4().hex
-    env = {**os.environ, "PDSERVE_TEST_MARK": mark}
-    env.pop("RAY_ADDRESS", None)  # the server starts its own embedded cluster
+    mark, env = marked_env()
     log = tmp / "serve.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
@@ -92,8 +78,7 @@ def served(tiny_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathF
         if proc.poll() is None:  # test_sigint_... did not run or failed: stop hard
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        for pid in _processes_with(mark):
-            os.kill(pid, signal.SIGKILL)
+        kill_marked(mark)
 
 
 def _ok(s: Served) -> None:
@@ -274,7 +259,7 @@ def test_sigint_stops_everything(served: Served) -> None:
     s.proc.send_signal(signal.SIGINT)
     assert s.proc.wait(timeout=60) == 0, s.log.read_text(errors="replace")[-3000:]
     deadline = time.monotonic() + 20
-    while left := _processes_with(s.mark):
+    while left := processes_with(s.mark):
         assert time.monotonic() < deadline, f"processes left behind: {left}"
         time.sleep(0.2)
     assert not s.file_sd.exists()
