@@ -147,3 +147,37 @@ def test_colocated_and_pairs_side_by_side(pair_factory: Callable[..., Pair]) -> 
         return served
 
     assert run(pair, body) >= {"colocated", "decode", "prefill"}
+
+
+def test_overload_burst_gets_429s_and_recovers(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+    """10x what the decode worker can hold at once: admission keeps at most
+    ``max_waiting`` requests waiting and refuses the rest with OVERLOADED (429);
+    every admitted one finishes; afterwards nothing of the burst remains."""
+    # 24 blocks hold 4 requests of 5 blocks (40 prompt + 30 new tokens).
+    pair = pair_factory(decode_blocks=24, max_waiting=8, queue_timeout_s=30)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+
+    async def body(router: Router) -> None:
+        peak = 0
+
+        async def one(i: int) -> str:
+            nonlocal peak
+            try:
+                async for _ in router.generate(GenerateRequest(
+                        f"o{i}", params, prompt_token_ids=[5 + i] * 40)):
+                    peak = max(peak, len(router.fanout) + router.admission.num_waiting)
+            except RouterError as exc:
+                return exc.kind.value
+            return "ok"
+
+        outcomes = await asyncio.gather(*(one(i) for i in range(40)))
+        assert set(outcomes) == {"ok", "overloaded"}, outcomes
+        assert outcomes.count("ok") >= 8  # at least every one let into the queue
+        assert peak <= 4 + 8  # memory bound: attempts in flight + waiting, never the burst
+        assert len(router.fanout) == 0 and router.admission.num_waiting == 0
+        await until_async("blocks freed", lambda: not any(pair.used_blocks().values()))
+        tokens, _, _ = await collect(router.generate(
+            GenerateRequest("after", params, prompt_token_ids=[5] * 40)))
+        assert len(tokens) == 30
+
+    run(pair, body)
