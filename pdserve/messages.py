@@ -82,6 +82,9 @@ class PrefillResult:
     prefill_s: float  # first scheduled -> first token sampled
     kv_transfer_s: float  # last chunk's send started -> acknowledged (not hidden by compute)
     kv_bytes: int
+    # With params.prompt_logprobs: one entry per prompt token (None for the first).
+    # A request with max_tokens=0 ends here: scored, no first token, no KV sent.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Stages(NamedTuple):
@@ -106,6 +109,8 @@ class RequestDelta(NamedTuple):
     failure: FailReason | None = None  # finish_reason == "error": why
     error: str = ""  # finish_reason == "error": detail for the log
     stages: Stages | None = None
+    # colocated, with the first delta of a request that asked: see PrefillResult
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ class WorkerLoop(EngineLoop):
         self.blocks_granted = 0  # by reserve/admit (WorkerLoad.blocks_granted)
         self.metrics_at: tuple[str, int] | None = None  # its /metrics, set by who serves it
         self._load = self._make_load()
-        self._cost = cost_model(self.engine.model_config, config.dtype)
+        self._cost = cost_model(self.engine.model_config, config.dtype, config.quantization)
 
     # ------------------------------------------------------------ async API
     async def load(self) -> WorkerLoad:
@@ -150,4 +150,12 @@ def delta_of(out: RequestOutput, stages: Stages | None = None,
                     for lp in out.logprobs]
     return RequestDelta(out.request_id, out.new_token_ids, logprobs,
                         out.finish_reason if out.finished else None, out.stop_reason,
-                        stages=stages)
+                        stages=stages, prompt_logprobs=prompt_logprobs_of(out))
+
+
+def prompt_logprobs_of(out: RequestOutput) -> list[TokenLogprob | None] | None:
+    """An output's prompt logprobs in the boundary's shape (None when not asked)."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if lp is None else TokenLogprob(lp.token_id, lp.logprob, lp.top, lp.rank)
+            for lp in out.prompt_logprobs]

@@ -38,7 +38,7 @@ from pdserve.failures import AttemptFailed, FailReason
 from pdserve.kv_transfer import SendEvent, make_sender
 from pdserve.kv_transfer.driver import ChannelThread
 from pdserve.messages import PrefillResult, PrefillTask, TokenLogprob, WorkerMetrics
-from pdserve.worker_loop import WorkerLoop
+from pdserve.worker_loop import WorkerLoop, prompt_logprobs_of
 
 
 @dataclass
@@ -53,6 +53,7 @@ class _InFlight:
     scheduled: float | None = None
     sampled: float | None = None
     final_sent: float | None = None  # when the last send started
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token
 
 
 class PrefillWorker(WorkerLoop):
@@ -105,14 +106,19 @@ class PrefillWorker(WorkerLoop):
     def _run_step(self) -> None:
         outputs = {out.request_id: out for out in self._step()}
         now = time.monotonic()
+        scored: list[tuple[_InFlight, RequestOutput]] = []
         for rid, f in self._inflight.items():
             if f.final_sent is not None:
                 continue
             out = outputs.get(rid)
-            if out is not None:
+            if out is not None and not out.prefilled:
+                scored.append((f, out))  # max_tokens=0: scored, nothing to hand off
+            elif out is not None:
                 self._send_last(f, out, now)
             else:
                 self._send_computed(f)
+        for f, out in scored:
+            self._scored(f, out, now)
 
     def _send_computed(self, f: _InFlight) -> None:
         """Send the full blocks computed so far that were not sent yet."""
@@ -126,7 +132,19 @@ class PrefillWorker(WorkerLoop):
         if full > f.sent_blocks:
             self._send(f, req.block_ids[f.sent_blocks:full], f.sent_blocks, None)
 
+    def _scored(self, f: _InFlight, out: RequestOutput, now: float) -> None:
+        """A request with max_tokens=0 ended in the engine: its prompt logprobs are
+        the whole answer; no KV goes anywhere."""
+        self._inflight.pop(f.task.request_id, None)
+        scheduled = out.first_scheduled_time if out.first_scheduled_time is not None else now
+        if not f.future.done():
+            f.future.set_result(PrefillResult(
+                request_id=f.task.request_id, num_cached_tokens=out.num_cached_tokens,
+                prefill_queue_s=max(0.0, scheduled - f.received), prefill_s=now - scheduled,
+                kv_transfer_s=0.0, kv_bytes=0, prompt_logprobs=prompt_logprobs_of(out)))
+
     def _send_last(self, f: _InFlight, out: RequestOutput, now: float) -> None:
+        f.prompt_logprobs = prompt_logprobs_of(out)
         if f.scheduled is None:
             f.scheduled = out.first_scheduled_time
         f.num_cached_tokens, f.sampled, f.final_sent = out.num_cached_tokens, now, now
@@ -181,6 +199,7 @@ class PrefillWorker(WorkerLoop):
                 prefill_queue_s=max(0.0, scheduled - f.received),
                 prefill_s=f.sampled - scheduled,
                 kv_transfer_s=max(0.0, when - f.final_sent), kv_bytes=nbytes,
+                prompt_logprobs=f.prompt_logprobs,
             ))
 
     def _abort(self, request_id: str) -> None:

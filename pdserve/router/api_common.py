@@ -52,6 +52,8 @@ class RouterLike(Protocol):
 
     def ready(self) -> bool: ...
 
+    def prompt_ids(self, req: GenerateRequest) -> list[int]: ...
+
 
 def new_request_id() -> str:
     return uuid.uuid4().hex

@@ -116,6 +116,7 @@ class _Api:
                     body.get("model"), str) else None)
             max_len = self.router.models()[0].max_model_len
             parsed: ChatCompletionRequest | CompletionRequest
+            echo: tuple[str, list[int]] | None = None
             if chat:
                 parsed, req = chat_request(body, rid, lambda m: len(
                     self.router.tokenizer.apply_chat_template(m)), max_len)
@@ -123,6 +124,10 @@ class _Api:
             else:
                 parsed, req = completion_request(body, rid)
                 logprobs = parsed.logprobs is not None
+                if parsed.echo:  # the prompt leads the output: its text and its tokens
+                    ids = self.router.prompt_ids(req)
+                    echo = (req.prompt if req.prompt is not None
+                            else self.router.tokenizer.decode(ids), ids)
         except InvalidRequest as exc:
             raise ApiError(400, error_object(public_message(ErrorKind.INVALID, exc.message, rid),
                                              param=exc.param)) from exc
@@ -137,7 +142,8 @@ class _Api:
         out = ResponseBuilder(
             chat=chat, request_id=rid, model=parsed.model or self.model_name,
             created=int(time.time()), text=self.text, logprobs=logprobs,
-            include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage))
+            include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
+            echo=echo)
         call = self.in_flight[rid] = RouterStream(self.router, req, self.tasks)
         handed_over = False
         try:

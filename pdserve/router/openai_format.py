@@ -131,6 +131,33 @@ def completion_logprobs(lps: list[TokenLogprob], text: TokenText, offset: int) -
     return out
 
 
+def prompt_completion_logprobs(lps: list[TokenLogprob | None], prompt_ids: list[int],
+                               text: TokenText) -> dict[str, Any]:
+    """The echoed prompt's part of the legacy shape: its first token has no logprob."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                           "text_offset": []}
+    offset = 0
+    for token_id, lp in zip(prompt_ids, lps, strict=True):
+        if lp is None:
+            out["tokens"].append(text(token_id)[0])
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            out["text_offset"].append(offset)
+            offset += text_length([TokenLogprob(token_id, 0.0)], text)
+            continue
+        part = completion_logprobs([lp], text, offset)
+        for key in out:
+            out[key].extend(part[key])
+        offset += text_length([lp], text)
+    return out
+
+
+def _joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    if a is None or b is None:
+        return a or b
+    return {key: a[key] + b[key] for key in a}
+
+
 def chat_logprobs(lps: list[TokenLogprob], text: TokenText) -> list[dict[str, Any]]:
     """Chat ``logprobs.content`` entries."""
 
@@ -147,8 +174,12 @@ class ResponseBuilder:
     (``add`` then ``response``). ``chat`` picks the endpoint's shapes."""
 
     def __init__(self, *, chat: bool, request_id: str, model: str, created: int,
-                 text: TokenText, logprobs: bool, include_usage: bool = False):
+                 text: TokenText, logprobs: bool, include_usage: bool = False,
+                 echo: tuple[str, list[int]] | None = None):
         self.chat = chat
+        # completions with echo: the prompt's (text, token ids) lead the output
+        self._echo = echo
+        self._echoed = False
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
         self.created = created
@@ -159,6 +190,7 @@ class ResponseBuilder:
         self._started = False  # chat: the first chunk carries the role
         self._pieces: list[str] = []
         self._lps: list[TokenLogprob] = []
+        self._prompt_lps: list[TokenLogprob | None] | None = None
 
     def _envelope(self, choices: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
         kind = ("chat.completion" if self.chat else "text_completion") + (
@@ -176,9 +208,29 @@ class ResponseBuilder:
             return {"content": chat_logprobs(lps, self._text), "refusal": None}
         return completion_logprobs(lps, self._text, self._offset)
 
+    def _prompt_part(self, lps: list[TokenLogprob | None] | None,
+                     ) -> tuple[str, dict[str, Any] | None]:
+        """The echoed prompt's text and logprobs (once; ("", None) without echo)."""
+        if self._echo is None or self._echoed:
+            return "", None
+        self._echoed = True
+        text, ids = self._echo
+        logprobs = None
+        if self._logprobs:
+            logprobs = prompt_completion_logprobs(lps or [None] * len(ids), ids, self._text)
+        self._offset += len(text)
+        return text, logprobs
+
+    def _echo_chunk(self, lps: list[TokenLogprob | None] | None) -> list[dict[str, Any]]:
+        text, logprobs = self._prompt_part(lps)
+        if not text and logprobs is None:
+            return []
+        return [self._envelope([{"index": 0, "text": text, "logprobs": logprobs,
+                                 "finish_reason": None}], True)]
+
     def chunk(self, item: StreamChunk) -> list[dict[str, Any]]:
         """Stream chunks for new tokens (none when there is nothing to show yet)."""
-        out = []
+        out = self._echo_chunk(item.prompt_logprobs)
         if self.chat and not self._started:
             self._started = True
             out.append(self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -198,6 +250,7 @@ class ResponseBuilder:
     def final_chunks(self, final: FinalChunk) -> list[dict[str, Any]]:
         """The finishing chunk, then the usage chunk when the client asked for it."""
         out = [] if not self.chat or self._started else self.chunk(StreamChunk([], ""))
+        out += self._echo_chunk(final.prompt_logprobs)
         choice: dict[str, Any] = {"index": 0, "logprobs": None,
                                   "finish_reason": final.finish_reason,
                                   "stop_reason": final.stop_reason}
@@ -211,12 +264,19 @@ class ResponseBuilder:
         return out
 
     def add(self, item: StreamChunk) -> None:
+        if item.prompt_logprobs is not None:
+            self._prompt_lps = item.prompt_logprobs
         self._pieces.append(item.text)
         self._lps.extend(item.logprobs)
 
     def response(self, final: FinalChunk) -> dict[str, Any]:
-        text = "".join(self._pieces)
-        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs_of(self._lps),
+        prompt_text, prompt_lps = self._prompt_part(
+            final.prompt_logprobs if final.prompt_logprobs is not None else self._prompt_lps)
+        text = prompt_text + "".join(self._pieces)
+        logprobs = self._logprobs_of(self._lps)
+        if prompt_lps is not None:
+            logprobs = _joined(prompt_lps, logprobs)
+        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
                                   "finish_reason": final.finish_reason,
                                   "stop_reason": final.stop_reason}
         if self.chat:

@@ -91,6 +91,10 @@ class CompletionRequest(_SamplingFields):
     prompt: (str | list[TokenId] | Annotated[list[str], Field(min_length=1, max_length=1)]
              | Annotated[list[list[TokenId]], Field(min_length=1, max_length=1)])
     logprobs: TopN | None = None  # top-N per token (OpenAI allows 0..5, we 0..20)
+    # the prompt leads the output; with logprobs, its tokens' logprobs too (the first
+    # token's are null), as in OpenAI's legacy API and vLLM
+    echo: bool = False
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: only with echo (scoring)
 
 
 class ContentPart(_Body):
@@ -154,7 +158,6 @@ REFUSED_COMMON: dict[str, Refused] = {
 REFUSED_COMPLETION = {
     **REFUSED_COMMON,
     "best_of": _only(None, 1),
-    "echo": _only(None, False),
     "suffix": EMPTY,
 }
 REFUSED_CHAT = {
@@ -195,7 +198,7 @@ def _validate(model: type[_Body], body: Any) -> Any:
 
 
 def _params(r: _SamplingFields, max_tokens: int | None, logprobs: int | None,
-            aliases: Mapping[str, str]) -> SamplingParams:
+            aliases: Mapping[str, str], prompt_logprobs: int | None = None) -> SamplingParams:
     if r.stream_options is not None and not r.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true",
                              "stream_options")
@@ -211,6 +214,7 @@ def _params(r: _SamplingFields, max_tokens: int | None, logprobs: int | None,
             seed=r.seed, stop=tuple(stop), stop_token_ids=tuple(r.stop_token_ids or ()),
             ignore_eos=r.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=r.include_stop_str_in_output,
+            prompt_logprobs=prompt_logprobs,
         )
     except ValueError as exc:
         # SamplingParams' messages start with the field's name.
@@ -223,7 +227,13 @@ def completion_request(body: Any, request_id: str) -> tuple[CompletionRequest, G
     if isinstance(body, dict):
         _refuse_unsupported(body, REFUSED_COMPLETION)
     r: CompletionRequest = _validate(CompletionRequest, body)
-    params = _params(r, r.max_tokens, r.logprobs, {})
+    if r.max_tokens == 0 and not r.echo:
+        raise InvalidRequest("max_tokens must be >= 1 (0 only with echo: the prompt alone)",
+                             "max_tokens")
+    # echo + logprobs: the prompt's logprobs; max_tokens 0 computes them anyway
+    prompt_logprobs = (r.logprobs if r.logprobs is not None else 0 if r.max_tokens == 0
+                       else None) if r.echo else None
+    params = _params(r, r.max_tokens, r.logprobs, {}, prompt_logprobs)
     req = GenerateRequest(request_id, params, timeout_s=r.timeout_s)
     prompt = r.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):

@@ -42,7 +42,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.stop import StopDecision
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.failures import AttemptFailed, FailReason, WorkerGone
-from pdserve.messages import PrefillResult, PrefillTask, RequestDelta
+from pdserve.messages import PrefillResult, PrefillTask, RequestDelta, TokenLogprob
 from pdserve.router.admission import Admission
 from pdserve.router.fanout import Fanout, Inbox
 from pdserve.router.policies import PrefixIndex, RouteInput
@@ -112,6 +112,10 @@ class RequestRun:
         self.cached = 0
         self._last_token_at: float | None = None
         self._failed_on: set[str] = set()  # workers an attempt of this request failed on
+        # prompt logprobs (asked for with params.prompt_logprobs): from the prefilling
+        # worker; handed to the client once, with the first chunk
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self._prompt_logprobs_sent = False
 
     async def stream(self) -> AsyncIterator[StreamChunk | FinalChunk]:
         failures: list[AttemptFailed] = []
@@ -163,12 +167,18 @@ class RequestRun:
                 assert target.blocks is not None
                 leg = self._start_prefill(p, inbox, PrefillTask(
                     aid, ids, params, token.worker_id, target.blocks), hashes)
+            wants_prompt = params.prompt_logprobs is not None
             while True:
                 item = await inbox.get()
                 if isinstance(item, RequestDelta):
                     if item.finish_reason == "error":
                         raise AttemptFailed(item.failure or FailReason.TRANSPORT,
                                             f"{token.worker_id}: {item.error}")
+                    if wants_prompt and self.prompt_logprobs is None and leg is not None:
+                        await self._late_prefill(leg)  # the prompt's part comes first
+                        if self.prompt_logprobs is None:
+                            raise AttemptFailed(FailReason.TRANSPORT,
+                                                f"{leg.worker.worker_id}: no prompt logprobs")
                     done = item.finish_reason is not None
                     if done:  # P's timings belong in the final chunk's
                         await self._late_prefill(leg)
@@ -177,6 +187,9 @@ class RequestRun:
                         return
                 elif leg is not None and item is leg.future:
                     self._prefill_done(leg)
+                    if params.max_tokens == 0:  # scored by P: done (D's blocks are aborted)
+                        yield RequestDelta(aid, [], finish_reason="length")
+                        return
                 elif item is _DEADLINE:
                     raise RouterError(ErrorKind.DEADLINE,
                                       f"request {self.req.request_id} passed its deadline")
@@ -220,6 +233,7 @@ class RequestRun:
             t.prefill_queue, t.prefill, t.kv_transfer = (res.prefill_queue_s, res.prefill_s,
                                                          res.kv_transfer_s)
             self.cached = self.cached or res.num_cached_tokens
+            self._got_prompt_logprobs(res.prompt_logprobs)
             return
         if isinstance(exc, ValueError):
             raise RouterError(ErrorKind.INVALID, str(exc)) from exc
@@ -252,6 +266,7 @@ class RequestRun:
             if st.prefill_s is not None:
                 t.prefill_queue, t.prefill = st.prefill_queue_s, st.prefill_s
                 self.cached = self.cached or st.num_cached_tokens
+        self._got_prompt_logprobs(delta.prompt_logprobs)
         chunk = None
         decision = None
         if delta.token_ids:
@@ -266,7 +281,8 @@ class RequestRun:
                 t.inter_token.append(now - self._last_token_at)
             self._last_token_at = now
             self.emitted.extend(tokens)
-            chunk = StreamChunk(tokens, text, list(delta.logprobs[:n]) if delta.logprobs else [])
+            chunk = StreamChunk(tokens, text, list(delta.logprobs[:n]) if delta.logprobs else [],
+                                self._take_prompt_logprobs())
         if decision is None and delta.finish_reason is None:
             return chunk, None
         if decision is None:  # the engine ended it without a token
@@ -279,10 +295,22 @@ class RequestRun:
         t.e2e = time.monotonic() - self.arrival
         final = FinalChunk(decision.finish_reason,
                            Usage(len(self.prompt), len(self.emitted), self.cached),
-                           stop_reason=decision.stop_reason, timings=t, num_retries=attempt)
+                           stop_reason=decision.stop_reason, timings=t, num_retries=attempt,
+                           prompt_logprobs=self._take_prompt_logprobs())
         if self.s.metrics is not None:
             self.s.metrics.observe_finished(final)
         return chunk, final
+
+    def _got_prompt_logprobs(self, lps: list[TokenLogprob | None] | None) -> None:
+        # A retry prefills prompt + emitted tokens: only the prompt's part is the answer.
+        if lps is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = lps[: len(self.prompt)]
+
+    def _take_prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        if self._prompt_logprobs_sent or self.prompt_logprobs is None:
+            return None
+        self._prompt_logprobs_sent = True
+        return self.prompt_logprobs
 
     def _params_left(self) -> SamplingParams:
         p, n = self.req.params, len(self.emitted)

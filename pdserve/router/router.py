@@ -159,6 +159,10 @@ class Router:
             await self.admission.wait_for_change(give_up - time.monotonic())
             self.admission.watch()
 
+    def prompt_ids(self, req: GenerateRequest) -> list[int]:
+        """The request's prompt as token ids (``RouterError`` INVALID if it has none)."""
+        return self._tokenize(req)
+
     def _tokenize(self, req: GenerateRequest) -> list[int]:
         given = [x is not None for x in (req.prompt, req.messages, req.prompt_token_ids)]
         if sum(given) != 1:

@@ -36,6 +36,9 @@ class StreamChunk:
     token_ids: list[int]
     text: str  # text delta, safe to show (never half a UTF-8 char or stop string)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # On a request's first chunk (or its final one when it generated nothing), when it
+    # asked for prompt logprobs: one per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -74,6 +77,7 @@ class FinalChunk:
     stop_reason: str | int | None = None  # matched stop string / stop token id
     timings: StageTimings = field(default_factory=StageTimings)
     num_retries: int = 0  # times the request moved to another P/D pair after a failure
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # see StreamChunk
 
 
 class ErrorKind(enum.Enum):

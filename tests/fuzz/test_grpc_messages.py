@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 
 from pdserve.protos import pb, pb_grpc
 from pdserve.router.grpc_server import SERVICE_NAME
-from tests.fuzz.conftest import CALL_TIMEOUT_S, CONTEXT, GRPC_AUTH, STATS, LiveServer
+from tests.fuzz.conftest import CONTEXT, GRPC_AUTH, STATS
+from tests.integration.live_server import CALL_TIMEOUT_S, LiveServer
 
 MAX_EXAMPLES = 300
 SERVER_FAULTS = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}

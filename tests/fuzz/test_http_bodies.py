@@ -15,7 +15,8 @@ import requests
 from hypothesis import HealthCheck, given, settings
 
 from pdserve.router.openai_schema import ChatCompletionRequest, CompletionRequest
-from tests.fuzz.conftest import AUTH, CALL_TIMEOUT_S, STATS, LiveServer
+from tests.fuzz.conftest import AUTH, STATS
+from tests.integration.live_server import CALL_TIMEOUT_S, LiveServer
 
 MAX_EXAMPLES = 300
 PATHS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}

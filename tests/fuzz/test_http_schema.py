@@ -21,7 +21,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from tests.fuzz.conftest import AUTH, CALL_TIMEOUT_S, STATS, LiveServer
+from tests.fuzz.conftest import AUTH, STATS
+from tests.integration.live_server import CALL_TIMEOUT_S, LiveServer
 
 MAX_EXAMPLES = 400
 # 400s for rules between fields, which a JSON schema of each field cannot state
