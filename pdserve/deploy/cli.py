@@ -46,7 +46,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def _add_format_flags(p: argparse.ArgumentParser, per_pool: bool) -> None:
     """Weights' dtype and quantization (engine keys; YAML sets them per pool)."""
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 (default float32)")
+    p.add_argument("--dtype", default=None,
+                   help="auto (default: bfloat16 where the fast kernels run, else float32) | "
+                        "float32 (exact parity with transformers) | bfloat16")
     p.add_argument("--quantization", default=None, choices=["none", "int8", "int4"],
                    help="weight-only quantization of the linear layers (default none); the "
                         "default model serves its GGUF blocks natively")
@@ -212,7 +214,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                          final.usage.cached_tokens)
     else:
         engine = LLMEngine(model_dir, EngineConfig(
-            dtype=args.dtype or "float32", num_threads=args.threads,
+            dtype=args.dtype or "auto", num_threads=args.threads,
             quantization=args.quantization or "none",
             quantization_group_size=args.quantization_group_size or 32), tokenizer=tok)
         (out,) = engine.generate([prompt_ids], params)

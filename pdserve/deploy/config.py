@@ -56,8 +56,8 @@ class PoolConfig:
 
     def engine_config(self, role: str, device: str) -> EngineConfig:
         threads = max(1, int(self.num_cpus)) if device == "cpu" else None
-        return EngineConfig.from_dict(
-            {"num_threads": threads, **self.engine, "role": role, "device": device})
+        return EngineConfig.from_dict({"num_threads": threads, "dtype": "auto", **self.engine,
+                                       "role": role, "device": device})
 
 
 @dataclass(frozen=True)

@@ -77,7 +77,7 @@ def test_golden_disaggregated_equals_colocated(tiny_model: Callable[[str], Path]
                                                transfer: str) -> None:
     model = tiny_model("llama-gqa")
     prompts = [list(range(5, 5 + n)) for n in (3, 16, 48)]  # < 1 block, 1 block, 3 blocks
-    expected = LLMEngine(model, EngineConfig(num_blocks=256)).generate(prompts, GREEDY)
+    expected = LLMEngine(model, EngineConfig(num_blocks=256, dtype="auto")).generate(prompts, GREEDY)
     cluster = start(model, transfer)
     try:
         async def body(router: Router) -> list[tuple[list[int], str, FinalChunk]]:
@@ -97,7 +97,7 @@ def test_golden_disaggregated_equals_colocated(tiny_model: Callable[[str], Path]
 def test_64_concurrent_requests(tiny_model: Callable[[str], Path], prefill_workers: int) -> None:
     model = tiny_model("llama-gqa")
     prompts = mixed_prompts(64)
-    expected = LLMEngine(model, EngineConfig(num_blocks=1024)).generate(prompts, GREEDY)
+    expected = LLMEngine(model, EngineConfig(num_blocks=1024, dtype="auto")).generate(prompts, GREEDY)
     cluster = start(model, "torch", prefill=prefill_workers)
     try:
         async def body(router: Router) -> list[tuple[list[int], str, FinalChunk]]:
@@ -133,7 +133,7 @@ def test_cancel_killed_decode_and_killed_prefill(tiny_model: Callable[[str], Pat
 
             # 2. Kill the decode worker serving a stream: the request moves to the other
             # pair and continues without repeating a token.
-            expected = LLMEngine(model, EngineConfig(num_blocks=256)).generate(
+            expected = LLMEngine(model, EngineConfig(num_blocks=256, dtype="auto")).generate(
                 [[6] * 30], SamplingParams(max_tokens=60, ignore_eos=True))[0].token_ids
             stream = router.generate(GenerateRequest(
                 "kd", SamplingParams(max_tokens=60, ignore_eos=True),
@@ -195,7 +195,7 @@ def test_cluster_config_rejects_unknown_keys(tmp_path: Path) -> None:
 def test_golden_default_model_over_nixl(default_model_dir: Path) -> None:
     """The real default model once, over the default transfer backend."""
     tok_prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
-    eng = LLMEngine(default_model_dir, EngineConfig(num_blocks=64))
+    eng = LLMEngine(default_model_dir, EngineConfig(num_blocks=64, dtype="auto"))  # the pools default
     assert eng.tokenizer is not None
     prompt = eng.tokenizer.encode(tok_prompt)
     params = SamplingParams(max_tokens=24)
