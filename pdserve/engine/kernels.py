@@ -12,6 +12,7 @@ backends use the plain-torch reference paths.
 from __future__ import annotations
 
 import hashlib
+import logging
 import importlib.machinery
 import importlib.util
 import platform
@@ -21,6 +22,7 @@ from types import ModuleType
 
 import torch
 
+log = logging.getLogger("pdserve.engine")
 NAME = "pdserve_kernels"
 _SRC = Path(__file__).with_name("csrc")
 _OUT = Path(__file__).with_name("_kernels")
@@ -109,6 +111,9 @@ def load() -> ModuleType | None:
         why = "the CPU kernels are older than their sources (run `python -m pdserve.engine.kernels`)"
     if why is not None:
         _why = why
+        if cpu_supported() is None:  # they could run here: say loudly that they do not
+            log.warning("pdserve: %s; the engine falls back to its (much slower) reference "
+                        "paths", why)
         return None
     loader = importlib.machinery.ExtensionFileLoader(NAME, str(_library()))
     spec = importlib.util.spec_from_file_location(NAME, _library(), loader=loader)
