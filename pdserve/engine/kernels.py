@@ -12,9 +12,9 @@ backends use the plain-torch reference paths.
 from __future__ import annotations
 
 import hashlib
-import logging
 import importlib.machinery
 import importlib.util
+import logging
 import platform
 import sys
 from pathlib import Path
