@@ -195,9 +195,3 @@ class RayWorker:
     async def admit(self, request_id: str, prompt_token_ids: Sequence[int],
                     params: SamplingParams) -> bool:
         return bool(await self._call("admit", request_id, list(prompt_token_ids), params))
-
-    async def check_integrity(self) -> None:
-        await self._call("check_integrity")
-
-    async def metrics(self) -> Any:
-        return await self._call("metrics")

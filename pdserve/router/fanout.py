@@ -51,7 +51,6 @@ class Inbox:
 class Fanout:
     def __init__(self) -> None:
         self._inboxes: dict[str, Inbox] = {}  # attempt id -> inbox
-        self.undelivered = 0  # deltas for attempts already gone (late tokens of aborts)
 
     def open(self, attempt_id: str, workers: tuple[str, ...]) -> Inbox:
         inbox = self._inboxes[attempt_id] = Inbox(workers)
@@ -69,9 +68,7 @@ class Fanout:
         inboxes = self._inboxes
         for delta in batch:
             inbox = inboxes.get(delta.request_id)
-            if inbox is None:
-                self.undelivered += 1
-            else:
+            if inbox is not None:  # else: late tokens of an attempt already given up
                 inbox.push(delta)
 
     def fail_worker(self, worker_id: str, reason: FailReason, message: str) -> None:
