@@ -5,7 +5,11 @@ model runs a loglikelihood task from local files against the server."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -100,27 +104,27 @@ DOCS = [("The ferry bell rang and the first carts rolled down to the", "landing"
 @pytest.mark.slow
 def test_lm_eval_local_completions_loglikelihood(tiny_model: Callable[[str], Path],
                                                  tmp_path: Path) -> None:
-    """lm-eval drives the server (echo + logprobs, token-id prompts) on a task built
-    from local files; its loglikelihoods equal the engine's own."""
-    import json
-
-    lm_eval = pytest.importorskip("lm_eval")
-    from lm_eval.tasks import TaskManager
-
+    """lm-eval (its own CLI, in a process of its own, as a user runs it) drives the
+    server with echo + logprobs and token-id prompts on a task built from local files;
+    its loglikelihoods equal the engine's own."""
     model = tiny_model("llama-gqa")
     data = tmp_path / "docs.jsonl"
     data.write_text("".join(json.dumps({"context": c, "target": t}) + "\n" for c, t in DOCS))
     (tmp_path / "task.yaml").write_text(TASK.format(data=data))
+    out = tmp_path / "out"
     with LiveServer(model) as live:
-        results = lm_eval.simple_evaluate(
-            model="local-completions",
-            model_args={"model": "tiny", "base_url": live.http_url + "/v1/completions",
-                        "tokenizer_backend": "huggingface", "tokenizer": str(model),
-                        "tokenized_requests": True, "num_concurrent": 1, "max_retries": 1},
-            tasks=["pdserve_local_continuations"],
-            task_manager=TaskManager(include_path=str(tmp_path)),
-            log_samples=True,
-        )
+        args = ",".join([
+            "model=tiny", f"base_url={live.http_url}/v1/completions",
+            "tokenizer_backend=huggingface", f"tokenizer={model}", "tokenized_requests=True",
+            "num_concurrent=1", "max_retries=1"])
+        run = subprocess.run(
+            [str(Path(sys.executable).with_name("lm_eval")), "run",
+             "--model", "local-completions", "--model_args", args,
+             "--tasks", "pdserve_local_continuations", "--include_path", str(tmp_path),
+             "--output_path", str(out), "--log_samples"],
+            capture_output=True, text=True, timeout=300,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+        assert run.returncode == 0, run.stderr[-3000:]
     tok = live.pair.workers[0].engine.tokenizer
     assert tok is not None
     want = []
@@ -128,8 +132,11 @@ def test_lm_eval_local_completions_loglikelihood(tiny_model: Callable[[str], Pat
         ctx, whole = tok.encode(context), tok.encode(context + " " + target)
         assert whole[: len(ctx)] == ctx  # the continuation starts at a token boundary
         want.append(sum(engine_logprobs(model, whole)[len(ctx) - 1 :]))
-    samples = results["samples"]["pdserve_local_continuations"]
-    got = [s["resps"][0][0][0] for s in sorted(samples, key=lambda s: s["doc_id"])]
+    (samples_file,) = out.rglob("samples_pdserve_local_continuations_*.jsonl")
+    samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    got = [float(s["resps"][0][0][0]) for s in sorted(samples, key=lambda s: s["doc_id"])]
     assert [round(g, 3) for g in got] == [round(w, 3) for w in want]
-    ppl = results["results"]["pdserve_local_continuations"]["perplexity,none"]
+    (results_file,) = out.rglob("results_*.json")
+    ppl = json.loads(results_file.read_text())["results"]["pdserve_local_continuations"][
+        "perplexity,none"]
     assert math.isclose(ppl, math.exp(-sum(want) / len(want)), rel_tol=1e-4)
