@@ -12,20 +12,24 @@ references measured in the same run. Equal hardware: two CPU threads in both mod
    unloaded and at ~70% of the prefill worker's capacity; p99 vs p50 of that stage;
    TTFT of the longest prompt disaggregated vs colocated. Goals: <= 5%; p99 <= 2x p50;
    <= 1.05x.
-3. Colocated vs 1P+1D on the Mooncake conversation trace's lengths (scaled by
-   ``--length-scale``; short outputs), replayed at several speeds: SLO attainment and
-   the DistServe goodput (highest rate with >= 90% of requests meeting TTFT = 5x and
+3. Colocated vs 1P+1D on the Mooncake conversation trace's lengths and prefix hashes
+   (scaled by ``--length-scale``; short outputs), with Poisson arrivals at several
+   rates (the trace's own timestamps open with a burst that no time scale spreads):
+   SLO attainment and the DistServe goodput (highest rate with >= 90% of requests meeting TTFT = 5x and
    TPOT = 2x the colocated unloaded single-request values), TPOT p50/p99. Goal:
    disaggregated goodput >= 1.3x colocated, TPOT p99 >= 2x lower.
 
 Run: ``python -m pdserve.deploy.bench_serving [--parts 1,2,3] [--transfer nixl]
-[--lengths 512,2048,8000] [--length-scale 0.1] [--time-scales 40,25,16,10]``.
+[--lengths 512,2048,8000] [--length-scale 0.05] [--rates 0.1,0.2,0.3,0.5]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import random
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -60,11 +64,6 @@ def stage(result: dict[str, Any], name: str, field: str = "mean") -> float:
     """A server stage's ``mean`` / ``p50`` / ``p99`` (ms) over the run (``--scrape-metrics``)."""
     found = result["server_metrics"].get(f"pdserve_{name}_seconds")
     return float(found[f"{field}_ms"]) if found else math.nan
-
-
-def offered_rate(result: dict[str, Any]) -> float:
-    starts = sorted(result["start_times"])
-    return (len(starts) - 1) / max(1e-9, starts[-1] - starts[0])
 
 
 def part1(transfer: str) -> None:
@@ -124,34 +123,45 @@ def part2(transfer: str, lengths: list[int]) -> None:
           f"{colo:.0f} ms = {disagg[n] / colo:.2f}x (goal <= 1.05x)", flush=True)
 
 
-def trace_run(served: Served, scale: float, time_scale: float, n: int,
-              *flags: str) -> dict[str, Any]:
-    return served.bench("--dataset", "trace", "--dataset-path", str(MOONCAKE),
-                        "--trace-length-scale", str(scale), "--trace-time-scale",
-                        str(time_scale), "--num-prompts", str(n),
+def mooncake_window(n: int, rate: float, seed: int = 0, start: int = 1000) -> Path:
+    """``n`` Mooncake records (their lengths and prefix hashes) re-timed as Poisson
+    arrivals at ``rate`` req/s, written as a trace file."""
+    with MOONCAKE.open() as f:
+        records = [json.loads(line) for i, line in enumerate(f) if start <= i < start + n]
+    rng, t = random.Random(seed), 0.0
+    out = Path(tempfile.mkdtemp(prefix="pdserve-mooncake-")) / f"window-{rate:g}.jsonl"
+    with out.open("w") as f:
+        for r in records:
+            f.write(json.dumps({**r, "timestamp": round(t * 1000)}) + "\n")
+            t += rng.expovariate(rate)
+    return out
+
+
+def trace_run(served: Served, trace: Path, scale: float, n: int, *flags: str) -> dict[str, Any]:
+    return served.bench("--dataset", "trace", "--dataset-path", str(trace),
+                        "--trace-length-scale", str(scale), "--num-prompts", str(n),
                         "--metric-percentiles", "50,99", *flags)
 
 
-def part3(transfer: str, scale: float, time_scales: list[float], n: int) -> None:
-    print(f"== 3. colocated vs 1P+1D, Mooncake lengths x{scale}, {n} requests per speed",
+def part3(transfer: str, scale: float, rates: list[float], n: int) -> None:
+    print(f"== 3. colocated vs 1P+1D, Mooncake lengths x{scale}, {n} requests per rate",
           flush=True)
     slo: list[str] = []
     for name, config in (("colocated", COLOCATED), ("1P+1D", pair(transfer))):
         rows = []
         with Served(config) as served:
             if not slo:  # the colocated unloaded single-request values set the SLOs
-                base = trace_run(served, scale, 1.0, 8, "--max-concurrency", "1",
-                                 "--scrape-metrics")
+                base = trace_run(served, mooncake_window(8, 1.0), scale, 8,
+                                 "--max-concurrency", "1")
                 slo = ["--goodput", f"ttft:{5 * base['mean_ttft_ms']:.0f}",
                        f"tpot:{2 * base['mean_tpot_ms']:.1f}"]
                 print(f"   SLOs from colocated unloaded: {' '.join(slo[1:])} ms", flush=True)
-            for ts in time_scales:
-                r = trace_run(served, scale, ts, n, *slo)
-                rows.append({"request_rate": offered_rate(r),
-                             "slo_attainment": r["slo_attainment"]})
-                print(f"   {name:>9} x{ts:g} slower: {rows[-1]['request_rate']:.3f} req/s, "
-                      f"SLO met {r['slo_attainment']:.0%}, TPOT p50 {r['median_tpot_ms']:.1f} / "
-                      f"p99 {r['p99_tpot_ms']:.1f} ms, TTFT p50 {r['median_ttft_ms']:.0f} ms",
+            for rate in rates:
+                r = trace_run(served, mooncake_window(n, rate), scale, n, *slo)
+                rows.append({"request_rate": rate, "slo_attainment": r["slo_attainment"]})
+                print(f"   {name:>9} at {rate:g} req/s: SLO met {r['slo_attainment']:.0%}, "
+                      f"TPOT p50 {r['median_tpot_ms']:.1f} / p99 {r['p99_tpot_ms']:.1f} ms, "
+                      f"TTFT p50 {r['median_ttft_ms']:.0f} / p99 {r['p99_ttft_ms']:.0f} ms",
                       flush=True)
         goodput = distserve_goodput(rows)
         print(f"   {name}: {describe_goodput(goodput) if goodput else 'no goodput'}", flush=True)
@@ -162,9 +172,9 @@ def main() -> None:
     ap.add_argument("--parts", default="1,2,3")
     ap.add_argument("--transfer", default="nixl")
     ap.add_argument("--lengths", default="512,2048,8000")  # < the 8192 context
-    ap.add_argument("--length-scale", type=float, default=0.1)
-    ap.add_argument("--time-scales", default="40,25,16,10")
-    ap.add_argument("--requests", type=int, default=16, help="per replay speed (part 3)")
+    ap.add_argument("--length-scale", type=float, default=0.05)
+    ap.add_argument("--rates", default="0.1,0.2,0.3,0.5", help="req/s (part 3)")
+    ap.add_argument("--requests", type=int, default=16, help="per rate (part 3)")
     args = ap.parse_args()
     parts = {int(p) for p in args.parts.split(",")}
     if 1 in parts:
@@ -173,7 +183,7 @@ def main() -> None:
         part2(args.transfer, [int(n) for n in args.lengths.split(",")])
     if 3 in parts:
         part3(args.transfer, args.length_scale,
-              [float(t) for t in args.time_scales.split(",")], args.requests)
+              [float(r) for r in args.rates.split(",")], args.requests)
 
 
 if __name__ == "__main__":

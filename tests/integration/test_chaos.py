@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from pdserve.deploy.config import ClusterConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.router import Router
 from pdserve.router.types import ErrorKind, GenerateRequest, RouterError, StreamChunk
+from tests.integration.chaos_summary import SUMMARY, Case
 from tests.integration.waiting import until_async
 
 ray = pytest.importorskip("ray")
@@ -81,6 +83,15 @@ def check_outcomes(results: list[Any], max_tokens: int) -> int:
         else:
             assert len(r) == max_tokens, f"{len(r)} of {max_tokens} tokens"
             ok += 1
+    return ok
+
+
+def record(case: str, results: list[Any], max_tokens: int, recovered_workers: int,
+           fault_at: float) -> int:
+    """Check the outcomes (hung requests fail the test before: every wait is bounded)
+    and note the case for the summary; returns how many finished."""
+    ok = check_outcomes(results, max_tokens)
+    SUMMARY[case] = Case(ok, len(results) - ok, 0, recovered_workers, time.monotonic() - fault_at)
     return ok
 
 
@@ -149,9 +160,10 @@ def test_kill9_mid_prefill_and_transfer(cluster: Cluster, role: str) -> None:
 
         await until_async("a worker mid-prefill", transferring)
         restarted = await kill9(cluster, router, victim[0])
+        fault_at = time.monotonic()
         results = await asyncio.wait_for(asyncio.gather(*tasks), BOUND_S)
-        assert check_outcomes(results, 8) >= 1
         await recovered(router, cluster, restarted)
+        assert record(f"kill -9 {role} mid-prefill/transfer", results, 8, 1, fault_at) >= 1
 
     with_router(cluster, body)
 
@@ -169,9 +181,11 @@ def test_kill9_mid_decode(cluster: Cluster) -> None:
 
         await until_async("a decode worker decoding", decoding)
         restarted = await kill9(cluster, router, victim[0])
+        fault_at = time.monotonic()
         results = await asyncio.wait_for(asyncio.gather(*tasks), BOUND_S)
-        assert check_outcomes(results, 300) == 4  # the other pair takes them all over
         await recovered(router, cluster, restarted)
+        # the other pair takes them all over
+        assert record("kill -9 decode mid-decode", results, 300, 1, fault_at) == 4
 
     with_router(cluster, body)
 
@@ -204,8 +218,10 @@ def test_sigstop_past_the_timeouts(cluster: Cluster, role: str) -> None:
             assert all(router.worker_states()[w] for w in others), router.worker_states()
         finally:
             os.kill(pid, signal.SIGCONT)
-        assert check_outcomes(results, 8) >= 1
+        fault_at = time.monotonic()  # recovery counts from SIGCONT
         await recovered(router, cluster, {})
+        assert record(f"SIGSTOP {role} past KV + health timeouts", results, 8, 1,
+                      fault_at) >= 1
         tokens = await request(router, f"after-{role}", prompt(99, 64), 8)
         assert not isinstance(tokens, RouterError) and len(tokens) == 8
 
@@ -226,7 +242,10 @@ def test_clients_give_up_at_every_stage(cluster: Cluster) -> None:
         await until_async("prefills under way", lambda: bool(busy_worker(router, "prefill")))
         for t in [*prefilling, *decoding]:
             t.cancel()
+        fault_at = time.monotonic()
         await asyncio.gather(*prefilling, *decoding, return_exceptions=True)
         await recovered(router, cluster, {})
+        SUMMARY["clients give up mid-prefill/transfer/decode"] = Case(
+            cancelled=6, recovery_s=time.monotonic() - fault_at)
 
     with_router(cluster, body)
