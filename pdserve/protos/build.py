@@ -21,8 +21,10 @@ half-written module.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -65,17 +67,23 @@ def build(proto_root: Path = PROTO_ROOT, gen_dir: Path = GEN_DIR) -> list[Path]:
 
     Raises ``RuntimeError`` with protoc's exit status if compilation fails.
     """
-    from grpc_tools import protoc  # build-time dependency only
-
     protos = proto_files(proto_root)
     if not protos:
         raise RuntimeError(f"no .proto files under {proto_root}")
+    spec = importlib.util.find_spec("grpc_tools")  # build-time dependency only
+    if spec is None or spec.origin is None:
+        raise RuntimeError("grpc_tools is not installed (pip install grpcio-tools)")
     # grpc_tools ships the well-known types (google/protobuf/*.proto) beside itself.
-    well_known = Path(protoc.__file__).resolve().parent / "_proto"
+    well_known = Path(spec.origin).resolve().parent / "_proto"
     gen_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     with tempfile.TemporaryDirectory(prefix=".build-", dir=gen_dir) as tmp:
+        # protoc runs in a process of its own: its compiler extension links a
+        # protobuf runtime of its own, which crashed a process that had already
+        # loaded other protobuf-linked libraries (pyarrow, through lm-eval).
         args = [
+            sys.executable,
+            "-m",
             "grpc_tools.protoc",
             f"-I{GEN_VIRTUAL}={proto_root}",
             f"-I{well_known}",
@@ -84,9 +92,12 @@ def build(proto_root: Path = PROTO_ROOT, gen_dir: Path = GEN_DIR) -> list[Path]:
             f"--grpc_python_out={tmp}",
             *(f"{GEN_VIRTUAL}/{p.relative_to(proto_root).as_posix()}" for p in protos),
         ]
-        status = protoc.main(args)
-        if status != 0:
-            raise RuntimeError(f"protoc failed with exit status {status} (args: {args[1:]})")
+        done = subprocess.run(args, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(
+                f"protoc failed with exit status {done.returncode} (args: {args[3:]}): "
+                f"{done.stderr.strip()}"
+            )
         produced = Path(tmp) / GEN_VIRTUAL
         for src in sorted(produced.rglob("*")):
             if not src.is_file():

@@ -29,7 +29,8 @@ CONFIG = """\
 transfer: torch
 prefill: {num_cpus: 1}
 decode: {num_cpus: 1, engine: {num_blocks: 64}}  # 1024 tokens: room to provoke a 429
-router: {queue_timeout_s: 0.5}
+# A queued request gets its 429 long before a running 800-token request could end.
+router: {queue_timeout_s: 0.1}
 """
 IGNORE_EOS = {"ignore_eos": True}
 
@@ -187,7 +188,7 @@ def _decode_blocks(s: Served) -> tuple[float, float]:
 def test_overload_429_and_disconnect_frees_blocks(served: Served) -> None:
     s = served
     # A holds 13 of the decode worker's 64 blocks and grows; B (57 blocks) cannot fit
-    # while A runs, waits the router's 0.5 s queue timeout, and gets a 429.
+    # while A runs, waits the router's 0.1 s queue timeout, and gets a 429.
     a = s.client.completions.create(model=s.model, prompt=[5] * 200, max_tokens=800,
                                     temperature=0, stream=True, extra_body=IGNORE_EOS)
     next(iter(a))
