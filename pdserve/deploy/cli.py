@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -170,7 +171,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pdserve.deploy.serve import serve
 
     asyncio.run(serve(_cluster_config(args)))
-    return 0
+    # Everything the server started is stopped by now (workers killed, Ray shut
+    # down, the targets file removed). The interpreter's own finalization is
+    # skipped: after a stop while the workers were loading, Ray's extension left
+    # the garbage collector's lists corrupt and the exit aborted (SIGABRT).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _add_model(sub: argparse._SubParsersAction) -> None:
