@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import random
-import time
 from collections import Counter
 from collections.abc import Sequence
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import pdserve.engine.sampler as sampler_mod
 from pdserve.engine.sampler import (
@@ -351,7 +351,8 @@ def test_mask_min_tokens_ignores_out_of_vocab_ids() -> None:
 
 
 def test_all_greedy_fast_path_is_one_argmax(monkeypatch: pytest.MonkeyPatch) -> None:
-    """B=32, V=49152 all-greedy: no general-pipeline work, cost close to a bare argmax."""
+    """B=32, V=49152 all-greedy: no general-pipeline work -- the tensor ops the sampler
+    runs are one argmax over the batch (counted, not timed)."""
 
     def boom(*args: object) -> None:
         raise AssertionError("general path used for an all-greedy batch")
@@ -359,13 +360,17 @@ def test_all_greedy_fast_path_is_one_argmax(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(sampler_mod, "_apply_penalties", boom)
     logits = torch.randn(32, 49152)
     rows = [row(SamplingParams(min_tokens=5), range(50), range(10)) for _ in range(32)]
-    sampler = Sampler()
-    bare, fast = math.inf, math.inf
-    for _ in range(30):  # interleaved, min of many: robust to a busy machine
-        start = time.perf_counter()
-        logits.argmax(-1).tolist()
-        mid = time.perf_counter()
-        sampler(logits, rows)
-        end = time.perf_counter()
-        bare, fast = min(bare, mid - start), min(fast, end - mid)
-    assert fast < 3 * bare + 1e-3, (fast, bare)
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ran: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ran.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Ops() as ops:
+        out = Sampler()(logits, rows)
+    assert ops.ran == ["argmax.default"], ops.ran
+    assert out.token_ids == logits.argmax(-1).tolist()

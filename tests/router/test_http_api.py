@@ -157,8 +157,12 @@ def test_disconnect_aborts_on_both_workers(pair_factory: Callable[..., Pair]) ->
         # not streamed: the client gives up while the request runs
         task = asyncio.create_task(c.post("/v1/chat/completions", json={
             **GREEDY, "max_tokens": 1500, "messages": [{"role": "user", "content": "x"}]}))
-        await asyncio.sleep(0.5)
-        assert any(w.engine.pool.num_used for w in pair.decode), "request not running"
+        for _ in range(500):  # until it runs on the decode worker (bounded)
+            if any(w.engine.pool.num_used for w in pair.decode):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("request not running")
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await wait_freed(pair)
