@@ -160,8 +160,11 @@ class Router:
             self.admission.watch()
 
     def prompt_ids(self, req: GenerateRequest) -> list[int]:
-        """The request's prompt as token ids (``RouterError`` INVALID if it has none)."""
-        return self._tokenize(req)
+        """The request's prompt as token ids, checked as ``generate`` checks them
+        (``RouterError`` INVALID: no prompt, ids outside the vocabulary, too long)."""
+        prompt = self._tokenize(req)
+        self._validate(prompt, req.params)
+        return prompt
 
     def _tokenize(self, req: GenerateRequest) -> list[int]:
         given = [x is not None for x in (req.prompt, req.messages, req.prompt_token_ids)]

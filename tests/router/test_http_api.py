@@ -220,6 +220,10 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     ("/v1/completions", {"prompt": "x", "timeout_s": 0}, 400, "timeout_s"),
     ("/v1/completions", {"prompt": ""}, 400, None),  # the router: empty prompt
     ("/v1/completions", {"prompt": [99999]}, 400, None),  # token id outside the vocabulary
+    # echo decodes the prompt before the request runs (it overflowed the tokenizer: 500)
+    ("/v1/completions", {"prompt": [2**63], "echo": True, "logprobs": 1, "max_tokens": 0},
+     400, None),
+    ("/v1/completions", {"prompt": [99999], "echo": True, "max_tokens": 1}, 400, None),
     ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, None),  # past the context
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, None),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
