@@ -9,9 +9,10 @@ Rules:
 * Value ranges live in the models (``Field`` bounds, the same as
   ``SamplingParams``'), so the JSON schema that ``openapi_doc`` publishes states
   them; only rules between fields (``min_tokens <= max_tokens``, ``stream_options``
-  needs ``stream``, ``top_logprobs`` needs ``logprobs``, content needed unless the
-  role is assistant) and limits of the model (context, vocabulary) are not in it.
-* Fields we cannot honour (``n`` > 1, ``best_of`` > 1, ``echo``, a non-empty
+  needs ``stream``, ``top_logprobs`` needs ``logprobs``, ``max_tokens`` 0 needs
+  ``echo``, content needed unless the role is assistant) and limits of the model
+  (context, vocabulary) are not in it.
+* Fields we cannot honour (``n`` > 1, ``best_of`` > 1, a non-empty
   ``logit_bias``, tools, structured output, ...) are refused unless they carry their
   harmless default; each `Refused` rule carries the JSON schema of its harmless
   values beside its test. Other unknown fields (``user``, ``metadata``,
