@@ -97,7 +97,8 @@ def part1(transfer: str, quantization: str) -> None:
           f"in the same run -> {tpot - step_ms:+.2f} ms (goal <= 2 ms)\n"
           f"   32 streams: {many['output_throughput']:.1f} output tok/s served vs "
           f"{alone_tps:.1f} engine alone = {many['output_throughput'] / alone_tps:.0%} "
-          f"(goal >= 95%)", flush=True)
+          f"(goal >= 95%); TPOT p99 {many['p99_tpot_ms']:.0f} ms, TTFT p50 "
+          f"{many['median_ttft_ms']:.0f} ms", flush=True)
 
 
 def eng_desc(engine: dict[str, Any]) -> str:
