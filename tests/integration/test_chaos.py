@@ -142,6 +142,17 @@ async def kill9(cluster: Cluster, router: Router, wid: str) -> dict[str, str]:
     return {wid: before}
 
 
+async def kill9_and_settle(cluster: Cluster, router: Router, wid: str,
+                           tasks: list[asyncio.Task[Any]]) -> tuple[list[Any], float]:
+    """kill -9 ``wid`` while ``tasks`` run; wait (bounded) for every task to end and the
+    killed worker to be back in routing. Returns the tasks' results and the fault time."""
+    restarted = await kill9(cluster, router, wid)
+    fault_at = time.monotonic()
+    results = await asyncio.wait_for(asyncio.gather(*tasks), BOUND_S)
+    await recovered(router, cluster, restarted)
+    return results, fault_at
+
+
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_kill9_mid_prefill_and_transfer(cluster: Cluster, role: str) -> None:
     """Prompts are being prefilled and their KV is on the way (chunk by chunk) when
@@ -159,10 +170,7 @@ def test_kill9_mid_prefill_and_transfer(cluster: Cluster, role: str) -> None:
             return bool(victim)
 
         await until_async("a worker mid-prefill", transferring)
-        restarted = await kill9(cluster, router, victim[0])
-        fault_at = time.monotonic()
-        results = await asyncio.wait_for(asyncio.gather(*tasks), BOUND_S)
-        await recovered(router, cluster, restarted)
+        results, fault_at = await kill9_and_settle(cluster, router, victim[0], tasks)
         assert record(f"kill -9 {role} mid-prefill/transfer", results, 8, 1, fault_at) >= 1
 
     with_router(cluster, body)
@@ -180,10 +188,7 @@ def test_kill9_mid_decode(cluster: Cluster) -> None:
             return bool(victim)
 
         await until_async("a decode worker decoding", decoding)
-        restarted = await kill9(cluster, router, victim[0])
-        fault_at = time.monotonic()
-        results = await asyncio.wait_for(asyncio.gather(*tasks), BOUND_S)
-        await recovered(router, cluster, restarted)
+        results, fault_at = await kill9_and_settle(cluster, router, victim[0], tasks)
         # the other pair takes them all over
         assert record("kill -9 decode mid-decode", results, 300, 1, fault_at) == 4
 

@@ -93,6 +93,16 @@ def run(pair: Pair, body: Callable[[Router], object]) -> object:
     return asyncio.run(main())
 
 
+def generate_all(pair: Pair, prompts: list[list[int]]) -> list[tuple[list[int], str, FinalChunk]]:
+    """Every prompt through the pair's router at once, greedy; each request's outcome."""
+    async def body(router: Router) -> list[tuple[list[int], str, FinalChunk]]:
+        return await asyncio.gather(*(
+            collect(router.generate(GenerateRequest(f"p{i}", GREEDY, prompt_token_ids=p)))
+            for i, p in enumerate(prompts)))
+
+    return run(pair, body)  # type: ignore[return-value]
+
+
 @pytest.mark.parametrize("mode", ["pair", "colocated"])
 def test_served_equals_the_engine(pair_factory: Callable[..., Pair],
                                   tiny_model: Callable[[str], Path], mode: str) -> None:
@@ -102,13 +112,7 @@ def test_served_equals_the_engine(pair_factory: Callable[..., Pair],
     prompts = [list(range(5, 5 + n)) for n in (3, 16, 17, 50)]
     expected = eng.generate(prompts, GREEDY)
 
-    async def body(router: Router) -> list[tuple[list[int], str, FinalChunk]]:
-        return await asyncio.gather(*(
-            collect(router.generate(GenerateRequest(f"r{i}", GREEDY, prompt_token_ids=p)))
-            for i, p in enumerate(prompts)))
-
-    results = run(pair, body)
-    for (tokens, text, final), exp in zip(results, expected, strict=True):  # type: ignore[call-overload]
+    for (tokens, text, final), exp in zip(generate_all(pair, prompts), expected, strict=True):
         assert tokens == exp.token_ids
         assert text == exp.text
         assert final.finish_reason == "length"
@@ -129,13 +133,8 @@ def test_kv_sent_chunk_by_chunk(pair_factory: Callable[..., Pair],
     prompts = [[7 + (i * 13 + j) % 400 for j in range(150)] for i in range(3)]
     expected = eng.generate(prompts, GREEDY)
 
-    async def body(router: Router) -> list[tuple[list[int], str, FinalChunk]]:
-        return await asyncio.gather(*(
-            collect(router.generate(GenerateRequest(f"k{i}", GREEDY, prompt_token_ids=p)))
-            for i, p in enumerate(prompts)))
-
-    results = run(pair, body)
-    assert [tokens for tokens, _, _ in results] == [e.token_ids for e in expected]  # type: ignore[attr-defined]
+    results = generate_all(pair, prompts)
+    assert [tokens for tokens, _, _ in results] == [e.token_ids for e in expected]
     p = pair.prefill[0].metrics()
     assert p.kv_transfers == 3 and p.kv_sends > p.kv_transfers  # blocks went out early
     assert p.kv_transfer_bytes == 3 * 10 * pair.prefill[0].layout.block_bytes  # 10 blocks each
