@@ -95,10 +95,6 @@ class InputBatch:
         t = torch.from_numpy(a)
         return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
 
-    @property
-    def num_rows_in_use(self) -> int:
-        return len(self._rows)
-
     # ------------------------------------------------------------------ step
     def prepare(self, work: list[tuple[Request, int]]) -> StepInputs:
         """Inputs for computing ``n`` new tokens of each ``(request, n)``; single

@@ -153,11 +153,6 @@ class RecvTracker:
         with self.lock:
             return [rid for rid, e in self._live.items() if e.ending is not None]
 
-    def peers_of(self, request_id: str) -> set[str]:
-        with self.lock:
-            exp = self._live.get(request_id)
-            return set(exp.peers) if exp else set()
-
     def requests_of(self, peer: str) -> list[str]:
         with self.lock:
             return [rid for rid, e in self._live.items() if peer in e.peers]
