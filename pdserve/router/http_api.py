@@ -128,6 +128,7 @@ class _Api:
                     ids = self.router.prompt_ids(req)
                     echo = (req.prompt if req.prompt is not None
                             else self.router.tokenizer.decode(ids), ids)
+                    req.prompt, req.prompt_token_ids = None, ids  # tokenized once
         except InvalidRequest as exc:
             raise ApiError(400, error_object(public_message(ErrorKind.INVALID, exc.message, rid),
                                              param=exc.param)) from exc
