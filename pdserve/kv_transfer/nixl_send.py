@@ -77,8 +77,14 @@ class NixlSender(BaseSender):
     def _transmit(self, peer_id: str, jobs: list[Outgoing], numbered: Numbered) -> None:
         ((msg, src),) = jobs  # one WRITE per send() call
         request_id, peer = msg.request_id, self._peers[peer_id]
+        # Read the link first: a receiver that died since the last poll has closed it,
+        # and UCX may abort a sender whose WRITE is posted to a dead peer.
+        self._read_link(peer_id, peer)
         if peer.link.closed is not None:
             self.state.message_done(request_id, (FailReason.PEER_DIED, peer.link.closed))
+            return
+        if numbered.cancel.set:  # D's abort was just read: write nothing more
+            self.state.message_done(request_id, None)
             return
         if numbered.first_seq == 0:  # D now fails rid if this link dies
             peer.link.send({"t": "begin", "r": request_id})
@@ -116,8 +122,7 @@ class NixlSender(BaseSender):
 
     def poll(self) -> list[SendEvent]:
         for peer_id, peer in self._peers.items():
-            for msg in peer.link.receive():
-                self._on_message(peer_id, msg)
+            self._read_link(peer_id, peer)
             if peer.link.closed is not None:
                 self.state.fail_peer(peer_id, FailReason.PEER_DIED, peer.link.closed)
         self._check_transfers()
@@ -140,6 +145,10 @@ class NixlSender(BaseSender):
             log.warning("NIXL deregister failed: %s", exc)
 
     # --- helpers -------------------------------------------------------------------
+
+    def _read_link(self, peer_id: str, peer: _Peer) -> None:
+        for msg in peer.link.receive():
+            self._on_message(peer_id, msg)
 
     def _on_message(self, peer_id: str, msg: dict[str, Any]) -> None:
         if msg.get("t") == "abort":  # D gave up: stop, ack once nothing is in flight
