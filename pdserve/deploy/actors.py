@@ -140,10 +140,12 @@ REMOTE: dict[str, Any] = {"prefill": ray.remote(PrefillActor), "decode": ray.rem
 
 def actor_options(pool: PoolConfig, cluster_has_gpus: bool, name: str,
                   max_restarts: int) -> dict[str, Any]:
-    gpus = pool.num_gpus if pool.num_gpus is not None else (1 if cluster_has_gpus else 0)
+    bundle = pool.bundle(cluster_has_gpus)
+    placement = {"label_selector": dict(pool.labels)} if pool.labels else {}
     return {
-        "num_cpus": pool.num_cpus,
-        "num_gpus": gpus,
+        **placement,
+        "num_cpus": bundle.get("CPU", 0),
+        "num_gpus": bundle.get("GPU", 0),
         "resources": dict(pool.resources),
         "name": name,
         "max_concurrency": 1000,  # concurrent awaits, not threads

@@ -14,6 +14,7 @@ signal handler), so no stop leaves a half-started cluster behind.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -63,6 +64,8 @@ class Cluster:
         self.handles: dict[str, Any] = {}  # worker id -> actor handle
         self.roles: dict[str, str] = {}  # worker id -> "prefill" | "decode" | "colocated"
         self._owns_ray = False
+        self._has_gpus = False
+        self._next_index = dict.fromkeys(self.pools(), 0)  # worker ids are never reused
         self._cancelled = threading.Event()
 
     def pools(self) -> dict[str, PoolConfig]:
@@ -79,37 +82,66 @@ class Cluster:
             else:
                 init_local_ray(self.num_cpus)
             self._owns_ray = cfg.address is None
-        has_gpus = ray.cluster_resources().get("GPU", 0) > 0
-        self._check_resources(has_gpus)
-        settings = ActorSettings(cfg.transfer, cfg.transfer_options, cfg.kv_timeout_s,
-                                 self.loopback, cfg.restart_backoff_s)
+        self._has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+        self._check_resources()
         for role, pool in self.pools().items():
-            for i in range(pool.workers):
-                wid = f"{role}-{i}"
-                opts = actor_options(pool, has_gpus, f"pdserve-{wid}-{time.time_ns()}",
-                                     cfg.max_restarts)
-                self.handles[wid] = REMOTE[role].options(**opts).remote(
-                    wid, str(self.model_dir), pool, settings)
-                self.roles[wid] = role
+            for _ in range(pool.workers):
+                self._create(role)
         counts = ", ".join(f"{p.workers} {r}" for r, p in self.pools().items() if p.workers)
         self.progress(f"loading the model on {counts} worker(s)")
-        self._wait_built()
+        self._wait_built(list(self.handles))
+
+    def add_worker(self, role: str) -> RayWorker:
+        """One more worker in ``role``'s pool, its model loaded (blocks; run it on a
+        thread). ``StartupError`` when the cluster cannot place or build it in
+        ``start_timeout_s``; nothing is left behind then."""
+        pool = self.pools()[role]
+        self._check_fits(role, pool, ray.available_resources(), "free")
+        wid = self._create(role)
+        try:
+            self._wait_built([wid])
+        except BaseException:
+            self.remove_worker(wid)
+            raise
+        return RayWorker(wid, role, self.handles[wid])
+
+    def remove_worker(self, worker_id: str) -> None:
+        """Kill a worker's actor for good (the router has drained it first)."""
+        handle = self.handles.pop(worker_id)
+        self.roles.pop(worker_id)
+        with contextlib.suppress(Exception):  # already dead
+            ray.kill(handle, no_restart=True)
+
+    def _create(self, role: str) -> str:
+        wid = f"{role}-{self._next_index[role]}"
+        self._next_index[role] += 1
+        cfg = self.config
+        settings = ActorSettings(cfg.transfer, cfg.transfer_options, cfg.kv_timeout_s,
+                                 self.loopback, cfg.restart_backoff_s)
+        opts = actor_options(self.pools()[role], self._has_gpus,
+                             f"pdserve-{wid}-{time.time_ns()}", cfg.max_restarts)
+        assert self.model_dir is not None
+        self.handles[wid] = REMOTE[role].options(**opts).remote(
+            wid, str(self.model_dir), self.pools()[role], settings)
+        self.roles[wid] = role
+        return wid
 
     def cancel(self) -> None:
         """Stop waiting in ``start`` (it raises ``StartupError``); any thread."""
         self._cancelled.set()
 
-    def _check_resources(self, has_gpus: bool) -> None:
+    def _check_resources(self) -> None:
+        """Every pool fits the cluster: in all (what the pools need together) and per
+        node (some node with the pool's labels holds one worker's resources)."""
         need: dict[str, float] = {}
         who: dict[str, list[str]] = {}
         for role, pool in self.pools().items():
             if not pool.workers:
                 continue
-            gpus = pool.num_gpus if pool.num_gpus is not None else (1 if has_gpus else 0)
-            for res, amount in {"CPU": pool.num_cpus, "GPU": gpus, **pool.resources}.items():
-                if amount:
-                    need[res] = need.get(res, 0) + amount * pool.workers
-                    who.setdefault(res, []).append(f"{pool.workers} {role} x {amount:g}")
+            self._check_fits(role, pool, None, "")
+            for res, amount in pool.bundle(self._has_gpus).items():
+                need[res] = need.get(res, 0) + amount * pool.workers
+                who.setdefault(res, []).append(f"{pool.workers} {role} x {amount:g}")
         have = ray.cluster_resources()
         for res, amount in need.items():
             if have.get(res, 0) + 1e-9 < amount:
@@ -118,8 +150,32 @@ class Cluster:
                     f"({' + '.join(who[res])}), the Ray cluster has {have.get(res, 0):g}; "
                     f"use fewer workers or a smaller num_cpus/num_gpus per pool")
 
-    def _wait_built(self) -> None:
-        pending = {h.load.remote(): wid for wid, h in self.handles.items()}
+    def _check_fits(self, role: str, pool: PoolConfig, available: dict[str, float] | None,
+                    what: str) -> None:
+        """One worker of ``pool`` fits some node with its labels (and, with
+        ``available``, the cluster's free resources); else ``StartupError`` naming the
+        pool and the missing label or resource."""
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        matching = [n for n in nodes
+                    if all(n.get("Labels", {}).get(k) == v for k, v in pool.labels.items())]
+        if not matching:
+            seen = sorted({f"{k}={v}" for n in nodes for k, v in n.get("Labels", {}).items()
+                           if not k.startswith("ray.io/")})
+            raise StartupError(f"the {role} pool needs a node with labels {pool.labels}; no "
+                               f"live node of the Ray cluster has them (labels seen: {seen})")
+        for res, amount in pool.bundle(self._has_gpus).items():
+            most = max(n.get("Resources", {}).get(res, 0) for n in matching)
+            if most + 1e-9 < amount:
+                where = f" with labels {pool.labels}" if pool.labels else ""
+                raise StartupError(f"no node{where} can host a {role} worker: it needs "
+                                   f"{res} {amount:g} on one node, the most any node has is "
+                                   f"{most:g}")
+            if available is not None and available.get(res, 0) + 1e-9 < amount:
+                raise StartupError(f"cannot add a {role} worker: it needs {res} {amount:g}, "
+                                   f"the Ray cluster has {available.get(res, 0):g} {what}")
+
+    def _wait_built(self, worker_ids: list[str]) -> None:
+        pending = {self.handles[wid].load.remote(): wid for wid in worker_ids}
         deadline = time.monotonic() + self.start_timeout_s
         while pending:
             if self._cancelled.is_set():

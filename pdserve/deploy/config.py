@@ -8,7 +8,8 @@ Example YAML::
     transfer: nixl
     prefill: {workers: 2, num_cpus: 1, resources: {prefill_node: 1},
               engine: {max_num_batched_tokens: 2048}}
-    decode:  {workers: 1, num_cpus: 1, engine: {num_blocks: 2048}}
+    decode:  {workers: 1, num_cpus: 1, labels: {pdserve/pool: decode},
+              engine: {num_blocks: 2048}}
     colocated: {workers: 1}    # both phases in one engine, beside the pairs
     router:  {policy: prefix_affinity, max_waiting: 512}
 
@@ -17,6 +18,11 @@ has pairs, colocated workers, or both (``prefill: {workers: 0}, decode: {workers
 colocated: {workers: 1}`` is colocated only). A colocated worker's ``num_cpus``
 defaults to one prefill plus one decode worker's, so an A/B of the two modes compares
 equal hardware (docs/operations.md says how to choose).
+
+Placement: a pool is pinned to nodes by custom ``resources`` (each worker takes that
+much of them) and/or by Ray node ``labels`` (every label must match; the actors get a
+``label_selector``). ``workers`` is the size at start; ``pdserve scale`` changes it at
+runtime.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class PoolConfig:
     num_cpus: float = 1  # Ray CPUs per worker; also the engine's CPU threads
     num_gpus: float | None = None  # None: 1 when the cluster has GPUs, else 0
     resources: dict[str, float] = field(default_factory=dict)  # custom, for pinning pools
+    labels: dict[str, str] = field(default_factory=dict)  # Ray node labels the nodes must have
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig overrides
 
     def __post_init__(self) -> None:
@@ -49,10 +56,23 @@ class PoolConfig:
             raise ValueError(f"num_cpus must be > 0, got {self.num_cpus}")
         if self.num_gpus is not None and self.num_gpus < 0:
             raise ValueError(f"num_gpus must be >= 0, got {self.num_gpus}")
+        if not isinstance(self.resources, dict) or any(
+                not isinstance(v, int | float) or v < 0 for v in self.resources.values()):
+            raise ValueError(f"resources must map names to amounts >= 0, got {self.resources!r}")
+        if not isinstance(self.labels, dict) or any(
+                not isinstance(k, str) or not isinstance(v, str) for k, v in self.labels.items()):
+            raise ValueError(f"labels must map label names to strings, got {self.labels!r}")
         bad = {"role", "device"} & set(self.engine)
         if bad:
             raise ValueError(f"engine keys {sorted(bad)} are set by the deployment, not the config")
         EngineConfig.from_dict(self.engine)  # validates names and values
+
+    def bundle(self, cluster_has_gpus: bool) -> dict[str, float]:
+        """The Ray resources one worker of this pool takes (zero amounts left out);
+        ``num_gpus`` unset means 1 GPU on a cluster that has GPUs, else none."""
+        gpus = self.num_gpus if self.num_gpus is not None else (1 if cluster_has_gpus else 0)
+        return {k: v for k, v in {"CPU": self.num_cpus, "GPU": gpus, **self.resources}.items()
+                if v}
 
     def engine_config(self, role: str, device: str) -> EngineConfig:
         threads = max(1, int(self.num_cpus)) if device == "cpu" else None

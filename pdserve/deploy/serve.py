@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.deploy.cluster import Cluster, StartupError
 from pdserve.deploy.config import ClusterConfig
 from pdserve.deploy.file_sd import FileSD, cluster_targets
+from pdserve.deploy.scaler import Scaler
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.api_keys import ApiKeys
 from pdserve.router.grpc_server import start_grpc_server
@@ -49,6 +50,7 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
     grpc_server = None
     http_server = None
     router = None
+    scaler: Scaler | None = None
     file_sd = FileSD(cfg.file_sd_path) if cfg.file_sd_path else None
     tasks: list[asyncio.Task[None]] = []
     try:
@@ -61,10 +63,12 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
             ttft_slo_s=cfg.ttft_slo_ms / 1e3 if cfg.ttft_slo_ms else None,
             tpot_slo_s=cfg.tpot_slo_ms / 1e3 if cfg.tpot_slo_ms else None))
         await router.start()
+        scaler = Scaler(cluster, router)
+        scaler.start()
         grpc_server, grpc_port = await start_grpc_server(
             router, cfg.host, cfg.grpc_port, api_keys=keys, protect_probes=cfg.protect_probes)
         app = build_app(router, router.model_name, registry, api_keys=keys,
-                        protect_probes=cfg.protect_probes)
+                        protect_probes=cfg.protect_probes, admin=scaler)
         http_server, http_port = await start_http_server(app, cfg.host, cfg.http_port)
         base = f"http://{_url_host(cfg.host)}:{http_port}"
         _progress(f"gRPC   {cfg.host}:{grpc_port} (pdserve.v1.Generation, grpc.health.v1)")
@@ -72,6 +76,8 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
                   f"/v1/models{f'; {len(keys)} Bearer key(s) required' if keys else ''})")
         _progress(f"HTTP   {base}/health, {base}/metrics (router; "
                   f"{'key required' if keys and cfg.protect_probes else 'open'})")
+        _progress(f"HTTP   {base}/admin/workers, {base}/admin/scale (pdserve workers, pdserve "
+                  f"scale; {'key required' if keys else 'OPEN: no API key is set'})")
         for wid, (host, port) in router.metrics_targets().items():
             _progress(f"worker {wid}: http://{host}:{port}/metrics")
         if file_sd is not None:
@@ -93,6 +99,9 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
             await http_server.stop()
         if grpc_server is not None:
             await grpc_server.stop(grace=2)
+        if scaler is not None:
+            cluster.cancel()  # a worker still loading for the scaler is stopped
+            await scaler.stop()
         if router is not None:
             await router.stop()
         cluster.shutdown()

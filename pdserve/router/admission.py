@@ -141,6 +141,7 @@ class Admission:
             self.claims.answered(w, need, granted)
             if not granted:
                 w.outstanding_requests -= 1
+                self._workers.attempt_ended()
 
     def rank(self, req: RouteInput, avoid: frozenset[str] = frozenset()) -> list[WorkerState]:
         """Live token workers in the policy's order of preference (``avoid`` last)."""

@@ -4,7 +4,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as SSE
 ``data: {json}`` events ending with ``data: [DONE]``, or whole), ``GET /v1/models``,
 ``GET /health`` (200 only while ``router.ready()``), ``GET /metrics`` (the
 registry in Prometheus text format), ``GET /openapi.json`` (the request bodies as
-``openapi_doc`` describes them). With API keys, every route but the two probes
+``openapi_doc`` describes them), and with an ``Admin`` the operator's ``/admin/``
+routes (``admin_api``). With API keys, every route but the two probes
 needs ``Authorization: Bearer <key>`` (``http_middleware.ApiKeyMiddleware``).
 
 Errors are OpenAI error objects with the status of ``openai_format.ERROR_STATUS``;
@@ -37,6 +38,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.router import openapi_doc
+from pdserve.router.admin_api import Admin, admin_routes
 from pdserve.router.api_common import RouterLike, RouterStream, check_model
 from pdserve.router.api_keys import ApiKeys
 from pdserve.router.http_middleware import (
@@ -241,10 +243,11 @@ class _ClientGone(Exception):
 
 def build_app(router: RouterLike, model_name: str, registry: CollectorRegistry,
               api_keys: ApiKeys | None = None, protect_probes: bool = False,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, admin: Admin | None = None,
+              ) -> FastAPI:
     """The ASGI app serving ``router`` as ``model_name``; see the module docstring.
     ``api_keys``: None = open; ``protect_probes``: the keys guard ``/health`` and
-    ``/metrics`` too."""
+    ``/metrics`` too; ``admin``: serve ``/admin/`` (``admin_api``) over it."""
     api = _Api(router, model_name, registry)
 
     v1 = APIRouter(prefix="/v1")
@@ -265,6 +268,8 @@ def build_app(router: RouterLike, model_name: str, registry: CollectorRegistry,
 
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
     app.include_router(v1)
+    if admin is not None:
+        app.include_router(admin_routes(admin))
     app.state.pdserve_api = api  # for HttpServer.stop(): begin_shutdown(), tasks
 
     @app.get("/health")

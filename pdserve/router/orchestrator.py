@@ -212,6 +212,7 @@ class RequestRun:
                         with contextlib.suppress(Exception):
                             await w.handle.abort(aid)
             s.admission.wake()
+            s.workers.attempt_ended()
 
     def _start_prefill(self, p: WorkerState, inbox: Inbox, task: PrefillTask,
                        hashes: list[int]) -> _PrefillLeg:
@@ -223,6 +224,7 @@ class RequestRun:
 
     def _prefill_done(self, leg: _PrefillLeg) -> None:
         leg.settle()
+        self.s.workers.attempt_ended()  # a draining prefill worker may be done now
         fut, p = leg.future, leg.worker
         if fut.cancelled():
             return

@@ -113,8 +113,32 @@ class Router:
         """worker id -> in routing."""
         return {wid: w.alive for wid, w in self.workers.workers.items()}
 
+    def worker_info(self) -> list[dict[str, Any]]:
+        """Every worker as an operator sees it (``/admin/workers``)."""
+        out = []
+        for w in self.workers.workers.values():
+            load = w.load
+            out.append({
+                "id": w.worker_id, "role": w.role, "state": w.state, "restarts": w.restarts,
+                "requests": w.outstanding_requests,
+                "free_blocks": load.num_free_blocks if load else None,
+                "blocks": load.num_blocks if load else None,
+                "metrics": f"{w.metrics[0]}:{w.metrics[1]}" if w.metrics else None,
+            })
+        return out
+
+    async def add_worker(self, handle: Any) -> None:
+        """A worker started at runtime joins routing (see ``WorkerSet.add``)."""
+        await self.workers.add(handle)
+
+    async def drain_worker(self, worker_id: str, timeout_s: float) -> int:
+        """No new requests for ``worker_id``; once its attempts end (or ``timeout_s``
+        passes: they fail over) it leaves for good. Returns the number cut off."""
+        return await self.workers.drain(worker_id, timeout_s)
+
     def metrics_targets(self) -> dict[str, tuple[str, int]]:
-        """worker id -> its ``/metrics`` (host, port), for the workers in routing."""
+        """worker id -> its ``/metrics`` (host, port), for the workers joined (a
+        draining one still reports)."""
         return {wid: w.metrics for wid, w in self.workers.workers.items()
                 if w.alive and w.metrics is not None}
 

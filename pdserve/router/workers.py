@@ -46,7 +46,8 @@ class WorkerState:
     handle: Any  # a WorkerHandle (router/clients.py)
     worker_id: str
     role: str
-    alive: bool = False  # in routing
+    alive: bool = False  # joined (its stream and channels are up)
+    draining: bool = False  # takes no new requests; finishing the ones it has
     incarnation: str | None = None  # of the last join
     load: WorkerLoad | None = None  # last probe answer
     failing_since: float | None = None  # first failed probe of the current run
@@ -58,6 +59,18 @@ class WorkerState:
     restarts: int = 0
     peers: set[str] = field(default_factory=set)  # prefill: decode workers it has channels to
     left: asyncio.Event | None = None  # set when this join's stay in routing ends
+
+    @property
+    def routable(self) -> bool:
+        """In routing: joined and not draining."""
+        return self.alive and not self.draining
+
+    @property
+    def state(self) -> str:
+        """What an operator sees: joining | serving | draining | down."""
+        if self.alive:
+            return "draining" if self.draining else "serving"
+        return "joining" if self.incarnation is None else "down"
 
 
 @dataclass(frozen=True)
@@ -74,9 +87,11 @@ class WorkerSet:
         self.workers = {h.worker_id: WorkerState(h, h.worker_id, h.role) for h in handles}
         self._fanout = fanout
         self._health = health
-        self._on_change = on_change  # (worker, "joined" | "left" | "restarted")
+        # (worker, "joined" | "left" | "restarted" | "draining" | "removed")
+        self._on_change = on_change
         self._tasks: list[asyncio.Task[None]] = []
         self._joins: dict[str, asyncio.Task[None]] = {}
+        self._drained = asyncio.Event()  # set when an attempt ends (drains wait on it)
         self._stopping = False
 
     # --------------------------------------------------------------- lifecycle
@@ -98,9 +113,57 @@ class WorkerSet:
         for w in self.workers.values():
             self._close_stream(w)
 
+    # ------------------------------------------------------------ runtime changes
+    async def add(self, handle: Any) -> WorkerState:
+        """A worker started at runtime: probe it, join it (bounded by the join
+        timeout; a late one joins on a later probe), keep probing it."""
+        if handle.worker_id in self.workers:
+            raise ValueError(f"worker {handle.worker_id} is already known")
+        w = self.workers[handle.worker_id] = WorkerState(handle, handle.worker_id, handle.role)
+        await self._probe(w)
+        join = self._joins.get(w.worker_id)
+        if join is not None:
+            await asyncio.gather(join, return_exceptions=True)
+        self._tasks.append(asyncio.create_task(self._probe_loop(w), name=f"probe-{w.worker_id}"))
+        return w
+
+    async def drain(self, worker_id: str, timeout_s: float) -> int:
+        """Take ``worker_id`` out of routing for new requests, wait (at most
+        ``timeout_s``) until none of its attempts is left, then remove it: its
+        channels close with nothing in flight. Attempts still on it at the timeout
+        fail over (retried elsewhere). Returns how many were cut off."""
+        w = self.workers[worker_id]
+        w.draining = True
+        self._on_change(w, "draining")
+        deadline = time.monotonic() + timeout_s
+        while w.alive and w.outstanding_requests > 0 and time.monotonic() < deadline:
+            self._drained.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._drained.wait(), deadline - time.monotonic())
+        left = w.outstanding_requests if w.alive else 0
+        self.remove(worker_id)
+        return left
+
+    def attempt_ended(self) -> None:
+        """An attempt released its workers (a drain may be waiting for that)."""
+        self._drained.set()
+
+    def remove(self, worker_id: str) -> None:
+        """Forget a worker (its actor is about to be stopped): out of routing, its
+        probes stopped."""
+        w = self.workers[worker_id]
+        for t in [self._joins.get(worker_id), *self._tasks]:
+            if t is not None and t.get_name() in (f"probe-{worker_id}", f"join-{worker_id}"):
+                t.cancel()
+        self._tasks = [t for t in self._tasks if t.get_name() != f"probe-{worker_id}"]
+        self._leave(w, FailReason.UNHEALTHY, "removed (drained)")
+        del self.workers[worker_id]
+        self._on_change(w, "removed")
+
     # ------------------------------------------------------------------ queries
     def live(self, *roles: str) -> list[WorkerState]:
-        return [w for w in self.workers.values() if w.alive and w.role in roles]
+        """The workers in routing (joined, not draining) of these roles."""
+        return [w for w in self.workers.values() if w.routable and w.role in roles]
 
     def prefill_for(self, decode_id: str) -> list[WorkerState]:
         """Live prefill workers with a channel to ``decode_id``."""
@@ -173,7 +236,7 @@ class WorkerSet:
             task = asyncio.create_task(self._join(w, load), name=f"join-{w.worker_id}")
             self._joins[w.worker_id] = task
             task.add_done_callback(lambda _: self._joins.pop(w.worker_id, None))
-        elif w.alive:
+        elif w.routable:
             await self._open_channels(w)
 
     async def _join(self, w: WorkerState, load: WorkerLoad) -> None:
