@@ -188,6 +188,8 @@ class PrefillWorker(WorkerLoop):
                         ev.reason or FailReason.TRANSPORT,
                         f"KV transfer to {f.task.decode_worker} failed: {ev.error}"))
                 continue
+            if f.future.done():  # aborted while its last send was in flight
+                continue
             assert f.sampled is not None and f.final_sent is not None
             nbytes = len(f.pinned) * self.layout.block_bytes
             self._metrics.kv_transfers += 1

@@ -61,6 +61,13 @@ class Fanout:
         inbox = self._inboxes[attempt_id]
         inbox.workers = (*inbox.workers, worker_id)
 
+    def detach(self, attempt_id: str, worker_id: str) -> None:
+        """The attempt no longer needs ``worker_id`` (its prefill is done: the KV is on
+        the decode worker), so that worker leaving does not end it."""
+        inbox = self._inboxes.get(attempt_id)
+        if inbox is not None:
+            inbox.workers = tuple(w for w in inbox.workers if w != worker_id)
+
     def close(self, attempt_id: str) -> None:
         self._inboxes.pop(attempt_id, None)
 

@@ -231,6 +231,7 @@ class RequestRun:
         exc = fut.exception()
         if exc is None:
             res = fut.result()
+            self.s.fanout.detach(res.request_id, p.worker_id)  # P may leave now
             t = self.timings
             t.prefill_queue, t.prefill, t.kv_transfer = (res.prefill_queue_s, res.prefill_s,
                                                          res.kv_transfer_s)

@@ -1,0 +1,128 @@
+"""Scaling a running Ray cluster through the admin API while load runs: 1P+1D ->
+1P+2D -> 2P+2D -> 1P+1D with ``pdserve scale`` (the CLI, over HTTP with an API key).
+No request fails, every one gets the engine's greedy tokens, the new workers serve,
+the drained ones leave, and no block is left in use."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from pdserve.deploy.cli import main as cli_main
+from pdserve.deploy.scaler import Scaler
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.api_keys import ApiKeys
+from pdserve.router.http_api import build_app, start_http_server
+from tests.integration.test_ray_cluster import run_one, start
+from tests.integration.waiting import until, until_async
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.usefixtures("ray_address")  # the session's shared Ray cluster
+
+PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
+PROMPTS = [[5 + (i * 11 + j) % 400 for j in range(6 + 9 * i)] for i in range(6)]
+CLIENTS = 4
+MAX_PER_CLIENT = 400  # bounds the load loop
+KEY = "admin-key"
+
+
+def _get(url: str, key: str | None) -> tuple[int, dict[str, object]]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_scale_out_and_in_under_load(tiny_model: Callable[[str], Path],
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    model = tiny_model("llama-gqa")
+    want = [o.token_ids for o in LLMEngine(model, EngineConfig(num_blocks=256, dtype="auto")).generate(
+        PROMPTS, PARAMS)]
+    cluster = start(model, "nixl")
+    figures: list[str] = []
+
+    async def body() -> None:
+        router = cluster.make_router()
+        await router.start()
+        scaler = Scaler(cluster, router, drain_timeout_s=60)
+        scaler.start()
+        app = build_app(router, "tiny", CollectorRegistry(), api_keys=ApiKeys([KEY]),
+                        admin=scaler)
+        server, port = await start_http_server(app, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{port}"
+        done: list[tuple[int, list[int]]] = []  # (prompt index, tokens) of every request
+        stop = asyncio.Event()
+
+        async def client(c: int) -> None:
+            for n in range(MAX_PER_CLIENT):
+                if stop.is_set():
+                    return
+                i = (c + n) % len(PROMPTS)
+                tokens, _, _ = await run_one(router, f"l{c}-{n}", PROMPTS[i], PARAMS)
+                done.append((i, tokens))
+
+        def scale(*flags: str) -> dict[str, object]:
+            capsys.readouterr()
+            assert cli_main(["scale", "--url", url, "--api-key", KEY, "--json",
+                             "--timeout", "300", *flags]) == 0, capsys.readouterr().err
+            return json.loads(capsys.readouterr().out.splitlines()[-1])  # after actors' logs
+
+        try:
+            # The admin API: keys required; bad sizes are a 400 naming the problem.
+            # (Blocking clients run on threads: the server shares this loop.)
+            assert (await asyncio.to_thread(_get, f"{url}/admin/workers", None))[0] == 401
+            for bad, message in ([["--decode", "0"], "come in pairs"],
+                                 [["--prefill", "-1"], "whole number"]):
+                capsys.readouterr()
+                assert await asyncio.to_thread(
+                    cli_main, ["scale", "--url", url, "--api-key", KEY, *bad]) == 2
+                assert message in capsys.readouterr().err
+            load = [asyncio.create_task(client(c)) for c in range(CLIENTS)]
+            steps = [(["--decode", "2"], "decode-1"), (["--prefill", "2"], "prefill-1"),
+                     (["--prefill", "1", "--decode", "1"], None)]
+            for flags, new in steps:
+                t0, n0 = time.monotonic(), len(done)
+                status = await asyncio.to_thread(scale, *flags)
+                assert status["reached"] and status["error"] is None
+                if new is not None:  # the new worker takes requests
+                    await until_async(f"requests on {new}", lambda w=new: (
+                        w in router.workers.workers
+                        and router.workers.workers[w].outstanding_requests > 0), 120)
+                await until_async("requests done at this size",
+                                  lambda n=n0: len(done) >= n + 2 * CLIENTS, 120)
+                figures.append(f"{status['current']}: {len(done) - n0} requests in "
+                               f"{time.monotonic() - t0:.1f}s")
+            stop.set()
+            await asyncio.gather(*load)
+            code, listed = await asyncio.to_thread(_get, f"{url}/admin/workers", KEY)
+            assert code == 200
+            roles = sorted(w["role"] for w in listed["workers"])  # type: ignore[union-attr]
+            assert roles == ["decode", "prefill"]
+            assert sorted(cluster.roles.values()) == ["decode", "prefill"]
+        finally:
+            stop.set()
+            await server.stop()
+            await scaler.stop()
+            await router.stop()
+        assert done and all(tokens == want[i] for i, tokens in done)
+
+    try:
+        asyncio.run(body())
+        cluster.check_integrity()
+        until("every block free", lambda: all(
+            s.num_free_blocks == s.num_blocks for s in cluster.stats().values()), 30)
+    finally:
+        cluster.shutdown()
+    print("scaling under load:", "; ".join(figures))
