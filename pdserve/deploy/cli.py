@@ -121,6 +121,43 @@ def cmd_top(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from pdserve.deploy.planner import add_arguments
+
+    p = sub.add_parser("plan", help="size the prefill/decode pools for a rate and TTFT/TPOT SLOs")
+    add_arguments(p)
+    p.set_defaults(func=cmd_plan)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from pdserve.deploy.planner import run
+
+    return run(args)
+
+
+def _add_admin(sub: argparse._SubParsersAction) -> None:
+    from pdserve.deploy import admin_cli
+
+    p = sub.add_parser("scale", help="set a running server's pool sizes (adds / drains workers)")
+    admin_cli.add_scale_arguments(p)
+    p.set_defaults(func=cmd_scale)
+    p = sub.add_parser("workers", help="list a running server's workers")
+    admin_cli.add_workers_arguments(p)
+    p.set_defaults(func=cmd_workers)
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    from pdserve.deploy.admin_cli import run_scale
+
+    return run_scale(args)
+
+
+def cmd_workers(args: argparse.Namespace) -> int:
+    from pdserve.deploy.admin_cli import run_workers
+
+    return run_workers(args)
+
+
 def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
     config = _load_cluster_config(args, _format_overrides(args, ("prefill", "decode")))
     if config.colocated is None:
@@ -271,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_bench(sub)
     _add_top(sub)
+    _add_plan(sub)
+    _add_admin(sub)
     _add_model(sub)
     return parser
 
