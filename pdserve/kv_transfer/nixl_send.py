@@ -109,10 +109,7 @@ class NixlSender(BaseSender):
             )
             status = self._agent.transfer(handle)
         except Exception as exc:  # nixlBind raises its own error types
-            # The agent may notice a dead receiver before our control link does.
-            reason = (FailReason.PEER_DIED if "REMOTE_DISCONNECT" in str(exc)
-                      else FailReason.TRANSPORT)
-            self.state.message_done(request_id, (reason, str(exc)))
+            self.state.message_done(request_id, _failure(exc))
             return
         if status == "ERR":
             handle.release()
@@ -163,12 +160,20 @@ class NixlSender(BaseSender):
     def _check_transfers(self) -> None:
         for rid, handles in list(self._xfers.items()):
             for h in list(handles):
-                status = self._agent.check_xfer_state(h)
+                failure: tuple[FailReason, str] | None = None
+                try:
+                    status = self._agent.check_xfer_state(h)
+                except Exception as exc:  # a dead receiver: REMOTE_DISCONNECT, every poll
+                    status, failure = "ERR", _failure(exc)
                 if status == "PROC":
                     continue
                 handles.remove(h)
-                h.release()
-                failure = None if status == "DONE" else (FailReason.TRANSPORT, "transfer failed")
+                try:
+                    h.release()
+                except Exception as exc:
+                    log.debug("NIXL transfer for %s not released: %s", rid, exc)
+                if status != "DONE":
+                    failure = failure or (FailReason.TRANSPORT, "transfer failed")
                 self.state.message_done(rid, failure)
             if not handles:
                 del self._xfers[rid]
@@ -191,3 +196,10 @@ class NixlSender(BaseSender):
             elif peer_id in self._peers:
                 self._peers[peer_id].link.send(msg)
         self._replies = keep
+
+
+def _failure(exc: Exception) -> tuple[FailReason, str]:
+    """A NIXL error as a send failure (the agent may notice a dead receiver before our
+    control link does)."""
+    dead = "REMOTE_DISCONNECT" in str(exc) or "RemoteDisconnect" in type(exc).__name__
+    return (FailReason.PEER_DIED if dead else FailReason.TRANSPORT, str(exc) or type(exc).__name__)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import uuid
 from pathlib import Path
 
@@ -38,3 +39,10 @@ def kill_marked(mark: str) -> None:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             continue
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

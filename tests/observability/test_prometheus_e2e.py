@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -29,6 +28,7 @@ from pdserve.deploy.file_sd import FileSD, cluster_targets
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.types import FinalChunk, GenerateRequest
+from tests.integration.procs import free_port
 from tests.observability.conftest import DEPLOY, rule_outputs
 from tests.observability.test_dashboards import panels
 from tests.observability.test_top import parse
@@ -42,12 +42,6 @@ ROUTER_STAGES = ("pdserve_request_queue_seconds", "pdserve_prefill_queue_seconds
                  "pdserve_prefill_seconds", "pdserve_kv_transfer_seconds",
                  "pdserve_decode_queue_seconds", "pdserve_time_to_first_token_seconds",
                  "pdserve_time_per_output_token_seconds", "pdserve_e2e_request_latency_seconds")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Prometheus:

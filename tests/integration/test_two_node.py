@@ -1,0 +1,279 @@
+"""A real two-node Ray cluster on this machine: a head started with ``ray start
+--head`` on 127.0.0.3 offering ``prefill_node``, a second raylet on 127.0.0.4 offering
+``decode_node`` and the label ``pdserve/pool=decode``. ``pdserve serve --address``
+joins it with the prefill pool pinned by resource and the decode pool by label, so KV
+crosses nodes (UCX over TCP for nixl, gloo for torch). Greedy output equals the
+engine's. Then the second node dies under load (every process of it killed):
+in-flight requests end, the decode worker leaves routing, ``/health`` and the file-SD
+targets drop it; when the node comes back the worker returns and serves again."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from tests.integration.procs import free_port, kill_marked, marked_env, processes_with
+from tests.integration.waiting import until
+
+pytest.importorskip("ray")
+
+HEAD_IP, NODE_IP = "127.0.0.3", "127.0.0.4"
+PROMPTS = [[5 + (i * 13 + j) % 400 for j in range(4 + 11 * i)] for i in range(4)]
+MAX_TOKENS = 12
+# Every process of the test cluster: no token auth (a ~/.ray token from another local
+# cluster must not switch it on), UCX on loopback over TCP, node deaths noticed in ~3 s.
+CLUSTER_ENV = {
+    "RAY_AUTH_MODE": "disabled", "UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp",
+    "RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "1000",
+    "RAY_health_check_failure_threshold": "4", "RAY_DEDUP_LOGS": "0",
+}
+
+
+class RayNode:
+    """One ``ray start --block`` process and everything it starts (marked)."""
+
+    def __init__(self, args: list[str], log: Path) -> None:
+        self.args, self.log_path = args, log
+        self.mark, env = marked_env()
+        env.update(CLUSTER_ENV)
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self) -> None:
+        with self.log_path.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [str(Path(sys.executable).parent / "ray"), "start", "--block",
+                 "--disable-usage-stats", *self.args],
+                stdout=out, stderr=subprocess.STDOUT, env=self.env, start_new_session=True)
+
+    def kill(self) -> None:
+        """The node dies: SIGKILL to every process of it, at once."""
+        kill_marked(self.mark)
+        if self.proc is not None:
+            self.proc.wait(timeout=30)
+        until("the node's processes to end", lambda: not processes_with(self.mark), 30)
+
+
+class TwoNodes:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.port = free_port(HEAD_IP)
+        self.address = f"{HEAD_IP}:{self.port}"
+        self.head = RayNode([
+            "--head", "--node-ip-address", HEAD_IP, "--port", str(self.port),
+            "--ray-client-server-port", str(free_port(HEAD_IP)), "--include-dashboard", "false",
+            "--num-cpus", "2", "--resources", json.dumps({"prefill_node": 2}),
+            "--labels", "pdserve/pool=prefill", "--temp-dir", str(tmp)],
+            tmp / "head.log")
+        self.node = RayNode([
+            "--address", self.address, "--node-ip-address", NODE_IP, "--num-cpus", "2",
+            "--resources", json.dumps({"decode_node": 2}), "--labels", "pdserve/pool=decode"],
+            tmp / "node.log")
+        try:
+            self.wait_nodes(2)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_nodes(self, n: int) -> None:
+        """Until the cluster has ``n`` live nodes (asked from a driver of its own)."""
+        script = ("import ray, sys, time\n"
+                  f"ray.init(address={self.address!r}, logging_level='ERROR')\n"
+                  "deadline = time.monotonic() + 90\n"
+                  f"while sum(n['Alive'] for n in ray.nodes()) != {n}:\n"
+                  "    if time.monotonic() > deadline: sys.exit(1)\n"
+                  "    time.sleep(0.2)\n")
+        env = {**marked_env()[1], **CLUSTER_ENV}
+        assert subprocess.run([sys.executable, "-c", script], env=env, timeout=150,
+                              capture_output=True).returncode == 0, f"not {n} nodes"
+
+    def stop(self) -> None:
+        for node in (self.node, self.head):
+            kill_marked(node.mark)
+            if node.proc is not None and node.proc.poll() is None:
+                node.proc.kill()
+                node.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[TwoNodes]:
+    # Ray's socket paths must stay under 107 bytes: a short folder, not pytest's.
+    tmp = Path(tempfile.mkdtemp(prefix="pd2n-", dir="/tmp"))
+    try:
+        nodes = TwoNodes(tmp)
+        try:
+            yield nodes
+        finally:
+            nodes.stop()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class Served:
+    """``pdserve serve --address`` on the two-node cluster."""
+
+    def __init__(self, cluster: TwoNodes, model: Path, transfer: str, tmp: Path) -> None:
+        self.targets = tmp / "targets.json"
+        self.model = model.name  # served as its folder's name
+        config = {
+            "model": str(model), "transfer": transfer, "address": cluster.address,
+            "http_port": 0, "grpc_port": 0, "file_sd_path": str(self.targets),
+            "kv_timeout_s": 10, "restart_backoff_s": 0.2,
+            "prefill": {"workers": 1, "num_cpus": 1, "resources": {"prefill_node": 1},
+                        "engine": {"num_blocks": 128}},
+            "decode": {"workers": 1, "num_cpus": 1, "labels": {"pdserve/pool": "decode"},
+                       "engine": {"num_blocks": 256}},
+            "router": {"health_timeout_s": 3, "queue_timeout_s": 5, "max_retries": 1},
+        }
+        (tmp / "config.yaml").write_text(yaml.safe_dump(config))
+        self.mark, env = marked_env()
+        env.update(CLUSTER_ENV)
+        self.log = tmp / "serve.log"
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pdserve.deploy.cli", "serve", "--config",
+                 str(tmp / "config.yaml")], stdout=out, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True)
+        until("serve to come up", lambda: self._up(), 180)
+        found = re.search(r"HTTP\s+(http://127\.0\.0\.1:\d+)/v1", self.text())
+        assert found, self.text()[-3000:]
+        self.url = found[1]
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def _up(self) -> bool:
+        assert self.proc.poll() is None, f"serve exited:\n{self.text()[-3000:]}"
+        return "] serving " in self.text()
+
+    def get(self, path: str) -> tuple[int, dict[str, object]]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def complete(self, prompt: list[int], timeout_s: float = 60) -> tuple[int, dict[str, object]]:
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                           "temperature": 0, "ignore_eos": True}).encode()
+        req = urllib.request.Request(self.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def workers(self) -> dict[str, dict[str, object]]:
+        return {str(w["id"]): w for w in self.get("/admin/workers")[1]["workers"]}  # type: ignore[union-attr]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        kill_marked(self.mark)
+
+
+@pytest.fixture
+def serve(cluster: TwoNodes, tiny_model: Callable[[str], Path], tmp_path: Path,
+          ) -> Iterator[Callable[[str], Served]]:
+    made: list[Served] = []
+
+    def start(transfer: str) -> Served:
+        made.append(Served(cluster, tiny_model("llama-gqa"), transfer, tmp_path))
+        return made[-1]
+
+    yield start
+    for s in made:
+        s.stop()
+
+
+def golden(model: Path) -> list[str]:
+    engine = LLMEngine(model, EngineConfig(num_blocks=256, dtype="auto"))
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [o.text for o in engine.generate(PROMPTS, params)]
+
+
+def check_golden(s: Served, want: list[str]) -> None:
+    for prompt, text in zip(PROMPTS, want, strict=True):
+        status, body = s.complete(prompt)
+        assert status == 200, body
+        assert body["choices"][0]["text"] == text  # type: ignore[index]
+
+
+def test_pools_on_two_nodes_match_the_engine_over_gloo(
+        serve: Callable[[str], Served], tiny_model: Callable[[str], Path]) -> None:
+    s = serve("torch")
+    workers = s.workers()
+    # Placement: each pool on its own node (the workers' /metrics bind the node's IP).
+    assert str(workers["prefill-0"]["metrics"]).startswith(HEAD_IP + ":")
+    assert str(workers["decode-0"]["metrics"]).startswith(NODE_IP + ":")
+    check_golden(s, golden(tiny_model("llama-gqa")))
+
+
+def test_node_loss_and_return_over_nixl(serve: Callable[[str], Served], cluster: TwoNodes,
+                                        tiny_model: Callable[[str], Path]) -> None:
+    s = serve("nixl")
+    want = golden(tiny_model("llama-gqa"))
+    check_golden(s, want)
+    assert str(s.workers()["decode-0"]["metrics"]).startswith(NODE_IP + ":")
+
+    # Load while the decode node dies: every request ends (tokens or a clear error).
+    outcomes: list[int] = []
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        for n in range(200):  # bounded
+            if stop.is_set():
+                return
+            status, body = s.complete(PROMPTS[(i + n) % len(PROMPTS)])
+            if status != 200:
+                assert "error" in body and body["error"]["message"], body  # type: ignore[index]
+            outcomes.append(status)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    until("requests served before the loss", lambda: len(outcomes) >= 3, 120)
+    cluster.node.kill()
+    until("the decode worker to leave routing",
+          lambda: s.workers()["decode-0"]["state"] == "down", 60)
+    assert s.get("/health")[0] == 503
+    until("file-SD to drop the decode worker", lambda: "decode-0" not in json.dumps(
+        json.loads(s.targets.read_text())), 30)
+    stop.set()
+    for t in threads:
+        t.join(timeout=120)
+        assert not t.is_alive(), "a request hung after the node died"
+    assert outcomes.count(200) >= 3 and set(outcomes) <= {200, 429, 500, 503}, outcomes
+
+    # The node comes back: Ray restarts the decode actor there and it rejoins.
+    cluster.node.start()
+    cluster.wait_nodes(2)
+    until("the decode worker to rejoin", lambda: s.get("/health")[0] == 200
+          and s.workers()["decode-0"]["state"] == "serving", 180)
+    assert int(s.workers()["decode-0"]["restarts"]) >= 1  # type: ignore[call-overload]
+    until("file-SD to list it again", lambda: "decode-0" in s.targets.read_text(), 30)
+    check_golden(s, want)
