@@ -89,6 +89,19 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="write a Prometheus file-SD targets file here (kept current)")
     p.add_argument("--ttft-slo-ms", type=float, default=None, help="TTFT target for SLO metrics")
     p.add_argument("--tpot-slo-ms", type=float, default=None, help="TPOT target for SLO metrics")
+    p.add_argument("--autoscale", action="store_true", default=None,
+                   help="size the prefill/decode pools to the load at runtime, to meet "
+                        "--ttft-slo-ms and --tpot-slo-ms (both needed; docs/planner.md)")
+    p.add_argument("--autoscale-profile", default=None, metavar="FILE",
+                   help="plan on this profile (pdserve plan --measure-profile; default: the "
+                        "analytic model on this machine's measured CPU peaks)")
+    p.add_argument("--autoscale-interval-s", type=float, default=None,
+                   help="seconds between autoscale decisions (default 5)")
+    for pool in ("prefill", "decode"):
+        p.add_argument(f"--min-{pool}", type=int, default=None,
+                       help=f"--autoscale: fewest {pool} workers (default 1)")
+        p.add_argument(f"--max-{pool}", type=int, default=None,
+                       help=f"--autoscale: most {pool} workers (default 4)")
     _add_format_flags(p, per_pool=True)
     p.set_defaults(func=cmd_serve)
 
@@ -187,6 +200,11 @@ def _load_cluster_config(args: argparse.Namespace, formats: dict[str, Any]) -> C
         "file_sd_path": getattr(args, "file_sd", None),
         "ttft_slo_ms": getattr(args, "ttft_slo_ms", None),
         "tpot_slo_ms": getattr(args, "tpot_slo_ms", None),
+        "autoscale": getattr(args, "autoscale", None),
+        "autoscale_profile": getattr(args, "autoscale_profile", None),
+        "autoscale_interval_s": getattr(args, "autoscale_interval_s", None),
+        **{f"autoscale_{b}_{pool}": getattr(args, f"{b}_{pool}", None)
+           for b in ("min", "max") for pool in ("prefill", "decode")},
         **formats,
     })
 

@@ -103,6 +103,17 @@ class ClusterConfig:
     file_sd_path: str | None = None  # Prometheus file-SD targets file (None = not written)
     ttft_slo_ms: float | None = None  # SLO targets for the attainment counters
     tpot_slo_ms: float | None = None
+    # Autoscaling (pdserve/deploy/autoscale.py): the prefill/decode pools sized to the
+    # SLOs above at runtime, within these bounds, every interval.
+    autoscale: bool = False
+    autoscale_interval_s: float = 5.0
+    autoscale_min_prefill: int = 1
+    autoscale_max_prefill: int = 4
+    autoscale_min_decode: int = 1
+    autoscale_max_decode: int = 4
+    autoscale_profile: str | None = None  # `pdserve plan --measure-profile` JSON; None: analytic
+    autoscale_prompt_len: int = 512  # the lengths planned for until requests are observed
+    autoscale_output_len: int = 128
 
     def __post_init__(self) -> None:
         if self.transfer not in TRANSFER_BACKENDS:
@@ -125,6 +136,23 @@ class ClusterConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be > 0, got {value}")
+        if self.autoscale:
+            missing = [n for n in ("ttft_slo_ms", "tpot_slo_ms") if getattr(self, n) is None]
+            if missing:
+                raise ValueError(f"autoscale needs {' and '.join(missing)} (--ttft-slo-ms, "
+                                 "--tpot-slo-ms): the pools are sized to meet them")
+            if self.prefill.workers == 0:
+                raise ValueError("autoscale sizes the prefill/decode pools, and this deployment "
+                                 "has none (colocated pools are not autoscaled)")
+            for pool in ("prefill", "decode"):
+                lo, hi = getattr(self, f"autoscale_min_{pool}"), getattr(self, f"autoscale_max_{pool}")
+                if not 1 <= lo <= hi:
+                    raise ValueError(f"autoscale bounds: need 1 <= autoscale_min_{pool} ({lo}) "
+                                     f"<= autoscale_max_{pool} ({hi})")
+            if not self.autoscale_interval_s > 0:
+                raise ValueError("autoscale_interval_s must be > 0")
+            if self.autoscale_prompt_len < 1 or self.autoscale_output_len < 2:
+                raise ValueError("autoscale_prompt_len must be >= 1, autoscale_output_len >= 2")
 
     @property
     def colocated_pool(self) -> PoolConfig:

@@ -17,9 +17,11 @@ import uuid
 
 from prometheus_client import CollectorRegistry
 
+from pdserve.deploy.autoscale import AutoscaleLoop, build_autoscaler
 from pdserve.deploy.cluster import Cluster, StartupError
 from pdserve.deploy.config import ClusterConfig
 from pdserve.deploy.file_sd import FileSD, cluster_targets
+from pdserve.deploy.planner import Profile
 from pdserve.deploy.scaler import Scaler
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.api_keys import ApiKeys
@@ -46,11 +48,14 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     keys = ApiKeys.load(cfg.api_key, cfg.api_key_file)  # a bad key file fails before start-up
+    profile = (Profile.load(cfg.autoscale_profile)  # and so does a bad profile
+               if cfg.autoscale and cfg.autoscale_profile else None)
     cluster = Cluster(cfg, num_cpus=num_cpus, progress=_progress)
     grpc_server = None
     http_server = None
     router = None
     scaler: Scaler | None = None
+    autoscale: AutoscaleLoop | None = None
     file_sd = FileSD(cfg.file_sd_path) if cfg.file_sd_path else None
     tasks: list[asyncio.Task[None]] = []
     try:
@@ -65,6 +70,15 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
         await router.start()
         scaler = Scaler(cluster, router)
         scaler.start()
+        if cfg.autoscale:
+            autoscaler = await asyncio.to_thread(build_autoscaler, cfg, cluster.model_dir, profile)
+            autoscale = AutoscaleLoop(router, scaler, autoscaler, cfg.autoscale_interval_s)
+            autoscale.start()
+            _progress(f"autoscaling every {cfg.autoscale_interval_s:g}s: prefill "
+                      f"{cfg.autoscale_min_prefill}-{cfg.autoscale_max_prefill}, decode "
+                      f"{cfg.autoscale_min_decode}-{cfg.autoscale_max_decode} worker(s) for TTFT "
+                      f"{cfg.ttft_slo_ms:g} ms, TPOT {cfg.tpot_slo_ms:g} ms "
+                      f"({autoscaler.planner.times.describe()})")
         grpc_server, grpc_port = await start_grpc_server(
             router, cfg.host, cfg.grpc_port, api_keys=keys, protect_probes=cfg.protect_probes)
         app = build_app(router, router.model_name, registry, api_keys=keys,
@@ -91,6 +105,8 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
         await stop.wait()
     finally:
         _progress("shutting down")
+        if autoscale is not None:
+            await autoscale.stop()  # no decision while the rest stops
         for task in tasks:
             task.cancel()
         if file_sd is not None:
