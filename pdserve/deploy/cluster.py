@@ -95,8 +95,7 @@ class Cluster:
         """One more worker in ``role``'s pool, its model loaded (blocks; run it on a
         thread). ``StartupError`` when the cluster cannot place or build it in
         ``start_timeout_s``; nothing is left behind then."""
-        pool = self.pools()[role]
-        self._check_fits(role, pool, ray.available_resources(), "free")
+        self.check_room({role: 1})
         wid = self._create(role)
         try:
             self._wait_built([wid])
@@ -138,7 +137,7 @@ class Cluster:
         for role, pool in self.pools().items():
             if not pool.workers:
                 continue
-            self._check_fits(role, pool, None, "")
+            self._check_fits(role, pool)
             for res, amount in pool.bundle(self._has_gpus).items():
                 need[res] = need.get(res, 0) + amount * pool.workers
                 who.setdefault(res, []).append(f"{pool.workers} {role} x {amount:g}")
@@ -150,11 +149,26 @@ class Cluster:
                     f"({' + '.join(who[res])}), the Ray cluster has {have.get(res, 0):g}; "
                     f"use fewer workers or a smaller num_cpus/num_gpus per pool")
 
-    def _check_fits(self, role: str, pool: PoolConfig, available: dict[str, float] | None,
-                    what: str) -> None:
-        """One worker of ``pool`` fits some node with its labels (and, with
-        ``available``, the cluster's free resources); else ``StartupError`` naming the
-        pool and the missing label or resource."""
+    def check_room(self, adds: dict[str, int]) -> None:
+        """``StartupError`` unless the cluster has room now for ``adds`` (role -> number
+        of new workers): each fits some node with its pool's labels, and their
+        resources together are free."""
+        need: dict[str, float] = {}
+        for role, n in adds.items():
+            pool = self.pools()[role]
+            self._check_fits(role, pool)
+            for res, amount in pool.bundle(self._has_gpus).items():
+                need[res] = need.get(res, 0) + amount * n
+        free = ray.available_resources()
+        for res, amount in need.items():
+            if free.get(res, 0) + 1e-9 < amount:
+                what = " + ".join(f"{n} {role}" for role, n in adds.items() if n)
+                raise StartupError(f"cannot add {what} worker(s): they need {res} {amount:g}, "
+                                   f"the Ray cluster has {free.get(res, 0):g} free")
+
+    def _check_fits(self, role: str, pool: PoolConfig) -> None:
+        """One worker of ``pool`` fits some node with its labels; else ``StartupError``
+        naming the pool and the missing label or resource."""
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         matching = [n for n in nodes
                     if all(n.get("Labels", {}).get(k) == v for k, v in pool.labels.items())]
@@ -170,9 +184,6 @@ class Cluster:
                 raise StartupError(f"no node{where} can host a {role} worker: it needs "
                                    f"{res} {amount:g} on one node, the most any node has is "
                                    f"{most:g}")
-            if available is not None and available.get(res, 0) + 1e-9 < amount:
-                raise StartupError(f"cannot add a {role} worker: it needs {res} {amount:g}, "
-                                   f"the Ray cluster has {available.get(res, 0):g} {what}")
 
     def _wait_built(self, worker_ids: list[str]) -> None:
         pending = {self.handles[wid].load.remote(): wid for wid in worker_ids}

@@ -123,6 +123,13 @@ class Scaler:
         """Move every pool to its target (one round; see the module docstring)."""
         current = self.current()
         adds = [role for role in ROLES for _ in range(self.targets[role] - current[role])]
+        if adds:  # all of them fit now, or none is started (no half-placed actors waiting)
+            try:
+                await asyncio.to_thread(self.cluster.check_room,
+                                        {r: adds.count(r) for r in ROLES if r in adds})
+            except StartupError as exc:
+                self._last.error = str(exc)
+                return
         results = await asyncio.gather(*(self._add(role) for role in adds),
                                        return_exceptions=True)
         errors = [str(r) for r in results if isinstance(r, BaseException)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -17,6 +18,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pdserve.deploy.cli import main as cli_main
+from pdserve.deploy.cluster import Cluster, StartupError
+from pdserve.deploy.config import ClusterConfig
 from pdserve.deploy.scaler import Scaler
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
@@ -126,3 +129,38 @@ def test_scale_out_and_in_under_load(tiny_model: Callable[[str], Path],
     finally:
         cluster.shutdown()
     print("scaling under load:", "; ".join(figures))
+
+
+def test_what_cannot_be_placed_is_refused_naming_it(tiny_model: Callable[[str], Path]) -> None:
+    """Asking for more workers than the cluster has room for starts none of them and
+    says which resource is short; a pool pinned to labels no node has fails at start."""
+    model = tiny_model("llama-gqa")
+    cfg = ClusterConfig.from_dict({
+        "model": str(model), "prefill": {"workers": 1}, "decode": {
+            "workers": 1, "labels": {"pdserve/pool": "decode"}}})
+    with pytest.raises(StartupError, match=r"the decode pool needs a node with labels "
+                                           r"\{'pdserve/pool': 'decode'\}; no live node"):
+        Cluster(cfg).start()
+    cluster = start(model, "torch")
+
+    async def body() -> None:
+        router = cluster.make_router()
+        await router.start()
+        scaler = Scaler(cluster, router)
+        scaler.start()
+        try:
+            scaler.set_targets({"decode": 40})
+            await until_async("the scaler to give up", lambda: scaler.status()["error"], 60)
+            status = scaler.status()
+            assert re.fullmatch(r"cannot add 39 decode worker\(s\): they need CPU 39, the Ray "
+                                r"cluster has \d+ free", str(status["error"])), status
+            assert status["current"] == {"prefill": 1, "decode": 1, "colocated": 0}
+            assert not status["reached"] and sorted(cluster.roles) == ["decode-0", "prefill-0"]
+        finally:
+            await scaler.stop()
+            await router.stop()
+
+    try:
+        asyncio.run(body())
+    finally:
+        cluster.shutdown()
