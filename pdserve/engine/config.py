@@ -163,6 +163,9 @@ class EngineConfig:
     # KV cache keeps ``dtype``, so quantized and float workers exchange the same KV.
     quantization: str = "none"
     quantization_group_size: int = 32
+    # Ranks one engine is split over (engine/tp.py): each holds 1/N of the weights and
+    # KV heads; one process per rank, one thread each (num_threads) on CPU.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -183,6 +186,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("num_threads must be >= 1")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.quantization not in ("none", "int8", "int4"):
             raise ValueError(f"quantization must be none, int8 or int4, got {self.quantization!r}")
         if self.quantization_group_size not in (32, 64, 128):

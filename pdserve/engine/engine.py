@@ -23,10 +23,12 @@ engine serving.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,6 +48,15 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stop import StopChecker, StopDecision
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.engine.tp import (
+    STOP,
+    Shard,
+    TPGroup,
+    replicated,
+    shard_model,
+    spawn_followers,
+    wait_followers,
+)
 from pdserve.engine.weights import load_weights
 
 
@@ -79,8 +90,14 @@ class StepOutput:
 
 class LLMEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None,
-                 tokenizer: Tokenizer | None = None, load_tokenizer: bool = True) -> None:
+                 tokenizer: Tokenizer | None = None, load_tokenizer: bool = True,
+                 tp: TPGroup | None = None) -> None:
+        """``tp``: this rank's tensor-parallel group (``engine/tp.py``); rank 0 leads,
+        the others ``follow``. None: the whole model here."""
         self.config = config or EngineConfig()
+        self.tp = tp
+        self._in_call = False  # inside a replicated call (tp.replicated)
+        self._followers: list[Any] = []  # processes of ranks 1.. when this engine spawned them
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
             raise FileNotFoundError(f"model directory not found: {self.model_dir}")
@@ -110,20 +127,36 @@ class LLMEngine:
             model = LlamaModel(mc, rotary)
         model = model.to_empty(device=device).to(dtype)
         load_weights(model, self.model_dir)
+        local = mc  # the shapes of this rank's shard (all of it without tensor parallel)
+        if tp is not None:
+            if self.config.quantization != "none":
+                raise ValueError("tensor parallel serves unquantized weights "
+                                 "(quantization: none)")
+            shard = Shard.of(mc, tp.rank, tp.size)
+            local = shard.local_config(mc)
+            with torch.device("meta"):
+                part = LlamaModel(local, rotary)
+            part = part.to_empty(device=device).to(dtype)
+            shard_model(model, shard, part)
+            model = part
+            model.tp, model.vocab_range, model.vocab = tp, shard.vocab, mc.vocab_size
+            tp.use_shared_memory(self.config.max_num_batched_tokens * mc.hidden_size)
         self.quant_report = None
         if self.config.quantization != "none":
             self.quant_report = quantize_model(model, self.model_dir, self.config.quantization,
                                                self.config.quantization_group_size)
         model.use(self.linear_backend, make_attention(
-            self.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim, rotary))
+            self.attention_backend, local.num_heads, local.num_kv_heads, mc.head_dim, rotary))
         self.model = model
 
-        self.num_blocks = self.config.resolve_num_blocks(mc)
+        self.num_blocks = self.config.resolve_num_blocks(
+            mc if tp is None else Shard.widest_kv(mc, tp.size))
         # Block-major cache: one block of every layer is one contiguous region,
         # so the transfer channels move a request with one descriptor per block.
+        # (Tensor parallel: this rank's KV heads only.)
         self.kv_cache = torch.zeros(
-            self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads, mc.head_dim,
-            dtype=dtype, device=device,
+            self.num_blocks, mc.num_layers, 2, self.block_size, local.num_kv_heads,
+            mc.head_dim, dtype=dtype, device=device,
         )
         self.pool = BlockPool(self.num_blocks, self.config.enable_prefix_caching)
         inputs = InputBatch(self.config.max_num_seqs, self.max_model_len,
@@ -135,6 +168,43 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._stops: dict[str, StopChecker] = {}  # token-level stop rules per request
         self.role = self.config.role
+
+    @classmethod
+    def create(cls, model_dir: str | Path, config: EngineConfig | None = None,
+               tokenizer: Tokenizer | None = None) -> LLMEngine:
+        """An engine of ``config.tensor_parallel_size`` ranks on this machine: the
+        followers are spawned here (``engine/tp.py``), this object is rank 0 (its
+        ``close()`` stops them)."""
+        config = config or EngineConfig()
+        size = config.tensor_parallel_size
+        if size == 1:
+            return cls(model_dir, config, tokenizer)
+        store, procs = spawn_followers(model_dir, config, size)
+        try:
+            group = TPGroup(0, size, "127.0.0.1", store.port, torch.device(config.device),
+                            store=store)
+            engine = cls(model_dir, config, tokenizer, tp=group)
+            wait_followers(store, procs)
+        except BaseException:
+            for p in procs:
+                p.kill()
+            raise
+        engine._followers = procs
+        group.peer_gone = lambda: next((f"tensor-parallel rank {r} died (exit code "
+                                        f"{p.exitcode})" for r, p in enumerate(procs, 1)
+                                        if not p.is_alive()), None)
+        return engine
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers this engine spawned (idempotent)."""
+        procs, self._followers = self._followers, []
+        if procs and self.tp is not None:
+            with contextlib.suppress(Exception):  # a follower already gone
+                self.tp.broadcast_object((STOP, (), {}))
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
 
     # ------------------------------------------------------------------ intake
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -178,6 +248,7 @@ class LLMEngine:
         self.requests[request_id] = req
         return req
 
+    @replicated
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | None = None) -> None:
         """Queue a request for computation. A string prompt is tokenized as is."""
@@ -189,6 +260,7 @@ class LLMEngine:
         self.scheduler.add(self._new_request(request_id, prompt, params))
 
     # ------------------------------------------------------ disaggregated roles
+    @replicated
     def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
                 params: SamplingParams) -> list[int] | None:
         """Decode role: blocks for the prompt's KV, or ``None`` when full."""
@@ -198,6 +270,7 @@ class LLMEngine:
             self._forget(request_id)
         return blocks
 
+    @replicated
     def start_decode(self, request_id: str, first_token: int,
                      first_logprobs: TokenLogprobs | None = None) -> RequestOutput:
         """Decode role: the prompt's KV is in the reserved blocks; ``first_token``
@@ -215,6 +288,7 @@ class LLMEngine:
         """Copy of the given blocks: [n, layers, 2, block_size, kv_heads, head_dim]."""
         return self.kv_cache[torch.as_tensor(list(block_ids), dtype=torch.long)].clone()
 
+    @replicated
     def write_kv(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
         idx = torch.as_tensor(list(block_ids), dtype=torch.long)
         expected = (len(idx), *self.kv_cache.shape[1:])
@@ -222,6 +296,7 @@ class LLMEngine:
             raise ValueError(f"KV data shape {tuple(data.shape)} != {expected}")
         self.kv_cache[idx] = data.to(self.kv_cache.dtype)
 
+    @replicated
     def release(self, request_id: str) -> None:
         """Prefill role: free a PREFILLED request's blocks after hand-off
         (idempotent; unknown ids are ignored)."""
@@ -230,6 +305,7 @@ class LLMEngine:
         if req is not None and req.status is RequestStatus.PREFILLED:
             self.scheduler.release(req)
 
+    @replicated
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request wherever it is and free its blocks (idempotent)."""
         req = self.requests.get(request_id)
@@ -248,6 +324,7 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    @replicated
     def step(self) -> StepOutput:
         """Schedule, run the model once, sample, and report what changed."""
         batch = self.scheduler.schedule()

@@ -4,6 +4,9 @@ A plain model: fused QKV and gate/up projections (one matmul each), RMSNorm,
 rotary embeddings, attention through the backend in ``attention.py``. It computes
 logits only for the rows the sampler needs. Weights come from ``weights.py``.
 
+Tensor parallel (``engine/tp.py``): a rank's model holds its shard; the O and down
+projections' outputs and the embedding are all-reduced, the logits gathered.
+
 Speed comes from outside, behind switches set once by ``use``: the linear layers'
 kernels and the fused per-token ops (``linear.py``) and the attention backend.
 With the ``cpu`` kernels activations are float32 whatever the weights' dtype;
@@ -20,6 +23,7 @@ from pdserve.engine.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.linear import CpuOps, LayerOps, Linear, TorchOps
 from pdserve.engine.rope import RotaryEmbedding
+from pdserve.engine.tp import TPGroup
 
 
 class DecoderLayer(nn.Module):
@@ -50,6 +54,11 @@ class LlamaModel(nn.Module):
         self.ops: LayerOps = TorchOps()
         self.act_dtype: torch.dtype | None = None  # None: the weights' dtype
         self.attn: AttentionBackend | None = None
+        # Tensor parallel (engine/tp.py): this rank's group and vocabulary rows [lo, hi)
+        # of the full ``vocab`` (cfg.vocab_size is then the padded shard width).
+        self.tp: TPGroup | None = None
+        self.vocab_range = (0, cfg.vocab_size)
+        self.vocab = cfg.vocab_size
 
     def use(self, linear_backend: str, attn: AttentionBackend) -> None:
         """Choose the kernels (after the weights are loaded)."""
@@ -69,14 +78,13 @@ class LlamaModel(nn.Module):
         assert self.attn is not None, "call use() first"
         eps, ops = self.cfg.rms_norm_eps, self.ops
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
-        residual = self.embed(input_ids)
-        if self.act_dtype is not None:
-            residual = residual.to(self.act_dtype)
+        residual = self._embed(input_ids)
         x = ops.rms_norm(residual, layers[0].input_norm, eps)
         for i, layer in enumerate(layers):
             o = self.attn(layer.qkv(x), kv_cache, i, meta)
-            x, residual = ops.add_rms_norm(layer.o(o), residual, layer.post_attn_norm, eps)
-            d = layer.down(ops.silu_mul(layer.gate_up(x)))
+            x, residual = ops.add_rms_norm(self._reduce(layer.o(o)), residual,
+                                           layer.post_attn_norm, eps)
+            d = self._reduce(layer.down(ops.silu_mul(layer.gate_up(x))))
             if i + 1 < len(layers):
                 x, residual = ops.add_rms_norm(d, residual, layers[i + 1].input_norm, eps)
             else:
@@ -84,6 +92,29 @@ class LlamaModel(nn.Module):
         return ops.rms_norm(residual[rows].contiguous(), self.norm, eps)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [n, vocab] of hidden states from ``forward``."""
-        return self.lm_head(hidden).float()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits [n, vocab] of hidden states from ``forward`` (tensor
+        parallel: gathered to rank 0; the other ranks get None)."""
+        local = self.lm_head(hidden).float()
+        if self.tp is None:
+            return local
+        full = self.tp.gather_last(local)
+        return None if full is None else full[:, : self.vocab]
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            out = self.embed(input_ids)
+        else:  # vocab-parallel: this rank's rows, zeros elsewhere, summed over ranks
+            lo, hi = self.vocab_range
+            mine = (input_ids >= lo) & (input_ids < hi)
+            out = self.embed((input_ids - lo).clamp(0, self.embed.num_embeddings - 1))
+            out = self._reduce(out * mine.unsqueeze(-1).to(out.dtype))
+        return out.to(self.act_dtype) if self.act_dtype is not None else out
+
+    def _reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Row-parallel partial sums -> the full result on every rank (float32 wire)."""
+        if self.tp is None:
+            return t
+        if t.dtype == torch.float32:
+            return self.tp.all_reduce(t)
+        return self.tp.all_reduce(t.float()).to(t.dtype)

@@ -43,9 +43,16 @@ class ModelRunner:
         if not n:
             return []
         logits = self.model.logits(hidden[:n])
+        tp = self.model.tp
+        if logits is None:  # a tensor-parallel follower: rank 0 samples for every rank
+            assert tp is not None
+            tokens = tp.broadcast_ints(None, n)
+            return [Sampled(r, t, None) for r, t in zip(step.sampled, tokens, strict=True)]
         rows = [SamplingRow(r.params, r.token_ids, r.num_prompt_tokens, r.generator,
                             self.eos_token_ids) for r in step.sampled]
         out = self.sampler(logits, rows)
+        if tp is not None:
+            tp.broadcast_ints(out.token_ids, n)
         return [Sampled(r, t, lp) for r, t, lp in zip(step.sampled, out.token_ids, out.logprobs,
                                                       strict=True)]
 
@@ -57,6 +64,8 @@ class ModelRunner:
         for lo in range(0, len(tokens), PROMPT_LOGITS_ROWS):
             hi = min(lo + PROMPT_LOGITS_ROWS, len(tokens))
             logits = self.model.logits(hidden[lo:hi])
+            if logits is None:  # a tensor-parallel follower: rank 0 keeps the logprobs
+                continue
             n_top = max(r.params.prompt_logprobs or 0 for r in owners[lo:hi])
             for req, lp in zip(owners[lo:hi], token_logprobs(logits, tokens[lo:hi], n_top),
                                strict=True):

@@ -1,0 +1,92 @@
+"""Tensor parallelism (engine/tp.py): ranks as spawned processes on gloo + shared
+memory, greedy output equal to one rank's, shards that split what can be split, and a
+rank that dies failing the engine with an error instead of a hang."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from pdserve.engine.config import EngineConfig, ModelConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tp import Shard, check_shardable
+
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
+PROMPTS = [[5 + (i * 7 + j) % 200 for j in range(3 + 23 * i)] for i in range(4)]
+
+
+def generate(model: Path, tp: int, dtype: str = "float32", prompts: list[list[int]] = PROMPTS,
+             ) -> list[list[int]]:
+    engine = LLMEngine.create(model, EngineConfig(num_blocks=128, dtype=dtype, num_threads=1,
+                                                  tensor_parallel_size=tp))
+    try:
+        return [o.token_ids for o in engine.generate(prompts, GREEDY)]
+    finally:
+        engine.close()
+
+
+def config(heads: int, kv: int, inter: int = 96, vocab: int = 1001) -> ModelConfig:
+    base = ModelConfig.from_dict({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": 64,
+        "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
+        "num_key_value_heads": kv}, name="m")
+    return dataclasses.replace(base)
+
+
+def test_shards_are_balanced_and_follow_the_kv_groups() -> None:
+    cfg = config(9, 3)  # the default model's heads: 2 ranks get 1 and 2 KV groups
+    s0, s1 = (Shard.of(cfg, r, 2) for r in range(2))
+    assert (s0.kv_heads, s0.q_heads, s1.kv_heads, s1.q_heads) == ((0, 1), (0, 3), (1, 3), (3, 9))
+    assert (s0.inter, s1.inter) == ((0, 48), (48, 96))
+    assert (s0.vocab, s1.vocab) == ((0, 501), (501, 1001))  # padded to 501 each
+    assert s1.local_config(cfg).vocab_size == 501
+    # Fewer KV heads than ranks: each KV head is replicated on the ranks reading it.
+    shards = [Shard.of(config(4, 2), r, 4) for r in range(4)]
+    assert [s.kv_heads for s in shards] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    assert [s.q_heads for s in shards] == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert Shard.widest_kv(cfg, 2).num_kv_heads == 2
+
+
+def test_what_cannot_be_split_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"fewer KV heads \(2\) than ranks"):
+        check_shardable(config(4, 2), 3)
+    with pytest.raises(ValueError, match="more than the MLP width"):
+        check_shardable(config(4, 4, inter=2), 4)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+@pytest.mark.parametrize("preset", ["llama-gqa", "llama-mha"])
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_two_ranks_equal_one(tiny_model: Callable[[str], Path], preset: str, dtype: str) -> None:
+    model = tiny_model(preset)
+    assert generate(model, 2, dtype) == generate(model, 1, dtype)
+
+
+def test_four_ranks_with_replicated_kv_heads(tiny_model: Callable[[str], Path]) -> None:
+    model = tiny_model("llama-gqa")  # 2 KV heads over 4 ranks
+    assert generate(model, 4) == generate(model, 1)
+
+
+def test_default_model_fp32_two_ranks_equal_one(default_model_dir: Path) -> None:
+    """SmolLM2-135M: 9 query / 3 KV heads split 3+6 / 1+2 (uneven but exact)."""
+    prompts = PROMPTS[:2]
+    assert generate(default_model_dir, 2, prompts=prompts) == \
+        generate(default_model_dir, 1, prompts=prompts)
+
+
+def test_a_dead_rank_fails_the_engine(tiny_model: Callable[[str], Path]) -> None:
+    engine = LLMEngine.create(tiny_model("llama-gqa"), EngineConfig(
+        num_blocks=64, num_threads=1, tensor_parallel_size=2))
+    try:
+        engine.generate([PROMPTS[0]], GREEDY)  # works while both ranks live
+        engine._followers[0].kill()
+        engine._followers[0].join(30)
+        with pytest.raises(RuntimeError, match="rank 1"):
+            engine.generate([PROMPTS[1]], GREEDY)
+    finally:
+        engine.close()
