@@ -44,7 +44,7 @@ class WorkerLoop(EngineLoop):
         self.worker_id = worker_id
         self.role = role
         self.incarnation = uuid.uuid4().hex  # new for every process that builds a worker
-        self.engine = LLMEngine(model_dir, config)
+        self.engine = LLMEngine.create(model_dir, config)  # tensor parallel: its ranks too
         self.layout = KVLayout(**self.engine.kv_layout_spec())  # type: ignore[arg-type]
         self._metrics = WorkerMetrics(worker_id, role, num_blocks=self.engine.num_blocks)
         self._published = WorkerMetrics(**vars(self._metrics))
@@ -93,6 +93,11 @@ class WorkerLoop(EngineLoop):
             raise WorkerGone(f"{self.role} worker {self.worker_id} is not running "
                              f"({self.error!r})")
 
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the loop, then the engine's other tensor-parallel ranks (if any)."""
+        super().stop(timeout)
+        self.engine.close()
+
     # ------------------------------------------------------------- loop side
     def _abort(self, request_id: str) -> None:
         raise NotImplementedError
@@ -101,6 +106,7 @@ class WorkerLoop(EngineLoop):
         return self.engine.has_unfinished()
 
     def iterate(self) -> None:
+        self.engine.check_ranks()  # a lost tensor-parallel rank ends the worker, idle or not
         if self.engine.has_unfinished():
             self._run_step()
         self._load = self._make_load()

@@ -44,7 +44,7 @@ class DecodeWorker(WorkerLoop):
                  kv_timeout_s: float = 30.0, host: str = "127.0.0.1") -> None:
         super().__init__("decode", worker_id, model_dir, config)
         self.kv_timeout_s = kv_timeout_s
-        self.receiver = make_receiver(transfer, self.engine.kv_cache, self.layout,
+        self.receiver = make_receiver(transfer, self.engine.transfer_kv, self.layout,
                                       **(transfer_options or {}))
         self.transfer = ChannelThread(self.receiver, self._on_recv_events,
                                       f"kv-recv-{worker_id}")
@@ -121,6 +121,7 @@ class DecodeWorker(WorkerLoop):
                 continue
             notify = ev.notify or {}
             lp = notify.get("logprobs")
+            self.engine.import_kv(self.engine.block_ids(rid))  # tensor parallel: to the ranks
             out = self.engine.start_decode(rid, int(notify["first_token"]))
             if not out.finished:
                 self._kv_arrived[rid] = when

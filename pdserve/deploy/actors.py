@@ -18,10 +18,11 @@ engine, ``n`` being its restart count, kept in Ray's GCS key-value store.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,6 +93,18 @@ class _InActor:
     to it, and its process id (for fault injection)."""
 
     metrics_at: tuple[str, int] | None
+    on_crash: Callable[[BaseException], None] | None
+
+    def _exit_on_crash(self) -> None:
+        """A worker whose engine loop died (a tensor-parallel rank lost, an engine
+        error) ends its process: the router sees the actor die, Ray restarts it."""
+
+        def crashed(exc: BaseException) -> None:
+            logging.getLogger("pdserve.worker").error("engine loop crashed: %r; exiting so "
+                                                      "Ray restarts this worker", exc)
+            os._exit(1)
+
+        self.on_crash = crashed
 
     def _serve_metrics(self, model_dir: str, host: str) -> None:
         from pdserve.deploy.worker_metrics import serve_worker_metrics
@@ -112,6 +125,7 @@ class PrefillActor(_InActor, PrefillWorker):
                                pool.engine_config("prefill", _device()), settings.transfer,
                                settings.sender_options())
         self._serve_metrics(model_dir, settings.host())
+        self._exit_on_crash()
 
 
 class DecodeActor(_InActor, DecodeWorker):
@@ -123,6 +137,7 @@ class DecodeActor(_InActor, DecodeWorker):
                               settings.receiver_options(), settings.kv_timeout_s,
                               settings.host())
         self._serve_metrics(model_dir, settings.host())
+        self._exit_on_crash()
 
 
 class ColocatedActor(_InActor, ColocatedWorker):
@@ -132,6 +147,7 @@ class ColocatedActor(_InActor, ColocatedWorker):
         ColocatedWorker.__init__(self, worker_id, model_dir,
                                  pool.engine_config("colocated", _device()), settings.host())
         self._serve_metrics(model_dir, settings.host())
+        self._exit_on_crash()
 
 
 REMOTE: dict[str, Any] = {"prefill": ray.remote(PrefillActor), "decode": ray.remote(DecodeActor),

@@ -60,6 +60,14 @@ def _add_format_flags(p: argparse.ArgumentParser, per_pool: bool) -> None:
             p.add_argument(f"--{pool}-quantization", default=None,
                            choices=["none", "int8", "int4"],
                            help=f"the {pool} pool's own quantization (overrides --quantization)")
+    else:
+        p.add_argument("--tensor-parallel-size", type=int, default=None,
+                       help="ranks the engine is split over, one process each (default 1)")
+    for pool in ("prefill", "decode", "colocated"):
+        p.add_argument(f"--{pool}-tensor-parallel-size", type=int, default=None,
+                       help=f"ranks per {pool} worker (default 1; the pool's "
+                            f"tensor_parallel_size)" + (" with --disaggregated" if not per_pool
+                                                       else ""))
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -217,6 +225,7 @@ def _format_overrides(args: argparse.Namespace, pools: tuple[str, ...]) -> dict[
         out[f"{pool}.engine.quantization_group_size"] = getattr(
             args, "quantization_group_size", None)
         out[f"{pool}.engine.dtype"] = getattr(args, "dtype", None)
+        out[f"{pool}.tensor_parallel_size"] = getattr(args, f"{pool}_tensor_parallel_size", None)
     return out
 
 
@@ -275,11 +284,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = Completion(tokens, text, final.finish_reason, len(prompt_ids),
                          final.usage.cached_tokens)
     else:
-        engine = LLMEngine(model_dir, EngineConfig(
+        engine = LLMEngine.create(model_dir, EngineConfig(
             dtype=args.dtype or "auto", num_threads=args.threads,
             quantization=args.quantization or "none",
-            quantization_group_size=args.quantization_group_size or 32), tokenizer=tok)
-        (out,) = engine.generate([prompt_ids], params)
+            quantization_group_size=args.quantization_group_size or 32,
+            tensor_parallel_size=args.tensor_parallel_size or 1), tokenizer=tok)
+        try:
+            (out,) = engine.generate([prompt_ids], params)
+        finally:
+            engine.close()
     elapsed = time.perf_counter() - t0
     if args.json:
         obj: dict[str, Any] = {

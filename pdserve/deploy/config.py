@@ -47,6 +47,9 @@ class PoolConfig:
     num_gpus: float | None = None  # None: 1 when the cluster has GPUs, else 0
     resources: dict[str, float] = field(default_factory=dict)  # custom, for pinning pools
     labels: dict[str, str] = field(default_factory=dict)  # Ray node labels the nodes must have
+    # Ranks per worker (engine/tp.py): one process each, on one node; num_cpus is the
+    # whole worker's (num_cpus // ranks threads per rank), num_gpus defaults to one per rank.
+    tensor_parallel_size: int = 1
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig overrides
 
     def __post_init__(self) -> None:
@@ -62,22 +65,28 @@ class PoolConfig:
         if not isinstance(self.labels, dict) or any(
                 not isinstance(k, str) or not isinstance(v, str) for k, v in self.labels.items()):
             raise ValueError(f"labels must map label names to strings, got {self.labels!r}")
-        bad = {"role", "device"} & set(self.engine)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        bad = {"role", "device", "tensor_parallel_size"} & set(self.engine)
         if bad:
-            raise ValueError(f"engine keys {sorted(bad)} are set by the deployment, not the config")
+            raise ValueError(f"engine keys {sorted(bad)} are set by the deployment, not under "
+                             "engine (tensor_parallel_size is a key of the pool itself)")
         EngineConfig.from_dict(self.engine)  # validates names and values
 
     def bundle(self, cluster_has_gpus: bool) -> dict[str, float]:
         """The Ray resources one worker of this pool takes (zero amounts left out);
         ``num_gpus`` unset means 1 GPU on a cluster that has GPUs, else none."""
-        gpus = self.num_gpus if self.num_gpus is not None else (1 if cluster_has_gpus else 0)
+        gpus = self.num_gpus if self.num_gpus is not None else (
+            self.tensor_parallel_size if cluster_has_gpus else 0)
         return {k: v for k, v in {"CPU": self.num_cpus, "GPU": gpus, **self.resources}.items()
                 if v}
 
     def engine_config(self, role: str, device: str) -> EngineConfig:
-        threads = max(1, int(self.num_cpus)) if device == "cpu" else None
+        tp = self.tensor_parallel_size
+        threads = max(1, int(self.num_cpus) // tp) if device == "cpu" else None
         return EngineConfig.from_dict({"num_threads": threads, "dtype": "auto", **self.engine,
-                                       "role": role, "device": device})
+                                       "role": role, "device": device,
+                                       "tensor_parallel_size": tp})
 
 
 @dataclass(frozen=True)

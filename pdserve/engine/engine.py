@@ -158,6 +158,16 @@ class LLMEngine:
             self.num_blocks, mc.num_layers, 2, self.block_size, local.num_kv_heads,
             mc.head_dim, dtype=dtype, device=device,
         )
+        # What the transfer channels read and write: the cache itself, or (tensor
+        # parallel) a full-model staging cache on rank 0 that export_kv / import_kv
+        # gather the ranks' KV heads into and scatter them out of.
+        self.transfer_kv = self.kv_cache
+        self._kv_shard: Shard | None = None
+        if tp is not None:
+            self._kv_shard = Shard.of(mc, tp.rank, tp.size)
+            self.transfer_kv = torch.zeros(
+                (self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads,
+                 mc.head_dim) if tp.rank == 0 else (0,), dtype=dtype, device=device)
         self.pool = BlockPool(self.num_blocks, self.config.enable_prefix_caching)
         inputs = InputBatch(self.config.max_num_seqs, self.max_model_len,
                             self.config.max_num_batched_tokens, self.block_size, device)
@@ -194,6 +204,14 @@ class LLMEngine:
                                         f"{p.exitcode})" for r, p in enumerate(procs, 1)
                                         if not p.is_alive()), None)
         return engine
+
+    def check_ranks(self) -> None:
+        """``RuntimeError`` if one of this engine's tensor-parallel ranks is gone (the
+        worker calls it while idle, when no collective would notice)."""
+        if self.tp is not None and self._followers:
+            gone = self.tp.peer_gone()
+            if gone is not None:
+                raise RuntimeError(gone)
 
     def close(self) -> None:
         """Stop the tensor-parallel followers this engine spawned (idempotent)."""
@@ -295,6 +313,40 @@ class LLMEngine:
         if tuple(data.shape) != expected:
             raise ValueError(f"KV data shape {tuple(data.shape)} != {expected}")
         self.kv_cache[idx] = data.to(self.kv_cache.dtype)
+
+    @replicated
+    def export_kv(self, block_ids: Sequence[int]) -> None:
+        """Tensor parallel: gather every rank's KV heads of these blocks into rank 0's
+        ``transfer_kv`` (before a channel sends them). No-op on one rank."""
+        if self.tp is None or self._kv_shard is None:
+            return
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+        local = self.kv_cache[idx]
+        widest = -(-self.model_config.num_kv_heads // self.tp.size)
+        padded = local.new_zeros((*local.shape[:-2], widest, local.shape[-1]))
+        padded[..., : local.shape[-2], :] = local
+        parts = self.tp.gather(padded)
+        if parts is None:
+            return
+        mc = self.model_config
+        for rank, part in enumerate(parts):
+            lo, hi = Shard.of(mc, rank, self.tp.size).kv_heads
+            self.transfer_kv[idx, ..., lo:hi, :] = part[..., : hi - lo, :]
+
+    @replicated
+    def import_kv(self, block_ids: Sequence[int]) -> None:
+        """Tensor parallel: every rank takes its KV heads of these blocks from rank 0's
+        ``transfer_kv`` (after a channel wrote them). No-op on one rank."""
+        if self.tp is None or self._kv_shard is None:
+            return
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+        shape = (len(idx), *self.kv_cache.shape[1:-2], self.model_config.num_kv_heads,
+                 self.kv_cache.shape[-1])
+        full = (self.transfer_kv[idx].contiguous() if self.tp.rank == 0
+                else torch.empty(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device))
+        self.tp.broadcast_tensor(full)
+        lo, hi = self._kv_shard.kv_heads
+        self.kv_cache[idx] = full[..., lo:hi, :]
 
     @replicated
     def release(self, request_id: str) -> None:

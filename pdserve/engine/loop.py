@@ -25,6 +25,9 @@ class EngineLoop:
         self._idle_wait_s = idle_wait_s
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.error: BaseException | None = None
+        # Called on the loop thread when ``iterate`` raised and the loop ended (a Ray
+        # actor exits its process, so that Ray restarts it whole).
+        self.on_crash: Callable[[BaseException], None] | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -80,6 +83,8 @@ class EngineLoop:
                 self.iterate()
         except BaseException as exc:  # a crashed loop must not look alive
             self.error = exc
+            if self.on_crash is not None:
+                self.on_crash(exc)
             raise
         finally:
             with self._cv:

@@ -161,19 +161,40 @@ class TPGroup:
                 self._wait(self._dev.allreduce([t]))
         return t
 
-    def gather_last(self, t: torch.Tensor) -> torch.Tensor | None:
-        """Rank 0: every rank's ``t`` concatenated along the last dim; others: None."""
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor] | None:
+        """Rank 0: every rank's ``t`` (the same shape and dtype on all); others: None."""
         t = t.contiguous()
+        wire = self._wire(t)
         with self._timed():
             if self.device.type == "cuda":  # NCCL has no gather: all-gather
-                outs = [torch.empty_like(t) for _ in range(self.size)]
-                self._wait(self._dev.allgather([outs], [t]))
-                return torch.cat(outs, dim=-1) if self.rank == 0 else None
-            opts = dist.GatherOptions()
-            opts.rootRank = 0
-            outs = [torch.empty_like(t) for _ in range(self.size)] if self.rank == 0 else []
-            self._wait(self._cpu.gather([outs] if self.rank == 0 else [], [t], opts))
-        return torch.cat(outs, dim=-1) if self.rank == 0 else None
+                outs = [torch.empty_like(wire) for _ in range(self.size)]
+                self._wait(self._dev.allgather([outs], [wire]))
+            else:
+                opts = dist.GatherOptions()
+                opts.rootRank = 0
+                outs = [torch.empty_like(wire) for _ in range(self.size)] if self.rank == 0 else []
+                self._wait(self._cpu.gather([outs] if self.rank == 0 else [], [wire], opts))
+        return [o.view(t.dtype) for o in outs] if self.rank == 0 else None
+
+    def gather_last(self, t: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0: every rank's ``t`` concatenated along the last dim; others: None."""
+        outs = self.gather(t)
+        return None if outs is None else torch.cat(outs, dim=-1)
+
+    def broadcast_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``t`` into every rank's ``t`` (contiguous, same shape and dtype)."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        with self._timed():
+            group = self._dev if self.device.type == "cuda" else self._cpu
+            self._wait(group.broadcast([self._wire(t)], opts))
+        return t
+
+    def _wire(self, t: torch.Tensor) -> torch.Tensor:
+        """gloo moves no 16-bit floats: their bytes instead (NCCL takes them as is)."""
+        if self.device.type != "cuda" and t.dtype in (torch.bfloat16, torch.float16):
+            return t.view(torch.uint8)
+        return t
 
     def broadcast_ints(self, values: list[int] | None, n: int) -> list[int]:
         """Rank 0's ``n`` ints on every rank."""

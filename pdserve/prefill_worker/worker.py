@@ -60,7 +60,7 @@ class PrefillWorker(WorkerLoop):
     def __init__(self, worker_id: str, model_dir: str | Path, config: EngineConfig,
                  transfer: str = "local", transfer_options: dict[str, Any] | None = None) -> None:
         super().__init__("prefill", worker_id, model_dir, config)
-        self.sender = make_sender(transfer, self.engine.kv_cache, self.layout,
+        self.sender = make_sender(transfer, self.engine.transfer_kv, self.layout,
                                   **(transfer_options or {}))
         self.transfer = ChannelThread(self.sender, self._on_send_events,
                                       f"kv-send-{worker_id}")
@@ -157,6 +157,7 @@ class PrefillWorker(WorkerLoop):
     def _send(self, f: _InFlight, src: list[int], start: int, notify: dict[str, Any] | None,
               ) -> None:
         rid, dst = f.task.request_id, f.task.dst_block_ids[start:start + len(src)]
+        self.engine.export_kv(src)  # tensor parallel: the ranks' heads to the channel's cache
         self.engine.pool.acquire(src)
         f.pinned.extend(src)
         f.sent_blocks = start + len(src)
