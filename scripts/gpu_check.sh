@@ -3,8 +3,9 @@
 # Builds the venv with the CUDA torch build (the Makefile picks it where nvidia-smi sees a
 # GPU), then runs the engine's behaviour tests on CUDA (greedy parity with transformers,
 # batch invariance, chunked == unchunked, prefix hit == miss, preempted == uninterrupted,
-# prefill -> decode hand-off, prompt logprobs), the KV transfer contract suite, and a
-# short engine bench on the GPU. Everything it prints is the report.
+# prefill -> decode hand-off, prompt logprobs), the KV transfer contract suite, tensor
+# parallelism on NCCL (TP=2 == TP=1 greedy, tiny models, fp32; skipped with one GPU), and
+# a short engine bench on the GPU. Everything it prints is the report.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 nvidia-smi -L
@@ -15,6 +16,16 @@ echo "== engine tests on CUDA"
 $PY -m pytest -q -p no:cacheprovider tests/engine/test_engine.py --device cuda
 echo "== KV transfer contract (torch backend: NCCL for CUDA tensors, gloo on CPU)"
 $PY -m pytest -q -p no:cacheprovider tests/kv_transfer/test_contract.py -k "torch"
+echo "== tensor parallel on CUDA (NCCL): TP=2 == TP=1 greedy, tiny models"
+NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
+if [ "$NGPU" -ge 2 ]; then
+    # float32 only: in bf16 on CUDA the activations are bf16 too, so the row-parallel
+    # partial sums are rounded before the all-reduce (not bit-equal to one rank's matmul).
+    $PY -m pytest -q -p no:cacheprovider tests/engine/test_tensor_parallel.py --device cuda \
+        -k "test_two_ranks_equal_one and float32"
+else
+    echo "SKIP tensor parallel on CUDA: $NGPU GPU(s) here, TP=2 needs 2"
+fi
 echo "== engine bench on CUDA"
 $PY -m pdserve.engine.bench --device cuda --threads 1 --formats float32,bfloat16 \
     --concurrency 1,32 --prefill 128,1024,4096

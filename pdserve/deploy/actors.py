@@ -109,8 +109,10 @@ class _InActor:
     def _serve_metrics(self, model_dir: str, host: str) -> None:
         from pdserve.deploy.worker_metrics import serve_worker_metrics
 
+        # MFU/MBU against all the worker's ranks' peaks (the step costs are the whole model's).
+        tp = self.engine.config.tensor_parallel_size  # type: ignore[attr-defined]
         port = serve_worker_metrics(os.path.basename(model_dir), self.metrics,  # type: ignore[attr-defined]
-                                    host=host)
+                                    host=host, tensor_parallel_size=tp)
         self.metrics_at = (host, port)
 
     def process_id(self) -> int:

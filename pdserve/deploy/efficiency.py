@@ -8,6 +8,7 @@ with come from ``pdserve.engine.cost``.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,12 +16,23 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class DevicePeaks:
-    """What one worker's device can do at best."""
+    """What one worker's devices can do at best: all its tensor-parallel ranks together
+    (the step costs MFU/MBU divide are the whole model's, which the ranks share)."""
 
-    device: str  # e.g. "NVIDIA H200", "cpu (4 threads)"
-    flops_per_s: float  # dense matmul FLOP/s in the serving dtype
-    bytes_per_s: float  # memory (HBM / DRAM) bandwidth
+    device: str  # one rank's device, e.g. "NVIDIA H200", "cpu (4 threads)"
+    flops_per_s: float  # dense matmul FLOP/s in the serving dtype, all ranks
+    bytes_per_s: float  # memory (HBM / DRAM) bandwidth, all ranks
     source: str  # "datasheet" | "measured"
+    ranks: int = 1  # tensor-parallel ranks the peaks cover
+
+    def times(self, ranks: int) -> DevicePeaks:
+        """These peaks for a worker of ``ranks`` times as many ranks (one rank's peaks
+        -> a tensor-parallel worker's: each rank has its own device, or threads)."""
+        if ranks < 1:
+            raise ValueError(f"ranks must be >= 1, got {ranks}")
+        return dataclasses.replace(self, flops_per_s=self.flops_per_s * ranks,
+                                   bytes_per_s=self.bytes_per_s * ranks,
+                                   ranks=self.ranks * ranks)
 
 
 # Datasheet peaks per GPU: dense BF16 tensor-core FLOP/s (NVIDIA quotes 2x "with
@@ -85,11 +97,17 @@ def measure_peaks(device: str = "cpu", dtype: str = "float32", budget_s: float =
     return DevicePeaks(name, flops, bandwidth, "measured")
 
 
-def detect_peaks(dtype: str = "float32") -> DevicePeaks:
-    """This process's device: the datasheet row for a known GPU, else a measurement."""
+def detect_peaks(dtype: str = "float32", ranks: int = 1) -> DevicePeaks:
+    """A worker of ``ranks`` tensor-parallel ranks whose rank 0 is this process: this
+    process's device (the datasheet row for a known GPU, else a measurement with this
+    process's threads, which are one rank's) times ``ranks``. On CPU the ranks share the
+    node's DRAM, so ``ranks`` x one rank's measured bandwidth is an upper bound (MBU
+    against it reads low once the ranks together saturate the memory channels)."""
     import torch
 
     if torch.cuda.is_available():
         known = lookup_device(torch.cuda.get_device_name())
-        return known or measure_peaks("cuda", "bfloat16")
-    return measure_peaks("cpu", dtype)
+        one = known or measure_peaks("cuda", "bfloat16")
+    else:
+        one = measure_peaks("cpu", dtype)
+    return one.times(ranks)

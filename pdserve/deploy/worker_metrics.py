@@ -97,14 +97,17 @@ HISTOGRAMS: list[tuple[str, str, tuple[float, ...], Callable[[WorkerMetrics], tu
      BATCH_TOKENS_BUCKETS, lambda s: s.batch_tokens_buckets, lambda s: s.tokens_computed),
 ]
 PEAK_GAUGES = (
-    ("pdserve_device_peak_flops", "Peak dense FLOP/s of this worker's device."),
-    ("pdserve_device_peak_bytes_per_second", "Peak memory bandwidth of this worker's device."),
+    ("pdserve_device_peak_flops",
+     "Peak dense FLOP/s of this worker's devices (all its tensor-parallel ranks)."),
+    ("pdserve_device_peak_bytes_per_second",
+     "Peak memory bandwidth of this worker's devices (all its tensor-parallel ranks)."),
 )
 RATIO_GAUGES = (
     ("pdserve_mfu_ratio", "Model FLOPs utilisation over the recent window's engine steps."),
     ("pdserve_mbu_ratio", "Memory bandwidth utilisation over the recent window's engine steps."),
 )
-INFO_GAUGE = ("pdserve_device_info", "The device whose peaks MFU/MBU use (value 1).")
+INFO_GAUGE = ("pdserve_device_info", "The device whose peaks MFU/MBU use, and how many "
+               "(tensor_parallel_size: one per rank) (value 1).")
 
 
 def bucket_samples(bounds: tuple[float, ...], counts: tuple[int, ...]) -> list[tuple[str, float]]:
@@ -171,17 +174,22 @@ class WorkerCollector(Collector):
             yield gauge(name, doc, value)
         for (name, doc), value in zip(RATIO_GAUGES, self._window.ratios(s, p), strict=True):
             yield gauge(name, doc, value)
-        info = GaugeMetricFamily(*INFO_GAUGE, labels=(*LABELS, "device", "source"))
-        info.add_metric([*values, p.device, p.source], 1.0)
+        info = GaugeMetricFamily(*INFO_GAUGE,
+                                 labels=(*LABELS, "device", "source", "tensor_parallel_size"))
+        info.add_metric([*values, p.device, p.source, str(p.ranks)], 1.0)
         yield info
 
 
 def serve_worker_metrics(model: str, snapshot: Callable[[], WorkerMetrics],
                          host: str = "127.0.0.1", port: int = 0,
-                         peaks: DevicePeaks | None = None) -> int:
-    """Start the worker's ``/metrics`` server; returns the bound port. ``peaks``
-    defaults to this process's device (datasheet GPU, else a ~0.6 s measurement)."""
+                         peaks: DevicePeaks | None = None,
+                         tensor_parallel_size: int = 1) -> int:
+    """Start the worker's ``/metrics`` server; returns the bound port. ``peaks`` (the
+    whole worker's) defaults to this process's device (datasheet GPU, else a ~0.6 s
+    measurement with this process's threads) times ``tensor_parallel_size``: this
+    process is rank 0, each rank has a device (or threads) like it."""
     registry = CollectorRegistry()
-    registry.register(WorkerCollector(model, snapshot, peaks or detect_peaks()))
+    registry.register(WorkerCollector(model, snapshot,
+                                      peaks or detect_peaks(ranks=tensor_parallel_size)))
     server, _ = start_http_server(port, addr=host, registry=registry)
     return int(server.server_port)

@@ -1,6 +1,7 @@
 """Tensor parallelism (engine/tp.py): ranks as spawned processes on gloo + shared
 memory, greedy output equal to one rank's, shards that split what can be split, and a
-rank that dies failing the engine with an error instead of a hang."""
+rank that dies failing the engine with an error instead of a hang. ``--device cuda``
+(scripts/gpu_check.sh) runs the TP=2 == TP=1 parity on two GPUs over NCCL."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import LLMEngine
@@ -20,9 +22,10 @@ PROMPTS = [[5 + (i * 7 + j) % 200 for j in range(3 + 23 * i)] for i in range(4)]
 
 
 def generate(model: Path, tp: int, dtype: str = "float32", prompts: list[list[int]] = PROMPTS,
-             ) -> list[list[int]]:
+             device: str = "cpu") -> list[list[int]]:
+    """Greedy outputs of a ``tp``-rank engine on ``device`` (CUDA: rank r on GPU r)."""
     engine = LLMEngine.create(model, EngineConfig(num_blocks=128, dtype=dtype, num_threads=1,
-                                                  tensor_parallel_size=tp))
+                                                  tensor_parallel_size=tp, device=device))
     try:
         return [o.token_ids for o in engine.generate(prompts, GREEDY)]
     finally:
@@ -62,9 +65,12 @@ def test_what_cannot_be_split_is_refused_naming_it() -> None:
 
 @pytest.mark.parametrize("preset", ["llama-gqa", "llama-mha"])
 @pytest.mark.parametrize("dtype", ["float32", "auto"])
-def test_two_ranks_equal_one(tiny_model: Callable[[str], Path], preset: str, dtype: str) -> None:
+def test_two_ranks_equal_one(tiny_model: Callable[[str], Path], preset: str, dtype: str,
+                             device: str) -> None:
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip(f"TP=2 on CUDA needs 2 GPUs, this machine has {torch.cuda.device_count()}")
     model = tiny_model(preset)
-    assert generate(model, 2, dtype) == generate(model, 1, dtype)
+    assert generate(model, 2, dtype, device=device) == generate(model, 1, dtype, device=device)
 
 
 def test_four_ranks_with_replicated_kv_heads(tiny_model: Callable[[str], Path]) -> None:

@@ -1,6 +1,6 @@
 """MFU/MBU arithmetic: the cost model against torch's FLOP counter on the real
 model, the attention estimate against a per-token count, the bytes formula, the
-datasheet table and the CPU measurement."""
+datasheet table and the CPU measurement; a tensor-parallel worker's peaks (all ranks)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from pdserve.deploy.efficiency import lookup_device, measure_peaks
+from pdserve.deploy import efficiency
+from pdserve.deploy.efficiency import DevicePeaks, detect_peaks, lookup_device, measure_peaks
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cost import attended_tokens, cost_model
 from pdserve.engine.engine import LLMEngine, StepInfo
@@ -104,3 +105,21 @@ def test_cpu_measurement_is_positive() -> None:
     peaks = measure_peaks("cpu", budget_s=0.1, stream_bytes=16 << 20)
     assert peaks.flops_per_s > 1e8 and peaks.bytes_per_s > 1e8
     assert peaks.source == "measured" and str(torch.get_num_threads()) in peaks.device
+
+
+def test_tensor_parallel_worker_peaks_cover_every_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step costs are the whole model's, which a worker's ranks share: the peaks
+    MFU/MBU divide by are one rank's device times the ranks."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    assert detect_peaks() == lookup_device("NVIDIA H200")
+    two = detect_peaks(ranks=2)
+    assert (two.flops_per_s, two.bytes_per_s) == (2 * 989e12, 2 * 4.8e12)
+    assert (two.device, two.source, two.ranks) == ("NVIDIA H200", "datasheet", 2)
+    # CPU: measured with this process's threads (one rank's), times the ranks.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    one = DevicePeaks("cpu (1 threads)", 1e10, 2e10, "measured")
+    monkeypatch.setattr(efficiency, "measure_peaks", lambda *a, **k: one)
+    assert detect_peaks(ranks=3) == DevicePeaks("cpu (1 threads)", 3e10, 6e10, "measured", 3)
+    with pytest.raises(ValueError, match="ranks"):
+        one.times(0)

@@ -13,7 +13,9 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.deploy.worker_metrics import WorkerCollector, bucket_samples
+from pdserve.deploy import worker_metrics
+from pdserve.deploy.efficiency import DevicePeaks
+from pdserve.deploy.worker_metrics import WorkerCollector, bucket_samples, serve_worker_metrics
 from pdserve.engine.engine import StepInfo
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import STEP_SECONDS_BUCKETS, WorkerMetrics
@@ -77,7 +79,7 @@ def test_exported_histograms_counters_and_labels() -> None:
     assert got["pdserve_device_peak_flops"][0][1] == PEAKS.flops_per_s
     # busy seconds 0.506 at 1e9 FLOPs per step: 3e9 / 0.506 / peak
     assert got["pdserve_mfu_ratio"][0][1] == pytest.approx(3e9 / 0.506 / PEAKS.flops_per_s)
-    extra = {"le"}, {"device", "source"}
+    extra = {"le"}, {"device", "source", "tensor_parallel_size"}
     for name, rows in got.items():
         for labels, _ in rows:
             assert labels["worker"] == "decode-0" and labels["role"] == "decode", name
@@ -96,6 +98,34 @@ def test_ratio_gauges_cover_the_recent_window() -> None:
     stats.observe_step(step(1.0), 0.5e12, 0.0)
     assert mfu() == pytest.approx(0.5)  # only the step since the last scrape
     assert mfu() == 0.0  # no step in the window
+
+
+def test_tensor_parallel_worker_divides_by_all_its_ranks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A TP=2 worker's peaks are two devices': the same whole-model FLOPs are half the
+    MFU of one device's, and the info gauge says how many ranks."""
+    stats = WorkerMetrics("p", "prefill", 0, 0, 0, 8)
+    stats.observe_step(step(1.0), 1e12, 1e11)
+    got = {}
+    for peaks in (PEAKS, PEAKS.times(2)):
+        collector = WorkerCollector("tiny", lambda: stats, peaks, window_s=0.0)
+        got[peaks.ranks] = {m.name: m.samples[0] for m in collector.collect()}
+    assert got[1]["pdserve_mfu_ratio"].value == pytest.approx(1.0)
+    assert got[2]["pdserve_mfu_ratio"].value == pytest.approx(0.5)
+    assert got[2]["pdserve_mbu_ratio"].value == pytest.approx(0.5)
+    assert got[2]["pdserve_device_peak_flops"].value == 2 * PEAKS.flops_per_s
+    assert got[2]["pdserve_device_info"].labels["tensor_parallel_size"] == "2"
+    assert got[1]["pdserve_device_info"].labels["tensor_parallel_size"] == "1"
+    # The worker's server looks its peaks up for all its ranks.
+    asked: list[int] = []
+
+    def detect(dtype: str = "float32", ranks: int = 1) -> DevicePeaks:
+        asked.append(ranks)
+        return PEAKS.times(ranks)
+
+    monkeypatch.setattr(worker_metrics, "detect_peaks", detect)
+    assert serve_worker_metrics("tiny", lambda: stats, tensor_parallel_size=2) > 0
+    assert asked == [2]
 
 
 def test_real_workers_fill_step_statistics(tiny_model: Callable[[str], Path]) -> None:
