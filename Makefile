@@ -64,6 +64,7 @@ lint: $(VENV)/.test
 
 bench: $(VENV)/.test $(KERNELS) model
 	$(PY) -m pdserve.engine.bench
+	$(PY) -m pdserve.engine.bench_tp
 	$(PY) -m pdserve.kv_transfer.bench
 	$(PY) -m pdserve.deploy.bench_serving
 
