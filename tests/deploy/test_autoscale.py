@@ -80,6 +80,9 @@ class LocalCluster(Cluster):
     def remove_worker(self, worker_id: str) -> None:
         self.roles.pop(worker_id)  # the pair closes the worker itself
 
+    def check_room(self, adds: dict[str, int]) -> None:
+        """In process there is always room (``fail`` makes the add itself fail)."""
+
 
 def make_loop(pair: Pair, cluster: LocalCluster, clock: Clock,
               **cfg: object) -> tuple[AutoscaleLoop, Scaler]:
