@@ -222,8 +222,13 @@ class TPGroup:
         try:
             work.wait()
         except RuntimeError as exc:  # gloo: "Connection closed by peer ..."
-            raise RuntimeError(f"tensor-parallel collective failed: "
-                               f"{self.peer_gone() or exc}") from exc
+            # A killed rank's socket resets a moment before its exit can be seen: wait
+            # (briefly) to name it rather than pass on gloo's words.
+            gone, deadline = self.peer_gone(), time.monotonic() + 2.0
+            while gone is None and time.monotonic() < deadline:
+                time.sleep(0.02)
+                gone = self.peer_gone()
+            raise RuntimeError(f"tensor-parallel collective failed: {gone or exc}") from exc
 
     @contextlib.contextmanager
     def _timed(self) -> Any:
