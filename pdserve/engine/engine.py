@@ -322,7 +322,7 @@ class LLMEngine:
             return
         idx = torch.as_tensor(list(block_ids), dtype=torch.long)
         local = self.kv_cache[idx]
-        widest = -(-self.model_config.num_kv_heads // self.tp.size)
+        widest = Shard.widest_kv(self.model_config, self.tp.size).num_kv_heads
         padded = local.new_zeros((*local.shape[:-2], widest, local.shape[-1]))
         padded[..., : local.shape[-2], :] = local
         parts = self.tp.gather(padded)
