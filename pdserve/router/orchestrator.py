@@ -149,11 +149,18 @@ class RequestRun:
         hashes = prefix_block_hashes(ids, s.block_size)
         route = RouteInput(len(ids), hashes)
         avoid = frozenset(self._failed_on)
-        target = await s.admission.admit(aid, ids, params, hashes, self.deadline, avoid)
+        # Open before admitting: a colocated worker computes as soon as it admits, and
+        # its first tokens can reach the router before admit() returns here.
+        inbox = s.fanout.open(aid, ())
+        try:
+            target = await s.admission.admit(aid, ids, params, hashes, self.deadline, avoid)
+        except BaseException:
+            s.fanout.close(aid)
+            raise
         if self.timings.router_queue is None:
             self.timings.router_queue = time.monotonic() - self.arrival
         token = target.worker
-        inbox = s.fanout.open(aid, (token.worker_id,))
+        inbox.workers = (token.worker_id,)  # its failure now ends the attempt
         timer = asyncio.get_running_loop().call_later(
             max(0.0, self.deadline - time.monotonic()), inbox.push, _DEADLINE)
         leg: _PrefillLeg | None = None
