@@ -20,6 +20,12 @@ Memory layout of the one KV tensor a worker owns (block-major):
 So a whole block is one contiguous region, a layer range [lo, hi) of one block is one
 contiguous region of (hi - lo) * layer_bytes bytes at b * block_bytes + lo * layer_bytes,
 and consecutive block ids are contiguous with each other.
+
+Tensor parallelism: a rank's tensor holds only its KV heads, ``heads = (lo, hi)`` of
+the model's ``num_kv_heads`` (H above is then hi - lo). Two layouts are compatible when
+every model-wide field agrees (the heads may differ); what one sender writes into one
+receiver is a ``Slice``: a range of heads both hold, and which part of the receiver's
+request it is (a receiver rank fed by several sender ranks expects several parts).
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ class KVLayout:
     head_dim: int
     block_size: int  # tokens per block
     version: int = 1  # bumped when the tensor layout above changes
+    heads: tuple[int, int] | None = None  # this tensor's KV heads [lo, hi); None: all
+
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -66,6 +74,12 @@ class KVLayout:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
         if not self.model_id:
             raise ValueError("KVLayout.model_id must not be empty")
+        if self.heads is not None:
+            lo, hi = (int(h) for h in self.heads)
+            if not 0 <= lo < hi <= self.num_kv_heads:
+                raise ValueError(f"KVLayout.heads {self.heads!r} is not a range within "
+                                 f"[0, {self.num_kv_heads})")
+            object.__setattr__(self, "heads", (lo, hi))  # a JSON list becomes a tuple
 
     # --- byte arithmetic -------------------------------------------------------------
 
@@ -78,9 +92,23 @@ class KVLayout:
         return torch.empty((), dtype=self.torch_dtype).element_size()
 
     @property
+    def head_range(self) -> tuple[int, int]:
+        """The KV heads this tensor holds, [lo, hi) of the model's."""
+        return self.heads if self.heads is not None else (0, self.num_kv_heads)
+
+    @property
+    def local_heads(self) -> int:
+        lo, hi = self.head_range
+        return hi - lo
+
+    def layer_bytes_of(self, num_heads: int) -> int:
+        """Bytes of one layer (K and V) of one block, for ``num_heads`` heads."""
+        return 2 * self.block_size * num_heads * self.head_dim * self.itemsize
+
+    @property
     def layer_bytes(self) -> int:
         """Bytes of one layer (K and V) of one block."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+        return self.layer_bytes_of(self.local_heads)
 
     @property
     def block_bytes(self) -> int:
@@ -89,7 +117,7 @@ class KVLayout:
 
     def block_shape(self) -> tuple[int, ...]:
         """Shape of one block: kv[b]."""
-        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+        return (self.num_layers, 2, self.block_size, self.local_heads, self.head_dim)
 
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, *self.block_shape())
@@ -106,7 +134,12 @@ class KVLayout:
     # --- compatibility -----------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        if self.heads is None:
+            del data["heads"]  # a whole-model layout reads as before
+        else:
+            data["heads"] = list(self.heads)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVLayout:
@@ -116,19 +149,24 @@ class KVLayout:
             raise ValueError(f"unknown KVLayout fields {sorted(unknown)}")
         return cls(**data)
 
+    def model_wide(self) -> KVLayout:
+        """This layout with all KV heads (what two ranks of one model share)."""
+        return dataclasses.replace(self, heads=None)
+
     def compat_hash(self) -> str:
-        """Stable hex digest of every field; equal hashes <=> compatible layouts."""
-        canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        """Stable hex digest of the model-wide fields; equal <=> compatible layouts."""
+        canon = json.dumps(self.model_wide().to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
     def check_compatible(self, peer: KVLayout) -> None:
-        """Raise KVLayoutMismatch naming every field where `peer` differs from self."""
+        """Raise KVLayoutMismatch naming every model-wide field where `peer` differs
+        (the KV heads each holds may differ: ``plan_slice`` matches them)."""
         if self.compat_hash() == peer.compat_hash():
             return
         diffs = [
             f"{f.name}: local={getattr(self, f.name)!r} peer={getattr(peer, f.name)!r}"
             for f in dataclasses.fields(self)
-            if getattr(self, f.name) != getattr(peer, f.name)
+            if f.name != "heads" and getattr(self, f.name) != getattr(peer, f.name)
         ]
         raise KVLayoutMismatch("KV layout mismatch: " + "; ".join(diffs))
 
@@ -141,6 +179,43 @@ class KVLayout:
         if not kv.is_contiguous():
             raise ValueError("kv must be contiguous (one registered region per worker)")
         return int(kv.shape[0])
+
+
+@dataclass(frozen=True)
+class Slice:
+    """What one sender writes into one receiver: KV heads [lo, hi) of the model (both
+    hold them), as part ``part`` of ``parts`` the receiver's request is made of."""
+
+    heads: tuple[int, int]
+    part: int = 0
+    parts: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"heads": list(self.heads), "part": self.part, "parts": self.parts}
+
+
+def plan_slice(local: KVLayout, peer: KVLayout, spec: dict[str, Any] | None = None) -> Slice:
+    """The slice a sender with layout ``local`` writes into a receiver with ``peer``:
+    ``spec`` (``Slice.to_dict``, from a tensor-parallel plan) or, without one, all of
+    the receiver's heads as its only part. ``KVLayoutMismatch`` naming both sides when
+    the layouts differ or the sender does not hold those heads."""
+    local.check_compatible(peer)
+    if spec is None:
+        cut = Slice(peer.head_range)
+    else:
+        cut = Slice((int(spec["heads"][0]), int(spec["heads"][1])), int(spec["part"]),
+                    int(spec["parts"]))
+    lo, hi = cut.heads
+    for name, layout in (("sender", local), ("receiver", peer)):
+        have = layout.head_range
+        if not have[0] <= lo < hi <= have[1]:
+            raise KVLayoutMismatch(
+                f"KV heads [{lo}, {hi}) cannot go from a sender holding heads "
+                f"{list(local.head_range)} to a receiver holding {list(peer.head_range)} "
+                f"(of {local.num_kv_heads}): the {name} lacks some")
+    if not 0 <= cut.part < cut.parts:
+        raise ValueError(f"slice part {cut.part} is not within [0, {cut.parts})")
+    return cut
 
 
 def check_block_ids(ids: list[int], num_blocks: int, what: str) -> None:

@@ -21,6 +21,7 @@ from .recv_state import RecvTracker
 from .regions import Staging, scatter
 from .send_state import Numbered
 from .sender_base import BaseSender, Outgoing
+from .wire import Message, local_heads
 
 # endpoint id -> receiver; guarded by _TABLE_LOCK.
 _TABLE: dict[str, LocalReceiver] = {}
@@ -70,23 +71,15 @@ class LocalReceiver(KVReceiver):
 
     # --- called by LocalSender -------------------------------------------------------
 
-    def deliver(
-        self,
-        peer: str,
-        request_id: str,
-        seq: int,
-        total: int | None,
-        notify: dict[str, Any] | None,
-        dst: list[int],
-        layers: tuple[int, int],
-        data: torch.Tensor,
-    ) -> None:
+    def deliver(self, peer: str, msg: Message, data: torch.Tensor) -> None:
         with self._state.lock:
             if self._closed:
                 raise ConnectionError("receiver closed")
-            if self._state.may_write(request_id, dst):
-                scatter(self.kv, dst, layers, data)
-                self._state.landed(request_id, seq, total, notify, peer)
+            if self._state.may_write(msg.request_id, msg.dst):
+                scatter(self.kv, list(msg.dst), msg.layers, data,
+                        local_heads(self.layout, msg.heads))
+                self._state.landed(msg.request_id, msg.seq, msg.total, msg.notify, peer,
+                                   msg.part, msg.parts)
 
     def sender_gone(self, peer: str, request_id: str | None, reason: FailReason, why: str) -> None:
         """A sender aborted one request (request_id) or closed (None: all it touched)."""
@@ -103,13 +96,13 @@ class LocalSender(BaseSender):
         self._staging = Staging(kv.device)
 
     def connect(self, endpoint: dict[str, Any]) -> str:
-        self.layout.check_compatible(KVLayout.from_dict(endpoint["layout"]))
+        cut = self._plan(endpoint)
         with _TABLE_LOCK:
             receiver = _TABLE.get(endpoint["id"])
         if receiver is None:
             raise ConnectionError(f"no local receiver {endpoint['id']} in this process")
         self._peers[endpoint["id"]] = receiver
-        return str(endpoint["id"])
+        return self._bind(str(endpoint["id"]), cut)
 
     def poll(self) -> list[SendEvent]:
         return self.state.drain()
@@ -121,9 +114,8 @@ class LocalSender(BaseSender):
         for msg, src in jobs:  # copied now, under the receiver's lock
             failure: tuple[FailReason, str] | None = None
             try:
-                self._peers[peer_id].deliver(
-                    self._me, msg.request_id, msg.seq, msg.total, msg.notify, list(msg.dst),
-                    msg.layers, self._staging.gather(self.kv, src, msg.layers))
+                self._peers[peer_id].deliver(self._me, msg, self._staging.gather(
+                    self.kv, src, msg.layers, local_heads(self.layout, msg.heads)))
             except ConnectionError as exc:
                 failure = (FailReason.PEER_DIED, str(exc))
             self.state.message_done(msg.request_id, failure)

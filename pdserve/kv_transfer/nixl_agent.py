@@ -10,7 +10,9 @@ for the bytes themselves to move — D's engine polls every step anyway.
 Notification attached to each WRITE (JSON, small):
 
     {"r": request id, "s": message index, "n": total messages (final only) | null,
-     "p": notify payload (final only) | null}
+     "p": notify payload (final only) | null, "q": [part, parts]}
+
+(the part of the receiver's request this sender writes: ``layout.Slice``).
 
 NIXL delivers a transfer's notification only after its data is in place, so D counts a
 message as landed when its notification arrives.
@@ -65,9 +67,11 @@ def device_id(kv: torch.Tensor) -> int:
 
 def descs(base: int, dev: int, regions: list[tuple[int, int]]) -> np.ndarray:
     """Nx3 (address, length, device id) rows for NIXL from (offset, length) regions."""
-    rows = np.empty((len(regions), 3), dtype=np.uint64)
-    for i, (offset, length) in enumerate(regions):
-        rows[i] = (base + offset, length, dev)
+    pairs = np.asarray(regions, dtype=np.uint64).reshape(-1, 2)
+    rows = np.empty((len(pairs), 3), dtype=np.uint64)
+    rows[:, 0] = pairs[:, 0] + np.uint64(base)
+    rows[:, 1] = pairs[:, 1]
+    rows[:, 2] = dev
     return rows
 
 
@@ -79,10 +83,13 @@ def decode_metadata(text: str) -> bytes:
     return base64.b64decode(text)
 
 
-def encode_notif(rid: str, seq: int, total: int | None, notify: dict[str, Any] | None) -> bytes:
-    return json.dumps({"r": rid, "s": seq, "n": total, "p": notify}).encode()
+def encode_notif(rid: str, seq: int, total: int | None, notify: dict[str, Any] | None,
+                 part: int = 0, parts: int = 1) -> bytes:
+    return json.dumps({"r": rid, "s": seq, "n": total, "p": notify, "q": [part, parts]}).encode()
 
 
-def decode_notif(raw: bytes) -> tuple[str, int, int | None, dict[str, Any] | None]:
+def decode_notif(raw: bytes) -> tuple[str, int, int | None, dict[str, Any] | None, int, int]:
+    """(request id, message index, total, notify, part, parts)."""
     msg = json.loads(raw)
-    return str(msg["r"]), int(msg["s"]), msg["n"], msg["p"]
+    part, parts = msg.get("q", (0, 1))
+    return str(msg["r"]), int(msg["s"]), msg["n"], msg["p"], int(part), int(parts)

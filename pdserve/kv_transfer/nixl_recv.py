@@ -73,8 +73,8 @@ class NixlReceiver(KVReceiver):
         self._poll_links()
         for sender, notifs in self._agent.get_new_notifs().items():
             for raw in notifs:
-                rid, seq, total, notify = decode_notif(raw)
-                self._state.landed(rid, seq, total, notify, peer=str(sender))
+                rid, seq, total, notify, part, parts = decode_notif(raw)
+                self._state.landed(rid, seq, total, notify, str(sender), part, parts)
         for rid in self._state.expired():
             self._start_abort(rid, FailReason.TIMEOUT, "no complete KV within the timeout")
         self._settle_aborts()

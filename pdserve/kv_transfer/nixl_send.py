@@ -2,8 +2,9 @@
 into D's, one NIXL transfer per send() call, each carrying a notification.
 
 Descriptors: whole blocks whose ids run consecutively on both sides merge into one
-descriptor; a layer range is one descriptor per block (regions.byte_regions). A
-notify-only final (no blocks) goes as a bare NIXL notification.
+descriptor; a layer range is one descriptor per block, a slice of the KV heads one per
+token slot (regions.byte_regions). A notify-only final (no blocks) goes as a bare NIXL
+notification.
 
 poll() drives everything: transfer states (check_xfer_state), control messages from
 each receiver (control_link), and the replies that must wait until a request has no
@@ -36,6 +37,7 @@ class _Peer:
     dev: int
     mem: str
     num_blocks: int
+    layout: KVLayout  # D's (its KV heads: where a slice lands)
 
 
 class NixlSender(BaseSender):
@@ -55,7 +57,7 @@ class NixlSender(BaseSender):
         self._replies: list[tuple[str, str, dict[str, Any]]] = []  # (peer, rid, msg) to send
 
     def connect(self, endpoint: dict[str, Any]) -> str:
-        self.layout.check_compatible(KVLayout.from_dict(endpoint["layout"]))
+        cut = self._plan(endpoint)
         host, port = endpoint["control"]
         link = Link.connect(host, int(port), self._connect_timeout_s)
         name = self._agent.add_remote_agent(decode_metadata(endpoint["metadata"]))
@@ -68,8 +70,9 @@ class NixlSender(BaseSender):
             int(endpoint["device_id"]),
             str(endpoint["mem"]),
             int(endpoint["num_blocks"]),
+            KVLayout.from_dict(endpoint["layout"]),
         )
-        return peer
+        return self._bind(peer, cut)
 
     def _peer_blocks(self, peer_id: str) -> int:
         return self._peers[peer_id].num_blocks
@@ -88,8 +91,9 @@ class NixlSender(BaseSender):
             return
         if numbered.first_seq == 0:  # D now fails rid if this link dies
             peer.link.send({"t": "begin", "r": request_id})
-        note = encode_notif(request_id, msg.seq, msg.total, msg.notify)
-        regions = byte_regions(self.layout, src, list(msg.dst), msg.layers)
+        note = encode_notif(request_id, msg.seq, msg.total, msg.notify, msg.part, msg.parts)
+        regions = byte_regions(self.layout, src, list(msg.dst), msg.layers, peer.layout,
+                               msg.heads)
         try:
             if not regions:
                 self._agent.send_notif(peer_id, note)

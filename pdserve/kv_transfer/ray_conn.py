@@ -36,7 +36,7 @@ from .regions import Staging, scatter
 from .send_state import Numbered
 from .send_worker import Job, PeerWorker, describe
 from .sender_base import BaseSender, Outgoing
-from .wire import Kind, Message
+from .wire import Kind, Message, data_shape, local_heads
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +54,16 @@ def _to_plain(msg: Message) -> tuple[Any, ...]:
         list(msg.dst),
         list(msg.layers),
         msg.notify,
+        None if msg.heads is None else list(msg.heads),
+        msg.part,
+        msg.parts,
     )
 
 
 def _from_plain(fields: tuple[Any, ...]) -> Message:
-    kind, rid, seq, total, dst, layers, notify = fields
-    return Message(Kind(kind), rid, seq, total, tuple(dst), (layers[0], layers[1]), notify)
+    kind, rid, seq, total, dst, layers, notify, heads, part, parts = fields
+    return Message(Kind(kind), rid, seq, total, tuple(dst), (layers[0], layers[1]), notify,
+                   None if heads is None else (heads[0], heads[1]), part, parts)
 
 
 def _ray() -> Any:
@@ -149,15 +153,14 @@ class RayReceiver(KVReceiver):
             except Exception as exc:  # OwnerDiedError when the sender process is gone
                 self._state.end(msg.request_id, FailReason.PEER_DIED, describe(exc))
                 return
-            lo, hi = msg.layers
             with warnings.catch_warnings():  # the store's arrays are read-only; we only read
                 warnings.simplefilter("ignore", UserWarning)
                 raw = torch.from_numpy(array)
             data = raw.view(self.kv.dtype).view(
-                len(msg.dst), hi - lo, *self.layout.block_shape()[1:]
-            )
-            scatter(self.kv, list(msg.dst), msg.layers, data)
-        self._state.landed(msg.request_id, msg.seq, msg.total, msg.notify, sender)
+                data_shape(self.layout, len(msg.dst), msg.layers, msg.heads))
+            scatter(self.kv, list(msg.dst), msg.layers, data, local_heads(self.layout, msg.heads))
+        self._state.landed(msg.request_id, msg.seq, msg.total, msg.notify, sender, msg.part,
+                           msg.parts)
 
 
 class RaySender(BaseSender):
@@ -176,7 +179,7 @@ class RaySender(BaseSender):
         self._peers: dict[str, tuple[Any, int, PeerWorker]] = {}  # actor, num_blocks, thread
 
     def connect(self, endpoint: dict[str, Any]) -> str:
-        self.layout.check_compatible(KVLayout.from_dict(endpoint["layout"]))
+        cut = self._plan(endpoint)
         actor = self._ray.get_actor(endpoint["queue"], namespace=endpoint["namespace"])
         peer = str(endpoint["queue"])
         staging = Staging(self.kv.device)  # used by this peer's thread only
@@ -184,14 +187,15 @@ class RaySender(BaseSender):
         def transmit(job: Job) -> None:
             ref = None
             if job.msg.dst:
-                blocks = staging.gather(self.kv, list(job.src), job.msg.layers).cpu()
+                blocks = staging.gather(self.kv, list(job.src), job.msg.layers,
+                                        local_heads(self.layout, job.msg.heads)).cpu()
                 ref = self._ray.put(blocks.view(-1).view(torch.uint8).numpy())  # copies
             item = (self._me, _to_plain(job.msg), ref)
             self._ray.get(actor.put_nowait.remote(item), timeout=self._timeout_s)
 
         worker = PeerWorker(f"kv-send-{peer}", transmit, self.state.completions)
         self._peers[peer] = (actor, int(endpoint["num_blocks"]), worker)
-        return peer
+        return self._bind(peer, cut)
 
     def poll(self) -> list[SendEvent]:
         for peer_id, (_, _, worker) in self._peers.items():

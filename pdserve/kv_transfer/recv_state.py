@@ -14,6 +14,11 @@ A request is in one of three states:
 
 Writes are accepted only for live requests and only into their expected blocks; late
 messages for ended requests are dropped.
+
+A request may come in parts (tensor parallel: several sender ranks each write their KV
+heads into one receiver rank, ``layout.Slice``): every message says its part and how
+many parts there are; each part is numbered and ends like a whole request, and the
+request is done when every part is.
 """
 
 from __future__ import annotations
@@ -34,8 +39,9 @@ class _Expected:
     deadline: float
     timeout_s: float  # each landed message moves the deadline this far ahead
     peers: set[str] = field(default_factory=set)  # senders that touched it (death -> fail)
-    seen: set[int] = field(default_factory=set)  # message indices landed
-    total: int | None = None  # number of messages, known once the final one lands
+    seen: set[tuple[int, int]] = field(default_factory=set)  # (part, message index) landed
+    totals: dict[int, int] = field(default_factory=dict)  # part -> its number of messages
+    parts: int = 1  # the parts the request comes in (every message says)
     notify: dict[str, Any] | None = None
     ending: tuple[FailReason, str] | None = None  # set while waiting for a sender's ack
 
@@ -108,19 +114,24 @@ class RecvTracker:
         total: int | None,
         notify: dict[str, Any] | None,
         peer: str = "",
+        part: int = 0,
+        parts: int = 1,
     ) -> None:
-        """Message `seq` of request_id is in place; `total` is set on the final message."""
+        """Message `seq` of part `part` (of `parts`) of request_id is in place; `total`
+        (that part's number of messages) is set on the part's final message."""
         with self.lock:
             exp = self._live.get(request_id)
             if exp is None or exp.ending is not None:
                 return
             if peer:
                 exp.peers.add(peer)
-            exp.seen.add(seq)
+            exp.seen.add((part, seq))
+            exp.parts = parts
             exp.deadline = max(exp.deadline, self._clock() + exp.timeout_s)
             if total is not None:
-                exp.total, exp.notify = total, notify
-            if exp.total is not None and len(exp.seen) >= exp.total:
+                exp.totals[part] = total
+                exp.notify = exp.notify or notify
+            if len(exp.totals) >= exp.parts and len(exp.seen) >= sum(exp.totals.values()):
                 del self._live[request_id]
                 self._events.append(RecvEvent(request_id, True, notify=exp.notify or {}))
 

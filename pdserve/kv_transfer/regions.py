@@ -12,6 +12,10 @@ Owns the two shapes a transfer can take:
         -> (4*B + lo*Lb, 10*B + lo*Lb, (hi-lo)*Lb), (5*B + lo*Lb, 11*B + lo*Lb, ...)
                                                                   Lb = layer_bytes
 
+  A slice of the KV heads (tensor parallel: ``layout.Slice``) is contiguous only
+  within one token's slot, so it is one region per (block, layer, K/V, slot) -- unless
+  both tensors hold exactly that slice, when the whole-block rules above apply.
+
 * staging buffers, for two-sided backends (torch, ray): the selected blocks gathered into
   one contiguous tensor [n, hi - lo, 2, bs, H, D] (block order = id order given), sent as
   one message, scattered on the receiving side. Large requests are cut into chunks of at
@@ -20,8 +24,10 @@ Owns the two shapes a transfer can take:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .layout import KVLayout
@@ -51,9 +57,17 @@ def block_runs(src_ids: list[int], dst_ids: list[int]) -> list[Run]:
 
 
 def byte_regions(
-    layout: KVLayout, src_ids: list[int], dst_ids: list[int], layers: tuple[int, int]
+    layout: KVLayout, src_ids: list[int], dst_ids: list[int], layers: tuple[int, int],
+    dst_layout: KVLayout | None = None, heads: tuple[int, int] | None = None,
 ) -> list[tuple[int, int, int]]:
-    """(src_offset, dst_offset, length) in bytes from each tensor's start, one per region."""
+    """(src_offset, dst_offset, length) in bytes from each tensor's start, one per region.
+
+    ``layout`` is the source tensor's, ``dst_layout`` the destination's (default: the
+    same); ``heads`` the model's KV heads to move (default: all the tensors hold)."""
+    dst_layout = dst_layout or layout
+    heads = heads or layout.head_range
+    if not heads == layout.head_range == dst_layout.head_range:
+        return _head_regions(layout, dst_layout, src_ids, dst_ids, layers, heads)
     lo, hi = layers
     bb, lb = layout.block_bytes, layout.layer_bytes
     if (lo, hi) == (0, layout.num_layers):
@@ -69,19 +83,48 @@ def byte_regions(
     ]
 
 
+def _head_regions(src: KVLayout, dst: KVLayout, src_ids: list[int], dst_ids: list[int],
+                  layers: tuple[int, int], heads: tuple[int, int]) -> list[tuple[int, int, int]]:
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
+    unit = src.head_dim * src.itemsize  # one head of one slot
+    # Offsets of every (layer, K/V, slot) in a block, then of every block: outer sums.
+    inner = np.arange(layers[0], layers[1])[:, None, None], np.arange(2)[None, :, None]
+    slot = np.arange(src.block_size)[None, None, :]
+
+    def offsets(layout: KVLayout, ids: list[int]) -> np.ndarray:
+        within = (inner[0] * layout.layer_bytes
+                  + (inner[1] * layout.block_size + slot) * layout.local_heads * unit
+                  + (heads[0] - layout.head_range[0]) * unit).reshape(-1)
+        blocks = np.asarray(ids, dtype=np.int64)[:, None] * layout.block_bytes
+        return (blocks + within[None, :]).reshape(-1)
+
+    s, d = offsets(src, src_ids), offsets(dst, dst_ids)
+    n = np.full_like(s, (heads[1] - heads[0]) * unit)
+    return list(zip(s.tolist(), d.tolist(), n.tolist(), strict=True))
+
+
 def chunk_slices(num_blocks: int, bytes_per_block: int, max_bytes: int) -> list[slice]:
     """Split [0, num_blocks) into slices of at most max_bytes (>= 1 block each)."""
     per_chunk = max(1, max_bytes // max(1, bytes_per_block))
     return [slice(i, min(i + per_chunk, num_blocks)) for i in range(0, num_blocks, per_chunk)]
 
 
-def gather(
-    kv: torch.Tensor, ids: list[int], layers: tuple[int, int], out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Copy kv[ids, lo:hi] into one contiguous tensor (into `out` when given)."""
+def _view(kv: torch.Tensor, layers: tuple[int, int], heads: tuple[int, int] | None
+          ) -> torch.Tensor:
+    """kv[:, lo:hi, :, :, h0:h1] (``heads``: indices into this tensor's head axis)."""
     lo, hi = layers
+    view = kv if (lo, hi) == (0, kv.shape[1]) else kv[:, lo:hi]
+    return view if heads is None or heads == (0, kv.shape[4]) else view[..., heads[0]:heads[1], :]
+
+
+def gather(
+    kv: torch.Tensor, ids: list[int], layers: tuple[int, int], out: torch.Tensor | None = None,
+    heads: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """Copy kv[ids, lo:hi] (of ``heads`` only) into one contiguous tensor (into `out`)."""
     index = torch.tensor(ids, dtype=torch.long, device=kv.device)
-    src = kv if (lo, hi) == (0, kv.shape[1]) else kv[:, lo:hi]
+    src = _view(kv, layers, heads)
     if out is None:
         return torch.index_select(src, 0, index)
     return torch.index_select(src, 0, index, out=out)
@@ -101,18 +144,17 @@ class Staging:
             self._buf = torch.empty(nbytes, dtype=torch.uint8, device=self._buf.device)
         return self._buf[:nbytes]
 
-    def gather(self, kv: torch.Tensor, ids: list[int], layers: tuple[int, int]) -> torch.Tensor:
-        """kv[ids, lo:hi] copied into this buffer, shaped [n, hi-lo, 2, bs, H, D]."""
-        lo, hi = layers
-        shape = (len(ids), hi - lo, *kv.shape[2:])
-        nbytes = len(ids) * (hi - lo) * kv[0, 0].numel() * kv.element_size()
+    def gather(self, kv: torch.Tensor, ids: list[int], layers: tuple[int, int],
+               heads: tuple[int, int] | None = None) -> torch.Tensor:
+        """kv[ids, lo:hi] (of ``heads``) copied into this buffer: [n, hi-lo, 2, bs, H, D]."""
+        shape = (len(ids), *_view(kv, layers, heads).shape[1:])
+        nbytes = math.prod(shape) * kv.element_size()
         out = self.take(nbytes).view(kv.dtype).view(shape)
-        return gather(kv, ids, layers, out=out)
+        return gather(kv, ids, layers, out=out, heads=heads)
 
 
-def scatter(kv: torch.Tensor, ids: list[int], layers: tuple[int, int], data: torch.Tensor) -> None:
-    """Write data [n, hi-lo, ...] into kv[ids, lo:hi] in place."""
-    lo, hi = layers
+def scatter(kv: torch.Tensor, ids: list[int], layers: tuple[int, int], data: torch.Tensor,
+            heads: tuple[int, int] | None = None) -> None:
+    """Write data [n, hi-lo, ...] into kv[ids, lo:hi] (of ``heads``) in place."""
     index = torch.tensor(ids, dtype=torch.long, device=kv.device)
-    dst = kv if (lo, hi) == (0, kv.shape[1]) else kv[:, lo:hi]
-    dst.index_copy_(0, index, data.to(device=kv.device, dtype=kv.dtype))
+    _view(kv, layers, heads).index_copy_(0, index, data.to(device=kv.device, dtype=kv.dtype))

@@ -8,6 +8,8 @@ request that already ended), stamp each message's destination blocks, layer rang
 A backend says how far a message may go (``chunk_bytes``: None = one message per call)
 and supplies the parts that differ:
 
+* ``connect`` -- checks the peer's layout and learns what to write there with
+  ``_plan(endpoint)`` (``layout.plan_slice``), then records it with ``_bind``;
 * ``_peer_blocks(peer)`` -- the receiver's number of blocks (checked in the prologue);
 * ``_transmit(peer, outgoing, numbered)`` -- hand the numbered messages, each with its
   source block ids, to the transport (report each one through ``state``);
@@ -25,7 +27,7 @@ from typing import Any
 import torch
 
 from .base import FailReason, KVSender, is_final
-from .layout import KVLayout, check_send
+from .layout import KVLayout, Slice, check_send, plan_slice
 from .regions import chunk_slices
 from .send_state import Numbered, SendTracker
 from .wire import Kind, Message
@@ -41,6 +43,16 @@ class BaseSender(KVSender):
         self.kv = kv
         self.num_blocks = layout.check_tensor(kv)
         self.state = SendTracker(timeout_s)
+        self._slices: dict[str, Slice] = {}  # peer id -> what this sender writes there
+
+    def _plan(self, endpoint: dict[str, Any]) -> Slice:
+        """The peer's layout checked, and the heads (and part) to write there."""
+        return plan_slice(self.layout, KVLayout.from_dict(endpoint["layout"]),
+                          endpoint.get("slice"))
+
+    def _bind(self, peer_id: str, cut: Slice) -> str:
+        self._slices[peer_id] = cut
+        return peer_id
 
     def send(
         self,
@@ -53,10 +65,12 @@ class BaseSender(KVSender):
     ) -> None:
         src, dst, rng = check_send(self.layout, src_block_ids, dst_block_ids, self.num_blocks,
                                    self._peer_blocks(peer_id), layers)
+        cut = self._slices[peer_id]
         if self.chunk_bytes is None:
             slices = [slice(0, len(src))]
         else:
-            per_block = (rng[1] - rng[0]) * self.layout.layer_bytes
+            width = cut.heads[1] - cut.heads[0]
+            per_block = (rng[1] - rng[0]) * self.layout.layer_bytes_of(width)
             slices = chunk_slices(len(src), per_block, self.chunk_bytes) or [slice(0, 0)]
         numbered = self.state.begin(peer_id, request_id, is_final(layers, notify), len(slices))
         if numbered is None:
@@ -65,7 +79,8 @@ class BaseSender(KVSender):
         for i, sl in enumerate(slices):
             total = numbered.total if i == len(slices) - 1 else None
             msg = Message(Kind.DATA, request_id, numbered.first_seq + i, total, tuple(dst[sl]),
-                          rng, notify if total is not None else None)
+                          rng, notify if total is not None else None, cut.heads, cut.part,
+                          cut.parts)
             jobs.append((msg, src[sl]))
         self._transmit(peer_id, jobs, numbered)
 

@@ -40,7 +40,7 @@ from .torch_group import (
     pair_prefix,
     sync,
 )
-from .wire import HEADER_LEN, Kind, decode_header, unpack
+from .wire import HEADER_LEN, Kind, decode_header, local_heads, unpack
 
 log = logging.getLogger(__name__)
 
@@ -183,9 +183,11 @@ class TorchReceiver(KVReceiver):
             if self._closed.is_set() or not self._state.may_write(msg.request_id, msg.dst):
                 return  # aborted, timed out, or not ours: drop
             if msg.dst:
-                scatter(self.kv, list(msg.dst), msg.layers, data)
+                scatter(self.kv, list(msg.dst), msg.layers, data,
+                        local_heads(self.layout, msg.heads))
                 sync(self.kv.device)
-            self._state.landed(msg.request_id, msg.seq, msg.total, msg.notify, peer)
+            self._state.landed(msg.request_id, msg.seq, msg.total, msg.notify, peer,
+                               msg.part, msg.parts)
 
     def _peer_gone(self, peer: str, why: str) -> None:
         for rid in self._state.requests_of(peer):

@@ -94,10 +94,10 @@ class TorchSender(BaseSender):
         self._pairs: dict[str, _Pair] = {}
 
     def connect(self, endpoint: dict[str, Any]) -> str:
-        self.layout.check_compatible(KVLayout.from_dict(endpoint["layout"]))
+        cut = self._plan(endpoint)
         peer_id = f"torch-{endpoint['host']}:{endpoint['port']}-{uuid.uuid4().hex[:8]}"
         self._pairs[peer_id] = _Pair(self, endpoint, f"kv-send-{peer_id}")
-        return peer_id
+        return self._bind(peer_id, cut)
 
     def poll(self) -> list[SendEvent]:
         for peer_id, pair in self._pairs.items():

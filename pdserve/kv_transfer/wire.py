@@ -1,15 +1,17 @@
 """Self-describing messages for the two-sided backends (torch, ray).
 
-Every message is a fixed-size header (10 x int64) and, unless the header says 0 bytes,
+Every message is a fixed-size header (14 x int64) and, unless the header says 0 bytes,
 one payload buffer (uint8) whose size the header gives, so a receiver can post a recv of
 the right size without knowing what comes next:
 
     header  [MAGIC, kind, seq, total (-1: not final), n_blocks, lo, hi,
+             head_lo, head_hi (-1, -1: all the receiver's), part, parts,
              rid_len, notify_len, payload_len]
 
     payload ┌────────────────┬─────────────────────────────────────┬─────────┬────────────┐
             │ dst ids        │ block data                          │ req id  │ notify     │
-            │ int64 x n      │ n x (hi-lo) x layer_bytes, kv dtype │ utf-8   │ JSON utf-8 │
+            │ int64 x n      │ n x (hi-lo) x layer bytes of the    │ utf-8   │ JSON utf-8 │
+            │                │ heads moved, kv dtype               │         │            │
             └────────────────┴─────────────────────────────────────┴─────────┴────────────┘
             offset 0          8n (8-aligned: the data views as kv dtype in place)
 
@@ -31,7 +33,7 @@ from .layout import KVLayout
 from .regions import gather
 
 MAGIC = 0x4B565846  # "KVXF"
-HEADER_LEN = 10
+HEADER_LEN = 14
 
 
 class Kind(enum.IntEnum):
@@ -52,10 +54,23 @@ class Message:
     dst: tuple[int, ...] = ()
     layers: tuple[int, int] = (0, 0)
     notify: dict[str, Any] | None = None
+    heads: tuple[int, int] | None = None  # the model's KV heads carried (None: all of D's)
+    part: int = 0  # which of the receiver request's parts (``layout.Slice``)
+    parts: int = 1
 
 
-def data_bytes(layout: KVLayout, n_blocks: int, layers: tuple[int, int]) -> int:
-    return n_blocks * (layers[1] - layers[0]) * layout.layer_bytes
+def data_bytes(layout: KVLayout, n_blocks: int, layers: tuple[int, int],
+               heads: tuple[int, int] | None = None) -> int:
+    width = layout.local_heads if heads is None else heads[1] - heads[0]
+    return n_blocks * (layers[1] - layers[0]) * layout.layer_bytes_of(width)
+
+
+def local_heads(layout: KVLayout, heads: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The model's KV heads ``heads`` as indices into a tensor with ``layout``."""
+    if heads is None:
+        return None
+    lo = layout.head_range[0]
+    return (heads[0] - lo, heads[1] - lo)
 
 
 def encode(msg: Message, layout: KVLayout) -> tuple[list[int], bytes, bytes]:
@@ -66,10 +81,12 @@ def encode(msg: Message, layout: KVLayout) -> tuple[list[int], bytes, bytes]:
     size = (
         0
         if msg.kind in (Kind.PING, Kind.BYE)
-        else 8 * n + data_bytes(layout, n, msg.layers) + len(rid) + len(note)
+        else 8 * n + data_bytes(layout, n, msg.layers, msg.heads) + len(rid) + len(note)
     )
     total = -1 if msg.total is None else msg.total
-    header = [MAGIC, int(msg.kind), msg.seq, total, n, *msg.layers, len(rid), len(note), size]
+    heads = (-1, -1) if msg.heads is None else msg.heads
+    header = [MAGIC, int(msg.kind), msg.seq, total, n, *msg.layers, *heads, msg.part,
+              msg.parts, len(rid), len(note), size]
     return header, rid, note
 
 
@@ -77,17 +94,16 @@ def pack(
     msg: Message, layout: KVLayout, kv: torch.Tensor, src: list[int], staging: torch.Tensor
 ) -> tuple[list[int], torch.Tensor]:
     """Header and payload (a prefix view of `staging`, uint8 on kv's device) for `msg`,
-    gathering kv[src, lo:hi] into the payload's data region."""
+    gathering kv[src, lo:hi] (the message's heads) into the payload's data region."""
     header, rid, note = encode(msg, layout)
     n, size = len(msg.dst), header[-1]
     payload = staging[:size]
     payload[: 8 * n].view(torch.int64).copy_(torch.tensor(msg.dst, dtype=torch.int64))
-    nbytes = data_bytes(layout, n, msg.layers)
+    nbytes = data_bytes(layout, n, msg.layers, msg.heads)
     if n:
-        lo, hi = msg.layers
-        shape = (n, hi - lo, *layout.block_shape()[1:])
-        out = payload[8 * n : 8 * n + nbytes].view(kv.dtype).view(shape)
-        gather(kv, src, msg.layers, out=out)
+        out = payload[8 * n : 8 * n + nbytes].view(kv.dtype).view(
+            data_shape(layout, n, msg.layers, msg.heads))
+        gather(kv, src, msg.layers, out=out, heads=local_heads(layout, msg.heads))
     tail = torch.frombuffer(bytearray(rid + note), dtype=torch.uint8) if rid + note else None
     if tail is not None:
         payload[8 * n + nbytes :].copy_(tail)
@@ -106,14 +122,23 @@ def unpack(
 ) -> tuple[Message, torch.Tensor]:
     """Message and its block data ([n, hi-lo, 2, bs, H, D] view of `payload`)."""
     kind, _ = decode_header(values)
-    _, _, seq, total, n, lo, hi, rid_len, note_len, size = values
-    nbytes = data_bytes(layout, n, (lo, hi)) if n else 0
+    _, _, seq, total, n, lo, hi, h_lo, h_hi, part, parts, rid_len, note_len, size = values
+    heads = None if h_lo < 0 else (h_lo, h_hi)
+    nbytes = data_bytes(layout, n, (lo, hi), heads) if n else 0
     head = payload[: 8 * n].cpu().view(torch.int64).tolist() if n else []
     tail = bytes(payload[8 * n + nbytes : size].cpu().numpy().tobytes())
     rid = tail[:rid_len].decode()
     notify = json.loads(tail[rid_len : rid_len + note_len]) if note_len else None
-    msg = Message(kind, rid, seq, None if total < 0 else total, tuple(head), (lo, hi), notify)
+    msg = Message(kind, rid, seq, None if total < 0 else total, tuple(head), (lo, hi), notify,
+                  heads, part, parts)
     dtype = layout.torch_dtype
-    shape = (n, hi - lo, *layout.block_shape()[1:])
-    data = payload[8 * n : 8 * n + nbytes].view(dtype).view(shape) if n else payload[:0]
+    data = (payload[8 * n : 8 * n + nbytes].view(dtype).view(
+        data_shape(layout, n, (lo, hi), heads)) if n else payload[:0])
     return msg, data
+
+
+def data_shape(layout: KVLayout, n: int, layers: tuple[int, int],
+               heads: tuple[int, int] | None) -> tuple[int, ...]:
+    """[n, hi-lo, 2, bs, heads moved, D]: a message's block data."""
+    width = layout.local_heads if heads is None else heads[1] - heads[0]
+    return (n, layers[1] - layers[0], 2, layout.block_size, width, layout.head_dim)
