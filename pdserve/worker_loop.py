@@ -20,14 +20,15 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cost import cost_model
 from pdserve.engine.engine import LLMEngine, RequestOutput
 from pdserve.engine.loop import EngineLoop
 from pdserve.failures import WorkerGone
-from pdserve.kv_transfer import KVLayout
+from pdserve.kv_transfer import KVLayout, KVReceiver, KVSender
+from pdserve.kv_transfer.sharded import open_channel
 from pdserve.messages import JoinInfo, RequestDelta, Stages, TokenLogprob, WorkerLoad, WorkerMetrics
 
 T = TypeVar("T")
@@ -45,7 +46,9 @@ class WorkerLoop(EngineLoop):
         self.role = role
         self.incarnation = uuid.uuid4().hex  # new for every process that builds a worker
         self.engine = LLMEngine.create(model_dir, config)  # tensor parallel: its ranks too
-        self.layout = KVLayout(**self.engine.kv_layout_spec())  # type: ignore[arg-type]
+        # This rank's KV cache; ``layout`` is the whole model's (what a request's KV is).
+        self._rank_layout = KVLayout(**self.engine.kv_layout_spec())  # type: ignore[arg-type]
+        self.layout = self._rank_layout.model_wide()
         self._metrics = WorkerMetrics(worker_id, role, num_blocks=self.engine.num_blocks)
         self._published = WorkerMetrics(**vars(self._metrics))
         self._published_at = 0.0
@@ -53,6 +56,12 @@ class WorkerLoop(EngineLoop):
         self.metrics_at: tuple[str, int] | None = None  # its /metrics, set by who serves it
         self._load = self._make_load()
         self._cost = cost_model(self.engine.model_config, config.dtype, config.quantization)
+
+    def _open_channel(self, role: str, transfer: str,
+                      options: dict[str, Any] | None) -> KVSender | KVReceiver:
+        """This worker's KV channel: every tensor-parallel rank moves its own heads."""
+        return open_channel(role, transfer, self.engine.kv_cache, self._rank_layout,
+                            self.engine.kv_heads, self.engine.rank_links, options)
 
     # ------------------------------------------------------------ async API
     async def load(self) -> WorkerLoad:

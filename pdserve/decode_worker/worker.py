@@ -24,12 +24,12 @@ import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.failures import FailReason
-from pdserve.kv_transfer import RecvEvent, make_receiver
+from pdserve.kv_transfer import KVReceiver, RecvEvent
 from pdserve.kv_transfer.driver import ChannelThread
 from pdserve.messages import JoinInfo, RequestDelta, Stages, TokenLogprob
 from pdserve.output_stream import OutputServer
@@ -44,8 +44,8 @@ class DecodeWorker(WorkerLoop):
                  kv_timeout_s: float = 30.0, host: str = "127.0.0.1") -> None:
         super().__init__("decode", worker_id, model_dir, config)
         self.kv_timeout_s = kv_timeout_s
-        self.receiver = make_receiver(transfer, self.engine.transfer_kv, self.layout,
-                                      **(transfer_options or {}))
+        self.receiver = cast(KVReceiver, self._open_channel("recv", transfer,
+                                                            transfer_options))
         self.transfer = ChannelThread(self.receiver, self._on_recv_events,
                                       f"kv-recv-{worker_id}")
         self.outputs = OutputServer(host, f"outputs-{worker_id}")
@@ -121,7 +121,6 @@ class DecodeWorker(WorkerLoop):
                 continue
             notify = ev.notify or {}
             lp = notify.get("logprobs")
-            self.engine.import_kv(self.engine.block_ids(rid))  # tensor parallel: to the ranks
             out = self.engine.start_decode(rid, int(notify["first_token"]))
             if not out.finished:
                 self._kv_arrived[rid] = when

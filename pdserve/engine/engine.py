@@ -158,16 +158,10 @@ class LLMEngine:
             self.num_blocks, mc.num_layers, 2, self.block_size, local.num_kv_heads,
             mc.head_dim, dtype=dtype, device=device,
         )
-        # What the transfer channels read and write: the cache itself, or (tensor
-        # parallel) a full-model staging cache on rank 0 that export_kv / import_kv
-        # gather the ranks' KV heads into and scatter them out of.
-        self.transfer_kv = self.kv_cache
-        self._kv_shard: Shard | None = None
-        if tp is not None:
-            self._kv_shard = Shard.of(mc, tp.rank, tp.size)
-            self.transfer_kv = torch.zeros(
-                (self.num_blocks, mc.num_layers, 2, self.block_size, mc.num_kv_heads,
-                 mc.head_dim) if tp.rank == 0 else (0,), dtype=dtype, device=device)
+        # Every rank's KV heads (tensor parallel: each rank's channel moves its own).
+        self.kv_heads = [Shard.of(mc, r, tp.size).kv_heads for r in range(tp.size)] \
+            if tp is not None else [(0, mc.num_kv_heads)]
+        self.rank_links: list[Any] = []  # rank 0 of create(): a pipe to each follower's channel
         self.pool = BlockPool(self.num_blocks, self.config.enable_prefix_caching)
         inputs = InputBatch(self.config.max_num_seqs, self.max_model_len,
                             self.config.max_num_batched_tokens, self.block_size, device)
@@ -189,7 +183,7 @@ class LLMEngine:
         size = config.tensor_parallel_size
         if size == 1:
             return cls(model_dir, config, tokenizer)
-        store, procs = spawn_followers(model_dir, config, size)
+        store, procs, links = spawn_followers(model_dir, config, size)
         try:
             group = TPGroup(0, size, "127.0.0.1", store.port, torch.device(config.device),
                             store=store)
@@ -199,7 +193,7 @@ class LLMEngine:
             for p in procs:
                 p.kill()
             raise
-        engine._followers = procs
+        engine._followers, engine.rank_links = procs, links
         group.peer_gone = lambda: next((f"tensor-parallel rank {r} died (exit code "
                                         f"{p.exitcode})" for r, p in enumerate(procs, 1)
                                         if not p.is_alive()), None)
@@ -216,6 +210,9 @@ class LLMEngine:
     def close(self) -> None:
         """Stop the tensor-parallel followers this engine spawned (idempotent)."""
         procs, self._followers = self._followers, []
+        links, self.rank_links = self.rank_links, []
+        for link in links:  # first: each follower's channel closes (it sees the pipe end)
+            link.close()
         if procs and self.tp is not None:
             with contextlib.suppress(Exception):  # a follower already gone
                 self.tp.broadcast_object((STOP, (), {}))
@@ -315,38 +312,14 @@ class LLMEngine:
         self.kv_cache[idx] = data.to(self.kv_cache.dtype)
 
     @replicated
-    def export_kv(self, block_ids: Sequence[int]) -> None:
-        """Tensor parallel: gather every rank's KV heads of these blocks into rank 0's
-        ``transfer_kv`` (before a channel sends them). No-op on one rank."""
-        if self.tp is None or self._kv_shard is None:
-            return
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
-        local = self.kv_cache[idx]
-        widest = Shard.widest_kv(self.model_config, self.tp.size).num_kv_heads
-        padded = local.new_zeros((*local.shape[:-2], widest, local.shape[-1]))
-        padded[..., : local.shape[-2], :] = local
-        parts = self.tp.gather(padded)
-        if parts is None:
-            return
-        mc = self.model_config
-        for rank, part in enumerate(parts):
-            lo, hi = Shard.of(mc, rank, self.tp.size).kv_heads
-            self.transfer_kv[idx, ..., lo:hi, :] = part[..., : hi - lo, :]
+    def pin(self, block_ids: Sequence[int]) -> None:
+        """Hold these blocks (a transfer reads them) until ``unpin``: on every rank, so
+        every rank's pool hands out the same blocks next."""
+        self.pool.acquire(list(block_ids))
 
     @replicated
-    def import_kv(self, block_ids: Sequence[int]) -> None:
-        """Tensor parallel: every rank takes its KV heads of these blocks from rank 0's
-        ``transfer_kv`` (after a channel wrote them). No-op on one rank."""
-        if self.tp is None or self._kv_shard is None:
-            return
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
-        shape = (len(idx), *self.kv_cache.shape[1:-2], self.model_config.num_kv_heads,
-                 self.kv_cache.shape[-1])
-        full = (self.transfer_kv[idx].contiguous() if self.tp.rank == 0
-                else torch.empty(shape, dtype=self.kv_cache.dtype, device=self.kv_cache.device))
-        self.tp.broadcast_tensor(full)
-        lo, hi = self._kv_shard.kv_heads
-        self.kv_cache[idx] = full[..., lo:hi, :]
+    def unpin(self, block_ids: Sequence[int]) -> None:
+        self.pool.free(list(block_ids))
 
     @replicated
     def release(self, request_id: str) -> None:
@@ -475,9 +448,13 @@ class LLMEngine:
     def kv_layout_spec(self) -> dict[str, object]:
         """The fields of the transfer channels' ``KVLayout`` for this engine's cache."""
         mc = self.model_config
-        return {"model_id": mc.name or self.model_dir.name, "dtype": self.config.dtype,
-                "num_layers": mc.num_layers, "num_kv_heads": mc.num_kv_heads,
-                "head_dim": mc.head_dim, "block_size": self.block_size}
+        spec: dict[str, object] = {
+            "model_id": mc.name or self.model_dir.name, "dtype": self.config.dtype,
+            "num_layers": mc.num_layers, "num_kv_heads": mc.num_kv_heads,
+            "head_dim": mc.head_dim, "block_size": self.block_size}
+        if self.tp is not None:  # this rank's cache holds its KV heads only
+            spec["heads"] = self.kv_heads[self.tp.rank]
+        return spec
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()

@@ -17,7 +17,9 @@ allocates the same block ids; only rank 0 samples, and it broadcasts the sampled
 token ids so every rank appends the same tokens.
 
 Process model: the followers are processes the leader spawns (``spawn_followers``),
-on the same node -- one per rank, each with its own CPU threads or GPU. A follower
+on the same node -- one per rank, each with its own CPU threads or GPU, and each with
+its own KV transfer channel over its KV heads, driven by the leader through a pipe
+(``kv_transfer.sharded``). A follower
 that dies breaks the leader's next collective (an error, or the group's timeout), so
 the worker fails as a whole and is restarted as a whole.
 
@@ -35,6 +37,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -379,19 +382,23 @@ def shard_model(full: LlamaModel, shard: Shard, local: LlamaModel) -> None:
 
 # ------------------------------------------------------------------ processes
 def spawn_followers(model_dir: str | Path, config: EngineConfig, size: int,
-                    host: str = "127.0.0.1") -> tuple[dist.TCPStore, list[Any]]:
+                    host: str = "127.0.0.1") -> tuple[dist.TCPStore, list[Any], list[Any]]:
     """Start ranks 1..size-1 (spawned processes, each building its engine and
-    following); returns the leader's store and the processes."""
+    following); returns the leader's store, the processes and a pipe to each (its KV
+    transfer channel: ``kv_transfer.sharded``)."""
     store = TPGroup.host_store(size, host)
     ctx = multiprocessing.get_context("spawn")
-    procs = []
+    procs, links = [], []
     for rank in range(1, size):
+        mine, theirs = ctx.Pipe()
         p = ctx.Process(target=_follower_main, args=(str(model_dir), config, rank, size, host,
-                                                     store.port), daemon=True,
+                                                     store.port, theirs), daemon=True,
                         name=f"pdserve-tp-rank{rank}")
         p.start()
+        theirs.close()
         procs.append(p)
-    return store, procs
+        links.append(mine)
+    return store, procs, links
 
 
 def wait_followers(store: dist.TCPStore, procs: list[Any], timeout_s: float = TIMEOUT_S,
@@ -413,8 +420,10 @@ def wait_followers(store: dist.TCPStore, procs: list[Any], timeout_s: float = TI
 
 
 def _follower_main(model_dir: str, config: EngineConfig, rank: int, size: int, host: str,
-                   port: int) -> None:
+                   port: int, link: Any) -> None:
     from pdserve.engine.engine import LLMEngine
+    from pdserve.kv_transfer.layout import KVLayout
+    from pdserve.kv_transfer.sharded import serve_rank
 
     if config.device == "cuda":  # "cuda" means this rank's GPU from here on
         torch.cuda.set_device(rank)
@@ -426,5 +435,11 @@ def _follower_main(model_dir: str, config: EngineConfig, rank: int, size: int, h
     except Exception as exc:
         group.store.set(f"ready/{rank}", f"error: {type(exc).__name__}: {exc}")
         raise
+    layout = KVLayout(**engine.kv_layout_spec())  # type: ignore[arg-type]
+    channel = threading.Thread(target=serve_rank, args=(link, engine.kv_cache, layout,
+                                                        f"rank{rank}"),
+                               name=f"kv-rank{rank}", daemon=True)
+    channel.start()
     group.store.set(f"ready/{rank}", "ok")
     follow(engine)
+    channel.join(10)  # the leader closed its end first: the channel is closing

@@ -30,12 +30,12 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import RequestOutput
 from pdserve.failures import AttemptFailed, FailReason
-from pdserve.kv_transfer import SendEvent, make_sender
+from pdserve.kv_transfer import KVSender, SendEvent
 from pdserve.kv_transfer.driver import ChannelThread
 from pdserve.messages import PrefillResult, PrefillTask, TokenLogprob, WorkerMetrics
 from pdserve.worker_loop import WorkerLoop, prompt_logprobs_of
@@ -60,8 +60,7 @@ class PrefillWorker(WorkerLoop):
     def __init__(self, worker_id: str, model_dir: str | Path, config: EngineConfig,
                  transfer: str = "local", transfer_options: dict[str, Any] | None = None) -> None:
         super().__init__("prefill", worker_id, model_dir, config)
-        self.sender = make_sender(transfer, self.engine.transfer_kv, self.layout,
-                                  **(transfer_options or {}))
+        self.sender = cast(KVSender, self._open_channel("send", transfer, transfer_options))
         self.transfer = ChannelThread(self.sender, self._on_send_events,
                                       f"kv-send-{worker_id}")
         self._peers: dict[str, tuple[str, dict[str, Any]]] = {}  # decode id -> (peer, endpoint)
@@ -157,8 +156,7 @@ class PrefillWorker(WorkerLoop):
     def _send(self, f: _InFlight, src: list[int], start: int, notify: dict[str, Any] | None,
               ) -> None:
         rid, dst = f.task.request_id, f.task.dst_block_ids[start:start + len(src)]
-        self.engine.export_kv(src)  # tensor parallel: the ranks' heads to the channel's cache
-        self.engine.pool.acquire(src)
+        self.engine.pin(src)
         f.pinned.extend(src)
         f.sent_blocks = start + len(src)
         self._metrics.kv_sends += 1
@@ -179,7 +177,7 @@ class PrefillWorker(WorkerLoop):
             self.engine.abort(ev.request_id)
             if f is None:
                 continue
-            self.engine.pool.free(f.pinned)
+            self.engine.unpin(f.pinned)
             if not ev.ok:
                 self._metrics.kv_transfer_failures += 1
                 if ev.reason is FailReason.PEER_DIED:  # the channel is gone, not just this request

@@ -29,12 +29,13 @@ class Pair:
     def __init__(self, model: Path, n_prefill: int = 1, n_decode: int = 1,
                  decode_blocks: int = 128, n_colocated: int = 0,
                  prefill_engine: dict[str, object] | None = None, kv_timeout_s: float = 5,
-                 decode_engine: dict[str, object] | None = None, **router_kw: object) -> None:
+                 decode_engine: dict[str, object] | None = None, transfer: str = "local",
+                 **router_kw: object) -> None:
         self.prefill = [PrefillWorker(f"prefill-{i}", model, EngineConfig(**{
-            "role": "prefill", "num_blocks": 128, **(prefill_engine or {})}), "local")  # type: ignore[arg-type]
+            "role": "prefill", "num_blocks": 128, **(prefill_engine or {})}), transfer)  # type: ignore[arg-type]
             for i in range(n_prefill)]
         self.decode = [DecodeWorker(f"decode-{i}", model, EngineConfig(**{  # type: ignore[arg-type]
-            "role": "decode", "num_blocks": decode_blocks, **(decode_engine or {})}), "local",
+            "role": "decode", "num_blocks": decode_blocks, **(decode_engine or {})}), transfer,
             kv_timeout_s=kv_timeout_s) for i in range(n_decode)]
         self.colocated = [ColocatedWorker(f"colocated-{i}", model, EngineConfig(
             role="colocated", num_blocks=decode_blocks)) for i in range(n_colocated)]

@@ -1,7 +1,7 @@
-"""Prefill and decode workers of different tensor-parallel degrees, in process (local
-transfer): the wire carries full-model blocks; a TP worker gathers its ranks' KV heads
-before sending (``export_kv``) and scatters them after receiving (``import_kv``). Every
-combination gives one colocated rank's greedy tokens and leaks no block."""
+"""Prefill and decode workers of different tensor-parallel degrees, in process: every
+rank moves its own KV heads over a channel of its own (``kv_transfer.sharded``: torch
+/ gloo here, nixl on Ray), one to many and many to one. Every combination gives one
+colocated rank's greedy tokens and leaks no block."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def test_tp_pairs_equal_one_colocated_rank(pair_factory: Callable[..., Pair],
         PROMPTS, GREEDY)]
     pair = pair_factory(
         prefill_engine={"tensor_parallel_size": prefill_tp, "num_threads": 1},
-        decode_engine={"tensor_parallel_size": decode_tp, "num_threads": 1})
+        decode_engine={"tensor_parallel_size": decode_tp, "num_threads": 1}, transfer="torch")
     got = generate_all(pair, PROMPTS)
     assert [tokens for tokens, _, _ in got] == want
     assert all(f.num_retries == 0 for _, _, f in got)
@@ -49,7 +49,8 @@ def test_a_lost_rank_takes_its_worker_out(pair_factory: Callable[..., Pair],
     long = SamplingParams(max_tokens=120, ignore_eos=True)
     want = [o.token_ids for o in LLMEngine(model, EngineConfig(num_blocks=256)).generate(
         PROMPTS, long)]
-    pair = pair_factory(n_decode=2, decode_engine={"tensor_parallel_size": 2, "num_threads": 1})
+    pair = pair_factory(n_decode=2, decode_engine={"tensor_parallel_size": 2, "num_threads": 1},
+                        transfer="torch")
     tp_worker = pair.decode[0]
 
     async def body(router: Router) -> None:

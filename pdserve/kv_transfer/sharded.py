@@ -1,0 +1,460 @@
+"""KV transfer for tensor-parallel workers: every rank sends or receives its own KV heads.
+
+A worker of N ranks (``engine/tp.py``) has N channels, one per rank, each over that
+rank's KV cache (a ``KVLayout`` with ``heads``) and each in that rank's process. Rank 0
+holds the worker's one ``KVSender`` / ``KVReceiver``: a ``ShardedSender`` or
+``ShardedReceiver`` here, which drives its own channel directly and the other ranks'
+through a ``RankChannel`` (a pipe to ``serve_rank`` in each follower process).
+
+Head mapping (``plan_pairs``): for every decode rank j and every KV head it holds, the
+first prefill rank holding that head sends it. Runs of heads from one prefill rank make
+one pair (i -> j) carrying a ``Slice``; a decode rank fed by k prefill ranks expects its
+request in k parts. P(TP=2) -> D(TP=1), 4 KV heads::
+
+    P rank 0: heads [0, 2) ──slice [0, 2), part 0 of 2──┐
+    P rank 1: heads [2, 4) ──slice [2, 4), part 1 of 2──┴─▶ D rank 0: heads [0, 4)
+
+and P(TP=1) -> D(TP=2) is one prefill rank feeding two receivers, one part each. Every
+backend moves the slice its own way (nixl: one region per token slot unless the two
+ranks hold the same heads; two-sided backends: gather, send, scatter).
+
+Request ids: a decode worker of one rank expects ``rid`` itself (its endpoint is that
+rank's own, so a plain sender can talk to it); rank j of a wider one expects
+``rid@j``. A request ends on the worker side when every pair (sender) or every rank
+(receiver) has ended: ok if all did, else failed with the first failure, after the
+rest were aborted (so no rank still writes into the blocks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .base import FailReason, KVReceiver, KVSender, RecvEvent, SendEvent
+from .factory import make_receiver, make_sender
+from .layout import KVLayout, KVLayoutMismatch, Slice
+from .send_state import MAX_TOMBSTONES
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 30.0  # a follower's answer to connect / expect / endpoint
+# Backends a follower rank can run: its process is neither the leader's (local) nor a
+# Ray worker (ray).
+PER_RANK_BACKENDS = ("nixl", "torch")
+
+
+def plan_pairs(senders: Sequence[tuple[int, int]], receivers: Sequence[tuple[int, int]],
+               ) -> list[tuple[int, int, Slice]]:
+    """(sender rank, receiver rank, slice) for every pair that moves KV heads, from each
+    side's heads per rank. ``KVLayoutMismatch`` naming both sides if a receiver rank
+    holds a head no sender rank has."""
+    pairs = []
+    for j, (lo, hi) in enumerate(receivers):
+        runs: list[list[int]] = []  # [sender rank, lo, hi)
+        for h in range(lo, hi):
+            i = next((i for i, (a, b) in enumerate(senders) if a <= h < b), None)
+            if i is None:
+                raise KVLayoutMismatch(
+                    f"KV head {h} of receiver rank {j} is on no sender rank: sender ranks "
+                    f"hold {[list(s) for s in senders]}, receiver ranks {[list(r) for r in receivers]}")
+            if runs and runs[-1][0] == i and runs[-1][2] == h:
+                runs[-1][2] = h + 1
+            else:
+                runs.append([i, h, h + 1])
+        pairs += [(i, j, Slice((a, b), k, len(runs))) for k, (i, a, b) in enumerate(runs)]
+    return pairs
+
+
+def wire_id(request_id: str, rank: int, ranks: int) -> str:
+    """The id receiver rank ``rank`` of ``ranks`` knows a request by."""
+    return request_id if ranks == 1 else f"{request_id}@{rank}"
+
+
+# --------------------------------------------------------------- rank channels
+class RankChannel:
+    """A follower rank's channel as rank 0 sees it: the calls of a ``KVSender`` /
+    ``KVReceiver``, carried over a pipe to ``serve_rank``. ``send``/``abort`` return at
+    once; ``connect``/``expect``/``endpoint`` wait for the answer. Events come back on
+    their own and are handed out by ``poll``."""
+
+    def __init__(self, conn: Any, rank: int) -> None:
+        self.rank = rank
+        self._conn = conn
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._waiting: dict[int, Future[Any]] = {}
+        self._events: list[Any] = []
+        self.dead: str | None = None  # why the rank's pipe is gone
+        self._reader = threading.Thread(target=self._read, name=f"kv-rank{rank}", daemon=True)
+        self._reader.start()
+
+    def open(self, role: str, backend: str, options: dict[str, Any]) -> None:
+        self._call("open", role, backend, options)
+
+    def endpoint(self) -> dict[str, Any]:
+        result: dict[str, Any] = self._call("endpoint")
+        return result
+
+    def connect(self, endpoint: dict[str, Any]) -> str:
+        return str(self._call("connect", endpoint))
+
+    def expect(self, request_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> None:
+        self._call("expect", request_id, list(dst_block_ids), timeout_s)
+
+    def send(self, peer_id: str, request_id: str, src: Sequence[int], dst: Sequence[int],
+             layers: tuple[int, int] | None = None, notify: dict[str, Any] | None = None,
+             ) -> None:
+        self._post("send", peer_id, request_id, list(src), list(dst), layers, notify)
+
+    def abort(self, request_id: str) -> None:
+        self._post("abort", request_id)
+
+    def poll(self) -> list[Any]:
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    def close(self) -> None:
+        if self.dead is None:
+            try:
+                self._call("close")
+            except Exception as exc:  # the rank is going away anyway
+                log.debug("rank %d channel close: %s", self.rank, exc)
+
+    def _post(self, op: str, *args: Any) -> None:
+        with self._lock:
+            if self.dead is None:
+                self._conn.send((None, op, args))
+
+    def _call(self, op: str, *args: Any) -> Any:
+        fut: Future[Any] = Future()
+        with self._lock:
+            if self.dead is not None:
+                raise ConnectionError(f"tensor-parallel rank {self.rank}: {self.dead}")
+            call_id = next(self._ids)
+            self._waiting[call_id] = fut
+            self._conn.send((call_id, op, args))
+        return fut.result(CALL_TIMEOUT_S)
+
+    def _read(self) -> None:
+        while True:
+            try:
+                kind, call_id, value = self._conn.recv()
+            except (EOFError, OSError) as exc:
+                with self._lock:
+                    self.dead = f"channel gone ({type(exc).__name__})"
+                    waiting, self._waiting = self._waiting, {}
+                for fut in waiting.values():
+                    fut.set_exception(ConnectionError(f"tensor-parallel rank {self.rank} "
+                                                      "is gone"))
+                return
+            if kind == "events":
+                with self._lock:
+                    self._events.extend(value)
+                continue
+            with self._lock:
+                fut = self._waiting.pop(call_id)
+            if kind == "ok":
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)
+
+
+def serve_rank(conn: Any, kv: torch.Tensor, layout: KVLayout, name: str) -> None:
+    """A follower rank's side of ``RankChannel`` (on a thread of its own, until the
+    pipe closes): opens the rank's channel over ``kv`` when asked, runs it on a
+    ``ChannelThread`` and sends its events back."""
+    from .driver import ChannelThread
+
+    lock = threading.Lock()
+    thread: ChannelThread[Any] | None = None
+
+    def tell(msg: tuple[str, int | None, Any]) -> None:
+        with lock, contextlib.suppress(OSError, ValueError):  # the leader is gone
+            conn.send(msg)
+
+    def answer(call_id: int | None, fut: Future[Any]) -> None:
+        if call_id is not None:
+            exc = fut.exception()
+            tell(("ok", call_id, fut.result()) if exc is None else ("error", call_id, exc))
+
+    while True:
+        try:
+            call_id, op, args = conn.recv()
+        except (EOFError, OSError):
+            break
+        done: Future[Any] = Future()
+        try:
+            if op == "open":
+                role, backend, options = args
+                make = make_sender if role == "send" else make_receiver
+                thread = ChannelThread(make(backend, kv, layout, **options),
+                                       lambda evs, _when: tell(("events", None, evs)),
+                                       f"kv-{role}-{name}")
+                done.set_result(None)
+            elif thread is None:
+                raise RuntimeError(f"{op} before the rank's channel was opened")
+            elif op == "expect":  # thread-safe in every backend; then poll soon
+                thread.channel.expect(*args)
+                thread.wake()
+                done.set_result(None)
+            elif op == "close":
+                thread.close()
+                thread = None
+                done.set_result(None)
+            else:
+                fn = getattr(thread.channel, op)
+                done = thread.call(functools.partial(fn, *args))
+        except Exception as exc:
+            done = Future()
+            done.set_exception(exc)
+        done.add_done_callback(functools.partial(answer, call_id))
+    if thread is not None:
+        thread.close()
+
+
+# ------------------------------------------------------------------ the worker side
+@dataclass
+class _Pending:
+    left: set[Any]  # the parts not ended yet: (sender rank, wire id) or receiver rank
+    failure: tuple[FailReason, str] | None = None
+    notify: dict[str, Any] | None = None
+    keys: list[Any] = field(default_factory=list)  # every part, as first expected
+
+
+class _Fanout:
+    """What both roles share: the ranks' channels, the requests in flight across them."""
+
+    def __init__(self, ranks: list[Any], layout: KVLayout, heads: list[tuple[int, int]]) -> None:
+        self.layout = layout.model_wide()
+        self._ranks = ranks  # rank 0: the channel itself; others: RankChannel
+        self._heads = heads
+        self._lock = threading.RLock()
+        self._pending: dict[str, _Pending] = {}
+        self._events: list[Any] = []
+
+    @property
+    def num_pending(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+    def _collect(self) -> list[tuple[int, Any]]:
+        """Every rank's new events, and a failure for each rank that is gone."""
+        out = []
+        for r, ch in enumerate(self._ranks):
+            out += [(r, ev) for ev in ch.poll()]
+        return out
+
+    def _dead_ranks(self) -> list[tuple[int, str]]:
+        return [(r, ch.dead) for r, ch in enumerate(self._ranks)
+                if getattr(ch, "dead", None) is not None]
+
+    def _part_ended(self, rid: str, part: Any, ok: bool, reason: FailReason | None,
+                    error: str, notify: dict[str, Any] | None,
+                    abort: Callable[[Any], None]) -> None:
+        p = self._pending.get(rid)
+        if p is None or part not in p.left:
+            return
+        p.left.discard(part)
+        if ok:
+            p.notify = p.notify or notify
+        elif p.failure is None:
+            p.failure = (reason or FailReason.TRANSPORT, error)
+            for other in p.left:  # stop the rest: no rank may still be writing
+                abort(other)
+        if not p.left:
+            del self._pending[rid]
+            self._events.append(self._ended(rid, p))
+
+    def _ended(self, rid: str, p: _Pending) -> Any:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Close every rank's channel; what is pending fails CLOSED."""
+        for ch in self._ranks:
+            try:
+                ch.close()
+            except Exception as exc:
+                log.warning("closing a tensor-parallel rank's channel: %s", exc)
+        with self._lock:
+            for rid, p in list(self._pending.items()):
+                del self._pending[rid]
+                p.failure = (FailReason.CLOSED, "channel closed")
+                self._events.append(self._ended(rid, p))
+
+
+class ShardedSender(_Fanout, KVSender):
+    """Prefill role of a TP worker (or any worker talking to a TP decode worker)."""
+
+    def __init__(self, ranks: list[Any], layout: KVLayout, heads: list[tuple[int, int]]) -> None:
+        super().__init__(ranks, layout, heads)
+        self._peers: dict[str, list[tuple[int, str, str]]] = {}  # -> (rank, sub peer, suffix)
+        self._sub: dict[tuple[int, str], str] = {}  # (rank, wire id) -> request id
+        self._over: OrderedDict[str, None] = OrderedDict()  # ended ids (later sends: dropped)
+        self._peer_ids = itertools.count()
+
+    def connect(self, endpoint: dict[str, Any]) -> str:
+        ranks = endpoint.get("ranks") or [endpoint]
+        self.layout.check_compatible(KVLayout.from_dict(endpoint["layout"]))
+        theirs = [KVLayout.from_dict(ep["layout"]).head_range for ep in ranks]
+        subs = []
+        for i, j, cut in plan_pairs(self._heads, theirs):
+            sub = self._ranks[i].connect({**ranks[j], "slice": cut.to_dict()})
+            subs.append((i, sub, wire_id("", j, len(ranks))))
+        peer_id = f"tp-{next(self._peer_ids)}"
+        self._peers[peer_id] = subs
+        return peer_id
+
+    def send(self, peer_id: str, request_id: str, src_block_ids: Sequence[int],
+             dst_block_ids: Sequence[int], layers: tuple[int, int] | None = None,
+             notify: dict[str, Any] | None = None) -> None:
+        subs = self._peers[peer_id]
+        with self._lock:
+            p = self._pending.get(request_id)
+            if p is None:
+                if request_id in self._over:
+                    return  # ended already: dropped, as for any sender
+                keys = [(i, request_id + suffix) for i, _, suffix in subs]
+                p = self._pending[request_id] = _Pending(set(keys), keys=keys)
+                self._sub.update(dict.fromkeys(keys, request_id))
+            if p.failure is not None:
+                return
+        for i, sub, suffix in subs:  # rank 0 first: a bad call raises before any is sent
+            self._ranks[i].send(sub, request_id + suffix, src_block_ids, dst_block_ids,
+                                layers, notify)
+
+    def poll(self) -> list[SendEvent]:
+        events = self._collect()
+        with self._lock:
+            for r, ev in events:
+                rid = self._sub.get((r, ev.request_id))
+                if rid is not None:
+                    self._part_ended(rid, (r, ev.request_id), ev.ok, ev.reason, ev.error,
+                                     None, self._abort_part)
+            for r, why in self._dead_ranks():
+                for rid, p in list(self._pending.items()):
+                    for part in [x for x in p.left if x[0] == r]:
+                        self._part_ended(rid, part, False, FailReason.PEER_DIED,
+                                         f"tensor-parallel rank {r}: {why}", None,
+                                         self._abort_part)
+            out, self._events = self._events, []
+            return out
+
+    def _abort_part(self, part: tuple[int, str]) -> None:
+        self._ranks[part[0]].abort(part[1])
+
+    def _ended(self, rid: str, p: _Pending) -> SendEvent:
+        for key in p.keys:
+            self._sub.pop(key, None)
+        self._over[rid] = None
+        while len(self._over) > MAX_TOMBSTONES:
+            self._over.popitem(last=False)
+        if p.failure is None:
+            return SendEvent(rid, True)
+        return SendEvent(rid, False, p.failure[0], p.failure[1])
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            p = self._pending.get(request_id)
+            parts = [] if p is None else list(p.left)
+            if p is not None and p.failure is None:
+                p.failure = (FailReason.ABORTED, "aborted by sender")
+        for part in parts:
+            self._abort_part(part)
+
+
+
+class ShardedReceiver(_Fanout, KVReceiver):
+    """Decode role of a TP worker: a request is ready when every rank has its heads."""
+
+    def endpoint(self) -> dict[str, Any]:
+        eps = [ch.endpoint() for ch in self._ranks]
+        if len(eps) == 1:
+            return eps[0]
+        return {"backend": eps[0]["backend"], "layout": self.layout.to_dict(),
+                "num_blocks": eps[0]["num_blocks"], "ranks": eps}
+
+    def expect(self, request_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> None:
+        n = len(self._ranks)
+        with self._lock:
+            if request_id in self._pending:
+                raise ValueError(f"request {request_id!r} is already expected")
+            self._ranks[0].expect(wire_id(request_id, 0, n), dst_block_ids, timeout_s)
+            self._pending[request_id] = _Pending(set(range(n)))
+        for j in range(1, n):
+            try:
+                self._ranks[j].expect(wire_id(request_id, j, n), dst_block_ids, timeout_s)
+            except Exception as exc:  # the ranks' block states differ: never write here
+                self.abort(request_id)
+                raise ValueError(f"tensor-parallel rank {j} refused blocks for "
+                                 f"{request_id!r}: {exc}") from exc
+
+    def poll(self) -> list[RecvEvent]:
+        events = self._collect()
+        n = len(self._ranks)
+        with self._lock:
+            for j, ev in events:
+                rid = ev.request_id if n == 1 else ev.request_id.rsplit("@", 1)[0]
+                self._part_ended(rid, j, ev.ok, ev.reason, ev.error, ev.notify,
+                                 self._abort_rank(rid))
+            for j, why in self._dead_ranks():
+                for rid, p in list(self._pending.items()):
+                    if j in p.left:
+                        self._part_ended(rid, j, False, FailReason.PEER_DIED,
+                                         f"tensor-parallel rank {j}: {why}", None,
+                                         self._abort_rank(rid))
+            out, self._events = self._events, []
+            return out
+
+    def _abort_rank(self, rid: str) -> Callable[[Any], None]:
+        n = len(self._ranks)
+        return lambda j: self._ranks[j].abort(wire_id(rid, j, n))
+
+    def _ended(self, rid: str, p: _Pending) -> RecvEvent:
+        if p.failure is None:
+            return RecvEvent(rid, True, notify=p.notify or {})
+        return RecvEvent(rid, False, reason=p.failure[0], error=p.failure[1])
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            p = self._pending.get(request_id)
+            parts = [] if p is None else list(p.left)
+        for j in parts:
+            self._abort_rank(request_id)(j)
+
+
+
+def open_channel(role: str, backend: str, kv: torch.Tensor, layout: KVLayout,
+                 heads: list[tuple[int, int]], links: list[Any],
+                 options: dict[str, Any] | None = None) -> KVSender | KVReceiver:
+    """The worker's channel for ``role`` ("send" | "recv"): rank 0's own over ``kv``
+    (its ``layout``) plus, on a TP worker, each follower's over ``links`` (pipes to
+    ``serve_rank``); ``heads``: every rank's KV heads."""
+    options = options or {}
+    if links and backend not in PER_RANK_BACKENDS:
+        raise ValueError(f"a tensor-parallel worker moves KV from every rank, which the "
+                         f"{backend!r} transfer backend cannot (its ranks are processes of "
+                         f"their own): use one of {', '.join(PER_RANK_BACKENDS)}")
+    make = make_sender if role == "send" else make_receiver
+    ranks: list[Any] = [make(backend, kv, layout, **options)]
+    try:
+        for r, conn in enumerate(links, start=1):
+            ch = RankChannel(conn, r)
+            ranks.append(ch)
+            ch.open(role, backend, options)
+    except BaseException:
+        for ch in ranks:
+            ch.close()
+        raise
+    cls = ShardedSender if role == "send" else ShardedReceiver
+    return cls(ranks, layout, heads)
