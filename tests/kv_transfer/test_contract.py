@@ -8,6 +8,7 @@ pending afterwards.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -15,11 +16,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from pdserve.kv_transfer import FailReason, KVLayout, KVLayoutMismatch
 
 from .conftest import Hosts
-from .kvdata import expected_digest
+from .kvdata import digest, expected_digest, make_kv
 from .peer_host import Peer, collect
 
 # 4 layers x 2 kv heads x head_dim 16 x 16 tokens: 4 KiB per layer, 16 KiB per block in
@@ -187,6 +189,76 @@ def test_concurrent_layered_requests(pair: Pair) -> None:
     assert all(e.ok for e in got) and len(by_id(got)) == 8
     for src, dst in plan.values():
         assert pair.recv.digest(dst) == pair.expected(src)
+
+
+def shard(layout: KVLayout, heads: tuple[int, int]) -> KVLayout:
+    return dataclasses.replace(layout, heads=heads)
+
+
+def test_two_sender_ranks_fill_one_receiver_in_parts(hosts: Hosts) -> None:
+    """Tensor parallel, many to one: two senders each hold one of the two KV heads and
+    write it into a receiver holding both, as parts 0 and 1 of one request; it is done
+    only when both are in, and holds each sender's head bit-exactly."""
+    layout = KVLayout("test-model", "bfloat16", 3, 2, 16, 16)
+    recv = Peer.make(hosts.decode, "receiver", hosts.backend, layout, 40, -1)
+    sends, src, dst = [], [3, 4, 5, 9], [10, 11, 30, 2]
+    try:
+        for h in (0, 1):
+            sends.append(Peer.make(hosts.prefill, "sender", hosts.backend,
+                                   shard(layout, (h, h + 1)), 32, P_SEED + h))
+        ep = recv.endpoint()
+        peers = [s.connect({**ep, "slice": {"heads": [h, h + 1], "part": h, "parts": 2}})
+                 for h, s in enumerate(sends)]
+        recv.expect("r", dst, WAIT_S)
+        sends[0].send(peers[0], "r", src, dst, layers=(0, 3), notify={"first_token": 5})
+        sent0, early = collect([sends[0], recv], [1, 1], 0.5)
+        assert sent0[0].ok and early == [], "one part of two completed the request"
+        sends[1].send(peers[1], "r", src, dst, layers=(0, 1))
+        sends[1].send(peers[1], "r", src, dst, layers=(1, 3), notify={"first_token": 5})
+        sent1, got = collect([sends[1], recv], [1, 1], WAIT_S)
+        assert sent1[0].ok and got[0].ok and got[0].notify == {"first_token": 5}, (sent1, got)
+        want = torch.cat([make_kv(shard(layout, (h, h + 1)), 32, P_SEED + h)[src]
+                          for h in (0, 1)], dim=4)
+        assert recv.digest(dst) == digest(want)
+    finally:
+        for peer in [*sends, recv]:
+            peer.close()
+
+
+def test_one_sender_feeds_receiver_ranks_their_heads(hosts: Hosts) -> None:
+    """Tensor parallel, one to many: a sender holding both KV heads writes each into
+    the receiver (rank) that holds it; the slice comes from the receiver's layout."""
+    layout = KVLayout("test-model", "float32", 2, 2, 16, 16)
+    send = Peer.make(hosts.prefill, "sender", hosts.backend, layout, 32, P_SEED)
+    recvs = [Peer.make(hosts.decode, "receiver", hosts.backend, shard(layout, (h, h + 1)), 40,
+                       -1) for h in (0, 1)]
+    src, dst = [1, 2, 7], [0, 1, 39]
+    try:
+        peers = [send.connect(r.endpoint()) for r in recvs]
+        for h, r in enumerate(recvs):
+            r.expect(f"r@{h}", dst, WAIT_S)
+            send.send(peers[h], f"r@{h}", src, dst, notify={})
+        sent, got0, got1 = collect([send, *recvs], [2, 1, 1], WAIT_S)
+        assert all(e.ok for e in sent + got0 + got1), (sent, got0, got1)
+        full = make_kv(layout, 32, P_SEED)[src]
+        for h, r in enumerate(recvs):
+            assert r.digest(dst) == digest(full[..., h : h + 1, :])
+    finally:
+        for peer in [send, *recvs]:
+            peer.close()
+
+
+def test_a_slice_the_sender_lacks_is_refused_naming_both(hosts: Hosts) -> None:
+    layout = KVLayout("test-model", "float32", 2, 4, 16, 16)
+    recv = Peer.make(hosts.decode, "receiver", hosts.backend, layout, 8, -1)
+    send = Peer.make(hosts.prefill, "sender", hosts.backend, shard(layout, (0, 2)), 8, P_SEED)
+    try:
+        with pytest.raises(KVLayoutMismatch, match=r"sender holding heads \[0, 2\] to a "
+                                                   r"receiver holding \[0, 4\]"):
+            send.connect(recv.endpoint())  # no slice: it would have to fill all 4 heads
+    finally:
+        send.close()
+        recv.close()
 
 
 def test_receiver_abort_then_reuse(pair: Pair) -> None:
