@@ -28,6 +28,7 @@ runtime.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,10 @@ from typing import Any
 import yaml
 
 from pdserve.engine.config import EngineConfig
+from pdserve.kv_transfer.sharded import PER_RANK_BACKENDS
 from pdserve.router.router import RouterConfig
+
+log = logging.getLogger(__name__)
 
 TRANSFER_BACKENDS = ("nixl", "torch", "ray", "local")
 
@@ -84,6 +88,10 @@ class PoolConfig:
     def engine_config(self, role: str, device: str) -> EngineConfig:
         tp = self.tensor_parallel_size
         threads = max(1, int(self.num_cpus) // tp) if device == "cpu" else None
+        if device == "cpu" and self.num_cpus < tp:
+            log.warning("the %s pool's workers have %g Ray CPU(s) for %d tensor-parallel ranks: "
+                        "the ranks share cores (set num_cpus to ranks x threads)",
+                        role, self.num_cpus, tp)
         return EngineConfig.from_dict({"num_threads": threads, "dtype": "auto", **self.engine,
                                        "role": role, "device": device,
                                        "tensor_parallel_size": tp})
@@ -127,6 +135,13 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.transfer not in TRANSFER_BACKENDS:
             raise ValueError(f"transfer must be one of {TRANSFER_BACKENDS}, got {self.transfer!r}")
+        wide = [f"{name} (tensor_parallel_size {pool.tensor_parallel_size})"
+                for name, pool in (("prefill", self.prefill), ("decode", self.decode))
+                if pool.workers and pool.tensor_parallel_size > 1]
+        if wide and self.transfer not in PER_RANK_BACKENDS:
+            raise ValueError(f"transfer {self.transfer!r} cannot serve the {' and '.join(wide)} "
+                             f"pool: every rank moves its own KV heads, over one of "
+                             f"{', '.join(PER_RANK_BACKENDS)}")
         for name in ("grpc_port", "http_port"):
             port = getattr(self, name)
             if not 0 <= port <= 65535:

@@ -1,6 +1,7 @@
 """Transfer bandwidth of each backend, against torch memcpy measured in the same run.
 
     python -m pdserve.kv_transfer.bench [--backends nixl torch ray local] [--blocks 1 16 256]
+                                        [--slice]
 
 For every backend the receiver runs in a spawned process (like a decode worker: it polls
 about every 0.5 ms and reports completions over a pipe), the sender in this one; `local`
@@ -11,11 +12,17 @@ fraction of a plain torch copy of the same number of bytes (`x memcpy`).
 
 Default layout: SmolLM2-135M (30 layers, 3 kv heads, head_dim 64, block 16, float32) —
 737,280 bytes per block.
+
+``--slice`` adds, per backend, a tensor-parallel hand-off: a sender holding KV heads
+[1, 3) writes them into a receiver holding all 3 (``layout.Slice``; rows ``name/slice``,
+bytes = the heads moved) -- what each rank of a TP=2 prefill worker does for a TP=1
+decode worker.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing as mp
 import random
 import statistics
@@ -28,7 +35,7 @@ import torch
 
 from .base import KVReceiver
 from .factory import make_receiver, make_sender
-from .layout import KVLayout
+from .layout import KVLayout, Slice
 
 SMOLLM2_135M = KVLayout("HuggingFaceTB/SmolLM2-135M", "float32", 30, 3, 64, 16)
 RAY_NODE_IP = "127.0.0.2"  # loopback, but not one Ray rewrites to the machine's address
@@ -126,17 +133,21 @@ class _Remote:
 
 
 def bench_backend(
-    backend: str, layout: KVLayout, block_counts: list[int], repeats: int, ray: str | None
+    backend: str, layout: KVLayout, block_counts: list[int], repeats: int, ray: str | None,
+    heads: tuple[int, int] | None = None,
 ) -> list[tuple[int, float]]:
-    """(blocks, median seconds per request) for each block count."""
+    """(blocks, median seconds per request) for each block count; with ``heads``, the
+    sender holds only those KV heads and writes them into the receiver's."""
     num_blocks = max(block_counts) + 8
-    kv = torch.randn(layout.kv_shape(num_blocks)).to(layout.torch_dtype)
+    mine = layout if heads is None else dataclasses.replace(layout, heads=heads)
+    kv = torch.randn(mine.kv_shape(num_blocks)).to(layout.torch_dtype)
     remote = _Remote(backend, layout, num_blocks, ray)
-    sender = make_sender(backend, kv, layout)
+    sender = make_sender(backend, kv, mine)
     rng = random.Random(0)
     out = []
     try:
-        peer = sender.connect(remote.endpoint)
+        peer = sender.connect(remote.endpoint if heads is None else {
+            **remote.endpoint, "slice": Slice(heads).to_dict()})
         for n in block_counts:
             times = []
             for i in range(repeats + 1):  # the first one warms up
@@ -175,6 +186,7 @@ def run(
     layout: KVLayout = SMOLLM2_135M,
     block_counts: list[int] | None = None,
     repeats: int = 5,
+    sliced: bool = False,
 ) -> list[Row]:
     """Measure and print the table; returns its rows."""
     counts = block_counts or [1, 16, 256]
@@ -186,10 +198,14 @@ def run(
     for backend in backends:
         ray = _start_ray() if backend == "ray" else None  # its daemons only while needed
         try:
-            for n, seconds in bench_backend(backend, layout, counts, repeats, ray):
-                nbytes = n * layout.block_bytes
-                gbps = nbytes / seconds / 1e9
-                rows.append(Row(backend, n, nbytes, seconds, gbps, gbps / reference[n]))
+            cuts = [None, (1, layout.num_kv_heads)] if sliced else [None]
+            for heads in cuts:
+                width = layout.num_kv_heads if heads is None else heads[1] - heads[0]
+                name = backend if heads is None else f"{backend}/slice"
+                for n, seconds in bench_backend(backend, layout, counts, repeats, ray, heads):
+                    nbytes = n * layout.num_layers * layout.layer_bytes_of(width)
+                    gbps = nbytes / seconds / 1e9
+                    rows.append(Row(name, n, nbytes, seconds, gbps, gbps / reference[n]))
         finally:
             if ray:
                 import ray as ray_module
@@ -199,10 +215,10 @@ def run(
         f"layout {layout.model_id}: {layout.block_bytes:,} bytes per block; torch memcpy "
         + ", ".join(f"{n} blocks {g:.1f} GB/s" for n, g in reference.items())
     )
-    print(f"{'backend':8} {'blocks':>6} {'MB':>8} {'ms':>9} {'GB/s':>7} {'x memcpy':>9}")
+    print(f"{'backend':12} {'blocks':>6} {'MB':>8} {'ms':>9} {'GB/s':>7} {'x memcpy':>9}")
     for r in rows:
         print(
-            f"{r.backend:8} {r.blocks:6d} {r.nbytes / 1e6:8.1f} {r.seconds * 1e3:9.2f} "
+            f"{r.backend:12} {r.blocks:6d} {r.nbytes / 1e6:8.1f} {r.seconds * 1e3:9.2f} "
             f"{r.gbps:7.2f} {r.vs_memcpy:9.3f}"
         )
     return rows
@@ -226,8 +242,10 @@ def main() -> None:
     parser.add_argument("--backends", nargs="+", default=["nixl", "torch", "ray", "local"])
     parser.add_argument("--blocks", nargs="+", type=int, default=[1, 16, 256])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--slice", action="store_true",
+                        help="also a TP hand-off: 2 of the 3 KV heads into a full receiver")
     args = parser.parse_args()
-    run(args.backends, block_counts=args.blocks, repeats=args.repeats)
+    run(args.backends, block_counts=args.blocks, repeats=args.repeats, sliced=args.slice)
 
 
 if __name__ == "__main__":
