@@ -13,7 +13,10 @@ row ``seq_rows[s]`` of ``block_table``.
 
 KV cache (the worker's one block-major tensor)::
 
-    kv_cache[block, layer, 0 = K | 1 = V, slot in block, kv head, head dim]
+    kv_cache[block, layer, 0 = K | 1 = V, kv head, slot in block, head dim]
+
+(heads outside slots, "HND": a range of KV heads of one block-layer is contiguous,
+so a tensor-parallel hand-off moves it as one region).
 
 A backend takes the layer's fused ``qkv`` projection, applies the rotary embedding
 to q and k, stores k and v into the step's slots (``slot_mapping``: block * block
@@ -91,10 +94,10 @@ class TorchAttention:
         q, k = qk.split([h, kvh], dim=1)
         v = qkv[:, (h + kvh) * d :].view(t, kvh, d)
         kv_layer = kv_cache[:, layer]
-        bs = kv_layer.shape[2]
+        bs = kv_layer.shape[3]
         blocks, offsets = meta.slot_mapping // bs, meta.slot_mapping % bs
-        kv_layer[blocks, 0, offsets] = k.to(kv_layer.dtype)
-        kv_layer[blocks, 1, offsets] = v.to(kv_layer.dtype)
+        kv_layer[blocks, 0, :, offsets] = k.to(kv_layer.dtype)  # [T, KVH, D]
+        kv_layer[blocks, 1, :, offsets] = v.to(kv_layer.dtype)
         out = torch.empty_like(q)
         nd = meta.num_decode
         if nd:
@@ -134,8 +137,8 @@ class TorchAttention:
 
 def _gather(kv_layer: torch.Tensor, block_ids: torch.Tensor, which: int) -> torch.Tensor:
     """Cache rows of ``block_ids`` as one sequence: [..., n_blocks * block_size, KVH, D]."""
-    g = kv_layer[block_ids, which]  # [..., nb, bs, KVH, D]
-    return g.flatten(-4, -3)
+    g = kv_layer[block_ids, which]  # [..., nb, KVH, bs, D]
+    return g.transpose(-3, -2).flatten(-4, -3)
 
 
 class CpuPagedAttention:

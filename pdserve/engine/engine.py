@@ -155,7 +155,7 @@ class LLMEngine:
         # so the transfer channels move a request with one descriptor per block.
         # (Tensor parallel: this rank's KV heads only.)
         self.kv_cache = torch.zeros(
-            self.num_blocks, mc.num_layers, 2, self.block_size, local.num_kv_heads,
+            self.num_blocks, mc.num_layers, 2, local.num_kv_heads, self.block_size,
             mc.head_dim, dtype=dtype, device=device,
         )
         # Every rank's KV heads (tensor parallel: each rank's channel moves its own).
@@ -300,7 +300,7 @@ class LLMEngine:
         return list(self.requests[request_id].block_ids)
 
     def read_kv(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """Copy of the given blocks: [n, layers, 2, block_size, kv_heads, head_dim]."""
+        """Copy of the given blocks: [n, layers, 2, kv_heads, block_size, head_dim]."""
         return self.kv_cache[torch.as_tensor(list(block_ids), dtype=torch.long)].clone()
 
     @replicated

@@ -73,7 +73,7 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 rows: torch.Tensor) -> torch.Tensor:
-        """input_ids [T]; kv_cache [blocks, layers, 2, block, KVH, D]; returns the
+        """input_ids [T]; kv_cache [blocks, layers, 2, KVH, block, D]; returns the
         final-normed hidden states of the token indices ``rows`` (see ``logits``)."""
         assert self.attn is not None, "call use() first"
         eps, ops = self.cfg.rms_norm_eps, self.ops

@@ -6,12 +6,12 @@ and `check_tensor` (the KV tensor a channel wraps really has this layout).
 
 Memory layout of the one KV tensor a worker owns (block-major):
 
-    kv: [num_blocks, num_layers, 2 (K,V), block_size, num_kv_heads, head_dim]
+    kv: [num_blocks, num_layers, 2 (K,V), num_kv_heads, block_size, head_dim]
 
     byte offset of block b = b * block_bytes
     ┌──────────────────────────── block b (block_bytes) ─────────────────────────────┐
     │ layer 0                   │ layer 1                   │ ... │ layer L-1        │
-    │ K[bs,H,D]    │ V[bs,H,D]  │ K[bs,H,D]    │ V[bs,H,D]  │     │                  │
+    │ K[H,bs,D]    │ V[H,bs,D]  │ K[H,bs,D]    │ V[H,bs,D]  │     │                  │
     └────────────────────────────────────────────────────────────────────────────────┘
     |<------ layer_bytes ------>|
     layer_bytes = 2 * block_size * num_kv_heads * head_dim * itemsize
@@ -19,7 +19,8 @@ Memory layout of the one KV tensor a worker owns (block-major):
 
 So a whole block is one contiguous region, a layer range [lo, hi) of one block is one
 contiguous region of (hi - lo) * layer_bytes bytes at b * block_bytes + lo * layer_bytes,
-and consecutive block ids are contiguous with each other.
+and consecutive block ids are contiguous with each other. Heads sit outside slots
+("HND"), so a range of heads of one (block, layer, K or V) is contiguous too.
 
 Tensor parallelism: a rank's tensor holds only its KV heads, ``heads = (lo, hi)`` of
 the model's ``num_kv_heads`` (H above is then hi - lo). Two layouts are compatible when
@@ -61,7 +62,7 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int  # tokens per block
-    version: int = 1  # bumped when the tensor layout above changes
+    version: int = 2  # bumped when the tensor layout above changes (2: heads outside slots)
     heads: tuple[int, int] | None = None  # this tensor's KV heads [lo, hi); None: all
 
 
@@ -117,7 +118,7 @@ class KVLayout:
 
     def block_shape(self) -> tuple[int, ...]:
         """Shape of one block: kv[b]."""
-        return (self.num_layers, 2, self.block_size, self.local_heads, self.head_dim)
+        return (self.num_layers, 2, self.local_heads, self.block_size, self.head_dim)
 
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, *self.block_shape())

@@ -3,7 +3,7 @@ into D's, one NIXL transfer per send() call, each carrying a notification.
 
 Descriptors: whole blocks whose ids run consecutively on both sides merge into one
 descriptor; a layer range is one descriptor per block, a slice of the KV heads one per
-token slot (regions.byte_regions). A notify-only final (no blocks) goes as a bare NIXL
+block, layer and K/V (regions.byte_regions). A notify-only final (no blocks) goes as a bare NIXL
 notification.
 
 poll() drives everything: transfer states (check_xfer_state), control messages from

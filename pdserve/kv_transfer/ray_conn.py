@@ -11,7 +11,7 @@ endpoint can be resolved with ray.get_actor) and P puts items into it:
 (Plain values, not wire.Message: the queue actor unpickles each item, and a class of ours
 would make it import pdserve and torch — seconds per new receiver.)
 
-The data is the gathered blocks [n, hi-lo, 2, bs, H, D] as one uint8 numpy array (numpy,
+The data is the gathered blocks [n, hi-lo, 2, H, bs, D] as one uint8 numpy array (numpy,
 not torch: Ray stores numpy zero-copy and would pickle a tensor), put by P in chunks of
 at most chunk_bytes. D keeps a few queue.get calls outstanding and, in poll(), copies
 each landed chunk into its expected blocks (D does the writes, so abort and timeout take

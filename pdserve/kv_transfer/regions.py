@@ -12,12 +12,13 @@ Owns the two shapes a transfer can take:
         -> (4*B + lo*Lb, 10*B + lo*Lb, (hi-lo)*Lb), (5*B + lo*Lb, 11*B + lo*Lb, ...)
                                                                   Lb = layer_bytes
 
-  A slice of the KV heads (tensor parallel: ``layout.Slice``) is contiguous only
-  within one token's slot, so it is one region per (block, layer, K/V, slot) -- unless
-  both tensors hold exactly that slice, when the whole-block rules above apply.
+  A slice of the KV heads (tensor parallel: ``layout.Slice``) is contiguous within one
+  (block, layer, K or V) -- heads sit outside slots -- so it is one region per
+  (block, layer, K/V), unless both tensors hold exactly that slice, when the
+  whole-block rules above apply.
 
 * staging buffers, for two-sided backends (torch, ray): the selected blocks gathered into
-  one contiguous tensor [n, hi - lo, 2, bs, H, D] (block order = id order given), sent as
+  one contiguous tensor [n, hi - lo, 2, H, bs, D] (block order = id order given), sent as
   one message, scattered on the receiving side. Large requests are cut into chunks of at
   most `max_bytes` (at least one block each) so one message stays bounded.
 """
@@ -87,20 +88,19 @@ def _head_regions(src: KVLayout, dst: KVLayout, src_ids: list[int], dst_ids: lis
                   layers: tuple[int, int], heads: tuple[int, int]) -> list[tuple[int, int, int]]:
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
-    unit = src.head_dim * src.itemsize  # one head of one slot
-    # Offsets of every (layer, K/V, slot) in a block, then of every block: outer sums.
-    inner = np.arange(layers[0], layers[1])[:, None, None], np.arange(2)[None, :, None]
-    slot = np.arange(src.block_size)[None, None, :]
+    head = src.block_size * src.head_dim * src.itemsize  # one head of one block-layer K or V
+    # Offsets of every (layer, K/V) of a block, then of every block: outer sums.
+    layer = np.arange(layers[0], layers[1])[:, None]
+    kv = np.arange(2)[None, :]
 
     def offsets(layout: KVLayout, ids: list[int]) -> np.ndarray:
-        within = (inner[0] * layout.layer_bytes
-                  + (inner[1] * layout.block_size + slot) * layout.local_heads * unit
-                  + (heads[0] - layout.head_range[0]) * unit).reshape(-1)
+        within = (layer * layout.layer_bytes + kv * layout.local_heads * head
+                  + (heads[0] - layout.head_range[0]) * head).reshape(-1)
         blocks = np.asarray(ids, dtype=np.int64)[:, None] * layout.block_bytes
         return (blocks + within[None, :]).reshape(-1)
 
     s, d = offsets(src, src_ids), offsets(dst, dst_ids)
-    n = np.full_like(s, (heads[1] - heads[0]) * unit)
+    n = np.full_like(s, (heads[1] - heads[0]) * head)
     return list(zip(s.tolist(), d.tolist(), n.tolist(), strict=True))
 
 
@@ -112,10 +112,10 @@ def chunk_slices(num_blocks: int, bytes_per_block: int, max_bytes: int) -> list[
 
 def _view(kv: torch.Tensor, layers: tuple[int, int], heads: tuple[int, int] | None
           ) -> torch.Tensor:
-    """kv[:, lo:hi, :, :, h0:h1] (``heads``: indices into this tensor's head axis)."""
+    """kv[:, lo:hi, :, h0:h1] (``heads``: indices into this tensor's head axis)."""
     lo, hi = layers
     view = kv if (lo, hi) == (0, kv.shape[1]) else kv[:, lo:hi]
-    return view if heads is None or heads == (0, kv.shape[4]) else view[..., heads[0]:heads[1], :]
+    return view if heads is None or heads == (0, kv.shape[3]) else view[:, :, :, heads[0]:heads[1]]
 
 
 def gather(
@@ -146,7 +146,7 @@ class Staging:
 
     def gather(self, kv: torch.Tensor, ids: list[int], layers: tuple[int, int],
                heads: tuple[int, int] | None = None) -> torch.Tensor:
-        """kv[ids, lo:hi] (of ``heads``) copied into this buffer: [n, hi-lo, 2, bs, H, D]."""
+        """kv[ids, lo:hi] (of ``heads``) copied into this buffer: [n, hi-lo, 2, H, bs, D]."""
         shape = (len(ids), *_view(kv, layers, heads).shape[1:])
         nbytes = math.prod(shape) * kv.element_size()
         out = self.take(nbytes).view(kv.dtype).view(shape)

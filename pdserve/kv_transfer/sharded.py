@@ -15,8 +15,8 @@ request in k parts. P(TP=2) -> D(TP=1), 4 KV heads::
     P rank 1: heads [2, 4) ──slice [2, 4), part 1 of 2──┴─▶ D rank 0: heads [0, 4)
 
 and P(TP=1) -> D(TP=2) is one prefill rank feeding two receivers, one part each. Every
-backend moves the slice its own way (nixl: one region per token slot unless the two
-ranks hold the same heads; two-sided backends: gather, send, scatter).
+backend moves the slice its own way (nixl: one region per block, layer and K/V unless
+the two ranks hold the same heads; two-sided backends: gather, send, scatter).
 
 Request ids: a decode worker of one rank expects ``rid`` itself (its endpoint is that
 rank's own, so a plain sender can talk to it); rank j of a wider one expects

@@ -120,7 +120,7 @@ def decode_header(values: list[int]) -> tuple[Kind, int]:
 def unpack(
     values: list[int], payload: torch.Tensor, layout: KVLayout
 ) -> tuple[Message, torch.Tensor]:
-    """Message and its block data ([n, hi-lo, 2, bs, H, D] view of `payload`)."""
+    """Message and its block data ([n, hi-lo, 2, H, bs, D] view of `payload`)."""
     kind, _ = decode_header(values)
     _, _, seq, total, n, lo, hi, h_lo, h_hi, part, parts, rid_len, note_len, size = values
     heads = None if h_lo < 0 else (h_lo, h_hi)
@@ -139,6 +139,6 @@ def unpack(
 
 def data_shape(layout: KVLayout, n: int, layers: tuple[int, int],
                heads: tuple[int, int] | None) -> tuple[int, ...]:
-    """[n, hi-lo, 2, bs, heads moved, D]: a message's block data."""
+    """[n, hi-lo, 2, heads moved, bs, D]: a message's block data."""
     width = layout.local_heads if heads is None else heads[1] - heads[0]
-    return (n, layers[1] - layers[0], 2, layout.block_size, width, layout.head_dim)
+    return (n, layers[1] - layers[0], 2, width, layout.block_size, layout.head_dim)

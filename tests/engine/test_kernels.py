@@ -160,7 +160,7 @@ def _case(dtype: torch.dtype, head_dim: int, block_size: int, heads: tuple[int, 
     layers = 2
     need = [-(-ctx // block_size) for _, ctx in seqs]
     num_blocks = sum(need) + 3
-    cache = torch.randn(num_blocks, layers, 2, block_size, kvh, head_dim, generator=g).to(dtype)
+    cache = torch.randn(num_blocks, layers, 2, kvh, block_size, head_dim, generator=g).to(dtype)
     perm = torch.randperm(num_blocks, generator=g).tolist()
     table = torch.zeros(len(seqs) + 2, max(need) + 1, dtype=torch.int32)
     rows = [len(seqs) + 1 - i for i in range(len(seqs))]  # rows out of order too

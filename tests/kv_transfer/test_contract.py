@@ -219,7 +219,7 @@ def test_two_sender_ranks_fill_one_receiver_in_parts(hosts: Hosts) -> None:
         sent1, got = collect([sends[1], recv], [1, 1], WAIT_S)
         assert sent1[0].ok and got[0].ok and got[0].notify == {"first_token": 5}, (sent1, got)
         want = torch.cat([make_kv(shard(layout, (h, h + 1)), 32, P_SEED + h)[src]
-                          for h in (0, 1)], dim=4)
+                          for h in (0, 1)], dim=3)
         assert recv.digest(dst) == digest(want)
     finally:
         for peer in [*sends, recv]:
@@ -243,7 +243,7 @@ def test_one_sender_feeds_receiver_ranks_their_heads(hosts: Hosts) -> None:
         assert all(e.ok for e in sent + got0 + got1), (sent, got0, got1)
         full = make_kv(layout, 32, P_SEED)[src]
         for h, r in enumerate(recvs):
-            assert r.digest(dst) == digest(full[..., h : h + 1, :])
+            assert r.digest(dst) == digest(full[:, :, :, h : h + 1])
     finally:
         for peer in [send, *recvs]:
             peer.close()

@@ -3,6 +3,7 @@ packing, and the send/receive bookkeeping rules — no processes, no transports.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -19,6 +20,7 @@ from pdserve.kv_transfer import (
     make_receiver,
     make_sender,
 )
+from pdserve.kv_transfer.layout import Slice, plan_slice
 from pdserve.kv_transfer.recv_state import RecvTracker
 from pdserve.kv_transfer.regions import Run, block_runs, byte_regions, chunk_slices
 from pdserve.kv_transfer.send_state import SendTracker
@@ -109,6 +111,39 @@ def test_byte_regions_copy_equals_block_copy(src: list[int], rnd: random.Random)
     assert torch.equal(out.view(torch.bfloat16).view(TINY.kv_shape(64)), want)
 
 
+def test_head_slice_regions_copy_equals_slice_copy() -> None:
+    """A rank holding heads [1, 3) of 4 writes head 2 into a rank holding [2, 4): one
+    region per (block, layer, K/V), landing in the receiver's first head."""
+    four = dataclasses.replace(TINY, num_kv_heads=4)
+    src_l, dst_l = (dataclasses.replace(four, heads=h) for h in ((1, 3), (2, 4)))
+    src, dst, layers = [5, 0, 6], [2, 3, 9], (1, 3)
+    kv = torch.arange(8 * src_l.block_bytes, dtype=torch.uint8) % 251
+    out = torch.zeros(10 * dst_l.block_bytes, dtype=torch.uint8)
+    regions = byte_regions(src_l, src, dst, layers, dst_l, (2, 3))
+    assert len(regions) == 3 * 2 * 2
+    for s, d, n in regions:
+        out[d : d + n] = kv[s : s + n]
+    src_kv = kv.view(torch.bfloat16).view(src_l.kv_shape(8))
+    got = out.view(torch.bfloat16).view(dst_l.kv_shape(10))
+    want = torch.zeros_like(got)
+    want[dst, 1:3, :, 0:1] = src_kv[src, 1:3, :, 1:2]
+    assert torch.equal(got, want)
+
+
+def test_layouts_of_shards_are_compatible_and_slices_checked() -> None:
+    full = dataclasses.replace(TINY, num_kv_heads=4)
+    shard = dataclasses.replace(full, heads=(2, 4))
+    assert shard.local_heads == 2 and shard.block_shape() == (3, 2, 2, 4, 4)
+    assert KVLayout.from_dict(shard.to_dict()) == shard and "heads" not in full.to_dict()
+    shard.check_compatible(full)
+    assert plan_slice(full, shard) == Slice((2, 4))  # the receiver's heads, one part
+    assert plan_slice(shard, full, Slice((2, 4), 1, 2).to_dict()) == Slice((2, 4), 1, 2)
+    with pytest.raises(KVLayoutMismatch, match=r"the sender lacks some"):
+        plan_slice(shard, full)
+    with pytest.raises(ValueError, match="heads"):
+        dataclasses.replace(full, heads=(3, 5))
+
+
 def test_chunk_slices_bound_message_size() -> None:
     assert chunk_slices(10, 100, 350) == [slice(0, 3), slice(3, 6), slice(6, 9), slice(9, 10)]
     assert chunk_slices(2, 1000, 10) == [slice(0, 1), slice(1, 2)]  # >= 1 block each
@@ -123,6 +158,26 @@ def test_wire_pack_unpack_roundtrip() -> None:
     got, data = unpack(header, payload.clone(), TINY)
     assert got == msg
     assert torch.equal(data, kv[[2, 7], 1:3])
+
+
+def test_wire_carries_a_head_slice_and_its_part() -> None:
+    shard = dataclasses.replace(TINY, heads=(1, 2))
+    kv = torch.randn(TINY.kv_shape(8)).to(torch.bfloat16)
+    msg = Message(Kind.DATA, "r", 0, 1, (4,), (0, 3), {}, (1, 2), 1, 2)
+    header, payload = pack(msg, TINY, kv, [6], torch.empty(1 << 16, dtype=torch.uint8))
+    got, data = unpack(header, payload.clone(), shard)
+    assert got == msg and torch.equal(data, kv[[6], :, :, 1:2])
+
+
+def test_recv_tracker_waits_for_every_part() -> None:
+    t = RecvTracker(num_blocks=4)
+    t.expect("r", [1], 10)
+    t.landed("r", 0, 1, {"tok": 1}, "p0", part=0, parts=2)
+    t.landed("r", 0, None, None, "p1", part=1, parts=2)
+    assert t.drain() == []  # part 1 has not had its final message
+    t.landed("r", 1, 2, {"tok": 1}, "p1", part=1, parts=2)
+    (event,) = t.drain()
+    assert event.ok and event.notify == {"tok": 1}
 
 
 def test_recv_tracker_completes_in_any_order_and_fails_once() -> None:

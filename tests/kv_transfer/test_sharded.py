@@ -138,8 +138,8 @@ def test_every_combination_moves_every_head(workers: Callable[..., Worker], p_ra
     p.channel.send(peer, "r", src, dst, layers=(1, 2), notify={"first_token": 3})
     (sent,), (got,) = events(p.channel, 1), events(d.channel, 1)
     assert sent.ok and got.ok and got.notify == {"first_token": 3}, (sent, got)
-    want = torch.cat([kv[src] for kv in p.kvs], dim=4)
-    assert torch.equal(torch.cat([kv[dst] for kv in d.kvs], dim=4), want)
+    want = torch.cat([kv[src] for kv in p.kvs], dim=3)
+    assert torch.equal(torch.cat([kv[dst] for kv in d.kvs], dim=3), want)
     assert p.channel.num_pending == 0 and d.channel.num_pending == 0
     p.channel.send(peer, "r", src, dst, notify={})  # ended: dropped, no second event
     assert p.channel.poll() == []
@@ -161,8 +161,8 @@ def test_an_abort_ends_each_side_once_then_blocks_are_reused(workers: Callable[.
     d.channel.expect("new", [1, 2], WAIT_S)  # every rank's blocks are free again
     p.channel.send(peer, "new", [7, 8], [1, 2], notify={})
     assert all(e.ok for e in events(p.channel, 1) + events(d.channel, 1))
-    assert torch.equal(torch.cat([kv[[1, 2]] for kv in d.kvs], dim=4),
-                       torch.cat([kv[[7, 8]] for kv in p.kvs], dim=4))
+    assert torch.equal(torch.cat([kv[[1, 2]] for kv in d.kvs], dim=3),
+                       torch.cat([kv[[7, 8]] for kv in p.kvs], dim=3))
 
 
 def test_a_rank_gone_fails_its_requests(workers: Callable[..., Worker]) -> None:

@@ -1,6 +1,9 @@
 // Paged attention that reads K/V in place from the block-major KV cache.
 //
-//   kv_cache[block, layer, 0 = K | 1 = V, slot (block_size), kv head, head dim]
+//   kv_cache[block, layer, 0 = K | 1 = V, kv head, slot (block_size), head dim]
+//
+// (heads outside slots: one head's keys of a block are contiguous, and so is any range
+// of heads -- what a tensor-parallel KV hand-off moves).
 //
 // One call covers a whole step: decodes (1 query token, attending to the whole
 // context) and prefill chunks (n query tokens at positions ctx-n .. ctx-1, each
@@ -41,7 +44,7 @@ constexpr int kChunkSlots = 32; // slots per softmax update
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct Geometry {
-  int64_t slot_stride, kv_stride, block_stride;  // elements
+  int64_t slot_stride, head_stride, kv_stride, block_stride;  // elements
   int KVH, G, BS;
 };
 
@@ -131,8 +134,8 @@ void attend_rows(const float* Q, int nr, const int64_t* row_pos, const T* cache,
     const int cs = static_cast<int>(std::min<int64_t>(CS, end - c0));
     for (int j = 0; j < cs; ++j) {  // widen this chunk's K and V rows
       const int64_t p = c0 + j;
-      const T* kj = cache + static_cast<int64_t>(blocks[p / BS]) * g.block_stride + kvh * D +
-                    (p % BS) * g.slot_stride;
+      const T* kj = cache + static_cast<int64_t>(blocks[p / BS]) * g.block_stride +
+                    kvh * g.head_stride + (p % BS) * g.slot_stride;
       const T* vj = kj + g.kv_stride;
       for (int d = 0; d < D; d += 8) {
         store8(Kc + j * D + d, load8(kj + d));
@@ -275,7 +278,8 @@ void attend_tile(const float* q, int64_t q_row_stride, float* out, int64_t out_r
         // A block's slots are taken 8 at a time; slots past the context are masked.
         int padded = 0;
         for (int64_t b = b0; b < b1; ++b) {
-          const T* kb = cache + static_cast<int64_t>(blocks[b]) * g.block_stride + kvh * D;
+          const T* kb = cache + static_cast<int64_t>(blocks[b]) * g.block_stride +
+                        kvh * g.head_stride;
           const int off = static_cast<int>((b - b0) * BS);
           const int nslots = static_cast<int>(std::min<int64_t>(BS, ctx - b * BS));
           const int n8 = (nslots + 7) / 8 * 8;
@@ -370,9 +374,9 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t la
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == at::kFloat,
               "out must be a contiguous float32 tensor shaped like q");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous(),
-              "kv_cache must be contiguous [blocks, layers, 2, block_size, kv_heads, head_dim]");
+              "kv_cache must be contiguous [blocks, layers, 2, kv_heads, block_size, head_dim]");
   const int64_t H = q.size(1), D = q.size(2);
-  const int64_t L = kv_cache.size(1), BS = kv_cache.size(3), KVH = kv_cache.size(4);
+  const int64_t L = kv_cache.size(1), KVH = kv_cache.size(3), BS = kv_cache.size(4);
   TORCH_CHECK(kv_cache.size(5) == D, "head_dim of q and kv_cache differ");
   TORCH_CHECK(H % KVH == 0, "heads must be a multiple of kv heads");
   TORCH_CHECK(attention_supports_head_dim(D), "head_dim ", D, " is not supported");
@@ -399,8 +403,9 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t la
     for (int32_t t0 = 0; t0 < ql[s]; t0 += kTileQ) tasks.emplace_back(static_cast<int32_t>(s), t0);
   }
   Geometry g;
-  g.slot_stride = KVH * D;
-  g.kv_stride = BS * g.slot_stride;
+  g.slot_stride = D;
+  g.head_stride = BS * D;
+  g.kv_stride = KVH * g.head_stride;
   g.block_stride = L * 2 * g.kv_stride;
   g.KVH = static_cast<int>(KVH);
   g.G = static_cast<int>(H / KVH);

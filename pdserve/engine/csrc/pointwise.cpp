@@ -87,7 +87,7 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
 }
 
 // qkv [T, (H + 2 KVH) * D] float32 (rows contiguous); cos/sin [P, D] float32;
-// positions [T] int64; kv_cache [blocks, layers, 2, BS, KVH, D]; slots [T] int64
+// positions [T] int64; kv_cache [blocks, layers, 2, KVH, BS, D]; slots [T] int64
 // (block * BS + offset).
 void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                    const at::Tensor& sin, at::Tensor& kv_cache, int64_t layer,
@@ -96,7 +96,7 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
               "qkv must be contiguous float32 [T, (H + 2 KVH) * D]");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous(), "kv_cache must be contiguous");
   const int64_t T = qkv.size(0), D = kv_cache.size(5), L = kv_cache.size(1);
-  const int64_t BS = kv_cache.size(3), KVH = kv_cache.size(4);
+  const int64_t KVH = kv_cache.size(3), BS = kv_cache.size(4);
   TORCH_CHECK(KVH == num_kv_heads && qkv.size(1) == (num_heads + 2 * KVH) * D,
               "qkv width does not match the heads");
   TORCH_CHECK(D % 16 == 0, "head_dim must be a multiple of 16");
@@ -106,7 +106,7 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
               positions.numel() == T && slots.numel() == T, "positions/slots must be int64 [T]");
   TORCH_CHECK(0 <= layer && layer < L, "layer out of range");
   const int64_t P = cos.size(0), half = D / 2, width = qkv.size(1);
-  const int64_t slot_stride = KVH * D, kv_stride = BS * slot_stride;
+  const int64_t head_stride = BS * D, kv_stride = KVH * head_stride;
   const int64_t block_stride = L * 2 * kv_stride, num_slots = kv_cache.size(0) * BS;
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* sl = slots.data_ptr<int64_t>();
@@ -132,14 +132,15 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
           }
         }
         const int64_t blk = sl[t] / BS, off = sl[t] % BS;
-        T_* kdst = cache + blk * block_stride + layer * 2 * kv_stride + off * slot_stride;
+        T_* kdst = cache + blk * block_stride + layer * 2 * kv_stride + off * D;
         T_* vdst = kdst + kv_stride;
         const float* k = row + num_heads * D;
         const float* v = k + KVH * D;
-        for (int64_t i = 0; i < KVH * D; i += 8) {
-          store8(kdst + i, load8(k + i));
-          store8(vdst + i, load8(v + i));
-        }
+        for (int64_t h = 0; h < KVH; ++h)
+          for (int64_t i = 0; i < D; i += 8) {
+            store8(kdst + h * head_stride + i, load8(k + h * D + i));
+            store8(vdst + h * head_stride + i, load8(v + h * D + i));
+          }
       }
     });
   };
