@@ -65,7 +65,7 @@ lint: $(VENV)/.test
 bench: $(VENV)/.test $(KERNELS) model
 	$(PY) -m pdserve.engine.bench
 	$(PY) -m pdserve.engine.bench_tp
-	$(PY) -m pdserve.kv_transfer.bench
+	$(PY) -m pdserve.kv_transfer.bench --slice
 	$(PY) -m pdserve.deploy.bench_serving
 
 # 20 minutes of steady load on a real deployment (not in CI): RSS and fds per process,

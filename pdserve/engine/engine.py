@@ -53,11 +53,10 @@ from pdserve.engine.tp import (
     Shard,
     TPGroup,
     replicated,
-    shard_model,
     spawn_followers,
     wait_followers,
 )
-from pdserve.engine.weights import load_weights
+from pdserve.engine.weights import load_weights, shard_cut
 
 
 @dataclass
@@ -123,22 +122,21 @@ class LLMEngine:
         # The C++ attention kernel rotates in float32 whatever the model's dtype.
         rope_dtype = torch.float32 if self.attention_backend == "cpu" else dtype
         rotary = RotaryEmbedding(mc.rope, mc.head_dim, self.max_model_len, rope_dtype, device)
-        with torch.device("meta"):  # no throw-away random init; weights come next
-            model = LlamaModel(mc, rotary)
-        model = model.to_empty(device=device).to(dtype)
-        load_weights(model, self.model_dir)
         local = mc  # the shapes of this rank's shard (all of it without tensor parallel)
+        shard = None
         if tp is not None:
             if self.config.quantization != "none":
                 raise ValueError("tensor parallel serves unquantized weights "
                                  "(quantization: none)")
             shard = Shard.of(mc, tp.rank, tp.size)
             local = shard.local_config(mc)
-            with torch.device("meta"):
-                part = LlamaModel(local, rotary)
-            part = part.to_empty(device=device).to(dtype)
-            shard_model(model, shard, part)
-            model = part
+        with torch.device("meta"):  # no throw-away random init; weights come next
+            model = LlamaModel(local, rotary)
+        model = model.to_empty(device=device).to(dtype)
+        # A rank reads only its slices of the checkpoint, never the whole model.
+        load_weights(model, self.model_dir, None if shard is None
+                     else shard_cut(shard, mc.head_dim))
+        if tp is not None and shard is not None:
             model.tp, model.vocab_range, model.vocab = tp, shard.vocab, mc.vocab_size
             tp.use_shared_memory(self.config.max_num_batched_tokens * mc.hidden_size)
         self.quant_report = None

@@ -1,7 +1,8 @@
 """Tensor parallelism inside one engine: N rank processes, each holding a shard of
 every weight and of the KV heads, stepping in lockstep.
 
-Sharding (Megatron style, ``shard_model``): the fused QKV and gate/up projections
+Sharding (Megatron style; ``Shard`` says what a rank holds, ``weights.shard_cut``
+reads just that of the checkpoint): the fused QKV and gate/up projections
 are column-parallel (each rank computes its heads / its slice of the MLP), the O and
 down projections row-parallel (each rank's partial sums are all-reduced), the
 embedding and the LM head vocab-parallel (an embedding lookup is masked to the rank's
@@ -52,7 +53,6 @@ from pdserve.engine.config import ModelConfig
 
 if TYPE_CHECKING:
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.model import DecoderLayer, LlamaModel
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -337,47 +337,6 @@ def follow(engine: Any) -> None:
             return
         with contextlib.suppress(ValueError):
             getattr(engine, name)(*args, **kwargs)
-
-
-# ------------------------------------------------------------------- sharding
-def shard_model(full: LlamaModel, shard: Shard, local: LlamaModel) -> None:
-    """Copy rank ``shard``'s slices of ``full``'s weights into ``local`` (built with
-    ``shard.local_config``)."""
-    cfg, d = full.cfg, full.cfg.head_dim
-    q_lo, q_hi = (h * d for h in shard.q_heads)
-    k_lo, k_hi = (h * d for h in shard.kv_heads)
-    q_all, kv_all = cfg.num_heads * d, cfg.num_kv_heads * d
-    i_lo, i_hi = shard.inter
-    inter = cfg.intermediate_size
-
-    def rows(w: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
-        return torch.cat([w[lo:hi] for lo, hi in spans])
-
-    qkv_spans = [(q_lo, q_hi), (q_all + k_lo, q_all + k_hi), (q_all + kv_all + k_lo,
-                                                              q_all + kv_all + k_hi)]
-    gu_spans = [(i_lo, i_hi), (inter + i_lo, inter + i_hi)]
-    srcs: list[DecoderLayer] = list(full.layers)  # type: ignore[arg-type]
-    dsts: list[DecoderLayer] = list(local.layers)  # type: ignore[arg-type]
-    for src, dst in zip(srcs, dsts, strict=True):
-        dst.input_norm.data.copy_(src.input_norm.data)
-        dst.post_attn_norm.data.copy_(src.post_attn_norm.data)
-        dst.qkv.weight.data.copy_(rows(src.qkv.weight.data, qkv_spans))
-        if src.qkv.bias is not None and dst.qkv.bias is not None:
-            dst.qkv.bias.data.copy_(rows(src.qkv.bias.data, qkv_spans))
-        dst.o.weight.data.copy_(src.o.weight.data[:, q_lo:q_hi])
-        dst.gate_up.weight.data.copy_(rows(src.gate_up.weight.data, gu_spans))
-        if src.gate_up.bias is not None and dst.gate_up.bias is not None:
-            dst.gate_up.bias.data.copy_(rows(src.gate_up.bias.data, gu_spans))
-        dst.down.weight.data.copy_(src.down.weight.data[:, i_lo:i_hi])
-        if src.down.bias is not None and dst.down.bias is not None:  # row-parallel: the bias is added once, by rank 0
-            dst.down.bias.data.copy_(src.down.bias.data if shard.rank == 0
-                                     else torch.zeros_like(src.down.bias.data))
-    local.norm.data.copy_(full.norm.data)
-    v_lo, v_hi = shard.vocab
-    for name in ("embed", "lm_head"):
-        w = getattr(local, name).weight.data
-        w.zero_()  # padding rows past the vocabulary stay zero
-        w[: v_hi - v_lo].copy_(getattr(full, name).weight.data[v_lo:v_hi])
 
 
 # ------------------------------------------------------------------ processes

@@ -14,8 +14,11 @@ import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.model import LlamaModel
+from pdserve.engine.rope import RotaryEmbedding
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tp import Shard, check_shardable
+from pdserve.engine.weights import load_weights, shard_cut
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 PROMPTS = [[5 + (i * 7 + j) % 200 for j in range(3 + 23 * i)] for i in range(4)]
@@ -52,6 +55,37 @@ def test_shards_are_balanced_and_follow_the_kv_groups() -> None:
     assert [s.kv_heads for s in shards] == [(0, 1), (0, 1), (1, 2), (1, 2)]
     assert [s.q_heads for s in shards] == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert Shard.widest_kv(cfg, 2).num_kv_heads == 2
+
+
+@pytest.mark.parametrize("preset", ["llama-gqa", "qwen2-bias"])
+def test_a_rank_loads_its_slices_of_the_checkpoint(tiny_model: Callable[[str], Path],
+                                                   preset: str) -> None:
+    """``shard_cut``: rank 1 of 2 reads its rows / columns of every tensor (and its
+    vocabulary rows, zero-padded) -- equal to slicing the whole model it never loads."""
+    model_dir = tiny_model(preset)
+    cfg = ModelConfig.from_dir(model_dir)
+    rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, 64, torch.float32)
+    full = LlamaModel(cfg, rotary)
+    load_weights(full, model_dir)
+    shard = Shard.of(cfg, 1, 2)
+    part = LlamaModel(shard.local_config(cfg), rotary)
+    load_weights(part, model_dir, shard_cut(shard, cfg.head_dim))
+    d, (q0, q1), (k0, k1), (i0, i1) = cfg.head_dim, shard.q_heads, shard.kv_heads, shard.inter
+    qs, ks, vs = full.layers[0].qkv.weight.split(
+        [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d])
+    layer = part.layers[0]
+    assert torch.equal(layer.qkv.weight, torch.cat(
+        [qs[q0 * d : q1 * d], ks[k0 * d : k1 * d], vs[k0 * d : k1 * d]]))
+    assert torch.equal(layer.o.weight, full.layers[0].o.weight[:, q0 * d : q1 * d])
+    assert torch.equal(layer.down.weight, full.layers[0].down.weight[:, i0:i1])
+    inter = cfg.intermediate_size
+    gu = full.layers[0].gate_up.weight
+    assert torch.equal(layer.gate_up.weight, torch.cat([gu[i0:i1], gu[inter + i0 : inter + i1]]))
+    v0, v1 = shard.vocab
+    assert torch.equal(part.embed.weight[: v1 - v0], full.embed.weight[v0:v1])
+    assert not part.embed.weight[v1 - v0 :].any()  # padding rows past the vocabulary
+    if layer.qkv.bias is not None:
+        assert torch.equal(layer.qkv.bias[: (q1 - q0) * d], full.layers[0].qkv.bias[q0 * d : q1 * d])
 
 
 def test_what_cannot_be_split_is_refused_naming_it() -> None:
