@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -300,3 +301,33 @@ def test_file_sd_follows_live_workers(pair_factory: Callable[..., Pair], tmp_pat
 
     run(pair, body)
     pair.prefill.pop(1)  # closed above
+
+
+def test_tokens_that_beat_admission_back_are_kept(pair_factory: Callable[..., Pair],
+                                                  tiny_model: Callable[[str], Path]) -> None:
+    """A colocated worker computes as soon as it admits, so its first tokens can reach
+    the router before admit() returns there. Here admit() returns only after the
+    router has been handed the request's tokens: none may be lost (they were, before
+    the attempt's inbox opened ahead of admission)."""
+    pair = pair_factory(n_prefill=0, n_decode=0, n_colocated=1)
+    worker, router = pair.colocated[0], pair.router
+    prompt = list(range(5, 25))
+    want = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=256)).generate(
+        [prompt], GREEDY)[0].token_ids
+    delivered: list[str] = []
+    deliver, admit = router.fanout.deliver, worker.admit
+
+    def recording(batch: list[Any]) -> None:
+        delivered.extend(d.request_id for d in batch if d.token_ids)
+        deliver(batch)
+
+    async def late_admit(request_id: str, *args: Any) -> bool:
+        ok = await admit(request_id, *args)
+        await until_async("the worker's first tokens at the router",
+                          lambda: request_id in delivered)
+        return ok
+
+    router.fanout.deliver = recording  # type: ignore[method-assign]
+    worker.admit = late_admit  # type: ignore[method-assign]
+    (tokens, _, final), = generate_all(pair, [prompt])
+    assert tokens == want and final.finish_reason == "length"
