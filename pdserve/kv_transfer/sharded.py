@@ -321,6 +321,7 @@ class ShardedSender(_Fanout, KVSender):
         subs = self._peers[peer_id]
         with self._lock:
             p = self._pending.get(request_id)
+            new = p is None
             if p is None:
                 if request_id in self._over:
                     return  # ended already: dropped, as for any sender
@@ -329,9 +330,19 @@ class ShardedSender(_Fanout, KVSender):
                 self._sub.update(dict.fromkeys(keys, request_id))
             if p.failure is not None:
                 return
-        for i, sub, suffix in subs:  # rank 0 first: a bad call raises before any is sent
-            self._ranks[i].send(sub, request_id + suffix, src_block_ids, dst_block_ids,
-                                layers, notify)
+        # The first pair is rank 0's own channel (it holds head 0, which receiver rank 0
+        # holds first): a bad call raises there, before anything is sent anywhere.
+        for n, (i, sub, suffix) in enumerate(subs):
+            try:
+                self._ranks[i].send(sub, request_id + suffix, src_block_ids, dst_block_ids,
+                                    layers, notify)
+            except ValueError:
+                if n == 0 and new:  # as if never called
+                    with self._lock:
+                        del self._pending[request_id]
+                        for key in p.keys:
+                            self._sub.pop(key, None)
+                raise
 
     def poll(self) -> list[SendEvent]:
         events = self._collect()
@@ -395,6 +406,10 @@ class ShardedReceiver(_Fanout, KVReceiver):
             try:
                 self._ranks[j].expect(wire_id(request_id, j, n), dst_block_ids, timeout_s)
             except Exception as exc:  # the ranks' block states differ: never write here
+                with self._lock:  # the ranks that expect it end it (failed), the rest never
+                    p = self._pending[request_id]
+                    p.left = set(range(j))
+                    p.failure = (FailReason.ABORTED, f"rank {j} refused the blocks")
                 self.abort(request_id)
                 raise ValueError(f"tensor-parallel rank {j} refused blocks for "
                                  f"{request_id!r}: {exc}") from exc

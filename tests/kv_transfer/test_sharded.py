@@ -190,3 +190,22 @@ def test_layouts_of_other_models_are_refused(workers: Callable[..., Worker]) -> 
             p.channel.connect(other.endpoint())
     finally:
         other.close()
+
+
+def test_a_refused_call_leaves_nothing_pending(workers: Callable[..., Worker]) -> None:
+    p, d = workers("send", 2, 1, True), workers("recv", 2, -1, True)
+    peer = p.channel.connect(d.channel.endpoint())
+    with pytest.raises(ValueError, match="out of range"):
+        p.channel.send(peer, "r", [99], [1], notify={})
+    assert p.channel.num_pending == 0 and p.channel.poll() == []
+    d.channel.expect("a", [1, 2], WAIT_S)
+    with pytest.raises(ValueError, match="expected by another"):
+        d.channel.expect("b", [2, 3], WAIT_S)
+    assert d.channel.num_pending == 1  # only "a"
+    # A follower whose blocks differ from rank 0's (a bug) refuses: the request ends.
+    ch = d.channel._ranks[1]
+    ch.expect("c@1", [5], WAIT_S)  # rank 1 alone now holds block 5
+    with pytest.raises(ValueError, match="rank 1 refused"):
+        d.channel.expect("c", [5], WAIT_S)
+    (ended,) = events(d.channel, 1)
+    assert ended.request_id == "c" and not ended.ok and d.channel.num_pending == 1
