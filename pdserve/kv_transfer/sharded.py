@@ -178,6 +178,8 @@ def serve_rank(conn: Any, kv: torch.Tensor, layout: KVLayout, name: str) -> None
 
     lock = threading.Lock()
     thread: ChannelThread[Any] | None = None
+    if kv.is_cuda:
+        torch.cuda.set_device(kv.device)
 
     def tell(msg: tuple[str, int | None, Any]) -> None:
         with lock, contextlib.suppress(OSError, ValueError):  # the leader is gone
@@ -201,6 +203,8 @@ def serve_rank(conn: Any, kv: torch.Tensor, layout: KVLayout, name: str) -> None
                 thread = ChannelThread(make(backend, kv, layout, **options),
                                        lambda evs, _when: tell(("events", None, evs)),
                                        f"kv-{role}-{name}")
+                if kv.is_cuda:  # a new thread's current GPU is 0, not this rank's
+                    thread.call(functools.partial(torch.cuda.set_device, kv.device)).result()
                 done.set_result(None)
             elif thread is None:
                 raise RuntimeError(f"{op} before the rank's channel was opened")
