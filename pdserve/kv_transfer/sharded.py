@@ -33,9 +33,9 @@ import itertools
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -228,16 +228,22 @@ def serve_rank(conn: Any, kv: torch.Tensor, layout: KVLayout, name: str) -> None
 
 
 # ------------------------------------------------------------------ the worker side
+Part = tuple[int, str]  # (rank, the id that rank's channel knows the request by)
+
+
 @dataclass
 class _Pending:
-    left: set[Any]  # the parts not ended yet: (sender rank, wire id) or receiver rank
+    left: set[Part]  # the parts not ended yet
+    keys: list[Part]  # every part, as first registered
     failure: tuple[FailReason, str] | None = None
     notify: dict[str, Any] | None = None
-    keys: list[Any] = field(default_factory=list)  # every part, as first expected
 
 
 class _Fanout:
-    """What both roles share: the ranks' channels, the requests in flight across them."""
+    """What both roles share: the ranks' channels, and each request in flight as parts
+    -- one per (rank, pair) on a sender, one per rank on a receiver."""
+
+    aborted = ""  # the failure an abort() on this side reports
 
     def __init__(self, ranks: list[Any], layout: KVLayout, heads: list[tuple[int, int]]) -> None:
         self.layout = layout.model_wide()
@@ -245,6 +251,7 @@ class _Fanout:
         self._heads = heads
         self._lock = threading.RLock()
         self._pending: dict[str, _Pending] = {}
+        self._sub: dict[Part, str] = {}  # part -> request id
         self._events: list[Any] = []
 
     @property
@@ -252,22 +259,38 @@ class _Fanout:
         with self._lock:
             return len(self._pending)
 
-    def _collect(self) -> list[tuple[int, Any]]:
-        """Every rank's new events, and a failure for each rank that is gone."""
-        out = []
-        for r, ch in enumerate(self._ranks):
-            out += [(r, ev) for ev in ch.poll()]
-        return out
+    def _register(self, rid: str, keys: list[Part]) -> _Pending:
+        p = self._pending[rid] = _Pending(set(keys), keys)
+        self._sub.update(dict.fromkeys(keys, rid))
+        return p
 
-    def _dead_ranks(self) -> list[tuple[int, str]]:
-        return [(r, ch.dead) for r, ch in enumerate(self._ranks)
+    def _forget(self, rid: str) -> _Pending:
+        p = self._pending.pop(rid)
+        for key in p.keys:
+            self._sub.pop(key, None)
+        return p
+
+    def poll(self) -> list[Any]:
+        """Every rank's events folded into the requests' own; a rank that is gone fails
+        its parts (PEER_DIED)."""
+        got = [((r, ev.request_id), ev) for r, ch in enumerate(self._ranks) for ev in ch.poll()]
+        dead = [(r, ch.dead) for r, ch in enumerate(self._ranks)
                 if getattr(ch, "dead", None) is not None]
+        with self._lock:
+            for part, ev in got:
+                self._part_ended(part, ev.ok, ev.reason, ev.error, getattr(ev, "notify", None))
+            for r, why in dead:
+                for part in [k for k in self._sub if k[0] == r]:
+                    self._part_ended(part, False, FailReason.PEER_DIED,
+                                     f"tensor-parallel rank {r}: {why}", None)
+            out, self._events = self._events, []
+            return out
 
-    def _part_ended(self, rid: str, part: Any, ok: bool, reason: FailReason | None,
-                    error: str, notify: dict[str, Any] | None,
-                    abort: Callable[[Any], None]) -> None:
-        p = self._pending.get(rid)
-        if p is None or part not in p.left:
+    def _part_ended(self, part: Part, ok: bool, reason: FailReason | None, error: str,
+                    notify: dict[str, Any] | None) -> None:
+        rid = self._sub.get(part)
+        p = None if rid is None else self._pending.get(rid)
+        if rid is None or p is None or part not in p.left:
             return
         p.left.discard(part)
         if ok:
@@ -275,10 +298,24 @@ class _Fanout:
         elif p.failure is None:
             p.failure = (reason or FailReason.TRANSPORT, error)
             for other in p.left:  # stop the rest: no rank may still be writing
-                abort(other)
+                self._abort_part(other)
         if not p.left:
-            del self._pending[rid]
+            self._forget(rid)
             self._events.append(self._ended(rid, p))
+
+    def _abort_part(self, part: Part) -> None:
+        self._ranks[part[0]].abort(part[1])
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            p = self._pending.get(request_id)
+            if p is None:
+                return
+            if p.failure is None:
+                p.failure = (FailReason.ABORTED, self.aborted)
+            parts = list(p.left)
+        for part in parts:
+            self._abort_part(part)
 
     def _ended(self, rid: str, p: _Pending) -> Any:
         raise NotImplementedError
@@ -291,8 +328,8 @@ class _Fanout:
             except Exception as exc:
                 log.warning("closing a tensor-parallel rank's channel: %s", exc)
         with self._lock:
-            for rid, p in list(self._pending.items()):
-                del self._pending[rid]
+            for rid in list(self._pending):
+                p = self._forget(rid)
                 p.failure = (FailReason.CLOSED, "channel closed")
                 self._events.append(self._ended(rid, p))
 
@@ -300,10 +337,11 @@ class _Fanout:
 class ShardedSender(_Fanout, KVSender):
     """Prefill role of a TP worker (or any worker talking to a TP decode worker)."""
 
+    aborted = "aborted by sender"
+
     def __init__(self, ranks: list[Any], layout: KVLayout, heads: list[tuple[int, int]]) -> None:
         super().__init__(ranks, layout, heads)
         self._peers: dict[str, list[tuple[int, str, str]]] = {}  # -> (rank, sub peer, suffix)
-        self._sub: dict[tuple[int, str], str] = {}  # (rank, wire id) -> request id
         self._over: OrderedDict[str, None] = OrderedDict()  # ended ids (later sends: dropped)
         self._peer_ids = itertools.count()
 
@@ -329,9 +367,8 @@ class ShardedSender(_Fanout, KVSender):
             if p is None:
                 if request_id in self._over:
                     return  # ended already: dropped, as for any sender
-                keys = [(i, request_id + suffix) for i, _, suffix in subs]
-                p = self._pending[request_id] = _Pending(set(keys), keys=keys)
-                self._sub.update(dict.fromkeys(keys, request_id))
+                p = self._register(request_id,
+                                   [(i, request_id + suffix) for i, _, suffix in subs])
             if p.failure is not None:
                 return
         # The first pair is rank 0's own channel (it holds head 0, which receiver rank 0
@@ -343,34 +380,10 @@ class ShardedSender(_Fanout, KVSender):
             except ValueError:
                 if n == 0 and new:  # as if never called
                     with self._lock:
-                        del self._pending[request_id]
-                        for key in p.keys:
-                            self._sub.pop(key, None)
+                        self._forget(request_id)
                 raise
 
-    def poll(self) -> list[SendEvent]:
-        events = self._collect()
-        with self._lock:
-            for r, ev in events:
-                rid = self._sub.get((r, ev.request_id))
-                if rid is not None:
-                    self._part_ended(rid, (r, ev.request_id), ev.ok, ev.reason, ev.error,
-                                     None, self._abort_part)
-            for r, why in self._dead_ranks():
-                for rid, p in list(self._pending.items()):
-                    for part in [x for x in p.left if x[0] == r]:
-                        self._part_ended(rid, part, False, FailReason.PEER_DIED,
-                                         f"tensor-parallel rank {r}: {why}", None,
-                                         self._abort_part)
-            out, self._events = self._events, []
-            return out
-
-    def _abort_part(self, part: tuple[int, str]) -> None:
-        self._ranks[part[0]].abort(part[1])
-
     def _ended(self, rid: str, p: _Pending) -> SendEvent:
-        for key in p.keys:
-            self._sub.pop(key, None)
         self._over[rid] = None
         while len(self._over) > MAX_TOMBSTONES:
             self._over.popitem(last=False)
@@ -378,19 +391,11 @@ class ShardedSender(_Fanout, KVSender):
             return SendEvent(rid, True)
         return SendEvent(rid, False, p.failure[0], p.failure[1])
 
-    def abort(self, request_id: str) -> None:
-        with self._lock:
-            p = self._pending.get(request_id)
-            parts = [] if p is None else list(p.left)
-            if p is not None and p.failure is None:
-                p.failure = (FailReason.ABORTED, "aborted by sender")
-        for part in parts:
-            self._abort_part(part)
-
-
 
 class ShardedReceiver(_Fanout, KVReceiver):
     """Decode role of a TP worker: a request is ready when every rank has its heads."""
+
+    aborted = "aborted by receiver"
 
     def endpoint(self) -> dict[str, Any]:
         eps = [ch.endpoint() for ch in self._ranks]
@@ -401,56 +406,27 @@ class ShardedReceiver(_Fanout, KVReceiver):
 
     def expect(self, request_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> None:
         n = len(self._ranks)
+        keys = [(j, wire_id(request_id, j, n)) for j in range(n)]
         with self._lock:
             if request_id in self._pending:
                 raise ValueError(f"request {request_id!r} is already expected")
-            self._ranks[0].expect(wire_id(request_id, 0, n), dst_block_ids, timeout_s)
-            self._pending[request_id] = _Pending(set(range(n)))
-        for j in range(1, n):
+            self._ranks[0].expect(keys[0][1], dst_block_ids, timeout_s)
+            p = self._register(request_id, keys)
+        for j, wire in keys[1:]:
             try:
-                self._ranks[j].expect(wire_id(request_id, j, n), dst_block_ids, timeout_s)
+                self._ranks[j].expect(wire, dst_block_ids, timeout_s)
             except Exception as exc:  # the ranks' block states differ: never write here
                 with self._lock:  # the ranks that expect it end it (failed), the rest never
-                    p = self._pending[request_id]
-                    p.left = set(range(j))
+                    p.left = set(keys[:j])
                     p.failure = (FailReason.ABORTED, f"rank {j} refused the blocks")
                 self.abort(request_id)
                 raise ValueError(f"tensor-parallel rank {j} refused blocks for "
                                  f"{request_id!r}: {exc}") from exc
 
-    def poll(self) -> list[RecvEvent]:
-        events = self._collect()
-        n = len(self._ranks)
-        with self._lock:
-            for j, ev in events:
-                rid = ev.request_id if n == 1 else ev.request_id.rsplit("@", 1)[0]
-                self._part_ended(rid, j, ev.ok, ev.reason, ev.error, ev.notify,
-                                 self._abort_rank(rid))
-            for j, why in self._dead_ranks():
-                for rid, p in list(self._pending.items()):
-                    if j in p.left:
-                        self._part_ended(rid, j, False, FailReason.PEER_DIED,
-                                         f"tensor-parallel rank {j}: {why}", None,
-                                         self._abort_rank(rid))
-            out, self._events = self._events, []
-            return out
-
-    def _abort_rank(self, rid: str) -> Callable[[Any], None]:
-        n = len(self._ranks)
-        return lambda j: self._ranks[j].abort(wire_id(rid, j, n))
-
     def _ended(self, rid: str, p: _Pending) -> RecvEvent:
         if p.failure is None:
             return RecvEvent(rid, True, notify=p.notify or {})
         return RecvEvent(rid, False, reason=p.failure[0], error=p.failure[1])
-
-    def abort(self, request_id: str) -> None:
-        with self._lock:
-            p = self._pending.get(request_id)
-            parts = [] if p is None else list(p.left)
-        for j in parts:
-            self._abort_rank(request_id)(j)
-
 
 
 def open_channel(role: str, backend: str, kv: torch.Tensor, layout: KVLayout,
