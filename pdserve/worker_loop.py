@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cost import cost_model
 from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.loop import EngineLoop
+from pdserve.engine.loop import EngineLoop, LoopStopped
 from pdserve.failures import WorkerGone
 from pdserve.kv_transfer import KVLayout, KVReceiver, KVSender
 from pdserve.kv_transfer.sharded import open_channel
@@ -75,7 +75,7 @@ class WorkerLoop(EngineLoop):
     async def abort(self, request_id: str) -> None:
         """Drop a request wherever it is and free its blocks (idempotent). Queued on
         the loop; never waits for it (a stalled worker must not stall the caller)."""
-        self.call(lambda: self._abort(request_id))
+        self.post(lambda: self._abort(request_id))
 
     async def check_integrity(self) -> None:
         await self._on_loop(self.engine.check_integrity)
@@ -93,7 +93,7 @@ class WorkerLoop(EngineLoop):
         self._check_running()
         try:
             return await asyncio.wrap_future(self.call(fn))
-        except RuntimeError:
+        except LoopStopped:
             self._check_running()  # stopped meanwhile: WorkerGone, else fn's own error
             raise
 

@@ -94,12 +94,12 @@ class DecodeWorker(WorkerLoop):
         if rid in self._expecting:  # KV may still land: keep the blocks until reported
             if rid not in self._aborted:
                 self._aborted.add(rid)
-                self.transfer.call(lambda: self.receiver.abort(rid))
+                self.transfer.post(lambda: self.receiver.abort(rid))
         else:
             self.engine.abort(rid)
 
     def _on_recv_events(self, events: list[RecvEvent], when: float) -> None:
-        self.call(lambda: self._arrived(events, when))  # channel thread -> loop thread
+        self.post(lambda: self._arrived(events, when))  # channel thread -> loop thread
 
     def _arrived(self, events: list[RecvEvent], when: float) -> None:
         batch: list[RequestDelta] = []

@@ -8,6 +8,7 @@ it sleeps on a condition instead of spinning (2 cores are precious).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -15,6 +16,11 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+class LoopStopped(RuntimeError):
+    """The loop is not running (any more): a call cannot run."""
 
 
 class EngineLoop:
@@ -38,11 +44,21 @@ class EngineLoop:
         fut: Future[T] = Future()
         with self._cv:
             if self._stop:
-                fut.set_exception(RuntimeError("engine loop is stopped"))
+                fut.set_exception(LoopStopped("engine loop is stopped"))
                 return fut
             self._calls.append((fn, fut))
             self._cv.notify()
         return fut
+
+    def post(self, fn: Callable[[], object]) -> None:
+        """``call`` for work nobody waits on: a failure goes to the log (a dropped
+        future would hide it, and with it whatever ``fn`` left undone)."""
+        self.call(fn).add_done_callback(self._log_failure)
+
+    def _log_failure(self, fut: Future[Any]) -> None:
+        exc = fut.exception()
+        if exc is not None and not isinstance(exc, LoopStopped):
+            log.error("%s: a posted call failed", self._thread.name, exc_info=exc)
 
     def wake(self) -> None:
         with self._cv:
@@ -93,6 +109,6 @@ class EngineLoop:
                 self._calls.clear()
             for _, fut in pending:
                 if not fut.done():
-                    fut.set_exception(RuntimeError(f"engine loop stopped: {self.error!r}"))
+                    fut.set_exception(LoopStopped(f"engine loop stopped: {self.error!r}"))
 
 

@@ -91,6 +91,9 @@ class PrefillWorker(WorkerLoop):
                 raise AttemptFailed(FailReason.NOT_CONNECTED,
                                     f"no channel to decode worker {task.decode_worker!r}")
             self.engine.add_request(task.request_id, task.prompt_token_ids, task.params)
+            # Only the loop resolves it from now on: a caller that gives up (cancelling
+            # its wrapper) cannot cancel it between a done() check here and the set.
+            fut.set_running_or_notify_cancel()
             self._inflight[task.request_id] = _InFlight(task, fut, now, known[0])
 
         await self._on_loop(add)
@@ -162,11 +165,11 @@ class PrefillWorker(WorkerLoop):
         self._metrics.kv_sends += 1
         layers = None if notify is not None else (0, self.layout.num_layers)
         peer = f.peer
-        self.transfer.call(lambda: self.sender.send(peer, rid, src, dst, layers=layers,
+        self.transfer.post(lambda: self.sender.send(peer, rid, src, dst, layers=layers,
                                                     notify=notify))
 
     def _on_send_events(self, events: list[SendEvent], when: float) -> None:
-        self.call(lambda: self._sent(events, when))  # channel thread -> loop thread
+        self.post(lambda: self._sent(events, when))  # channel thread -> loop thread
 
     def _sent(self, events: list[SendEvent], when: float) -> None:
         for ev in events:
@@ -206,7 +209,7 @@ class PrefillWorker(WorkerLoop):
     def _abort(self, request_id: str) -> None:
         f = self._inflight.get(request_id)
         if f is not None and f.pinned:  # sends started: the event ends it (pins, release)
-            self.transfer.call(lambda: self.sender.abort(request_id))
+            self.transfer.post(lambda: self.sender.abort(request_id))
         else:
             self._inflight.pop(request_id, None)
         self.engine.abort(request_id)  # frees its blocks whether queued, running or prefilled

@@ -5,6 +5,8 @@ router's handles here."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.messages import PrefillResult, PrefillTask
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.router import Router, RouterConfig
 from pdserve.router.types import ErrorKind, FinalChunk, GenerateRequest, RouterError, StreamChunk
@@ -331,3 +334,37 @@ def test_tokens_that_beat_admission_back_are_kept(pair_factory: Callable[..., Pa
     worker.admit = late_admit  # type: ignore[method-assign]
     (tokens, _, final), = generate_all(pair, [prompt])
     assert tokens == want and final.finish_reason == "length"
+
+
+def test_a_caller_giving_up_cannot_cancel_a_prefill_under_the_loop(
+        pair_factory: Callable[..., Pair]) -> None:
+    """Once a prefill is on the worker's loop, only the loop resolves its result. A
+    router that gave up (cancelling its wrapper) used to cancel it between the loop's
+    done() check and its set_result: InvalidStateError, and the rest of that poll's
+    send events were dropped with their pinned blocks (the flaky drain-timeout leak)."""
+    pair = pair_factory()
+    p, d = pair.prefill[0], pair.decode[0]
+    prompt = list(range(5, 45))
+
+    async def main() -> None:
+        await p.connect("decode-0", (await d.join_info()).kv_endpoint)
+        blocks = await d.reserve("r", prompt, GREEDY)
+        assert blocks is not None
+        gate = threading.Event()
+        p.transfer.post(gate.wait)  # no send goes out (and "r" stays in flight) until set
+        try:
+            call = asyncio.ensure_future(p.prefill(PrefillTask("r", prompt, GREEDY,
+                                                               "decode-0", blocks)))
+            await until_async("the prefill on the worker's loop", lambda: "r" in p._inflight)
+            result = p._inflight["r"].future
+            assert result.running()  # the loop owns it: cancel() cannot take it away
+            call.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await call
+        finally:
+            gate.set()
+        assert isinstance(await asyncio.wrap_future(result), PrefillResult)  # handed off
+        await d.abort("r")
+        await until_async("every block free", lambda: not any(pair.used_blocks().values()))
+
+    asyncio.run(main())

@@ -1,0 +1,61 @@
+"""``EngineLoop``: calls run on the loop's thread between iterations; ``post`` (a call
+nobody waits on) logs what fails instead of dropping it with its future."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+
+from pdserve.engine.loop import EngineLoop, LoopStopped
+
+
+class Idle(EngineLoop):
+    def iterate(self) -> None:
+        pass
+
+    def busy(self) -> bool:
+        return False
+
+
+def test_calls_run_on_the_loop_thread_in_order() -> None:
+    loop = Idle("test-loop")
+    loop.start()
+    try:
+        ran: list[tuple[int, str]] = []
+        futs = [loop.call(lambda i=i: ran.append((i, threading.current_thread().name)))
+                for i in range(5)]
+        for f in futs:
+            f.result(10)
+        assert ran == [(i, "test-loop") for i in range(5)]
+    finally:
+        loop.stop()
+
+
+def test_a_failed_post_is_logged_and_the_loop_goes_on(caplog: pytest.LogCaptureFixture) -> None:
+    loop = Idle("test-loop")
+    loop.start()
+    try:
+        def boom() -> None:
+            raise KeyError("lost event")
+
+        with caplog.at_level(logging.ERROR, logger="pdserve.engine.loop"):
+            loop.post(boom)
+            assert loop.call(lambda: 7).result(10) == 7  # still serving calls
+        failed = [r for r in caplog.records if "a posted call failed" in r.getMessage()]
+        assert len(failed) == 1 and failed[0].exc_info is not None
+        assert "lost event" in str(failed[0].exc_info[1])
+    finally:
+        loop.stop()
+
+
+def test_a_stopped_loop_refuses_calls(caplog: pytest.LogCaptureFixture) -> None:
+    loop = Idle("test-loop")
+    loop.start()
+    loop.stop()
+    with pytest.raises(LoopStopped):
+        loop.call(lambda: 1).result(10)
+    with caplog.at_level(logging.ERROR, logger="pdserve.engine.loop"):
+        loop.post(lambda: None)  # shutting down is not a failure worth a log line
+    assert not caplog.records
