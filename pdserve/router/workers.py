@@ -208,7 +208,10 @@ class WorkerSet:
 
     # ------------------------------------------------------------------- health
     async def _probe_loop(self, w: WorkerState) -> None:
-        while True:
+        # Not ``while True``: a cancellation can be lost (Python 3.11's wait_for returns
+        # the inner result instead of raising CancelledError when both land in one loop
+        # iteration, gh-86296), and stop() / remove() must still end the loop.
+        while not self._stopping and self.workers.get(w.worker_id) is w:
             await asyncio.sleep(self._health.interval_s)
             await self._probe(w)
 

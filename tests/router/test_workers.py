@@ -1,0 +1,51 @@
+"""``WorkerSet`` on its own, over a real prefill worker: probing, joining and stopping."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+from pdserve.engine.config import EngineConfig
+from pdserve.messages import WorkerLoad
+from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.router.fanout import Fanout
+from pdserve.router.workers import HealthConfig, WorkerSet
+from tests.integration.waiting import until_async
+
+
+def test_stop_ends_a_probe_loop_whose_cancellation_was_lost(
+        tiny_model: Callable[[str], Path]) -> None:
+    """Python 3.11's wait_for returns the inner result instead of raising
+    CancelledError when the two land in one loop iteration (gh-86296). A probe whose
+    load() answered just as stop() cancelled it went on probing, and stop() waited for
+    it forever (a router hung on shutdown). Here the answer and the stop land together,
+    every time."""
+    worker = PrefillWorker("prefill-0", tiny_model("llama-gqa"),
+                           EngineConfig(role="prefill", num_blocks=16), "local")
+    try:
+        ws = WorkerSet([worker], Fanout(), HealthConfig(interval_s=0.02))
+        stopping: list[asyncio.Task[None]] = []
+        answer = worker.load
+
+        async def load() -> WorkerLoad:
+            got = await answer()
+            if ws.workers["prefill-0"].alive and not stopping:
+                # stop() starts now: its cancel reaches the probe before wait_for sees
+                # this answer.
+                stopping.append(asyncio.ensure_future(ws.stop()))
+            return got
+
+        async def main() -> None:
+            await ws.start()
+            assert ws.workers["prefill-0"].alive
+            worker.load = load  # type: ignore[method-assign]
+            await until_async("stop() started by a probe's answer", lambda: bool(stopping))
+            # Not wait_for: cancelling stop() would end the stuck probe for it.
+            await asyncio.wait(stopping, timeout=30)
+            assert stopping[0].done(), "stop() still waits for a probe loop"
+            stopping[0].result()
+
+        asyncio.run(main())
+    finally:
+        worker.close()
