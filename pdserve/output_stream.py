@@ -206,12 +206,13 @@ async def connect_stream(address: tuple[str, int, str],
     it to stop). ``on_lost`` is called once when the stream ends, whoever ends it."""
     host, port, token = address
     loop = asyncio.get_running_loop()
-    transport, protocol = await asyncio.wait_for(
-        loop.create_connection(lambda: _StreamProtocol(on_batch, on_lost), host, port),
-        timeout_s)
+    async with asyncio.timeout(timeout_s):
+        transport, protocol = await loop.create_connection(
+            lambda: _StreamProtocol(on_batch, on_lost), host, port)
     transport.write(token.encode())
     try:
-        await asyncio.wait_for(asyncio.shield(protocol.ready), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await asyncio.shield(protocol.ready)
     except BaseException:
         transport.close()
         raise

@@ -82,8 +82,9 @@ class Admission:
 
     async def wait_for_change(self, timeout_s: float) -> None:
         """Until ``wake`` since the last ``watch``, at most ``timeout_s`` (and 0.5 s)."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._capacity.wait(), timeout=min(timeout_s, 0.5))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(min(timeout_s, 0.5)):
+                await self._capacity.wait()
 
     def full(self) -> bool:
         return self.num_waiting >= self.max_waiting

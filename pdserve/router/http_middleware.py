@@ -116,8 +116,9 @@ class BodyLimitMiddleware:
         give_up = loop.time() + DRAIN_TIMEOUT_S
         while more and budget > 0:
             try:
-                message = await asyncio.wait_for(receive(), give_up - loop.time())
-            except asyncio.TimeoutError:
+                async with asyncio.timeout_at(give_up):
+                    message = await receive()
+            except TimeoutError:
                 break
             if message["type"] != "http.request":
                 break

@@ -261,7 +261,8 @@ class RequestRun:
         if leg is None or leg.settled:
             return
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(asyncio.shield(leg.future), LATE_PREFILL_WAIT_S)
+            async with asyncio.timeout(LATE_PREFILL_WAIT_S):
+                await asyncio.shield(leg.future)
         if leg.future.done():
             with contextlib.suppress(RouterError, AttemptFailed):
                 self._prefill_done(leg)  # the tokens are all in: a late failure is moot

@@ -138,8 +138,9 @@ class WorkerSet:
         deadline = time.monotonic() + timeout_s
         while w.alive and w.outstanding_requests > 0 and time.monotonic() < deadline:
             self._drained.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._drained.wait(), deadline - time.monotonic())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(deadline - time.monotonic()):
+                    await self._drained.wait()
         left = w.outstanding_requests if w.alive else 0
         self.remove(worker_id)
         return left
@@ -208,9 +209,9 @@ class WorkerSet:
 
     # ------------------------------------------------------------------- health
     async def _probe_loop(self, w: WorkerState) -> None:
-        # Not ``while True``: a cancellation can be lost (Python 3.11's wait_for returns
-        # the inner result instead of raising CancelledError when both land in one loop
-        # iteration, gh-86296), and stop() / remove() must still end the loop.
+        # Not ``while True``: stop() / remove() end the loop even if a cancellation were
+        # lost (Python 3.11's wait_for lost them, gh-86296: timeouts here use
+        # asyncio.timeout, which does not).
         while not self._stopping and self.workers.get(w.worker_id) is w:
             await asyncio.sleep(self._health.interval_s)
             await self._probe(w)
@@ -218,8 +219,8 @@ class WorkerSet:
     async def _probe(self, w: WorkerState) -> None:
         now = time.monotonic()
         try:
-            load: WorkerLoad = await asyncio.wait_for(w.handle.load(),
-                                                      self._health.probe_timeout_s)
+            async with asyncio.timeout(self._health.probe_timeout_s):
+                load: WorkerLoad = await w.handle.load()
         except asyncio.CancelledError:
             raise
         except WorkerGone as exc:
@@ -245,7 +246,8 @@ class WorkerSet:
     async def _join(self, w: WorkerState, load: WorkerLoad) -> None:
         timeout = self._health.join_timeout_s
         try:
-            info = await asyncio.wait_for(w.handle.join_info(), timeout)
+            async with asyncio.timeout(timeout):
+                info = await w.handle.join_info()
             if info.incarnation != load.incarnation:
                 return  # restarted again meanwhile: the next probe joins the new one
             if w.role in TOKEN_ROLES:
@@ -283,8 +285,8 @@ class WorkerSet:
             return
         for p, d in pairs:
             try:
-                await asyncio.wait_for(p.handle.connect(d.worker_id, d.kv_endpoint),
-                                       self._health.join_timeout_s)
+                async with asyncio.timeout(self._health.join_timeout_s):
+                    await p.handle.connect(d.worker_id, d.kv_endpoint)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -20,7 +20,8 @@ def test_stop_ends_a_probe_loop_whose_cancellation_was_lost(
     CancelledError when the two land in one loop iteration (gh-86296). A probe whose
     load() answered just as stop() cancelled it went on probing, and stop() waited for
     it forever (a router hung on shutdown). Here the answer and the stop land together,
-    every time."""
+    every time: the probe's timeout must not lose the cancellation (asyncio.timeout),
+    and the loop must end on stop() anyway."""
     worker = PrefillWorker("prefill-0", tiny_model("llama-gqa"),
                            EngineConfig(role="prefill", num_blocks=16), "local")
     try:
