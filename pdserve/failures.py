@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 
 
-class FailReason(str, enum.Enum):
+class FailReason(str, enum.Enum):  # noqa: UP042 (StrEnum would change str() in logs)
     """Why a transfer or a request's attempt ended without its result."""
 
     # A KV transfer (the kv_transfer backends' events).

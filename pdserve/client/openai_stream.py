@@ -169,7 +169,7 @@ class OpenAIStreamClient:
             async with self.session.get(f"{self.base_url}{path}",
                                         timeout=self._short_timeout) as resp:
                 return await resp.text() if resp.status == 200 else None
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError):
             return None
 
     async def stream(self, endpoint: str, body: Mapping[str, Any],
@@ -219,7 +219,7 @@ class OpenAIStreamClient:
                         out.output_tokens = int(usage["completion_tokens"])
                         if usage.get("prompt_tokens") is not None:
                             out.prompt_len = int(usage["prompt_tokens"])
-        except asyncio.TimeoutError:
+        except TimeoutError:
             out.error = "TimeoutError: no answer within the request timeout"
         except aiohttp.ClientResponseError as exc:
             out.error = f"HTTP {exc.status}: {exc.message}"[:_MAX_ERROR_TEXT]
