@@ -156,6 +156,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None = leave as is
     # Kernels (see attention.py / linear.py): "torch" is the plain-torch reference,
     # "cpu" pdserve's C++ kernels (built at install), "auto" the fastest that runs here.
+    # linear_backend can also force one family of the C++ GEMM: "cpu-avx2" (float32
+    # FMA) or "cpu-avx512bf16" (bfloat16 dot products, bfloat16 weights only).
     attention_backend: str = "auto"
     linear_backend: str = "auto"
     # Weight-only quantization of the linear layers (quant.py): "none", "int8" (per
@@ -193,10 +195,17 @@ class EngineConfig:
         if self.quantization_group_size not in (32, 64, 128):
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, got "
                              f"{self.quantization_group_size}")
-        for name in ("attention_backend", "linear_backend"):
-            if getattr(self, name) not in ("auto", "torch", "cpu"):
-                raise ValueError(f"{name} must be auto, torch or cpu, got {getattr(self, name)!r}")
-        if self.device != "cpu" and "cpu" in (self.attention_backend, self.linear_backend):
+        if self.attention_backend not in ("auto", "torch", "cpu"):
+            raise ValueError(f"attention_backend must be auto, torch or cpu, got "
+                             f"{self.attention_backend!r}")
+        from pdserve.engine.linear import FAMILIES
+
+        linear = ("auto", "torch", "cpu", *(f"cpu-{f}" for f in FAMILIES))
+        if self.linear_backend not in linear:
+            raise ValueError(f"linear_backend must be one of {', '.join(linear)}, got "
+                             f"{self.linear_backend!r}")
+        if self.device != "cpu" and (self.attention_backend == "cpu"
+                                     or self.linear_backend.startswith("cpu")):
             raise ValueError("the 'cpu' kernels run on the CPU only")
 
     def _auto_dtype(self) -> str:

@@ -26,8 +26,10 @@ log = logging.getLogger("pdserve.engine")
 NAME = "pdserve_kernels"
 _SRC = Path(__file__).with_name("csrc")
 _OUT = Path(__file__).with_name("_kernels")
-_SOURCES = ("bindings.cpp", "linear.cpp", "attention.cpp", "pointwise.cpp")
-_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-std=c++17")
+_SOURCES = ("bindings.cpp", "gemm.cpp", "linear.cpp", "attention.cpp", "pointwise.cpp")
+# -ffp-contract=off: a * b + c is never fused behind our back, so that the same
+# source line rounds the same in every inlined or vectorised copy (batch invariance).
+_CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-std=c++17")
 
 _module: ModuleType | None = None
 _why: str | None = None
@@ -68,12 +70,6 @@ def cpu_flags() -> frozenset[str]:
         if line.startswith("flags"):
             return frozenset(line.split(":", 1)[1].split())
     return frozenset()
-
-
-def native_bf16_matmul() -> bool:
-    """True where oneDNN multiplies bfloat16 in hardware (AVX512-BF16 or AMX): there
-    large bfloat16 matmuls beat widening to float32 (about 2x, PERF-NOTES)."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def build(verbose: bool = False) -> Path:

@@ -4,12 +4,16 @@
 through a kernel chosen once at load (``Linear.use``):
 
 * ``torch`` -- ``F.linear`` in the model's dtype: the reference.
-* ``cpu`` -- pdserve's C++ kernels on float32 activations (``csrc/linear.cpp``):
-  batches of up to ``SMALL_M`` rows stream each weight once from memory and use it
-  for every row (decode is memory-bound: the step time is the weight bytes over the
-  memory bandwidth); larger batches (prefill) widen panels of a bfloat16 or
-  quantized weight to float32 in cache and hand them to the BLAS, or call it
-  directly for float32.
+* ``cpu-<family>`` -- pdserve's C++ GEMM (``csrc/gemm.cpp``) on float32 activations,
+  one kernel for every batch size, from a weight packed at load for the family:
+
+  - ``avx2``: AVX2 + FMA, float32 or bfloat16 weights, float32 arithmetic.
+  - ``avx512bf16``: AVX512-BF16 ``vdpbf16ps``, bfloat16 weights, activations
+    rounded to bfloat16 (2x the multiply-adds per instruction).
+
+  Each output element is summed over K in one fixed order whatever the batch, so
+  a row's result does not depend on the rows beside it (batch invariance by
+  construction; see gemm.cpp). ``cpu`` picks the fastest family this CPU runs.
 
 A quantized layer (``Linear.quantize``, formats in ``quant.py``) keeps only its
 blocks; its reference is ``dequantize`` then ``F.linear``.
@@ -29,13 +33,19 @@ from torch import nn
 from pdserve.engine import kernels
 from pdserve.engine.quant import QuantizedWeight, dequantize
 
-# Up to this many rows the streaming kernel beats the BLAS (measured on the default
-# model's matrices, 1 thread, bfloat16 weights: 31 ms for all matmuls at 8 rows
-# against 65 ms through the widened BLAS path; float32: 44 against 72 ms).
-SMALL_M = {torch.float32: 16, torch.bfloat16: 32}
-SMALL_M_QUANT = {8: 32, 4: 32}
-# Rows of a bfloat16 weight widened to float32 per BLAS call (stays in L2).
-WIDEN_PANEL = 256
+# The C++ kernel families (gemm.cpp's enum), fastest last.
+FAMILIES = {"avx2": 0, "avx512bf16": 1}
+_FAMILY_FLAGS = {"avx2": {"avx2", "fma"},
+                 "avx512bf16": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}}
+
+
+def cpu_families(dtype: torch.dtype) -> list[str]:
+    """The GEMM families this CPU runs for weights of ``dtype``, fastest last."""
+    if not kernels.available():
+        return []
+    flags = kernels.cpu_flags()
+    return [f for f in FAMILIES if _FAMILY_FLAGS[f] <= flags
+            and (f != "avx512bf16" or dtype == torch.bfloat16)]
 
 
 class LinearKernel(Protocol):
@@ -63,12 +73,18 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def use(self, backend: str) -> None:
-        """Pick the kernel (``torch`` or ``cpu``); called once after loading."""
+        """Pick the kernel (``torch`` or ``cpu-<family>``); called once after loading.
+        The C++ paths keep only their own copy of the weight."""
+        cpu = backend.startswith("cpu-")
         if self.qweight is not None:
-            self.kernel = (CpuQuantized(self.qweight, self.bias) if backend == "cpu"
+            self.kernel = (CpuQuantized(self.qweight, self.bias) if cpu
                            else TorchDequantized(self.qweight, self.bias))
-        else:
-            self.kernel = CpuDense(self.weight.data, self.bias) if backend == "cpu" else None
+            return
+        if not cpu:
+            self.kernel = None
+            return
+        self.kernel = CpuDense(self.weight.data, self.bias, backend.removeprefix("cpu-"))
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None:
@@ -80,44 +96,31 @@ class Linear(nn.Module):
 
 
 class CpuDense:
-    """Dense float32 / bfloat16 weight, float32 activations in and out. Large
-    bfloat16 batches run in bfloat16 through oneDNN where the CPU multiplies bfloat16
-    natively (``native_bf16``), else widened to float32 for the BLAS."""
+    """Dense float32 / bfloat16 weight packed for one kernel family (``FAMILIES``);
+    float32 activations in and out, every batch size through the same kernel."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 native_bf16: bool | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, family: str) -> None:
         self.k = kernels.require()
-        self.weight = weight.contiguous()
+        self.family = FAMILIES[family]
+        self.out_features = weight.shape[0]
+        self.packed = self.k.pack_weight(weight.contiguous(), self.family)
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.small_m = SMALL_M.get(weight.dtype, 8)
-        if native_bf16 is None:
-            native_bf16 = kernels.native_bf16_matmul()
-        self.native_bf16 = native_bf16 and weight.dtype == torch.bfloat16
-        self.bias16 = None if bias is None or not self.native_bf16 else bias.detach().bfloat16()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.small_m:
-            return self.k.dense_linear_small(x, self.weight, self.bias)
-        if self.weight.dtype == torch.float32:
-            return F.linear(x, self.weight, self.bias)
-        if self.native_bf16:
-            return F.linear(x.bfloat16(), self.weight, self.bias16).float()
-        return self.k.widened_linear(x, self.weight, 16, self.bias, WIDEN_PANEL)
+        return self.k.gemm(x, self.packed, self.out_features, self.family, self.bias)
 
 
 class CpuQuantized:
-    """int8 / int4 blocks, float32 activations in and out."""
+    """int8 / int4 blocks (``csrc/linear.cpp``), float32 activations in and out, every
+    batch size through the same kernel (batch-invariant like ``CpuDense``)."""
 
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None) -> None:
         self.k = kernels.require()
         self.data, self.bits = qweight.data, qweight.bits
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.small_m = SMALL_M_QUANT[qweight.bits]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.small_m:
-            return self.k.quant_linear_small(x, self.data, self.bits, self.bias)
-        return self.k.widened_linear(x, self.data, self.bits, self.bias, WIDEN_PANEL)
+        return self.k.quant_linear(x, self.data, self.bits, self.bias)
 
 
 class TorchDequantized:
@@ -133,21 +136,32 @@ class TorchDequantized:
 
 def resolve_linear_backend(name: str, device: str, dtype: torch.dtype,
                            dims: tuple[int, ...]) -> str:
-    """``auto`` -> ``cpu`` where the kernels run (CPU, float32/bfloat16, every
-    input dimension a multiple of 8), else ``torch``; explicit names are checked."""
-    fits = dtype in SMALL_M and all(d % 16 == 0 for d in dims)
+    """``auto`` -> ``cpu`` where the kernels run (CPU, float32/bfloat16, every input
+    dimension a multiple of 16), else ``torch``; ``cpu`` -> ``cpu-<family>``, the
+    fastest family this CPU runs for ``dtype``; explicit names are checked."""
+    names = ["auto", "torch", "cpu", *(f"cpu-{f}" for f in FAMILIES)]
+    if name not in names:
+        raise ValueError(f"unknown linear backend {name!r}; available: {', '.join(names)}")
+    fits = dtype in (torch.float32, torch.bfloat16) and all(d % 16 == 0 for d in dims)
     if name == "auto":
-        return "cpu" if device == "cpu" and fits and kernels.available() else "torch"
-    if name not in ("torch", "cpu"):
-        raise ValueError(f"unknown linear backend {name!r}; available: auto, torch, cpu")
+        if device != "cpu" or not fits or not kernels.available():
+            return "torch"
+        name = "cpu"
+    if name == "torch":
+        return name
+    if device != "cpu":
+        raise ValueError(f"linear backend {name!r} runs on the CPU only")
+    if kernels.reason() is not None:
+        raise ValueError(f"linear backend {name!r} cannot run here: {kernels.reason()}")
+    if not fits:
+        raise ValueError(f"linear backend {name!r} needs float32 or bfloat16 weights and "
+                         "hidden / intermediate sizes that are multiples of 16")
+    families = cpu_families(dtype)
     if name == "cpu":
-        if device != "cpu":
-            raise ValueError("linear backend 'cpu' runs on the CPU only")
-        if kernels.reason() is not None:
-            raise ValueError(f"linear backend 'cpu' cannot run here: {kernels.reason()}")
-        if not fits:
-            raise ValueError("linear backend 'cpu' needs float32 or bfloat16 weights and "
-                             "hidden / intermediate sizes that are multiples of 16")
+        return f"cpu-{families[-1]}"
+    if name.removeprefix("cpu-") not in families:
+        raise ValueError(f"linear backend {name!r} cannot run here for {dtype} weights; "
+                         f"this CPU runs: {', '.join('cpu-' + f for f in families)}")
     return name
 
 

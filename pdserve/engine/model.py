@@ -65,7 +65,7 @@ class LlamaModel(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.use(linear_backend)
-        fast = linear_backend == "cpu"
+        fast = linear_backend.startswith("cpu-")
         self.ops = CpuOps() if fast else TorchOps()
         self.act_dtype = torch.float32 if fast else None
         self.attn = attn

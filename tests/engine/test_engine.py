@@ -232,7 +232,8 @@ def test_mixed_backends_agree_with_reference(tiny_model: Callable[[str], Path], 
     ps = prompts(4, [5, 30, 64], 500, seed=21)
     ref = engine(path, "torch")
     mixed = engine(path, attention_backend=attention, linear_backend=linear)
-    assert (mixed.attention_backend, mixed.linear_backend) == (attention, linear)
+    assert mixed.attention_backend == attention
+    assert mixed.linear_backend == ("torch" if linear == "torch" else "cpu-avx2")  # float32
     assert [o.token_ids for o in mixed.generate(ps, GREEDY48)] == \
         [o.token_ids for o in ref.generate(ps, GREEDY48)]
 

@@ -25,59 +25,10 @@ def test_kernels_are_built_and_current() -> None:
 
 
 # ------------------------------------------------------------------ linear
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 32])
-@pytest.mark.parametrize("bias", [False, True])
-def test_dense_small_matches_reference(k, dtype: torch.dtype, m: int, bias: bool) -> None:  # type: ignore[no-untyped-def]
-    g = torch.Generator().manual_seed(m)
-    w = torch.randn(37, 96, generator=g).to(dtype)  # 37 rows: leftovers of every pass size
-    x = torch.randn(m, 96, generator=g)
-    b = torch.randn(37, generator=g) if bias else None
-    ref = F.linear(x, w.float(), b)
-    torch.testing.assert_close(k.dense_linear_small(x, w, b), ref, rtol=1e-5, atol=1e-4)
-
-
-@pytest.mark.parametrize("m", [1, 40, 257])
-@pytest.mark.parametrize("panel", [16, 256])
-def test_widened_bf16_matches_reference(k, m: int, panel: int) -> None:  # type: ignore[no-untyped-def]
-    g = torch.Generator().manual_seed(m)
-    w = torch.randn(300, 64, generator=g).to(torch.bfloat16)
-    x = torch.randn(m, 64, generator=g)
-    b = torch.randn(300, generator=g)
-    ref = F.linear(x, w.float(), b)
-    out = k.widened_linear(x, w, 16, b, panel)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
-
-
-@pytest.mark.parametrize("native", [False, True])
-def test_large_bf16_batches_both_ways(native: bool) -> None:
-    """Widened to float32 for the BLAS, or bfloat16 through oneDNN (the branch taken
-    on CPUs with AVX512-BF16 / AMX; forced here so that it runs everywhere)."""
-    from pdserve.engine.linear import CpuDense
-
-    g = torch.Generator().manual_seed(3)
-    w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
-    b = torch.randn(96, generator=g)
-    x = torch.randn(50, 64, generator=g)
-    ref = F.linear(x, w.float(), b)
-    out = CpuDense(w, b, native_bf16=native)(x)
-    tol = 5e-2 if native else 1e-4  # bf16 activations: ~3 significant digits
-    torch.testing.assert_close(out, ref, rtol=tol, atol=tol * float(ref.abs().max()))
-
-
-def test_linear_rejects_bad_shapes(k) -> None:  # type: ignore[no-untyped-def]
-    w = torch.randn(8, 64)
-    with pytest.raises(RuntimeError, match="columns"):
-        k.dense_linear_small(torch.randn(2, 32), w, None)
-    with pytest.raises(RuntimeError, match="multiple of 16"):
-        k.dense_linear_small(torch.randn(2, 12), torch.randn(8, 12), None)
-    with pytest.raises(RuntimeError, match="bfloat16"):
-        k.dense_linear_small(torch.randn(2, 64), w.half(), None)
-
-
+# Dense layers: test_gemm.py. Quantized layers (csrc/linear.cpp):
 @pytest.mark.parametrize(("kind", "group"), [("int8", 32), ("int4", 32), ("int4", 64),
                                             ("int4", 128)])
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 11, 40])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 11, 40, 150])
 def test_quantized_linear_matches_dequantized_reference(k, kind: str, group: int,  # type: ignore[no-untyped-def]
                                                         m: int) -> None:
     g = torch.Generator().manual_seed(m + group)
@@ -86,10 +37,29 @@ def test_quantized_linear_matches_dequantized_reference(k, kind: str, group: int
     x = torch.randn(m, 256, generator=g) * 3
     b = torch.randn(37, generator=g)
     ref = F.linear(x, quant.dequantize(qw), b)
-    out = (k.quant_linear_small(x, qw.data, qw.bits, b) if m <= 8
-           else k.widened_linear(x, qw.data, qw.bits, b, 16))
+    out = k.quant_linear(x, qw.data, qw.bits, b)
     # x is quantized to int16 per 32 values inside the small kernels: ~1e-5 relative
     torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-4 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_rows_are_bit_identical_however_batched(k, kind: str) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(5)
+    qw = quant.quantize(torch.randn(200, 256, generator=g), kind, 32)
+    b = torch.randn(200, generator=g)
+    x = torch.randn(300, 256, generator=g)
+    full = k.quant_linear(x, qw.data, qw.bits, b)
+    for lo, hi in [(0, 1), (5, 6), (3, 8), (7, 20), (100, 229), (127, 129), (11, 300)]:
+        assert torch.equal(k.quant_linear(x[lo:hi].contiguous(), qw.data, qw.bits, b),
+                           full[lo:hi]), (lo, hi)
+
+
+def test_quantized_linear_rejects_bad_shapes(k) -> None:  # type: ignore[no-untyped-def]
+    qw = quant.quantize(torch.randn(8, 64), "int8", 32)
+    with pytest.raises(RuntimeError, match="columns"):
+        k.quant_linear(torch.randn(2, 32), qw.data, 8, None)
+    with pytest.raises(RuntimeError, match="bits"):
+        k.quant_linear(torch.randn(2, 64), qw.data, 5, None)
 
 
 def test_quantizers_round_trip() -> None:

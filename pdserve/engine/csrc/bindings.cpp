@@ -3,11 +3,9 @@
 #include <torch/extension.h>
 
 namespace pdk {
-at::Tensor dense_linear_small(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&);
-at::Tensor quant_linear_small(const at::Tensor&, const at::Tensor&, int64_t,
-                              const c10::optional<at::Tensor>&);
-at::Tensor widened_linear(const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&,
-                          int64_t);
+at::Tensor quant_linear(const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&);
+at::Tensor pack_weight(const at::Tensor&, int64_t);
+at::Tensor gemm(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const c10::optional<at::Tensor>&);
 bool attention_supports_head_dim(int64_t);
 void paged_attention(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&,
                      const at::Tensor&, const at::Tensor&, const at::Tensor&, double, at::Tensor&);
@@ -37,9 +35,9 @@ at::Tensor attention_step(at::Tensor& qkv, const at::Tensor& positions, const at
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("dense_linear_small", &pdk::dense_linear_small, nogil);
-  m.def("quant_linear_small", &pdk::quant_linear_small, nogil);
-  m.def("widened_linear", &pdk::widened_linear, nogil);
+  m.def("quant_linear", &pdk::quant_linear, nogil);
+  m.def("pack_weight", &pdk::pack_weight, nogil);
+  m.def("gemm", &pdk::gemm, nogil);
   m.def("paged_attention", &pdk::paged_attention, nogil);
   m.def("attention_supports_head_dim", &pdk::attention_supports_head_dim);
   m.def("rms_norm", &pdk::rms_norm, nogil);

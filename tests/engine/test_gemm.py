@@ -1,0 +1,103 @@
+"""The C++ GEMM (csrc/gemm.cpp), every kernel family this CPU runs: agreement with
+the plain-torch reference, and batch invariance by construction -- a row's result is
+bit-identical however many rows share its call, wherever it lands in the tiles and
+however many threads run it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine import kernels
+from pdserve.engine.linear import FAMILIES, CpuDense, cpu_families, resolve_linear_backend
+
+pytestmark = pytest.mark.skipif(kernels.cpu_supported() is not None,
+                                reason=str(kernels.cpu_supported()))
+
+CASES = [(fam, dt) for dt in (torch.float32, torch.bfloat16) for fam in FAMILIES]
+
+
+def runnable(family: str, dtype: torch.dtype) -> None:
+    if family not in cpu_families(dtype):
+        pytest.skip(f"this CPU does not run the {family} family for {dtype} weights")
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+              family: str) -> torch.Tensor:
+    """What the family computes, in float64: bf16 dot products see x rounded to bf16."""
+    xs = x.bfloat16() if family == "avx512bf16" else x
+    return F.linear(xs.double(), w.double(), None if b is None else b.double()).float()
+
+
+def test_families_follow_the_cpu_flags() -> None:
+    flags = kernels.cpu_flags()
+    assert "avx2" in cpu_families(torch.float32)
+    has_bf16 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags
+    assert ("avx512bf16" in cpu_families(torch.bfloat16)) == has_bf16
+    assert "avx512bf16" not in cpu_families(torch.float32)  # bf16 weights only
+    best = resolve_linear_backend("auto", "cpu", torch.bfloat16, (64,))
+    assert best == ("cpu-avx512bf16" if has_bf16 else "cpu-avx2")
+    assert resolve_linear_backend("cpu", "cpu", torch.float32, (64,)) == "cpu-avx2"
+
+
+def test_a_family_the_cpu_cannot_run_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="cpu-avx512bf16.*float32"):
+        resolve_linear_backend("cpu-avx512bf16", "cpu", torch.float32, (64,))
+    with pytest.raises(ValueError, match="unknown linear backend 'cpu-amx'"):
+        resolve_linear_backend("cpu-amx", "cpu", torch.float32, (64,))
+
+
+@pytest.mark.parametrize(("family", "dtype"), CASES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13, 40, 131])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_matches_reference(family: str, dtype: torch.dtype, m: int, bias: bool) -> None:
+    runnable(family, dtype)
+    g = torch.Generator().manual_seed(m)
+    n, k = 101, 96  # 101 outputs: a partial last block
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(m, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    out = CpuDense(w, b, family)(x)
+    ref = reference(x, w.float(), b, family)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(("family", "dtype"), CASES)
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (200, 1536), (48, 32)])
+def test_rows_are_bit_identical_however_batched(family: str, dtype: torch.dtype, n: int,
+                                                k: int) -> None:
+    runnable(family, dtype)
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).to(dtype) * 0.05
+    b = torch.randn(n, generator=g)
+    x = torch.randn(300, k, generator=g)
+    lin = CpuDense(w, b, family)
+    full = lin(x)
+    # alone, in small and large batches, at every offset within a tile, across the
+    # 128-row cache chunk boundary, and on one thread instead of two
+    for lo, hi in [(0, 1), (5, 6), (0, 2), (3, 8), (1, 7), (7, 20), (0, 64), (100, 229),
+                   (127, 129), (299, 300), (11, 300)]:
+        assert torch.equal(lin(x[lo:hi].contiguous()), full[lo:hi]), (lo, hi)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(lin(x), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_gemm_rejects_bad_input() -> None:
+    k = kernels.require()
+    w = torch.randn(32, 64)
+    packed = k.pack_weight(w, FAMILIES["avx2"])
+    with pytest.raises(RuntimeError, match="packed weight"):
+        k.gemm(torch.randn(2, 32), packed, 32, FAMILIES["avx2"], None)
+    with pytest.raises(RuntimeError, match="float32"):
+        k.gemm(torch.randn(2, 64).double(), packed, 32, FAMILIES["avx2"], None)
+    with pytest.raises(RuntimeError, match="bias"):
+        k.gemm(torch.randn(2, 64), packed, 32, FAMILIES["avx2"], torch.randn(31))
+    with pytest.raises(RuntimeError, match="bf16dp: weight must be bfloat16"):
+        k.pack_weight(w, FAMILIES["avx512bf16"])
+    with pytest.raises(RuntimeError, match="unknown kernel family"):
+        k.pack_weight(w, 7)
