@@ -42,7 +42,7 @@ def test_families_follow_the_cpu_flags() -> None:
 
 
 def test_a_family_the_cpu_cannot_run_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="cpu-avx512bf16.*float32"):
+    with pytest.raises(ValueError, match=r"cpu-avx512bf16.*float32"):
         resolve_linear_backend("cpu-avx512bf16", "cpu", torch.float32, (64,))
     with pytest.raises(ValueError, match="unknown linear backend 'cpu-amx'"):
         resolve_linear_backend("cpu-amx", "cpu", torch.float32, (64,))

@@ -5,6 +5,7 @@
 namespace pdk {
 at::Tensor quant_linear(const at::Tensor&, const at::Tensor&, int64_t, const c10::optional<at::Tensor>&);
 at::Tensor pack_weight(const at::Tensor&, int64_t);
+double family_peak(int64_t);
 at::Tensor gemm(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const c10::optional<at::Tensor>&);
 bool attention_supports_head_dim(int64_t);
 void paged_attention(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&,
@@ -38,6 +39,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear", &pdk::quant_linear, nogil);
   m.def("pack_weight", &pdk::pack_weight, nogil);
   m.def("gemm", &pdk::gemm, nogil);
+  m.def("family_peak", &pdk::family_peak, nogil);
   m.def("paged_attention", &pdk::paged_attention, nogil);
   m.def("attention_supports_head_dim", &pdk::attention_supports_head_dim);
   m.def("rms_norm", &pdk::rms_norm, nogil);

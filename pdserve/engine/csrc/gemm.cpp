@@ -34,6 +34,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <chrono>
 #include <vector>
 
 #include "vec.h"
@@ -231,6 +232,19 @@ void dp_groups(const uint32_t* x2, int64_t M, int64_t K, const bf16_t* P, int64_
   }
 }
 
+// Multiply-adds of `iters` steps of 24 independent vdpbf16ps chains, kept alive.
+double dp_peak_loop(int64_t iters) {
+  __m512 acc[24];
+  for (int i = 0; i < 24; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
+  const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3F803F80), b = a;  // bf16 1.0 pairs
+  for (int64_t t = 0; t < iters; ++t)
+#pragma GCC unroll 24
+    for (int i = 0; i < 24; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+  float sink = 0.f;
+  for (int i = 0; i < 24; ++i) sink += _mm512_reduce_add_ps(acc[i]);
+  return static_cast<double>(sink) * 0.0 + 2.0 * 32 * 24 * static_cast<double>(iters);
+}
+
 }  // namespace
 #pragma GCC pop_options
 
@@ -287,11 +301,39 @@ void fma_groups(const float* x, int64_t M, int64_t K, const T* P, int64_t n_pad,
   }
 }
 
+// FLOPs of `iters` steps of 12 independent float32 FMA chains.
+double fma_peak_loop(int64_t iters) {
+  __m256 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(static_cast<float>(i));
+  const __m256 a = _mm256_set1_ps(1.0f), b = _mm256_set1_ps(1e-7f);
+  for (int64_t t = 0; t < iters; ++t)
+#pragma GCC unroll 12
+    for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
+  float sink = 0.f;
+  for (int i = 0; i < 12; ++i) sink += hsum(acc[i]);
+  return static_cast<double>(sink) * 0.0 + 2.0 * 8 * 12 * static_cast<double>(iters);
+}
+
 enum Family : int64_t { kFma = 0, kBf16Dp = 1 };
 
 int64_t padded_rows(int64_t N) { return (N + kBlock - 1) / kBlock * kBlock; }
 
 }  // namespace
+
+// One thread's arithmetic peak of a family's instruction (FLOP/s), from a register-
+// only loop: what `make bench` measures the kernels' GFLOP/s against.
+double family_peak(int64_t family) {
+  TORCH_CHECK(family == kFma || family == kBf16Dp, "unknown kernel family ", family);
+  constexpr int64_t kIters = 1 << 22;
+  double best = 0.0;
+  for (int rep = 0; rep < 3; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const double flops = family == kFma ? fma_peak_loop(kIters) : dp_peak_loop(kIters);
+    const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
+    best = std::max(best, flops / dt.count());
+  }
+  return best;
+}
 
 // W [N, K] float32 / bfloat16 -> the family's packed layout (1-d; zero rows pad N
 // to whole blocks).
