@@ -63,6 +63,7 @@ lint: $(VENV)/.test
 	$(VENV)/bin/mypy
 
 bench: $(VENV)/.test $(KERNELS) model
+	$(PY) -m pdserve.engine.bench_gemm
 	$(PY) -m pdserve.engine.bench
 	$(PY) -m pdserve.engine.bench_tp
 	$(PY) -m pdserve.kv_transfer.bench --slice

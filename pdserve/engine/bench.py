@@ -6,8 +6,9 @@ Per thread count, and per weight format (float32, bfloat16, int8, int4):
 - single-stream decode ms/token, the weight bytes one step reads and that rate as
   a fraction of the memory read bandwidth measured just before;
 - output tokens/s with 1, 8 and 32 concurrent requests (128-token prompts);
-- prefill: TTFT, tokens/s and MFU (model FLOPs / the matmul peak measured here)
-  for 128, 1024 and 4096-token prompts;
+- prefill: TTFT, tokens/s and MFU (model FLOPs / the peak of the linear layers'
+  kernel family, ``bench_gemm``; torch's float32 matmul peak on the reference
+  path) for 128, 1024 and 4096-token prompts;
 - a per-op profile of a decode step (calls per step; share of time in matmuls,
   attention and everything else);
 - transformers' single-stream, throughput and prefill on the same weights, and
@@ -31,10 +32,11 @@ from typing import Any
 
 import torch
 
+from pdserve.engine import kernels
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cost import cost_model
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.linear import Linear
+from pdserve.engine.linear import FAMILIES, Linear
 from pdserve.engine.sampling_params import SamplingParams
 
 # weight format -> (engine dtype, quantization)
@@ -219,6 +221,11 @@ def bench_format(model_dir: Path, fmt: str, threads: int, bw: float, peak: float
             max_model_len=max(longest + 64, 2048)))
 
     eng = make()
+    family = eng.linear_backend.removeprefix("cpu-")
+    if family in FAMILIES:  # MFU against the chosen kernel family's own peak
+        peak = kernels.require().family_peak(FAMILIES[family]) * threads
+    print(f"-- {fmt}: linear backend {eng.linear_backend}, MFU against "
+          f"{peak / 1e9:.0f} GFLOP/s")
     cost = cost_model(eng.model_config, dtype, quant)
     vocab = eng.model_config.vocab_size
     prompt = random_prompts(1, args.prompt_len, vocab)[0]
