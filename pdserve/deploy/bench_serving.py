@@ -184,7 +184,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--parts", default="1,2,3")
     ap.add_argument("--transfer", default="nixl")
-    ap.add_argument("--quantization", default="none", choices=("none", "int8", "int4"),
+    ap.add_argument("--quantization", default="none", choices=("none", "int8", "int4", "w8a8"),
                     help="the decode pool's weights (part 1)")
     ap.add_argument("--lengths", default="512,2048,8000")  # < the 8192 context
     ap.add_argument("--length-scale", type=float, default=0.05)

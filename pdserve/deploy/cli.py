@@ -50,15 +50,17 @@ def _add_format_flags(p: argparse.ArgumentParser, per_pool: bool) -> None:
     p.add_argument("--dtype", default=None,
                    help="auto (default: bfloat16 where the fast kernels run, else float32) | "
                         "float32 (exact parity with transformers) | bfloat16")
-    p.add_argument("--quantization", default=None, choices=["none", "int8", "int4"],
-                   help="weight-only quantization of the linear layers (default none); the "
-                        "default model serves its GGUF blocks natively")
+    p.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "w8a8"],
+                   help="quantization of the linear layers (default none): int8 / int4 "
+                        "weight-only (the default model serves its GGUF blocks natively), "
+                        "or w8a8 (int8 weights x int8 activations, for compute-bound "
+                        "prefill; docs/quantization.md)")
     p.add_argument("--quantization-group-size", type=int, default=None,
                    help="int4 group: 32 (default), 64 or 128")
     if per_pool:
         for pool in ("prefill", "decode"):
             p.add_argument(f"--{pool}-quantization", default=None,
-                           choices=["none", "int8", "int4"],
+                           choices=["none", "int8", "int4", "w8a8"],
                            help=f"the {pool} pool's own quantization (overrides --quantization)")
     else:
         p.add_argument("--tensor-parallel-size", type=int, default=None,

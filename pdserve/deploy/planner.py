@@ -197,7 +197,7 @@ class AnalyticModel:
     source: str = field(default="analytic", init=False)
 
     def __post_init__(self) -> None:
-        from pdserve.engine.cost import DTYPE_BYTES, QUANT_BYTES
+        from pdserve.engine.cost import DTYPE_BYTES
 
         if self.tp < 1:
             raise ValueError(f"--tp must be >= 1, got {self.tp}")
@@ -207,7 +207,7 @@ class AnalyticModel:
                 raise ValueError(f"--{name} must be in (0, 1], got {v}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
-        if self.quantization != "none" and self.quantization not in QUANT_BYTES:
+        if self.quantization not in ("none", "int8", "int4"):
             raise ValueError(f"--quantization must be none, int8 or int4, got {self.quantization!r}")
 
     @property

@@ -1,7 +1,7 @@
 """``make bench`` for the engine: decode, throughput and prefill against the
 machine's own limits and against Hugging Face transformers, measured in one run.
 
-Per thread count, and per weight format (float32, bfloat16, int8, int4):
+Per thread count, and per weight format (float32, bfloat16, int8, int4, w8a8):
 
 - single-stream decode ms/token, the weight bytes one step reads and that rate as
   a fraction of the memory read bandwidth measured just before;
@@ -41,7 +41,8 @@ from pdserve.engine.sampling_params import SamplingParams
 
 # weight format -> (engine dtype, quantization)
 FORMATS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"),
-           "int8": ("float32", "int8"), "int4": ("float32", "int4")}
+           "int8": ("float32", "int8"), "int4": ("float32", "int4"),
+           "w8a8": ("bfloat16", "w8a8")}
 
 
 def _best_seconds(fn: Callable[[], object], device: str, repeats: int) -> float:
@@ -286,7 +287,7 @@ def hf_reference(model_dir: Path, args: argparse.Namespace, vocab: int) -> dict[
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--formats", default="float32,bfloat16,int8,int4")
+    ap.add_argument("--formats", default="float32,bfloat16,int8,int4,w8a8")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--prefill", default="128,1024,4096")

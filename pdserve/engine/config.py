@@ -163,6 +163,8 @@ class EngineConfig:
     # Weight-only quantization of the linear layers (quant.py): "none", "int8" (per
     # output channel) or "int4" (groups of quantization_group_size, with mins). The
     # KV cache keeps ``dtype``, so quantized and float workers exchange the same KV.
+    # "w8a8": int8 weights (per channel) x int8 activations (per token, dynamic) for
+    # compute-bound prefill and batched decode; the LM head keeps ``dtype``.
     quantization: str = "none"
     quantization_group_size: int = 32
     # Ranks one engine is split over (engine/tp.py): each holds 1/N of the weights and
@@ -190,8 +192,9 @@ class EngineConfig:
             raise ValueError("num_threads must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.quantization not in ("none", "int8", "int4"):
-            raise ValueError(f"quantization must be none, int8 or int4, got {self.quantization!r}")
+        if self.quantization not in ("none", "int8", "int4", "w8a8"):
+            raise ValueError(f"quantization must be none, int8, int4 or w8a8, got "
+                             f"{self.quantization!r}")
         if self.quantization_group_size not in (32, 64, 128):
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, got "
                              f"{self.quantization_group_size}")

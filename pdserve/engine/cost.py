@@ -15,7 +15,8 @@ Cost of one step (``StepInfo`` + the model's shape; ``L`` layers, hidden ``h``,
           + b·2·L·Hkv·d·context_tokens             K and V of every attended token
 
 ``w`` = bytes per weight: ``b`` for float weights, 34/32 for int8 (Q8_0 blocks), 20/32
-for int4 (Q4_1 blocks); a quantized model's LM head is int8 (``quant_load.py``).
+for int4 (Q4_1 blocks), 1 for w8a8; a weight-only quantized model's LM head is int8
+(``quant_load.py``), a w8a8 model's keeps the dtype.
 
 ``attended`` = Σ over the step's new tokens of the tokens each attends (causal, itself
 included): a sequence with ``c`` tokens already computed and ``n`` new ones adds
@@ -36,7 +37,7 @@ from pdserve.engine.engine import StepInfo
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Bytes per weight of the quantized formats (block bytes / 32 weights).
-QUANT_BYTES = {"int8": 34 / 32, "int4": 20 / 32}
+QUANT_BYTES = {"int8": 34 / 32, "int4": 20 / 32, "w8a8": 1.0}
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def cost_model(model: ModelConfig, dtype: str, quantization: str = "none") -> Co
         kv_bytes_per_token=2 * L * kv * b,
         dtype_bytes=b,
         weight_bytes=w,
-        head_weight_bytes=QUANT_BYTES["int8"] if quantization in QUANT_BYTES else b,
+        head_weight_bytes=QUANT_BYTES["int8"] if quantization in ("int8", "int4") else b,
     )
 
 

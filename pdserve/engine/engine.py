@@ -140,11 +140,12 @@ class LLMEngine:
             model.tp, model.vocab_range, model.vocab = tp, shard.vocab, mc.vocab_size
             tp.use_shared_memory(self.config.max_num_batched_tokens * mc.hidden_size)
         self.quant_report = None
-        if self.config.quantization != "none":
+        if self.config.quantization in ("int8", "int4"):
             self.quant_report = quantize_model(model, self.model_dir, self.config.quantization,
                                                self.config.quantization_group_size)
         model.use(self.linear_backend, make_attention(
-            self.attention_backend, local.num_heads, local.num_kv_heads, mc.head_dim, rotary))
+            self.attention_backend, local.num_heads, local.num_kv_heads, mc.head_dim, rotary),
+            w8a8=self.config.quantization == "w8a8")
         self.model = model
 
         self.num_blocks = self.config.resolve_num_blocks(

@@ -16,7 +16,10 @@ through a kernel chosen once at load (``Linear.use``):
   construction; see gemm.cpp). ``cpu`` picks the fastest family this CPU runs.
 
 A quantized layer (``Linear.quantize``, formats in ``quant.py``) keeps only its
-blocks; its reference is ``dequantize`` then ``F.linear``.
+blocks; its reference is ``dequantize`` then ``F.linear``. A W8A8 layer
+(``Linear.use(..., w8a8=True)``) multiplies int8 weights by activations quantized
+to int8 per row (``csrc/w8a8.cpp``: ``avx2`` with vpmaddwd, ``avx512vnni`` with
+vpdpbusd); its reference is ``quant.w8a8_reference``, equal to it bit for bit.
 
 ``LayerOps`` is the matching switch for RMSNorm (with the residual add fused) and
 SiLU-and-multiply: ``TorchOps`` is the reference, ``CpuOps`` the fused kernels.
@@ -31,12 +34,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine import kernels
-from pdserve.engine.quant import QuantizedWeight, dequantize
+from pdserve.engine.quant import (
+    QuantizedWeight,
+    W8Weight,
+    dequantize,
+    quantize_w8,
+    w8a8_reference,
+)
 
 # The C++ kernel families (gemm.cpp's enum), fastest last.
 FAMILIES = {"avx2": 0, "avx512bf16": 1}
 _FAMILY_FLAGS = {"avx2": {"avx2", "fma"},
                  "avx512bf16": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}}
+# The W8A8 kernel families (w8a8.cpp's enum); the same results on each, bit for bit.
+W8A8_FAMILIES = {"avx2": 0, "avx512vnni": 1}
+_W8A8_FLAGS = {"avx2": {"avx2"}, "avx512vnni": {"avx512f", "avx512bw", "avx512_vnni"}}
+
+
+def w8a8_family(backend: str) -> str:
+    """The W8A8 family a ``cpu-<family>`` backend runs: VNNI where the CPU has it,
+    unless the backend forces ``cpu-avx2``."""
+    if backend == "cpu-avx2" or not _W8A8_FLAGS["avx512vnni"] <= kernels.cpu_flags():
+        return "avx2"
+    return "avx512vnni"
 
 
 def cpu_families(dtype: torch.dtype) -> list[str]:
@@ -72,18 +92,24 @@ class Linear(nn.Module):
         self.qweight = qweight
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
-    def use(self, backend: str) -> None:
-        """Pick the kernel (``torch`` or ``cpu-<family>``); called once after loading.
-        The C++ paths keep only their own copy of the weight."""
+    def use(self, backend: str, w8a8: bool = False) -> None:
+        """Pick the kernel (``torch`` or ``cpu-<family>``; ``w8a8``: int8 weights and
+        activations); called once after loading. The C++ and W8A8 paths keep only
+        their own copy of the weight."""
         cpu = backend.startswith("cpu-")
         if self.qweight is not None:
             self.kernel = (CpuQuantized(self.qweight, self.bias) if cpu
                            else TorchDequantized(self.qweight, self.bias))
             return
-        if not cpu:
+        if w8a8:
+            w8 = quantize_w8(self.weight.data)
+            self.kernel = (CpuW8A8(w8, self.bias, w8a8_family(backend)) if cpu
+                           else TorchW8A8(w8, self.bias))
+        elif cpu:
+            self.kernel = CpuDense(self.weight.data, self.bias, backend.removeprefix("cpu-"))
+        else:
             self.kernel = None
             return
-        self.kernel = CpuDense(self.weight.data, self.bias, backend.removeprefix("cpu-"))
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,6 +147,31 @@ class CpuQuantized:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.k.quant_linear(x, self.data, self.bits, self.bias)
+
+
+class CpuW8A8:
+    """int8 weight x int8 activations (per-row scales), float32 in and out."""
+
+    def __init__(self, w8: W8Weight, bias: torch.Tensor | None, family: str) -> None:
+        self.k = kernels.require()
+        self.family = W8A8_FAMILIES[family]
+        self.packed = self.k.pack_w8(w8.q, self.family)
+        self.scale = w8.scale
+        self.colsum = w8.q.sum(dim=1, dtype=torch.int32)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.k.w8a8_gemm(x, self.packed, self.scale, self.colsum, self.family, self.bias)
+
+
+class TorchW8A8:
+    """Reference for W8A8 layers (``quant.w8a8_reference``), back in x's dtype."""
+
+    def __init__(self, w8: W8Weight, bias: torch.Tensor | None) -> None:
+        self.w8, self.bias = w8, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return w8a8_reference(x.reshape(-1, x.shape[-1]), self.w8, self.bias).to(x.dtype)
 
 
 class TorchDequantized:

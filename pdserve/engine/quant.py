@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("none", "int8", "int4")  # weight-only; "w8a8" is W8Weight below
 GROUP_SIZES = (32, 64, 128)
 BLOCK = 32
 BLOCK_BYTES = {8: 34, 4: 20}
@@ -101,6 +101,42 @@ def quantize(w: torch.Tensor, kind: str, group_size: int = 32) -> QuantizedWeigh
     if kind == "int4":
         return quantize_int4(w, group_size)
     raise ValueError(f"quantization must be one of {QUANTIZATIONS[1:]}, got {kind!r}")
+
+
+@dataclass(frozen=True)
+class W8Weight:
+    """W8A8 (``csrc/w8a8.cpp``): int8 weight, one float32 scale per output channel;
+    activations are quantized per row on the fly (``quantize_rows``)."""
+
+    q: torch.Tensor  # int8 [out_features, in_features]
+    scale: torch.Tensor  # float32 [out_features]
+
+
+def quantize_w8(w: torch.Tensor) -> W8Weight:
+    """Symmetric per output channel: scale = max|w| / 127, q = round(w / scale)."""
+    w = w.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    q = (w * inv[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return W8Weight(q.contiguous(), scale.contiguous())
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W8A8's activation quantizer, per row: (q as float32 integers, scale), with
+    the kernel's arithmetic (float32, round half to even)."""
+    x = x.float()
+    amax = x.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return (x * inv[:, None]).round().clamp(-127, 127), amax / 127.0
+
+
+def w8a8_reference(x: torch.Tensor, w: W8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """The W8A8 kernels' result exactly: the integer sums in float64 (exact), then
+    the same float32 epilogue, in the same order."""
+    q, sx = quantize_rows(x)
+    dot = (q.double() @ w.q.double().T).float()
+    y = dot * sx[:, None] * w.scale[None, :]
+    return y if bias is None else y + bias.float()
 
 
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:

@@ -38,7 +38,7 @@ def test_flags_merge_with_the_yaml_engine_keys(tmp_path: Path) -> None:
 def test_bad_values_are_clear_errors(tmp_path: Path) -> None:
     yaml = tmp_path / "c.yaml"
     yaml.write_text("decode: {engine: {quantization: int3}}\n")
-    with pytest.raises(ValueError, match="quantization must be none, int8 or int4"):
+    with pytest.raises(ValueError, match="quantization must be none, int8, int4 or w8a8"):
         config("--config", str(yaml))
     with pytest.raises(ValueError, match="quantization_group_size must be 32, 64 or 128"):
         config("--quantization-group-size", "48")

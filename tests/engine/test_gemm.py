@@ -9,8 +9,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine import kernels
-from pdserve.engine.linear import FAMILIES, CpuDense, cpu_families, resolve_linear_backend
+from pdserve.engine import kernels, quant
+from pdserve.engine.linear import (
+    FAMILIES,
+    W8A8_FAMILIES,
+    CpuDense,
+    CpuW8A8,
+    cpu_families,
+    resolve_linear_backend,
+    w8a8_family,
+)
 
 pytestmark = pytest.mark.skipif(kernels.cpu_supported() is not None,
                                 reason=str(kernels.cpu_supported()))
@@ -101,3 +109,73 @@ def test_gemm_rejects_bad_input() -> None:
         k.pack_weight(w, FAMILIES["avx512bf16"])
     with pytest.raises(RuntimeError, match="unknown kernel family"):
         k.pack_weight(w, 7)
+
+
+# ---------------------------------------------------------------------- W8A8
+W8_FAMILIES = list(W8A8_FAMILIES)
+
+
+def w8_runnable(family: str) -> None:
+    if family == "avx512vnni" and w8a8_family("cpu") != "avx512vnni":
+        pytest.skip("this CPU has no AVX512-VNNI")
+
+
+@pytest.mark.parametrize("family", W8_FAMILIES)
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 40, 131])
+@pytest.mark.parametrize("bias", [False, True])
+def test_w8a8_equals_its_reference_bit_for_bit(family: str, m: int, bias: bool) -> None:
+    w8_runnable(family)
+    g = torch.Generator().manual_seed(m)
+    n, k = 101, 96
+    w8 = quant.quantize_w8(torch.randn(n, k, generator=g))
+    x = torch.randn(m, k, generator=g) * 3
+    x[0, 5] = 40.0  # an outlier sets its row's scale
+    b = torch.randn(n, generator=g) if bias else None
+    out = CpuW8A8(w8, b, family)(x)
+    assert torch.equal(out, quant.w8a8_reference(x, w8, b))
+
+
+def test_w8a8_is_close_to_the_float_matmul() -> None:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 256, generator=g) * 0.05
+    x = torch.randn(9, 256, generator=g)
+    ref = F.linear(x, w)
+    out = CpuW8A8(quant.quantize_w8(w), None, "avx2")(x)
+    # two 8-bit roundings: ~1% of the typical output
+    torch.testing.assert_close(out, ref, rtol=0.05, atol=0.02 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("family", W8_FAMILIES)
+def test_w8a8_rows_are_bit_identical_however_batched(family: str) -> None:
+    w8_runnable(family)
+    g = torch.Generator().manual_seed(2)
+    w8 = quant.quantize_w8(torch.randn(200, 576, generator=g))
+    b = torch.randn(200, generator=g)
+    x = torch.randn(300, 576, generator=g)
+    lin = CpuW8A8(w8, b, family)
+    full = lin(x)
+    for lo, hi in [(0, 1), (5, 6), (3, 8), (7, 20), (100, 229), (127, 129), (11, 300)]:
+        assert torch.equal(lin(x[lo:hi].contiguous()), full[lo:hi]), (lo, hi)
+
+
+def test_w8a8_families_agree_bit_for_bit() -> None:
+    """Integer sums and one float epilogue: the same result on every CPU class."""
+    w8_runnable("avx512vnni")
+    g = torch.Generator().manual_seed(4)
+    w8 = quant.quantize_w8(torch.randn(80, 192, generator=g))
+    x = torch.randn(37, 192, generator=g)
+    b = torch.randn(80, generator=g)
+    assert torch.equal(CpuW8A8(w8, b, "avx2")(x), CpuW8A8(w8, b, "avx512vnni")(x))
+
+
+def test_w8a8_rejects_bad_input() -> None:
+    k = kernels.require()
+    w8 = quant.quantize_w8(torch.randn(16, 64))
+    packed = k.pack_w8(w8.q, 0)
+    colsum = w8.q.sum(dim=1, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="packed weight"):
+        k.w8a8_gemm(torch.randn(2, 32), packed, w8.scale, colsum, 0, None)
+    with pytest.raises(RuntimeError, match="unknown W8A8 family"):
+        k.pack_w8(w8.q, 5)
+    with pytest.raises(RuntimeError, match="int8"):
+        k.pack_w8(w8.q.float(), 0)

@@ -135,3 +135,51 @@ def test_quantized_tiny_model_perplexity(tiny_model: Callable[[str], Path], kind
     base = perplexity(fp32, ids)
     q = perplexity(engine(path, quantization=kind, quantization_group_size=group), ids)
     assert abs(q / base - 1) < bound, (base, q)
+
+
+# ------------------------------------------------------------------- W8A8
+@needs_kernels
+def test_w8a8_kernels_equal_their_reference(tiny_model: Callable[[str], Path]) -> None:
+    """The C++ W8A8 path and the plain-torch reference give the same tokens and
+    logprobs (the linears are equal bit for bit; attention differs in rounding)."""
+    path = tiny_model("qwen2-bias")  # biases through the W8A8 epilogue too
+    ref = engine(path, linear_backend="torch", attention_backend="torch", quantization="w8a8")
+    fast = engine(path, linear_backend="cpu", attention_backend="cpu", quantization="w8a8")
+    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2, prompt_logprobs=0)
+    for n in (1, 16):
+        ps = prompts(n, 20, seed=n)
+        # attention and norms round differently on the two paths; re-quantizing each
+        # layer's input can move a value across a rounding step, so logprobs agree
+        # to a few 1e-2 rather than float precision (a wrong kernel is off by whole
+        # units); the linears alone are equal bit for bit (test_gemm.py)
+        assert_same_greedy(fast.generate(ps, params), ref.generate(ps, params), atol=0.1)
+    fast.check_integrity()
+
+
+@needs_kernels
+def test_w8a8_is_batch_invariant_and_the_same_on_every_family(
+        tiny_model: Callable[[str], Path]) -> None:
+    path = tiny_model("llama-gqa")
+    ps = prompts(12, 30, seed=3)
+    outs = {}
+    for backend in ("cpu-avx2", "cpu"):
+        eng = engine(path, linear_backend=backend, quantization="w8a8")
+        together = eng.generate(ps, GREEDY)
+        alone = eng.generate([ps[5]], GREEDY)[0]
+        assert alone.token_ids == together[5].token_ids
+        outs[backend] = [o.token_ids for o in together]
+    assert outs["cpu-avx2"] == outs["cpu"]  # integer sums: VNNI or not, the same
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_default_model_w8a8_perplexity(default_model_dir: Path) -> None:
+    """Measured: bf16 27.07 -> w8a8 28.14 (+3.9%; float32 +3.2%): one activation scale
+    per token costs more than the 1% goal on this model (docs/quantization.md)."""
+    bf16 = engine(default_model_dir, num_threads=2, dtype="bfloat16")
+    assert bf16.tokenizer is not None
+    ids = bf16.tokenizer.encode(TEXT)
+    base = perplexity(bf16, ids)
+    w8a8 = perplexity(engine(default_model_dir, num_threads=2, dtype="bfloat16",
+                             quantization="w8a8"), ids)
+    assert abs(w8a8 / base - 1) < 0.05, (base, w8a8)
