@@ -37,6 +37,7 @@
 #include <chrono>
 #include <vector>
 
+#include "args.h"
 #include "vec.h"
 
 namespace pdk {
@@ -382,12 +383,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_
                                 packed.scalar_type() == at::kBFloat16)
                              : (packed.scalar_type() == at::kBFloat16 && K % 2 == 0),
               "the packed weight's dtype does not fit its family");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "bias must be a contiguous float32 [N] tensor");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = bias_ptr(bias, N);
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   float* yp = y.data_ptr<float>();

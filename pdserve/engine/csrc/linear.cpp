@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "args.h"
 #include "vec.h"
 
 namespace pdk {
@@ -175,13 +176,6 @@ void check_x(const at::Tensor& x, int64_t K) {
               "x must be a contiguous float32 [M, K] tensor");
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " columns, the weight ", K);
   TORCH_CHECK(K % 32 == 0, "K must be a multiple of 32, got ", K);
-}
-
-const float* bias_ptr(const c10::optional<at::Tensor>& bias, int64_t N) {
-  if (!bias.has_value()) return nullptr;
-  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-              "bias must be a contiguous float32 [N] tensor");
-  return bias->data_ptr<float>();
 }
 
 // Runs fn(rows [n0, n1), m0, mlen) over chunks of at most kMaxSmallM rows of x,

@@ -30,6 +30,7 @@
 #include <cmath>
 #include <vector>
 
+#include "args.h"
 #include "vec.h"
 
 namespace pdk {
@@ -242,12 +243,7 @@ at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 1 && packed.is_contiguous() &&
                   packed.numel() == n_pad * K,
               "the packed weight must be pack_w8's of a [", N, ", ", K, "] weight");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "bias must be a contiguous float32 [N] tensor");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = bias_ptr(bias, N);
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   std::vector<float> sx(M);
