@@ -52,8 +52,9 @@ _W8A8_FLAGS = {"avx2": {"avx2"}, "avx512vnni": {"avx512f", "avx512bw", "avx512_v
 
 
 def w8a8_family(backend: str) -> str:
-    """The W8A8 family a ``cpu-<family>`` backend runs: VNNI where the CPU has it,
-    unless the backend forces ``cpu-avx2``."""
+    """The W8A8 family for a configured ``linear_backend``: VNNI where the CPU has it,
+    unless the configuration forces ``cpu-avx2`` (the dense family a float32 model
+    resolves to does not matter: W8A8's sums are integers)."""
     if backend == "cpu-avx2" or not _W8A8_FLAGS["avx512vnni"] <= kernels.cpu_flags():
         return "avx2"
     return "avx512vnni"
@@ -92,19 +93,18 @@ class Linear(nn.Module):
         self.qweight = qweight
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
-    def use(self, backend: str, w8a8: bool = False) -> None:
+    def use(self, backend: str, w8a8: str | None = None) -> None:
         """Pick the kernel (``torch`` or ``cpu-<family>``; ``w8a8``: int8 weights and
-        activations); called once after loading. The C++ and W8A8 paths keep only
-        their own copy of the weight."""
+        activations on that W8A8 family, ``W8A8_FAMILIES``); called once after
+        loading. The C++ and W8A8 paths keep only their own copy of the weight."""
         cpu = backend.startswith("cpu-")
         if self.qweight is not None:
             self.kernel = (CpuQuantized(self.qweight, self.bias) if cpu
                            else TorchDequantized(self.qweight, self.bias))
             return
-        if w8a8:
+        if w8a8 is not None:
             w8 = quantize_w8(self.weight.data)
-            self.kernel = (CpuW8A8(w8, self.bias, w8a8_family(backend)) if cpu
-                           else TorchW8A8(w8, self.bias))
+            self.kernel = CpuW8A8(w8, self.bias, w8a8) if cpu else TorchW8A8(w8, self.bias)
         elif cpu:
             self.kernel = CpuDense(self.weight.data, self.bias, backend.removeprefix("cpu-"))
         else:
