@@ -17,8 +17,8 @@ through a kernel chosen once at load (``Linear.use``):
 
 A quantized layer (``Linear.quantize``, formats in ``quant.py``) keeps only its
 blocks; its reference is ``dequantize`` then ``F.linear``. A W8A8 layer
-(``Linear.use(..., w8a8=True)``) multiplies int8 weights by activations quantized
-to int8 per row (``csrc/w8a8.cpp``: ``avx2`` with vpmaddwd, ``avx512vnni`` with
+(``Linear.use(..., w8a8=family)``) multiplies int8 weights by activations quantized
+to int8 per row and group of 64 (``csrc/w8a8.cpp``: ``avx2`` with vpmaddwd, ``avx512vnni`` with
 vpdpbusd); its reference is ``quant.w8a8_reference``, equal to it bit for bit.
 
 ``LayerOps`` is the matching switch for RMSNorm (with the residual add fused) and
@@ -39,6 +39,7 @@ from pdserve.engine.quant import (
     W8Weight,
     dequantize,
     quantize_w8,
+    w8a8_group,
     w8a8_reference,
 )
 
@@ -157,7 +158,9 @@ class CpuW8A8:
         self.family = W8A8_FAMILIES[family]
         self.packed = self.k.pack_w8(w8.q, self.family)
         self.scale = w8.scale
-        self.colsum = w8.q.sum(dim=1, dtype=torch.int32)
+        n, k = w8.q.shape
+        g = w8a8_group(k)  # colsum[group][n]: the u8 offset's correction (VNNI)
+        self.colsum = w8.q.reshape(n, k // g, g).sum(dim=2, dtype=torch.int32).T.contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

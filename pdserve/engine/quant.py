@@ -121,21 +121,38 @@ def quantize_w8(w: torch.Tensor) -> W8Weight:
     return W8Weight(q.contiguous(), scale.contiguous())
 
 
+def w8a8_group(in_features: int) -> int:
+    """Input values per activation scale in W8A8: 64, else 32, else 16 (as w8a8.cpp)."""
+    for g in (64, 32, 16):
+        if in_features % g == 0:
+            return g
+    raise ValueError(f"W8A8 needs an input size that is a multiple of 16, got {in_features}")
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W8A8's activation quantizer, per row: (q as float32 integers, scale), with
-    the kernel's arithmetic (float32, round half to even)."""
+    """W8A8's activation quantizer, per row and group of ``w8a8_group`` values: (q as
+    float32 integers [M, groups, G], scales [M, groups]), with the kernel's
+    arithmetic (float32, round half to even)."""
     x = x.float()
-    amax = x.abs().amax(dim=-1)
+    m, k = x.shape
+    xg = x.reshape(m, k // w8a8_group(k), w8a8_group(k))
+    amax = xg.abs().amax(dim=-1)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
-    return (x * inv[:, None]).round().clamp(-127, 127), amax / 127.0
+    return (xg * inv[..., None]).round().clamp(-127, 127), amax / 127.0
 
 
 def w8a8_reference(x: torch.Tensor, w: W8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """The W8A8 kernels' result exactly: the integer sums in float64 (exact), then
-    the same float32 epilogue, in the same order."""
+    """The W8A8 kernels' result exactly: each group's integer sum in float64 (exact),
+    then the same float32 operations in the same order."""
     q, sx = quantize_rows(x)
-    dot = (q.double() @ w.q.double().T).float()
-    y = dot * sx[:, None] * w.scale[None, :]
+    n, k = w.q.shape
+    g = w8a8_group(k)
+    qw = w.q.double().reshape(n, k // g, g)
+    acc = torch.zeros(x.shape[0], n)
+    for i in range(k // g):
+        dot = (q[:, i].double() @ qw[:, i].T).float()
+        acc = acc + dot * sx[:, i, None]
+    y = acc * w.scale[None, :]
     return y if bias is None else y + bias.float()
 
 

@@ -168,11 +168,17 @@ def test_w8a8_families_agree_bit_for_bit() -> None:
     assert torch.equal(CpuW8A8(w8, b, "avx2")(x), CpuW8A8(w8, b, "avx512vnni")(x))
 
 
+def test_w8a8_groups_agree_with_the_reference() -> None:
+    k = kernels.require()
+    for width in (576, 1536, 96, 80, 48, 16):
+        assert k.w8a8_group(width) == quant.w8a8_group(width)
+
+
 def test_w8a8_rejects_bad_input() -> None:
     k = kernels.require()
     w8 = quant.quantize_w8(torch.randn(16, 64))
     packed = k.pack_w8(w8.q, 0)
-    colsum = w8.q.sum(dim=1, dtype=torch.int32)
+    colsum = w8.q.sum(dim=1, dtype=torch.int32)[None]  # one group of 64
     with pytest.raises(RuntimeError, match="packed weight"):
         k.w8a8_gemm(torch.randn(2, 32), packed, w8.scale, colsum, 0, None)
     with pytest.raises(RuntimeError, match="unknown W8A8 family"):

@@ -173,13 +173,13 @@ def test_w8a8_is_batch_invariant_and_the_same_on_every_family(
 
 @needs_kernels
 @pytest.mark.slow
-def test_default_model_w8a8_perplexity(default_model_dir: Path) -> None:
-    """Measured: bf16 27.07 -> w8a8 28.14 (+3.9%; float32 +3.2%): one activation scale
-    per token costs more than the 1% goal on this model (docs/quantization.md)."""
+def test_default_model_w8a8_perplexity_within_1_percent_of_bf16(default_model_dir: Path) -> None:
+    """Measured: bf16 27.07 -> w8a8 27.14 (+0.23%; float32 -0.28%). One activation
+    scale per row instead of per group of 64 cost +3.9% (docs/quantization.md)."""
     bf16 = engine(default_model_dir, num_threads=2, dtype="bfloat16")
     assert bf16.tokenizer is not None
     ids = bf16.tokenizer.encode(TEXT)
     base = perplexity(bf16, ids)
     w8a8 = perplexity(engine(default_model_dir, num_threads=2, dtype="bfloat16",
                              quantization="w8a8"), ids)
-    assert abs(w8a8 / base - 1) < 0.05, (base, w8a8)
+    assert abs(w8a8 / base - 1) < 0.01, (base, w8a8)
