@@ -48,7 +48,7 @@ def assert_same_greedy(got: list[Completion], want: list[Completion], margin: fl
 @pytest.mark.parametrize(("kind", "group"), [("int8", 32), ("int4", 32), ("int4", 64)])
 def test_quantized_kernels_match_dequantize_reference(tiny_model: Callable[[str], Path],
                                                       kind: str, group: int) -> None:
-    """Batch 1 (streaming kernel) and 32 (widened BLAS path for the prompts) on both
+    """Batch 1 and 32 (one kernel for every batch size, chunked for the prompts) on both
     backends; prompt logprobs (every prompt position) within float tolerance."""
     path = tiny_model("llama-gqa")  # sizes 64 / 192: multiples of the groups
     kw = {"quantization": kind, "quantization_group_size": group}
