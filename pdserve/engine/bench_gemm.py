@@ -10,7 +10,9 @@ model's layer shapes (qkv 960x576, o 576x576, gate/up 3072x576, down 576x1536):
   same shapes (bfloat16 in and out for bfloat16 weights, as vLLM's CPU build runs);
 - decode bandwidth: one row through 30 layers' weights (larger than the caches), as
   GB/s of weights read and a fraction of the memory read bandwidth measured here;
-- which family ``linear_backend: cpu`` picks.
+- which family ``linear_backend: cpu`` picks;
+- the W8A8 families (``quantization: w8a8``) the same way, against their integer
+  peak (``w8a8_peak``) and bf16 ``F.linear``.
 
 Run: ``python -m pdserve.engine.bench_gemm [--threads 1,2] [--rows 1,8,32,128,1024]``.
 """
@@ -27,7 +29,16 @@ import torch.nn.functional as F
 
 from pdserve.engine import kernels
 from pdserve.engine.bench import memory_read_bandwidth
-from pdserve.engine.linear import FAMILIES, CpuDense, cpu_families, resolve_linear_backend
+from pdserve.engine.linear import (
+    FAMILIES,
+    W8A8_FAMILIES,
+    CpuDense,
+    CpuW8A8,
+    cpu_families,
+    resolve_linear_backend,
+    w8a8_family,
+)
+from pdserve.engine.quant import quantize_w8
 
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of the default model
 
@@ -90,6 +101,31 @@ def bench(threads: int, rows: list[int]) -> None:
             del deep
 
 
+def bench_w8a8(threads: int, rows: list[int]) -> None:
+    """W8A8 families against their integer peak and bf16 ``F.linear`` (same shapes)."""
+    k = kernels.require()
+    g = torch.Generator().manual_seed(1)
+    weights = [torch.randn(n, kk, generator=g) * 0.05 for n, kk in LAYER]
+    ref_layer: list[Callable[[torch.Tensor], torch.Tensor]] = [
+        partial(F.linear, weight=w.bfloat16()) for w in weights]
+    families = ["avx2"] + (["avx512vnni"] if w8a8_family("cpu") == "avx512vnni" else [])
+    print(f"-- W8A8 (int8 x int8, quantization: w8a8): families {', '.join(families)}")
+    for family in families:
+        peak = k.w8a8_peak(W8A8_FAMILIES[family]) * threads
+        layer: list[Callable[[torch.Tensor], torch.Tensor]] = [
+            CpuW8A8(quantize_w8(w), None, family) for w in weights]
+        cells = []
+        for m in rows:
+            xs = {kk: torch.randn(m, kk, generator=g) for kk in (576, 1536)}
+            ours = best_seconds(partial(run_layers, layer, xs))
+            ref = best_seconds(partial(run_layers, ref_layer,
+                                       {kk: x.bfloat16() for kk, x in xs.items()}))
+            ops = layer_flops(m) / ours
+            cells.append(f"{m} rows {ops / 1e9:5.0f} GOP/s ({ops / peak:4.0%}, "
+                         f"{ref / ours:4.2f}x bf16 F.linear)")
+        print(f"   {family:<11} peak {peak / 1e9:4.0f} GOP/s | " + " | ".join(cells))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
@@ -101,6 +137,7 @@ def main() -> None:
     print(f"CPU flags: {' '.join(flags)}")
     for threads in (int(t) for t in args.threads.split(",")):
         bench(threads, [int(r) for r in args.rows.split(",")])
+        bench_w8a8(threads, [int(r) for r in args.rows.split(",")])
 
 
 if __name__ == "__main__":

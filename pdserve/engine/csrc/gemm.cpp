@@ -233,17 +233,22 @@ void dp_groups(const uint32_t* x2, int64_t M, int64_t K, const bf16_t* P, int64_
   }
 }
 
-// Multiply-adds of `iters` steps of 24 independent vdpbf16ps chains, kept alive.
+// FLOPs of `iters` steps of 12 independent vdpbf16ps chains (named variables, so
+// that they stay in registers; kept alive past the loop).
 double dp_peak_loop(int64_t iters) {
-  __m512 acc[24];
-  for (int i = 0; i < 24; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
   const __m512bh a = (__m512bh)_mm512_set1_epi32(0x3F803F80), b = a;  // bf16 1.0 pairs
-  for (int64_t t = 0; t < iters; ++t)
-#pragma GCC unroll 24
-    for (int i = 0; i < 24; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
-  float sink = 0.f;
-  for (int i = 0; i < 24; ++i) sink += _mm512_reduce_add_ps(acc[i]);
-  return static_cast<double>(sink) * 0.0 + 2.0 * 32 * 24 * static_cast<double>(iters);
+#define PDK_DECL(i) __m512 c##i = _mm512_set1_ps(static_cast<float>(i));
+  PDK_REP12(PDK_DECL)
+#undef PDK_DECL
+  for (int64_t t = 0; t < iters; ++t) {
+#define PDK_STEP(i) c##i = _mm512_dpbf16_ps(c##i, a, b);
+    PDK_REP12(PDK_STEP)
+#undef PDK_STEP
+  }
+#define PDK_KEEP(i) asm volatile("" : : "v"(c##i));
+  PDK_REP12(PDK_KEEP)
+#undef PDK_KEEP
+  return 2.0 * 32 * 12 * static_cast<double>(iters);
 }
 
 }  // namespace
@@ -304,15 +309,19 @@ void fma_groups(const float* x, int64_t M, int64_t K, const T* P, int64_t n_pad,
 
 // FLOPs of `iters` steps of 12 independent float32 FMA chains.
 double fma_peak_loop(int64_t iters) {
-  __m256 acc[12];
-  for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_ps(static_cast<float>(i));
   const __m256 a = _mm256_set1_ps(1.0f), b = _mm256_set1_ps(1e-7f);
-  for (int64_t t = 0; t < iters; ++t)
-#pragma GCC unroll 12
-    for (int i = 0; i < 12; ++i) acc[i] = _mm256_fmadd_ps(acc[i], a, b);
-  float sink = 0.f;
-  for (int i = 0; i < 12; ++i) sink += hsum(acc[i]);
-  return static_cast<double>(sink) * 0.0 + 2.0 * 8 * 12 * static_cast<double>(iters);
+#define PDK_DECL(i) __m256 c##i = _mm256_set1_ps(static_cast<float>(i));
+  PDK_REP12(PDK_DECL)
+#undef PDK_DECL
+  for (int64_t t = 0; t < iters; ++t) {
+#define PDK_STEP(i) c##i = _mm256_fmadd_ps(c##i, a, b);
+    PDK_REP12(PDK_STEP)
+#undef PDK_STEP
+  }
+#define PDK_KEEP(i) asm volatile("" : : "x"(c##i));
+  PDK_REP12(PDK_KEEP)
+#undef PDK_KEEP
+  return 2.0 * 8 * 12 * static_cast<double>(iters);
 }
 
 enum Family : int64_t { kFma = 0, kBf16Dp = 1 };

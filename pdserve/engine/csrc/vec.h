@@ -11,6 +11,10 @@
 
 namespace pdk {
 
+// X(0) ... X(11): twelve independent register chains in the peak loops (gemm.cpp,
+// w8a8.cpp), named variables so that the compiler keeps each in a register.
+#define PDK_REP12(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+
 using bf16_t = uint16_t;  // raw bfloat16 bits (c10::BFloat16 has the same layout)
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }

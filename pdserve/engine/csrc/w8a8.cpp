@@ -31,6 +31,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <vector>
 
@@ -229,15 +230,66 @@ void vnni_groups(const uint8_t* x, int64_t M, int64_t K, int64_t G, const int8_t
   }
 }
 
+// Integer ops (2 per multiply-add) of `iters` steps of 12 independent vpdpbusd chains
+// (named variables, so that they stay in registers; kept alive past the loop).
+double vnni_peak_loop(int64_t iters) {
+  const __m512i a = _mm512_set1_epi8(1), b = _mm512_set1_epi8(1);
+#define PDK_DECL(i) __m512i c##i = _mm512_set1_epi32(i);
+  PDK_REP12(PDK_DECL)
+#undef PDK_DECL
+  for (int64_t t = 0; t < iters; ++t) {
+#define PDK_STEP(i) c##i = _mm512_dpbusd_epi32(c##i, a, b);
+    PDK_REP12(PDK_STEP)
+#undef PDK_STEP
+  }
+#define PDK_KEEP(i) asm volatile("" : : "v"(c##i));
+  PDK_REP12(PDK_KEEP)
+#undef PDK_KEEP
+  return 2.0 * 64 * 12 * static_cast<double>(iters);
+}
+
 }  // namespace
 #pragma GCC pop_options
 
 namespace {
 
+// Integer ops of `iters` steps of 12 independent vpmaddwd + vpaddd chains (each
+// multiply reads its own chain, so that it cannot be hoisted or folded).
+double avx2_peak_loop(int64_t iters) {
+  const __m256i b = _mm256_set1_epi16(1);
+#define PDK_DECL(i) __m256i c##i = _mm256_set1_epi32(i);
+  PDK_REP12(PDK_DECL)
+#undef PDK_DECL
+  for (int64_t t = 0; t < iters; ++t) {
+#define PDK_STEP(i) c##i = _mm256_add_epi32(c##i, _mm256_madd_epi16(c##i, b));
+    PDK_REP12(PDK_STEP)
+#undef PDK_STEP
+  }
+#define PDK_KEEP(i) asm volatile("" : : "x"(c##i));
+  PDK_REP12(PDK_KEEP)
+#undef PDK_KEEP
+  return 2.0 * 16 * 12 * static_cast<double>(iters);
+}
+
 int64_t group_of(int64_t family) { return family == kW8Avx2 ? kAvx2Group : kVnniGroup; }
 int64_t padded16(int64_t N) { return (N + 15) / 16 * 16; }
 
 }  // namespace
+
+// One thread's integer-op peak of a W8A8 family (ops/s, a multiply-add counting 2),
+// from a register-only loop: what `make bench` measures the kernels against.
+double w8a8_peak(int64_t family) {
+  TORCH_CHECK(family == kW8Avx2 || family == kW8Vnni, "unknown W8A8 family ", family);
+  constexpr int64_t kIters = 1 << 22;
+  double best = 0.0;
+  for (int rep = 0; rep < 3; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const double ops = family == kW8Avx2 ? avx2_peak_loop(kIters) : vnni_peak_loop(kIters);
+    const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
+    best = std::max(best, ops / dt.count());
+  }
+  return best;
+}
 
 // qw int8 [N, K] (quant.quantize_w8) -> the family's packed layout (1-d int8).
 at::Tensor pack_w8(const at::Tensor& qw, int64_t family) {
