@@ -163,8 +163,9 @@ class EngineConfig:
     # Weight-only quantization of the linear layers (quant.py): "none", "int8" (per
     # output channel) or "int4" (groups of quantization_group_size, with mins). The
     # KV cache keeps ``dtype``, so quantized and float workers exchange the same KV.
-    # "w8a8": int8 weights (per channel) x int8 activations (per token, dynamic) for
-    # compute-bound prefill and batched decode; the LM head keeps ``dtype``.
+    # "w8a8": int8 weights (per channel) x int8 activations (dynamic, per token and
+    # group of 64 inputs) for compute-bound prefill and batched decode; the LM head
+    # keeps ``dtype``.
     quantization: str = "none"
     quantization_group_size: int = 32
     # Ranks one engine is split over (engine/tp.py): each holds 1/N of the weights and

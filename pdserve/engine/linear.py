@@ -18,8 +18,9 @@ through a kernel chosen once at load (``Linear.use``):
 A quantized layer (``Linear.quantize``, formats in ``quant.py``) keeps only its
 blocks; its reference is ``dequantize`` then ``F.linear``. A W8A8 layer
 (``Linear.use(..., w8a8=family)``) multiplies int8 weights by activations quantized
-to int8 per row and group of 64 (``csrc/w8a8.cpp``: ``avx2`` with vpmaddwd, ``avx512vnni`` with
-vpdpbusd); its reference is ``quant.w8a8_reference``, equal to it bit for bit.
+to int8 per row and group of 64 (``csrc/w8a8.cpp``: ``avx2`` with vpmaddwd,
+``avx512vnni`` with vpdpbusd); its reference is ``quant.w8a8_reference``, equal to it
+bit for bit.
 
 ``LayerOps`` is the matching switch for RMSNorm (with the residual add fused) and
 SiLU-and-multiply: ``TorchOps`` is the reference, ``CpuOps`` the fused kernels.
@@ -151,7 +152,7 @@ class CpuQuantized:
 
 
 class CpuW8A8:
-    """int8 weight x int8 activations (per-row scales), float32 in and out."""
+    """int8 weight x int8 activations (scales per row and group), float32 in and out."""
 
     def __init__(self, w8: W8Weight, bias: torch.Tensor | None, family: str) -> None:
         self.k = kernels.require()

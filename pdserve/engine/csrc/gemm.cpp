@@ -34,7 +34,6 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
-#include <chrono>
 #include <vector>
 
 #include "args.h"
@@ -334,15 +333,7 @@ int64_t padded_rows(int64_t N) { return (N + kBlock - 1) / kBlock * kBlock; }
 // only loop: what `make bench` measures the kernels' GFLOP/s against.
 double family_peak(int64_t family) {
   TORCH_CHECK(family == kFma || family == kBf16Dp, "unknown kernel family ", family);
-  constexpr int64_t kIters = 1 << 22;
-  double best = 0.0;
-  for (int rep = 0; rep < 3; ++rep) {
-    const auto t0 = std::chrono::steady_clock::now();
-    const double flops = family == kFma ? fma_peak_loop(kIters) : dp_peak_loop(kIters);
-    const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
-    best = std::max(best, flops / dt.count());
-  }
-  return best;
+  return peak_rate(family == kFma ? fma_peak_loop : dp_peak_loop);
 }
 
 // W [N, K] float32 / bfloat16 -> the family's packed layout (1-d; zero rows pad N

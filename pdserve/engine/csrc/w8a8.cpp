@@ -31,7 +31,6 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <vector>
 
@@ -280,15 +279,7 @@ int64_t padded16(int64_t N) { return (N + 15) / 16 * 16; }
 // from a register-only loop: what `make bench` measures the kernels against.
 double w8a8_peak(int64_t family) {
   TORCH_CHECK(family == kW8Avx2 || family == kW8Vnni, "unknown W8A8 family ", family);
-  constexpr int64_t kIters = 1 << 22;
-  double best = 0.0;
-  for (int rep = 0; rep < 3; ++rep) {
-    const auto t0 = std::chrono::steady_clock::now();
-    const double ops = family == kW8Avx2 ? avx2_peak_loop(kIters) : vnni_peak_loop(kIters);
-    const std::chrono::duration<double> dt = std::chrono::steady_clock::now() - t0;
-    best = std::max(best, ops / dt.count());
-  }
-  return best;
+  return peak_rate(family == kW8Avx2 ? avx2_peak_loop : vnni_peak_loop);
 }
 
 // qw int8 [N, K] (quant.quantize_w8) -> the family's packed layout (1-d int8).
