@@ -132,19 +132,32 @@ class RankChannel:
                 log.debug("rank %d channel close: %s", self.rank, exc)
 
     def _post(self, op: str, *args: Any) -> None:
+        """Fire and forget; into a pipe that is already gone it marks the rank dead
+        (what it carried then fails PEER_DIED, as when the reader sees the EOF)."""
         with self._lock:
             if self.dead is None:
-                self._conn.send((None, op, args))
+                self._send_locked((None, op, args))
 
     def _call(self, op: str, *args: Any) -> Any:
         fut: Future[Any] = Future()
         with self._lock:
+            if self.dead is None:
+                call_id = next(self._ids)
+                self._waiting[call_id] = fut
+                self._send_locked((call_id, op, args))
+                if self.dead is not None:  # the send found the pipe gone
+                    del self._waiting[call_id]
             if self.dead is not None:
                 raise ConnectionError(f"tensor-parallel rank {self.rank}: {self.dead}")
-            call_id = next(self._ids)
-            self._waiting[call_id] = fut
-            self._conn.send((call_id, op, args))
         return fut.result(CALL_TIMEOUT_S)
+
+    def _send_locked(self, message: Any) -> None:
+        """Send with ``_lock`` held; a closed pipe (the follower died, its reader may
+        not have seen the EOF yet) marks the rank dead instead of raising."""
+        try:
+            self._conn.send(message)
+        except OSError as exc:
+            self.dead = f"channel gone ({type(exc).__name__})"
 
     def _read(self) -> None:
         while True:

@@ -209,3 +209,24 @@ def test_a_refused_call_leaves_nothing_pending(workers: Callable[..., Worker]) -
         d.channel.expect("c", [5], WAIT_S)
     (ended,) = events(d.channel, 1)
     assert ended.request_id == "c" and not ended.ok and d.channel.num_pending == 1
+
+
+def test_a_post_into_a_pipe_that_just_closed_marks_the_rank_gone() -> None:
+    """The follower's end stops reading before rank 0's reader sees EOF (the race
+    CI hit): a send or abort then marks the rank gone instead of raising
+    BrokenPipeError into the worker, and a call says the rank is gone."""
+    a, b = socket.socketpair()
+    mine = multiprocessing.connection.Connection(os.dup(a.fileno()))
+    a.close()
+    b.shutdown(socket.SHUT_RD)  # writes to it now fail; our reader still sees no EOF
+    ch = RankChannel(mine, 1)
+    try:
+        ch.send("peer", "r@1", [5], [1])
+        assert ch.dead is not None and "BrokenPipeError" in ch.dead
+        ch.abort("r@1")  # dropped: the rank is gone
+        with pytest.raises(ConnectionError, match="rank 1"):
+            ch.endpoint()
+    finally:
+        b.close()
+        ch._reader.join(WAIT_S)
+        mine.close()
