@@ -15,9 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.engine.structured import StructuredOutput
+
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 100.0
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one token's bias
+MAX_LOGIT_BIAS_TOKENS = 1024
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 
@@ -46,6 +50,16 @@ class SamplingParams:
     * ``stop`` / ``stop_token_ids``: also accept a list (stored as a tuple); ``stop``
       also accepts one string. The stop string is cut from the output unless
       ``include_stop_str_in_output``.
+    * ``logit_bias`` (OpenAI): token id -> bias in [-100, 100], added to the logit
+      before anything else (a mapping is accepted and stored as sorted pairs).
+    * ``structured``: the output must match this JSON schema / regex / choice /
+      grammar; tokens that cannot continue a match are masked after the penalties.
+    * ``resumed_tokens``: the last N prompt tokens are output an earlier attempt of this
+      request already produced (a retry on another worker): a grammar continues after
+      them. The router sets it; clients do not.
+    * ``priority`` (vLLM's field): lower runs first, in the router's admission queue and
+      in each worker's waiting queue (with aging, so a low priority never starves). It
+      rides here so that every hop that carries the request carries it.
     """
 
     max_tokens: int = 16
@@ -64,6 +78,10 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    structured: StructuredOutput | None = None
+    resumed_tokens: int = 0
+    priority: int = 0
 
     def __post_init__(self) -> None:
         # Types first (normalising ints/floats/lists), then ranges.
@@ -89,6 +107,12 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {_tname(getattr(self, name))}")
         self._set("stop", _as_stop(self.stop))
         self._set("stop_token_ids", _as_stop_token_ids(self.stop_token_ids))
+        self._set("logit_bias", _as_logit_bias(self.logit_bias))
+        self._set("resumed_tokens", _as_int("resumed_tokens", self.resumed_tokens))
+        self._set("priority", _as_int("priority", self.priority))
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got "
+                             f"{_tname(self.structured)}")
 
         if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
             raise ValueError(f"max_tokens must be >= 1 (0 only with prompt_logprobs), "
@@ -120,6 +144,10 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
+        if self.resumed_tokens < 0:
+            raise ValueError(f"resumed_tokens must be >= 0, got {self.resumed_tokens}")
+        if not _INT64_MIN <= self.priority <= _INT64_MAX:
+            raise ValueError(f"priority must be in the int64 range, got {self.priority}")
 
     def _set(self, name: str, value: object) -> None:
         # Frozen dataclass: normalisation in __post_init__ has to bypass __setattr__.
@@ -138,6 +166,11 @@ class SamplingParams:
             or self.frequency_penalty != 0.0
             or self.presence_penalty != 0.0
         )
+
+    @property
+    def needs_processing(self) -> bool:
+        """True when the logits are changed before the draw (bias, grammar, penalties)."""
+        return self.has_penalties or bool(self.logit_bias) or self.structured is not None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
@@ -187,6 +220,35 @@ def _as_stop(value: object) -> tuple[str, ...]:
     if len(value) > MAX_STOP_STRINGS:
         raise ValueError(f"stop allows at most {MAX_STOP_STRINGS} strings, got {len(value)}")
     return tuple(value)
+
+
+def _as_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """A mapping (token id, or its decimal string as JSON keys are) -> bias, or pairs."""
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+        if any(not isinstance(p, (list, tuple)) or len(p) != 2 for p in items):
+            raise ValueError("logit_bias must map token ids to numbers")
+    else:
+        raise ValueError(f"logit_bias must map token ids to numbers, got {_tname(value)}")
+    if len(items) > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(f"logit_bias allows at most {MAX_LOGIT_BIAS_TOKENS} tokens, "
+                         f"got {len(items)}")
+    out: dict[int, float] = {}
+    for key, bias in items:
+        if isinstance(key, str):
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            key = int(key)
+        tid = _as_int("logit_bias token id", key)
+        if tid < 0:
+            raise ValueError(f"logit_bias token ids must be non-negative, got {tid}")
+        b = _as_float(f"logit_bias[{tid}]", bias)
+        if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias[{tid}] must be in [-100, 100], got {b:g}")
+        out[tid] = b
+    return tuple(sorted(out.items()))
 
 
 def _as_stop_token_ids(value: object) -> tuple[int, ...]:

@@ -1,0 +1,156 @@
+"""Structured outputs: what a request's tokens must match, as one frozen value.
+
+This module owns ``StructuredOutput`` (a JSON schema, a regex, a list of choices or a
+context-free grammar) and turns it into the grammar text of llguidance, the grammar
+engine pdserve uses (why llguidance: ``docs/structured-outputs.md``). It does not
+import torch: the router checks a request's constraint here before anything reaches
+a worker, so a schema the engine cannot compile is a 400 naming its part.
+``engine/grammar.py`` runs the grammar per request (matcher, token masks).
+
+JSON is generated compact with one space after ``:`` and ``,`` (OpenAI's own shape), so
+a sampled stream cannot wander off into unbounded whitespace.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import llguidance
+
+Kind = Literal["json", "regex", "choice", "grammar"]
+KINDS: tuple[Kind, ...] = ("json", "regex", "choice", "grammar")
+MAX_SPEC_CHARS = 1 << 20  # a schema/grammar text larger than 1 MiB is refused
+MAX_CHOICES = 4096
+# JSON compiler options: compact separators, no free whitespace (see module doc).
+JSON_OPTIONS: dict[str, Any] = {
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "whitespace_flexible": False,
+}
+# Bounds on the work one grammar may cost (llguidance's fuel units): a pathological
+# schema fails to compile within these instead of holding a worker.
+LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000,
+              max_lexer_states=250_000, max_grammar_size=500_000, verbose_errors=False)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output.
+
+    * ``json``: ``spec`` is a JSON schema as JSON text (``{"type": "object"}`` is what
+      ``response_format: json_object`` means);
+    * ``regex``: ``spec`` is a regular expression (Rust ``regex`` syntax) the whole
+      output matches;
+    * ``choice``: ``spec`` is a JSON list of strings; the output is one of them;
+    * ``grammar``: ``spec`` is a Lark grammar (llguidance's dialect) or a GBNF one
+      (llama.cpp's, the form vLLM's ``guided_grammar`` takes).
+    """
+
+    kind: Kind
+    spec: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(KINDS)}, "
+                             f"got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise ValueError(f"structured output spec must be a string, got "
+                             f"{type(self.spec).__name__}")
+        if len(self.spec) > MAX_SPEC_CHARS:
+            raise ValueError(f"structured output spec has {len(self.spec)} characters; "
+                             f"at most {MAX_SPEC_CHARS}")
+
+    @classmethod
+    def json_schema(cls, schema: Mapping[str, Any] | bool) -> StructuredOutput:
+        if not isinstance(schema, (Mapping, bool)):
+            raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
+        return cls("json", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+
+    @classmethod
+    def json_object(cls) -> StructuredOutput:
+        return cls.json_schema({"type": "object"})
+
+    @classmethod
+    def regex(cls, pattern: str) -> StructuredOutput:
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError("a regex constraint must be a non-empty string")
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, choices: Sequence[str]) -> StructuredOutput:
+        if isinstance(choices, str) or not isinstance(choices, Sequence) or not choices:
+            raise ValueError("a choice constraint must be a non-empty list of strings")
+        if len(choices) > MAX_CHOICES:
+            raise ValueError(f"a choice constraint allows at most {MAX_CHOICES} strings")
+        for c in choices:
+            if not isinstance(c, str) or not c:
+                raise ValueError(f"choices must be non-empty strings, got {c!r}")
+        return cls("choice", json.dumps(list(choices)))
+
+    @classmethod
+    def grammar(cls, text: str) -> StructuredOutput:
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError("a grammar constraint must be a non-empty string")
+        return cls("grammar", text)
+
+    def describe(self) -> str:
+        """Short, loggable name of the constraint (never the whole schema)."""
+        return f"{self.kind}({len(self.spec)} chars)"
+
+
+def _compile(s: StructuredOutput) -> str:
+    if s.kind == "json":
+        try:
+            return str(llguidance.LLMatcher.grammar_from_json_schema(s.spec,
+                                                                     defaults=JSON_OPTIONS))
+        except ValueError as exc:
+            raise ValueError(f"invalid JSON schema: {exc}") from exc
+    try:
+        return str(llguidance.grammar_from(s.kind, s.spec))
+    except ValueError as exc:
+        raise ValueError(f"invalid {s.kind} constraint: {exc}") from exc
+
+
+class _Cache:
+    """Grammar texts of recently used constraints, checked once (an LRU)."""
+
+    def __init__(self, size: int = 256) -> None:
+        self._size = size
+        self._items: OrderedDict[StructuredOutput, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, s: StructuredOutput) -> str:
+        with self._lock:
+            hit = self._items.get(s)
+            if hit is not None:
+                self._items.move_to_end(s)
+                return hit
+        grammar = _compile(s)
+        error = llguidance.LLMatcher.validate_grammar(grammar, None,
+                                                      limits=llguidance.LLParserLimits(**LIMITS))
+        if error:
+            raise ValueError(f"invalid {'JSON schema' if s.kind == 'json' else s.kind} "
+                             f"constraint: {error}")
+        with self._lock:
+            self._items[s] = grammar
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+        return grammar
+
+
+_CACHE = _Cache()
+
+
+def grammar_of(s: StructuredOutput) -> str:
+    """llguidance grammar text for ``s``, checked (``ValueError`` naming what is wrong);
+    cached, so a schema every request repeats is compiled once per process."""
+    return _CACHE.get(s)
+
+
+def limits() -> llguidance.LLParserLimits:
+    return llguidance.LLParserLimits(**LIMITS)
