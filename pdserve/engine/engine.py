@@ -35,6 +35,7 @@ import torch
 from pdserve.engine.attention import make_attention, resolve_attention_backend
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ModelConfig, ceil_div
+from pdserve.engine.grammar import Grammars
 from pdserve.engine.input_batch import InputBatch
 from pdserve.engine.linear import resolve_linear_backend, w8a8_family
 from pdserve.engine.model import LlamaModel
@@ -43,7 +44,7 @@ from pdserve.engine.quant_load import quantize_model
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.rope import RotaryEmbedding
 from pdserve.engine.runner import ModelRunner, Sampled
-from pdserve.engine.sampler import TokenLogprobs, make_generator
+from pdserve.engine.sampler import TokenLogprobs, make_generator, skip_draws
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.stop import StopChecker, StopDecision
@@ -168,7 +169,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.pool, self.block_size,
                                    self.config.max_num_batched_tokens, self.config.max_num_seqs,
                                    on_release=inputs.release)
-        self.runner = ModelRunner(self.model, self.kv_cache, inputs, self.eos_token_ids)
+        self.grammars = Grammars(tokenizer, mc.vocab_size, self.eos_token_ids)
+        self.runner = ModelRunner(self.model, self.kv_cache, inputs, self.eos_token_ids,
+                                  self.grammars)
         self.requests: dict[str, Request] = {}
         self._stops: dict[str, StopChecker] = {}  # token-level stop rules per request
         self.role = self.config.role
@@ -249,6 +252,11 @@ class LLMEngine:
             )
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be < vocab size {vocab}")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be < vocab size {vocab}")
+        if params.resumed_tokens >= n:
+            raise ValueError(f"resumed_tokens ({params.resumed_tokens}) must be shorter "
+                             f"than the prompt ({n})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
 
@@ -258,7 +266,10 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, params)
         req = Request(request_id, list(prompt_token_ids), params)
+        if self.tp is None or self.tp.rank == 0:  # rank 0 samples for every rank
+            req.grammar = self.grammars.matcher(params, req.prompt_token_ids)
         req.generator = make_generator(params, self.config.device)
+        skip_draws(params, req.generator, params.resumed_tokens)
         self._stops[request_id] = StopChecker(params, self.eos_token_ids)
         self.requests[request_id] = req
         return req
@@ -293,7 +304,11 @@ class LLMEngine:
         req = self.requests[request_id]
         if req.status is not RequestStatus.WAITING_FOR_KV:
             raise ValueError(f"request {request_id!r} is {req.status.value}, not waiting for KV")
+        if req.grammar is not None and req.grammar.validate_tokens([first_token]) != 1:
+            raise ValueError(f"request {request_id!r}: first token {first_token} does not "
+                             f"match its structured output constraint")
         self.scheduler.start_decode(req)
+        skip_draws(req.params, req.generator, 1)  # the prefill worker drew the first token
         return self._append_token(Sampled(req, first_token, first_logprobs))
 
     def block_ids(self, request_id: str) -> list[int]:
@@ -384,6 +399,10 @@ class LLMEngine:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         logprobs = [s.logprobs] if s.logprobs is not None else []
+        if req.grammar is not None and not req.grammar.consume_token(s.token_id):
+            # Sampled under its mask, or checked in start_decode: a bug if it misses.
+            raise RuntimeError(f"request {req.request_id!r}: token {s.token_id} does not "
+                               f"match its grammar: {req.grammar.get_error()}")
         if self.role == "prefill":
             # Hand-off: the decode side owns stop decisions (it sees the first token
             # again in ``start_decode``), so the KV is always kept.

@@ -22,6 +22,8 @@ import torch
 from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
     from pdserve.engine.sampler import TokenLogprobs
 
 
@@ -53,6 +55,9 @@ class Request:
     finish_reason: str | None = None  # engine: "stop" | "length" | "abort"
     num_preemptions: int = 0  # scheduler
     generator: torch.Generator | None = None  # engine, from params.seed
+    # engine: the structured-output grammar's state, advanced by every token appended
+    # (None without a constraint, and on tensor-parallel followers: rank 0 samples)
+    grammar: LLMatcher | None = None
     first_scheduled_time: float | None = None  # scheduler (queue time ends)
     first_token_time: float | None = None  # engine
     # runner: logprobs of prompt tokens 1.. as their positions are computed (kept

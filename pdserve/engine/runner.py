@@ -1,13 +1,19 @@
 """Runs one ``ScheduledBatch``: step inputs from the persistent ``InputBatch``,
 the model on the KV cache, and the sampler for the requests that caught up with
-their tokens this step."""
+their tokens this step.
+
+The token masks of structured-output requests are computed on a helper thread while
+the model runs (llguidance releases the GIL, as torch's kernels do), so a grammar
+costs the step only what outlasts the forward pass."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.grammar import Grammars
 from pdserve.engine.input_batch import InputBatch
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.request import Request
@@ -26,16 +32,28 @@ class Sampled:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, inputs: InputBatch,
-                 eos_token_ids: frozenset[int]) -> None:
+                 eos_token_ids: frozenset[int], grammars: Grammars) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.inputs = inputs
         self.sampler = Sampler()
         self.eos_token_ids = eos_token_ids
+        self.grammars = grammars
+        self._mask_thread: ThreadPoolExecutor | None = None
+
+    def _start_masks(self, sampled: list[Request]) -> tuple[list[int], Future[torch.Tensor]] | None:
+        rows = [i for i, r in enumerate(sampled) if r.grammar is not None]
+        if not rows:
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
+        matchers = [sampled[i].grammar for i in rows]
+        return rows, self._mask_thread.submit(self.grammars.fill, matchers)  # type: ignore[arg-type]
 
     def execute(self, batch: ScheduledBatch) -> list[Sampled]:
         """Run the step; prompt logprobs land in each request's ``prompt_logprobs``."""
         step = self.inputs.prepare(batch.work)
+        masks = self._start_masks(step.sampled)
         hidden = self.model(step.input_ids, self.kv_cache, step.meta, step.logits_indices)
         n = len(step.sampled)
         if step.prompt_targets:
@@ -50,6 +68,10 @@ class ModelRunner:
             return [Sampled(r, t, None) for r, t in zip(step.sampled, tokens, strict=True)]
         rows = [SamplingRow(r.params, r.token_ids, r.num_prompt_tokens, r.generator,
                             self.eos_token_ids) for r in step.sampled]
+        if masks is not None:
+            bitmask = masks[1].result()
+            for j, i in enumerate(masks[0]):
+                rows[i].allowed = bitmask[j]
         out = self.sampler(logits, rows)
         if tp is not None:
             tp.broadcast_ints(out.token_ids, n)

@@ -3,12 +3,17 @@
 This module owns the logits-processing pipeline and the random draw. Per row,
 in this order:
 
-1. penalties (repetition over prompt + output; frequency/presence over output),
-2. min_tokens: while ``len(output_token_ids) < min_tokens`` the row's EOS ids and
+1. logit_bias: each listed token's bias is added to its logit,
+2. penalties (repetition over prompt + output; frequency/presence over output),
+3. grammar: tokens a structured-output row's matcher does not allow get -inf (the
+   runner computed the row's bitmask, ``SamplingRow.allowed``),
+4. min_tokens: while ``len(output_token_ids) < min_tokens`` the row's EOS ids and
    ``stop_token_ids`` get -inf (``ignore_eos`` does *not* unmask EOS here: it only
-   tells the engine not to stop on EOS, which is the engine's / StopChecker's job),
-3. greedy rows (temperature == 0): argmax of the logits from step 2,
-4. random rows: divide by temperature (clamped to >= 1e-5), then top-k, top-p
+   tells the engine not to stop on EOS, which is the engine's / StopChecker's job);
+   where that would leave no token at all (the grammar allows only EOS) the grammar
+   wins and nothing is masked,
+5. greedy rows (temperature == 0): argmax of the logits from step 2,
+6. random rows: divide by temperature (clamped to >= 1e-5), then top-k, top-p
    (on the top-k survivors), min-p filtering, then one inverse-CDF draw from the
    softmax of what is left.
 
@@ -40,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.grammar import apply_bitmask
 from pdserve.engine.sampling_params import SamplingParams
 
 # Temperatures below this are clamped so logits / temperature stays finite.
@@ -61,6 +67,9 @@ class SamplingRow:
     # kept across steps; None when unseeded (shares the global RNG).
     generator: torch.Generator | None = None
     eos_token_ids: frozenset[int] = frozenset()  # model's EOS ids (masked during min_tokens)
+    # Structured output: int32 bitmask of the tokens the grammar allows next (bit t of
+    # word t // 32); None when the request has no grammar.
+    allowed: torch.Tensor | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -105,12 +114,26 @@ def make_generator(
     return gen
 
 
+def skip_draws(params: SamplingParams, generator: torch.Generator | None, n: int) -> None:
+    """Advance a request's generator past the draws of ``n`` tokens sampled elsewhere
+    (the prefill worker's first token; an earlier attempt's output), so its stream
+    continues exactly as if one engine had sampled them all."""
+    if generator is not None and not params.greedy:
+        for _ in range(n):  # one float64 uniform per random step, as _sample_random draws
+            _draw(generator)
+
+
+def _draw(generator: torch.Generator) -> float:
+    return float(torch.rand(1, generator=generator, dtype=torch.float64,
+                            device=generator.device)[0])
+
+
 def _is_plain_greedy(row: SamplingRow) -> bool:
     p = row.params
     return (
         p.greedy
         and p.logprobs is None
-        and not p.has_penalties
+        and not p.needs_processing
         and row.num_output_tokens >= p.min_tokens
     )
 
@@ -133,7 +156,12 @@ class Sampler:
             return SampleOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
 
         processed = logits.clone(memory_format=torch.contiguous_format)
+        _apply_logit_bias(processed, rows)
         _apply_penalties(processed, rows)
+        constrained = [i for i, r in enumerate(rows) if r.allowed is not None]
+        if constrained:
+            apply_bitmask(processed, constrained,
+                          torch.stack([rows[i].allowed for i in constrained]))  # type: ignore[misc]
         _mask_min_tokens(processed, rows)
         # Greedy rows keep this argmax; random rows are overwritten below.
         tokens = processed.argmax(dim=-1)
@@ -159,6 +187,18 @@ def _token_keys(
     valid = (tokens >= 0) & (tokens < vocab)
     keys, counts = torch.unique(row[valid] * vocab + tokens[valid], return_counts=True)
     return keys.to(device), counts.to(device)
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """In place: add each row's ``logit_bias`` (ids outside [0, V) have no logit)."""
+    vocab = logits.shape[1]
+    keys = [i * vocab + t for i, r in enumerate(rows) for t, _ in r.params.logit_bias
+            if 0 <= t < vocab]
+    if keys:
+        bias = [b for r in rows for t, b in r.params.logit_bias if 0 <= t < vocab]
+        flat = logits.view(-1)
+        idx = torch.tensor(keys, device=logits.device)
+        flat[idx] += torch.tensor(bias, device=logits.device)
 
 
 def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -194,12 +234,20 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
 
 
 def _mask_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """In place: EOS and stop_token_ids get -inf until min_tokens have been generated."""
+    """In place: EOS and stop_token_ids get -inf until min_tokens have been generated,
+    unless that leaves a row nothing to sample (its grammar allows only those)."""
     vocab = logits.shape[1]
     for i, r in enumerate(rows):
         if r.num_output_tokens < r.params.min_tokens:
             banned = [t for t in (*r.eos_token_ids, *r.params.stop_token_ids) if 0 <= t < vocab]
-            if banned:
+            if not banned:
+                continue
+            if r.allowed is not None:
+                kept = logits[i].clone()
+                kept[banned] = -math.inf
+                if bool(torch.isfinite(kept).any()):
+                    logits[i] = kept
+            else:
                 logits[i, banned] = -math.inf
 
 
@@ -225,7 +273,7 @@ def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow], fast: bool
     unseeded = [j for j, r in enumerate(rows) if r.generator is None]
     for j, r in enumerate(rows):
         if r.generator is not None:
-            u[j] = torch.rand(1, generator=r.generator, dtype=torch.float64, device=device)[0]
+            u[j] = _draw(r.generator)
     if unseeded:
         u[unseeded] = torch.rand(len(unseeded), dtype=torch.float64, device=device)
     target = (u * cdf[:, -1])[:, None]

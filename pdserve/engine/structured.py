@@ -69,7 +69,7 @@ class StructuredOutput:
     def json_schema(cls, schema: Mapping[str, Any] | bool) -> StructuredOutput:
         if not isinstance(schema, (Mapping, bool)):
             raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
-        return cls("json", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        return cls("json", json.dumps(schema, separators=(",", ":")))
 
     @classmethod
     def json_object(cls) -> StructuredOutput:

@@ -15,8 +15,9 @@ One attempt (``_attempt``)::
 Retries (``stream``): an ``AttemptFailed`` (a transfer failed, a worker died or left
 routing, a transport error) moves the request to another attempt, at most
 ``max_retries`` times and never past the deadline, with the prompt plus every token
-already streamed as the new prompt (and max_tokens/min_tokens reduced by them), so no
-token is sent twice or skipped. Text is made here, once per request, by one
+already streamed as the new prompt (and max_tokens/min_tokens reduced by them, and
+``resumed_tokens`` saying how many, so a structured-output grammar resumes after them), so
+no token is sent twice or skipped. Text is made here, once per request, by one
 ``OutputProcessor`` that lives across attempts: held-back stop-string prefixes and
 half-decoded characters carry over exactly. What cannot be served ends with a
 ``RouterError``: INVALID (the worker says the request can never fit), OVERLOADED /
@@ -328,4 +329,4 @@ class RequestRun:
         if not n:
             return p
         return dataclasses.replace(p, max_tokens=p.max_tokens - n,
-                                   min_tokens=max(0, p.min_tokens - n))
+                                   min_tokens=max(0, p.min_tokens - n), resumed_tokens=n)

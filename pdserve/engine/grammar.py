@@ -1,0 +1,96 @@
+"""Grammar state of constrained requests, and their token masks.
+
+This module owns the engine side of structured outputs: one llguidance matcher per
+request whose ``params.structured`` is set (``Grammars.matcher``), the bitmask of the
+tokens each such request may sample next (``Grammars.fill``, all of a step's rows at
+once, in llguidance's threads with the GIL released, so the runner overlaps it with
+the forward pass), and applying that bitmask to a batch of logits (``apply_bitmask``).
+
+A matcher is always rebuilt from tokens, never shipped: the prefill worker builds one
+from the request and samples the first token under it; the decode worker builds its
+own when it reserves blocks and advances it by the first token it is handed; a retry
+on another pair advances a fresh one over the tokens already produced
+(``params.resumed_tokens``, the tail of its prompt). So the grammar state follows the
+request across the hand-off, retries and preemption without a wire format of its own.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import llguidance
+import torch
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured import grammar_of, limits
+from pdserve.engine.tokenizer import Tokenizer
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+class Grammars:
+    """Matchers for one engine's vocabulary. The llguidance tokenizer (a trie of the
+    vocabulary, ~0.25 s to build) is made on first use and shared by every matcher."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int,
+                 eos_token_ids: frozenset[int]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._ll: llguidance.LLTokenizer | None = None
+        self._executor: llguidance.LLExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _ll_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._ll is None:
+                if self._tokenizer is None:
+                    raise ValueError("structured outputs need the model's tokenizer")
+                self._ll = llguidance.LLTokenizer(
+                    self._tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+                    eos_token=self._eos or None)
+                # The runner computes a step's masks on one extra thread: the forward
+                # pass keeps the engine's own threads.
+                self._executor = llguidance.LLExecutor(num_threads=1)
+            return self._ll
+
+    def matcher(self, params: SamplingParams,
+                prompt_token_ids: Sequence[int]) -> llguidance.LLMatcher | None:
+        """A matcher for ``params.structured`` (None without one), advanced over the
+        output an earlier attempt produced; ``ValueError`` if the constraint is invalid
+        or those tokens do not match it."""
+        if params.structured is None:
+            return None
+        grammar = grammar_of(params.structured)
+        m = llguidance.LLMatcher(self._ll_tokenizer(), grammar, log_level=0, limits=limits())
+        if m.is_error():
+            raise ValueError(f"invalid structured output constraint: {m.get_error()}")
+        done = list(prompt_token_ids[len(prompt_token_ids) - params.resumed_tokens:]) \
+            if params.resumed_tokens else []
+        if done and not m.consume_tokens(done):
+            raise ValueError("the tokens already generated do not match the structured "
+                             f"output constraint: {m.get_error()}")
+        return m
+
+    def fill(self, matchers: Sequence[llguidance.LLMatcher]) -> torch.Tensor:
+        """[len(matchers), words] int32 bitmask of each matcher's allowed next tokens."""
+        self._ll_tokenizer()
+        assert self._executor is not None
+        mask = torch.empty((len(matchers), bitmask_words(self.vocab_size)), dtype=torch.int32)
+        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)],
+                                               mask.data_ptr(), mask.shape[1] * 4, len(matchers))
+        return mask
+
+
+def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
+    """In place: -inf for every token of ``logits[rows[j]]`` whose bit in ``bitmask[j]``
+    is clear (tokens past the mask's words are cleared too)."""
+    vocab = logits.shape[1]
+    allowed = ((bitmask[:, :, None] >> _BITS) & 1).view(len(rows), -1)[:, :vocab].bool()
+    idx = torch.as_tensor(list(rows), dtype=torch.long, device=logits.device)
+    logits[idx] = logits[idx].masked_fill(~allowed.to(logits.device), float("-inf"))
