@@ -18,24 +18,23 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import llguidance
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 Kind = Literal["json", "regex", "choice", "grammar"]
 KINDS: tuple[Kind, ...] = ("json", "regex", "choice", "grammar")
 MAX_SPEC_CHARS = 1 << 20  # a schema/grammar text larger than 1 MiB is refused
 MAX_CHOICES = 4096
 # JSON compiler options: compact separators, no free whitespace (see module doc).
-JSON_OPTIONS: dict[str, Any] = {
+JSON_OPTIONS: JsonCompileOptions = {
     "item_separator": ", ",
     "key_separator": ": ",
     "whitespace_flexible": False,
 }
-# Bounds on the work one grammar may cost (llguidance's fuel units): a pathological
-# schema fails to compile within these instead of holding a worker.
-LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000,
-              max_lexer_states=250_000, max_grammar_size=500_000, verbose_errors=False)
 
 
 @dataclass(frozen=True)
@@ -131,8 +130,7 @@ class _Cache:
                 self._items.move_to_end(s)
                 return hit
         grammar = _compile(s)
-        error = llguidance.LLMatcher.validate_grammar(grammar, None,
-                                                      limits=llguidance.LLParserLimits(**LIMITS))
+        error = llguidance.LLMatcher.validate_grammar(grammar, None, limits=limits())
         if error:
             raise ValueError(f"invalid {'JSON schema' if s.kind == 'json' else s.kind} "
                              f"constraint: {error}")
@@ -153,4 +151,9 @@ def grammar_of(s: StructuredOutput) -> str:
 
 
 def limits() -> llguidance.LLParserLimits:
-    return llguidance.LLParserLimits(**LIMITS)
+    """Bounds on the work one grammar may cost (llguidance's fuel units; its defaults,
+    stated here): a pathological schema fails to compile within these, with an error,
+    instead of holding a worker. Errors do not echo the grammar (it may be private)."""
+    return llguidance.LLParserLimits(
+        initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, step_max_items=50_000,
+        max_lexer_states=250_000, max_grammar_size=500_000, verbose_errors=False)
