@@ -16,6 +16,7 @@ not an unhealthy one. A worker whose loop has stopped answers ``WorkerGone``.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -46,6 +47,8 @@ class WorkerLoop(EngineLoop):
         self.role = role
         self.incarnation = uuid.uuid4().hex  # new for every process that builds a worker
         self.engine = LLMEngine.create(model_dir, config)  # tensor parallel: its ranks too
+        threading.Thread(target=self.engine.grammars.warm, name="pdserve-grammar-warm",
+                         daemon=True).start()
         # This rank's KV cache; ``layout`` is the whole model's (what a request's KV is).
         self._rank_layout = KVLayout(**self.engine.kv_layout_spec())  # type: ignore[arg-type]
         self.layout = self._rank_layout.model_wide()

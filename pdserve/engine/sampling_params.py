@@ -22,6 +22,7 @@ MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 100.0
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one token's bias
 MAX_LOGIT_BIAS_TOKENS = 1024
+AGING_S = 1.0  # priority aging: every second of waiting is worth one priority level
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
 
@@ -185,6 +186,12 @@ class SamplingParams:
                 f"allowed: {', '.join(sorted(allowed))}"
             )
         return cls(**d)
+
+
+def effective_priority(priority: int, waited_s: float, aging_s: float = AGING_S) -> int:
+    """``priority`` less one level per ``aging_s`` seconds waited (lower runs first): the
+    one ordering rule of the router's admission queue and each engine's waiting queue."""
+    return priority - math.floor(max(0.0, waited_s) / aging_s)
 
 
 def _tname(value: object) -> str:

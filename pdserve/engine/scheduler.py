@@ -10,17 +10,36 @@ tokens (recomputation) while keeping the tokens it generated.
 Roles: ``colocated`` runs requests to completion; ``prefill`` parks a request as
 PREFILLED after its first token, keeping its blocks for hand-off; ``decode``
 additionally accepts requests whose KV arrives from outside into reserved blocks.
+
+Order of admission from the WAITING queue (``params.priority``, vLLM's field: lower
+runs first). The queue is one FIFO per priority (``waiting`` holds them interleaved,
+in arrival order, a preempted request back at the front); each step admits the head
+of the FIFO whose *effective* priority is lowest, ``effective_priority(priority,
+now - arrival_time)`` = ``priority - floor(waited / AGING_S)``: every ``AGING_S``
+seconds of waiting is worth one priority level, so a low priority is served once
+it has waited long enough (no starvation) while a high one still goes first when
+both are fresh. Ties go to the head nearer the front of ``waiting``. Within one
+priority the order is exactly FIFO, so with every priority 0 (the default) the
+order is today's. As before, a head that does not fit stops admission for the step
+(nothing behind it bypasses it). Running requests are never preempted for a better
+priority: preemption still takes the most recently admitted (left for later).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import time
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_pool import ROOT_HASH, BlockPool, hash_block
 from pdserve.engine.config import ceil_div
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.sampling_params import effective_priority
+
+# Seconds of waiting worth one priority level (see the module doc). The router's
+# admission queue (router/admission.py) ages waiters by the same rule.
+
 
 
 @dataclass
@@ -41,7 +60,8 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_num_batched_tokens: int,
                  max_num_seqs: int,
-                 on_release: Callable[[Request], None] = lambda req: None) -> None:
+                 on_release: Callable[[Request], None] = lambda req: None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.pool = pool
         # Told whenever a request stops being computed with its current blocks
         # (freed, preempted, or parked for hand-off): the runner reuses its row.
@@ -50,6 +70,9 @@ class Scheduler:
         self.budget = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
+        # priority -> requests of it in ``waiting`` (one priority: plain FIFO, no scan)
+        self._waiting_priorities: Counter[int] = Counter()
+        self._clock = clock  # monotonic, like Request.arrival_time
         self.running: list[Request] = []
         self.waiting_for_kv: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -58,6 +81,7 @@ class Scheduler:
     def add(self, req: Request) -> None:
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
+        self._waiting_priorities[req.params.priority] += 1
 
     def reserve(self, req: Request) -> list[int] | None:
         """Decode role: allocate blocks for the prompt's KV, written from outside.
@@ -103,20 +127,47 @@ class Scheduler:
             i += 1
         if batch.preempted:  # no admissions in a step that had to preempt
             return batch
+        now = self._clock()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
+            idx, req = self._next_waiting(now)
             if not req.block_ids:
                 self._take_prefix_hits(req)
             n = min(req.num_new_tokens, budget)
             if not self._grow(req, n):
                 self._release_blocks(req)  # a waiting request holds only prefix hits
                 break
-            self.waiting.popleft()
+            self._take_waiting(idx, req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             batch.work.append((req, n))
             budget -= n
         return batch
+
+    def _next_waiting(self, now: float) -> tuple[int, Request]:
+        """The waiting request to admit next and its index (see the module doc)."""
+        if len(self._waiting_priorities) <= 1:
+            return 0, self.waiting[0]  # one priority: FIFO
+        heads: dict[int, tuple[int, Request]] = {}
+        for i, r in enumerate(self.waiting):  # the first of each priority is its head
+            if r.params.priority not in heads:
+                heads[r.params.priority] = (i, r)
+                if len(heads) == len(self._waiting_priorities):
+                    break
+        return min(heads.values(), key=lambda h: (
+            effective_priority(h[1].params.priority, now - h[1].arrival_time), h[0]))
+
+    def _take_waiting(self, idx: int, req: Request) -> None:
+        if idx == 0:
+            self.waiting.popleft()
+        else:
+            del self.waiting[idx]
+        self._forget_priority(req)
+
+    def _forget_priority(self, req: Request) -> None:
+        p = req.params.priority
+        self._waiting_priorities[p] -= 1
+        if self._waiting_priorities[p] <= 0:
+            del self._waiting_priorities[p]
 
     def _take_prefix_hits(self, req: Request) -> None:
         # At least one token must be computed to get logits, so only full blocks
@@ -158,7 +209,8 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.waiting.appendleft(req)  # the head of its priority's FIFO
+        self._waiting_priorities[req.params.priority] += 1
 
     def _release_blocks(self, req: Request) -> None:
         self.on_release(req)
@@ -199,6 +251,7 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+            self._forget_priority(req)
         self.waiting_for_kv.pop(req.request_id, None)
         if keep_blocks:
             self.on_release(req)

@@ -9,20 +9,38 @@ admissions sees its own reservations and spreads, instead of piling onto the wor
 that looked emptiest 0.25 s ago. With no room anywhere the request waits (at most
 ``max_waiting`` of them, each up to ``queue_timeout_s``), woken whenever a request
 ends or a worker joins; then OVERLOADED (HTTP 429 / RESOURCE_EXHAUSTED).
+
+Order of the waiting requests (``params.priority``, vLLM's field: lower first). A
+request that found no room joins the queue; the queue is served strictly in order:
+only its head tries again (when woken, and every 0.5 s), and when the head leaves
+(admitted, timed out, failed) the next head is woken at once. The order is by
+effective priority ``priority - floor(waited / AGING_S)`` (waited: since this
+admission began), then arrival: FIFO within a priority, and a low priority is not
+starved, since every ``AGING_S`` seconds of waiting is worth one level. A new
+request tries at once only if it ranks ahead of every queued one (so, with no
+queue, requests admit concurrently as they always did); otherwise it queues behind
+them. A head that fits nowhere holds back those behind it (as the engine's waiting
+queue does), for at most ``queue_timeout_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, effective_priority
 from pdserve.failures import AttemptFailed, FailReason, WorkerGone
 from pdserve.router.policies import ClusterSnapshot, Policy, PrefixIndex, RouteInput, WorkerView
 from pdserve.router.types import ErrorKind, RouterError
 from pdserve.router.workers import WorkerSet, WorkerState
+
+# Seconds of waiting worth one priority level (see the module doc); the engine's
+# waiting queue (engine/scheduler.py, which the router may not import) uses the same.
+POLL_S = 0.5  # the queue's head retries at least this often, woken or not
+
 
 
 @dataclass
@@ -57,6 +75,19 @@ class Claims:
         return max(0, granted - seen) + self._asking.get(w.worker_id, 0)
 
 
+@dataclass(eq=False)
+class _Ticket:
+    """One admission's place in the waiting queue."""
+
+    priority: int
+    since: float  # monotonic: when the admission began
+    seq: int  # arrival order: FIFO among equal effective priorities
+    turn: asyncio.Event = field(default_factory=asyncio.Event)  # set: try again now
+
+    def key(self, now: float) -> tuple[int, int]:
+        return effective_priority(self.priority, now - self.since), self.seq
+
+
 class Admission:
     def __init__(self, workers: WorkerSet, policy: Policy, prefix: PrefixIndex,
                  max_waiting: int, queue_timeout_s: float, block_size: int) -> None:
@@ -70,10 +101,16 @@ class Admission:
         self.num_waiting = 0
         self._capacity = asyncio.Event()  # set whenever room may have appeared
         self._sequence = 0
+        self._queue: list[_Ticket] = []  # requests that found no room, waiting
+        self._tickets = itertools.count()
 
     def wake(self) -> None:
-        """Room may have appeared (a request ended, a worker joined)."""
+        """Room may have appeared (a request ended, a worker joined): the waiting
+        queue's head tries again, and ``wait_for_change`` returns."""
         self._capacity.set()
+        head = self._head()
+        if head is not None:
+            head.turn.set()
 
     def watch(self) -> None:
         """Start watching for ``wake``: call before checking what ``wait_for_change``
@@ -83,7 +120,7 @@ class Admission:
     async def wait_for_change(self, timeout_s: float) -> None:
         """Until ``wake`` since the last ``watch``, at most ``timeout_s`` (and 0.5 s)."""
         with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(min(timeout_s, 0.5)):
+            async with asyncio.timeout(min(timeout_s, POLL_S)):
                 await self._capacity.wait()
 
     def full(self) -> bool:
@@ -92,17 +129,30 @@ class Admission:
     async def admit(self, attempt_id: str, ids: list[int], params: SamplingParams,
                     hashes: list[int], deadline: float, avoid: frozenset[str] = frozenset(),
                     ) -> Target:
-        """``avoid``: workers this request already failed on (tried last)."""
-        give_up = min(deadline, time.monotonic() + self.queue_timeout_s)
+        """``avoid``: workers this request already failed on (tried last). Waits its
+        turn in the queue (module doc) while there is no room."""
+        now = time.monotonic()
+        give_up = min(deadline, now + self.queue_timeout_s)
         need = -(-len(ids) // self._block_size)
+        ticket = _Ticket(params.priority, now, next(self._tickets))
+        queued = my_turn = False
         self.num_waiting += 1
         try:
             while True:
-                self.watch()
-                for w in self.rank(RouteInput(len(ids), hashes), avoid):
-                    target = await self._try(w, attempt_id, ids, params, need)
-                    if target is not None:
-                        return target
+                had_turn = my_turn or ticket.turn.is_set()  # it was (told it is) the head
+                ticket.turn.clear()  # a wake from here on is seen by the wait below
+                head, now = self._head(), time.monotonic()
+                my_turn = head is None or head is ticket or ticket.key(now) < head.key(now)
+                if my_turn:
+                    for w in self.rank(RouteInput(len(ids), hashes), avoid):
+                        target = await self._try(w, attempt_id, ids, params, need)
+                        if target is not None:
+                            return target
+                elif had_turn and head is not None:
+                    head.turn.set()  # aging made another the head: hand it the turn
+                if not queued:  # no room, or others wait ahead of it
+                    self._queue.append(ticket)
+                    queued = True
                 remaining = give_up - time.monotonic()
                 if remaining <= 0:
                     if not self._workers.ready():
@@ -111,9 +161,23 @@ class Admission:
                     raise RouterError(ErrorKind.OVERLOADED,
                                       "no decode worker has room for this request",
                                       retry_after_s=1.0)
-                await self.wait_for_change(remaining)
+                # The head polls; the rest sleep until their turn (or their timeout).
+                wait_s = min(remaining, POLL_S) if my_turn else remaining
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait_s):
+                        await ticket.turn.wait()
         finally:
             self.num_waiting -= 1
+            if queued:
+                self._queue.remove(ticket)
+                self.wake()  # the next in line may have room now, or the head changed
+
+    def _head(self) -> _Ticket | None:
+        """The waiting request whose turn it is (lowest key), if any wait."""
+        if not self._queue:
+            return None
+        now = time.monotonic()
+        return min(self._queue, key=lambda t: t.key(now))
 
     async def _try(self, w: WorkerState, attempt_id: str, ids: list[int],
                    params: SamplingParams, need: int) -> Target | None:

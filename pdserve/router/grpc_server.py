@@ -6,6 +6,13 @@ and the router's front-boundary types (``router/types.py``): proto request ->
 -> ``GenerateResponse`` messages, ``RouterError`` kinds -> gRPC status codes, and
 the health status (SERVING only while ``router.ready()``, re-read periodically).
 
+Sampling parameters beyond the scalar ones: ``logit_bias`` (a map), ``priority``,
+and the ``structured`` oneof (``json_schema`` as JSON text, ``json_object``,
+``regex``, ``choice``, ``grammar``) -> ``StructuredOutput``. A constraint is compiled
+(``grammar_of``, on a thread, at most ``STRUCTURED_CHECK_TIMEOUT_S``) before the
+request reaches the router, so a bad schema is INVALID_ARGUMENT naming the field
+and nothing is queued for it.
+
 Bad input is INVALID_ARGUMENT, never INTERNAL or UNKNOWN: requests arrive as raw
 bytes and are parsed here, so a corrupt message (bad wire format, invalid UTF-8)
 is the client's error rather than a failed deserializer; a ``request_id`` must be
@@ -25,6 +32,7 @@ yielded) so this close is deterministic rather than left to garbage collection.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 from typing import Any
@@ -35,6 +43,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured import StructuredOutput, grammar_of
 from pdserve.protos import pb
 from pdserve.router.api_common import (
     REQUEST_ID_KEY,
@@ -57,9 +66,12 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "pdserve.v1.Generation"
 RETRY_AFTER_KEY = "retry-after"  # trailing metadata on RESOURCE_EXHAUSTED: seconds, like HTTP
+# Longest a structured-output constraint may take to compile before it is refused
+# (INVALID_ARGUMENT); the OpenAI HTTP API bounds its check the same way.
+STRUCTURED_CHECK_TIMEOUT_S = 10.0
 # REQUEST_ID_KEY (api_common): initial metadata of Generate, the id the router used
-__all__ = ["REQUEST_ID_KEY", "RETRY_AFTER_KEY", "SERVICE_NAME", "GenerationServicer",
-           "RouterLike", "start_grpc_server"]
+__all__ = ["REQUEST_ID_KEY", "RETRY_AFTER_KEY", "SERVICE_NAME", "STRUCTURED_CHECK_TIMEOUT_S",
+           "GenerationServicer", "RouterLike", "start_grpc_server"]
 
 STATUS_OF = {
     ErrorKind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
@@ -98,7 +110,10 @@ _TIMING_FIELDS = (
 
 
 def sampling_params_from_proto(params: Any) -> SamplingParams:
-    """``pb.SamplingParameters`` -> validated ``SamplingParams``; ValueError names the field."""
+    """``pb.SamplingParameters`` -> validated ``SamplingParams``; ValueError names the field.
+
+    The structured-output constraint is built but not compiled here (see
+    ``check_structured``)."""
     kwargs: dict[str, Any] = {
         name: getattr(params, name) for name in _OPTIONAL_PARAMS if params.HasField(name)
     }
@@ -108,7 +123,67 @@ def sampling_params_from_proto(params: Any) -> SamplingParams:
         stop_token_ids=tuple(params.stop_token_ids),
         ignore_eos=params.ignore_eos,
         include_stop_str_in_output=params.include_stop_str_in_output,
+        logit_bias=tuple(params.logit_bias.items()),  # validated and sorted there
+        priority=params.priority,
+        structured=structured_from_proto(params),
     )
+
+
+def structured_from_proto(params: Any) -> StructuredOutput | None:
+    """The ``structured`` oneof -> ``StructuredOutput`` (None: unset, or json_object
+    false); ValueError names the field."""
+    kind = params.WhichOneof("structured")
+    if kind is None or (kind == "json_object" and not params.json_object):
+        return None
+    try:
+        if kind == "json_schema":
+            try:
+                schema = json.loads(params.json_schema, parse_constant=_no_constant)
+            except ValueError as exc:  # JSONDecodeError, and numbers past Python's limits
+                raise ValueError(f"not valid JSON: {exc}") from None
+            return StructuredOutput.json_schema(schema)
+        if kind == "json_object":
+            return StructuredOutput.json_object()
+        if kind == "regex":
+            return StructuredOutput.regex(params.regex)
+        if kind == "choice":
+            return StructuredOutput.choice(list(params.choice.choices))
+        return StructuredOutput.grammar(params.grammar)
+    except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
+        raise ValueError(f"{kind}: {_one_line(exc)}") from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _structured_field(params: Any) -> str:
+    return params.WhichOneof("structured") or "structured"
+
+
+async def check_structured(req: GenerateRequest, field: str,
+                           timeout_s: float | None = None) -> None:
+    """Compile ``req.params.structured`` (cached, on a thread: it can take a while);
+    ValueError naming ``field`` if it is invalid or takes longer than ``timeout_s``
+    (default ``STRUCTURED_CHECK_TIMEOUT_S``)."""
+    structured = req.params.structured
+    if structured is None:
+        return
+    if timeout_s is None:
+        timeout_s = STRUCTURED_CHECK_TIMEOUT_S
+    try:
+        await asyncio.wait_for(asyncio.to_thread(grammar_of, structured), timeout_s)
+    except TimeoutError:
+        raise ValueError(f"{field}: the constraint took longer than {timeout_s:g} s to "
+                         f"compile; simplify it") from None
+    except ValueError as exc:
+        raise ValueError(f"{field}: {_one_line(exc)}") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    # Compiler errors span lines (a caret under the bad spot); a status message that
+    # spans lines would be replaced by a generic one (public_errors).
+    return " ".join(str(exc).split())
 
 
 def request_from_proto(request: Any, time_remaining: float | None) -> GenerateRequest:
@@ -221,6 +296,7 @@ class GenerationServicer:
             return  # not reached: abort() raises
         try:
             req = request_from_proto(request, context.time_remaining())
+            await check_structured(req, _structured_field(request.params))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 public_message(ErrorKind.INVALID, str(exc), rid))

@@ -16,10 +16,17 @@ too large a 413 (``http_middleware``). Messages are what ``public_errors`` lets 
 client see. A request's first stream item is awaited before the response starts,
 so admission failures (429 with ``Retry-After``, 400s from the router) keep their
 status even when streaming; a router error after that becomes an SSE error event
-followed by ``[DONE]``.
+followed by ``[DONE]``. Output constraints (structured outputs, forced tool calls) are
+compiled before the request runs (``openai_schema.check_grammars``: a 400 naming the
+field, bounded in time).
+
+``n`` > 1: ``n`` router requests of the same prompt (``openai_schema.choice_requests``)
+read as one (``_Choices``); the response merges them, a stream interleaves their
+chunks by choice index, and one failing fails the request and cancels the others.
 
 Cancellation: a client that goes away, before or during the response, closes its
-``RouterStream``, which aborts the request on both workers (see ``api_common``).
+``RouterStream``s (one per choice), which abort the request on both workers (see
+``api_common``).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import asyncio
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
@@ -59,11 +67,15 @@ from pdserve.router.openai_schema import (
     ChatCompletionRequest,
     CompletionRequest,
     InvalidRequest,
+    Plan,
     chat_request,
+    check_grammars,
+    choice_requests,
     completion_request,
 )
 from pdserve.router.public_errors import public_message
-from pdserve.router.types import ErrorKind, FinalChunk, RouterError, StreamChunk
+from pdserve.router.tool_calls import syntax_for
+from pdserve.router.types import ErrorKind, FinalChunk, GenerateRequest, RouterError, StreamChunk
 
 log = logging.getLogger("pdserve.http")
 
@@ -93,16 +105,17 @@ class _Api:
         self.model_name = model_name
         self.registry = registry
         self.text = TokenText(router.tokenizer)
+        self.tools = syntax_for(router.tokenizer.chat_template)  # the model's tool calls
         self.tasks: set[asyncio.Task[None]] = set()  # RouterStream tasks until cleaned up
-        self.in_flight: dict[str, RouterStream] = {}  # by request id (ids must be unique)
+        self.in_flight: dict[str, _Choices] = {}  # by request id (ids must be unique)
         self.closing = False
 
     def begin_shutdown(self) -> None:
         """New requests get 503; open ones end now with a 503 / an SSE error event."""
         self.closing = True
         error = RouterError(ErrorKind.NOT_READY, "the server is shutting down")
-        for call in list(self.in_flight.values()):
-            call.close(error)
+        for choices in list(self.in_flight.values()):
+            choices.close(error)
 
     async def generate(self, request: Request, chat: bool) -> Response:
         rid: str = request.state.request_id
@@ -118,19 +131,23 @@ class _Api:
                     body.get("model"), str) else None)
             max_len = self.router.models()[0].max_model_len
             parsed: ChatCompletionRequest | CompletionRequest
+            plan: Plan
             echo: tuple[str, list[int]] | None = None
             if chat:
-                parsed, req = chat_request(body, rid, lambda m: len(
-                    self.router.tokenizer.apply_chat_template(m)), max_len)
+                parsed, req, plan = chat_request(body, rid, lambda m: len(
+                    self.router.tokenizer.apply_chat_template(m)), max_len, self.tools)
                 logprobs = parsed.logprobs
             else:
-                parsed, req = completion_request(body, rid)
+                parsed, req, plan = completion_request(body, rid)
                 logprobs = parsed.logprobs is not None
-                if parsed.echo:  # the prompt leads the output: its text and its tokens
-                    ids = self.router.prompt_ids(req)
-                    echo = (req.prompt if req.prompt is not None
-                            else self.router.tokenizer.decode(ids), ids)
-                    req.prompt, req.prompt_token_ids = None, ids  # tokenized once
+            n = parsed.n or 1
+            if isinstance(parsed, CompletionRequest) and parsed.echo:
+                # the prompt leads the output: its text and its tokens
+                ids = self.router.prompt_ids(req)
+                echo = (req.prompt if req.prompt is not None
+                        else self.router.tokenizer.decode(ids), ids)
+                req.prompt, req.prompt_token_ids = None, ids  # tokenized once
+            await check_grammars(plan.grammars)
         except InvalidRequest as exc:
             raise ApiError(400, error_object(public_message(ErrorKind.INVALID, exc.message, rid),
                                              param=exc.param)) from exc
@@ -146,49 +163,108 @@ class _Api:
             chat=chat, request_id=rid, model=parsed.model or self.model_name,
             created=int(time.time()), text=self.text, logprobs=logprobs,
             include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
-            echo=echo)
-        call = self.in_flight[rid] = RouterStream(self.router, req, self.tasks)
+            echo=echo, n=n, tools=plan.tools)
+        choices = self.in_flight[rid] = _Choices(self.router, choice_requests(req, n), self.tasks,
+                                                 rid)
         handed_over = False
         try:
-            first = await _unless_disconnected(request, call.next())
-            if first is None:  # stream ended without a final chunk: not expected
-                raise ApiError.from_router(RouterError(ErrorKind.INTERNAL, "empty stream"), rid)
+            await _unless_disconnected(request, choices.start())
             if parsed.stream:
                 handed_over = True
                 # The background task also runs when the client left before the
                 # body started (then _sse never ran and its finally cannot).
-                return StreamingResponse(self._sse(call, first, out),
+                return StreamingResponse(self._sse(choices, out),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"},
-                                         background=BackgroundTask(self._done, call))
-            return JSONResponse(await _unless_disconnected(request, _collect(call, first, out)))
+                                         background=BackgroundTask(self._done, choices))
+            return JSONResponse(await _unless_disconnected(request, _collect(choices, out)))
         except RouterError as exc:
             raise ApiError.from_router(exc, rid) from exc
         finally:
             if not handed_over:
-                self._done(call)
+                self._done(choices)
 
-    def _done(self, call: RouterStream) -> None:
-        call.close()
-        self.in_flight.pop(call.request_id, None)
+    def _done(self, choices: _Choices) -> None:
+        choices.close()
+        self.in_flight.pop(choices.request_id, None)
 
-    async def _sse(self, call: RouterStream, first: StreamChunk | FinalChunk,
-                   out: ResponseBuilder) -> AsyncIterator[bytes]:
+    async def _sse(self, choices: _Choices, out: ResponseBuilder) -> AsyncIterator[bytes]:
         # Runs inside the response; a disconnect cancels it (Starlette) and the
-        # finally closes the router stream.
+        # finally closes the router streams.
         try:
-            item: StreamChunk | FinalChunk | None = first
-            while item is not None:
-                objs = out.chunk(item) if isinstance(item, StreamChunk) else out.final_chunks(item)
+            while (got := await choices.next()) is not None:
+                i, item = got
+                objs = (out.chunk(item, i) if isinstance(item, StreamChunk)
+                        else out.final_chunks(item, i))
                 for obj in objs:
                     yield _event(obj)
-                item = await call.next()
         except RouterError as exc:
-            log.warning("request %s failed mid-stream: %s", call.request_id, exc.message)
-            yield _event(router_error_object(exc, call.request_id)[1])
+            log.warning("request %s failed mid-stream: %s", choices.request_id, exc.message)
+            yield _event(router_error_object(exc, choices.request_id)[1])
         finally:
-            self._done(call)
+            self._done(choices)
         yield b"data: [DONE]\n\n"
+
+
+class _Choices:
+    """The router streams of one request's choices read as one: ``start`` waits for
+    each choice's first item (so that admission errors keep their status), ``next``
+    gives (choice index, item) in arrival order and None once every choice has
+    finished. A choice's error is raised for the whole request; ``close`` then ends
+    the others."""
+
+    def __init__(self, router: RouterLike, reqs: list[GenerateRequest],
+                 tasks: set[asyncio.Task[None]], request_id: str):
+        self.request_id = request_id
+        self._calls = [RouterStream(router, req, tasks) for req in reqs]
+        self._queue: asyncio.Queue[tuple[int, StreamChunk | FinalChunk | RouterError]] = (
+            asyncio.Queue())
+        self._pumps = [asyncio.create_task(self._pump(i, call), name=f"choice-{req.request_id}")
+                       for i, (call, req) in enumerate(zip(self._calls, reqs, strict=True))]
+        self._ready: deque[tuple[int, StreamChunk | FinalChunk]] = deque()  # read by start
+        self._finished = 0
+
+    async def _pump(self, index: int, call: RouterStream) -> None:
+        try:
+            while (item := await call.next()) is not None:
+                self._queue.put_nowait((index, item))
+                if isinstance(item, FinalChunk):
+                    return
+            self._queue.put_nowait((index, RouterError(ErrorKind.INTERNAL,
+                                                       "stream ended without a final chunk")))
+        except RouterError as exc:
+            self._queue.put_nowait((index, exc))
+
+    async def _take(self) -> tuple[int, StreamChunk | FinalChunk]:
+        index, item = await self._queue.get()
+        if isinstance(item, RouterError):
+            raise item
+        self._finished += isinstance(item, FinalChunk)
+        return index, item
+
+    async def start(self) -> None:
+        """Wait until every choice has sent its first item; RouterError if one failed."""
+        waiting = set(range(len(self._calls)))
+        while waiting:
+            got = await self._take()
+            self._ready.append(got)
+            waiting.discard(got[0])
+
+    async def next(self) -> tuple[int, StreamChunk | FinalChunk] | None:
+        if self._ready:
+            return self._ready.popleft()
+        if self._finished == len(self._calls):
+            return None
+        return await self._take()
+
+    def close(self, error: RouterError | None = None) -> None:
+        """Abort every choice the router has not finished (idempotent). ``error``: what
+        a reader waiting in ``next`` gets instead."""
+        for call in self._calls:
+            call.close(error)
+        if error is None:
+            for pump in self._pumps:
+                pump.cancel()
 
 
 def _check_json_content_type(request: Request) -> None:
@@ -206,15 +282,15 @@ def _event(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-async def _collect(call: RouterStream, first: StreamChunk | FinalChunk,
-                   out: ResponseBuilder) -> dict[str, Any]:
-    item: StreamChunk | FinalChunk | None = first
-    while isinstance(item, StreamChunk):
-        out.add(item)
-        item = await call.next()
-    if item is None:
-        raise RouterError(ErrorKind.INTERNAL, "stream ended without a final chunk")
-    return out.response(item)
+async def _collect(choices: _Choices, out: ResponseBuilder) -> dict[str, Any]:
+    finals: dict[int, FinalChunk] = {}
+    while (got := await choices.next()) is not None:
+        i, item = got
+        if isinstance(item, StreamChunk):
+            out.add(item, i)
+        else:
+            finals[i] = item
+    return out.response([finals[i] for i in range(len(finals))])
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:

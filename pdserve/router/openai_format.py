@@ -1,6 +1,7 @@
-"""OpenAI response objects built from the router's stream: completion and chat
-responses and stream chunks, ``usage``, logprobs in OpenAI's two shapes, token
-strings, and the error object with its HTTP status.
+"""OpenAI response objects built from the router's streams: completion and chat
+responses and stream chunks (``n`` choices, one stream each), ``usage``, logprobs in
+OpenAI's two shapes, token strings, the error object with its HTTP status, and for
+chat with tools the ``tool_calls`` found in the output (``tool_calls`` parses them).
 
 Token strings: a token's text is its raw bytes decoded as UTF-8 when they are
 valid; a token holding part of a character (byte-level BPE splits them) is written
@@ -11,9 +12,18 @@ carries the raw bytes either way.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pdserve.router.public_errors import public_message
+from pdserve.router.tool_calls import (
+    Event,
+    ToolCall,
+    ToolStream,
+    ToolSyntax,
+    call_deltas,
+    call_object,
+)
 from pdserve.router.types import (
     ErrorKind,
     FinalChunk,
@@ -169,28 +179,51 @@ def chat_logprobs(lps: list[TokenLogprob], text: TokenText) -> list[dict[str, An
              "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
 
 
+class _Choice:
+    """One choice's progress through the response."""
+
+    def __init__(self, tools: ToolStream | None):
+        self.echoed = False
+        self.offset = 0  # completions text_offset: output characters so far
+        self.started = False  # chat: the first chunk carries the role
+        self.pieces: list[str] = []
+        self.lps: list[TokenLogprob] = []
+        self.prompt_lps: list[TokenLogprob | None] | None = None
+        self.tools = tools  # chat streams with tools: the parser of this choice's calls
+        self.held_lps: list[TokenLogprob] = []  # logprobs of text the parser holds back
+        self.calls = 0  # tool calls streamed so far
+
+
+def merged_usage(finals: Sequence[FinalChunk]) -> Usage:
+    """The usage of n choices of one prompt: the prompt counted once, outputs summed."""
+    first = finals[0].usage
+    return Usage(first.prompt_tokens, sum(f.usage.completion_tokens for f in finals),
+                 first.cached_tokens)
+
+
 class ResponseBuilder:
     """One request's response objects, streamed (``chunk``/``final_chunks``) or whole
-    (``add`` then ``response``). ``chat`` picks the endpoint's shapes."""
+    (``add`` then ``response``), for ``n`` choices of one prompt (each call names its
+    choice's index). ``chat`` picks the endpoint's shapes; ``tools``: the chat output's
+    tool calls are read with this syntax (``tool_calls`` instead of content)."""
 
     def __init__(self, *, chat: bool, request_id: str, model: str, created: int,
                  text: TokenText, logprobs: bool, include_usage: bool = False,
-                 echo: tuple[str, list[int]] | None = None):
+                 echo: tuple[str, list[int]] | None = None, n: int = 1,
+                 tools: ToolSyntax | None = None):
         self.chat = chat
-        # completions with echo: the prompt's (text, token ids) lead the output
+        # completions with echo: the prompt's (text, token ids) lead each choice's output
         self._echo = echo
-        self._echoed = False
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
         self.created = created
         self._text = text
         self._logprobs = logprobs
         self._include_usage = include_usage
-        self._offset = 0  # completions text_offset: output characters so far
-        self._started = False  # chat: the first chunk carries the role
-        self._pieces: list[str] = []
-        self._lps: list[TokenLogprob] = []
-        self._prompt_lps: list[TokenLogprob | None] | None = None
+        self._tools = tools
+        self._choices = [_Choice(tools.stream() if tools is not None else None)
+                         for _ in range(n)]
+        self._finals: dict[int, FinalChunk] = {}  # streamed: the choices finished so far
 
     def _envelope(self, choices: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
         kind = ("chat.completion" if self.chat else "text_completion") + (
@@ -201,86 +234,137 @@ class ResponseBuilder:
             obj["usage"] = None
         return obj
 
-    def _logprobs_of(self, lps: list[TokenLogprob]) -> dict[str, Any] | None:
+    def _logprobs_of(self, c: _Choice, lps: list[TokenLogprob]) -> dict[str, Any] | None:
         if not self._logprobs:
             return None
         if self.chat:
             return {"content": chat_logprobs(lps, self._text), "refusal": None}
-        return completion_logprobs(lps, self._text, self._offset)
+        return completion_logprobs(lps, self._text, c.offset)
 
-    def _prompt_part(self, lps: list[TokenLogprob | None] | None,
+    def _prompt_part(self, c: _Choice, lps: list[TokenLogprob | None] | None,
                      ) -> tuple[str, dict[str, Any] | None]:
         """The echoed prompt's text and logprobs (once; ("", None) without echo)."""
-        if self._echo is None or self._echoed:
+        if self._echo is None or c.echoed:
             return "", None
-        self._echoed = True
+        c.echoed = True
         text, ids = self._echo
         logprobs = None
         if self._logprobs:
             logprobs = prompt_completion_logprobs(lps or [None] * len(ids), ids, self._text)
-        self._offset += len(text)
+        c.offset += len(text)
         return text, logprobs
 
-    def _echo_chunk(self, lps: list[TokenLogprob | None] | None) -> list[dict[str, Any]]:
-        text, logprobs = self._prompt_part(lps)
+    def _echo_chunk(self, index: int, lps: list[TokenLogprob | None] | None,
+                    ) -> list[dict[str, Any]]:
+        text, logprobs = self._prompt_part(self._choices[index], lps)
         if not text and logprobs is None:
             return []
-        return [self._envelope([{"index": 0, "text": text, "logprobs": logprobs,
+        return [self._envelope([{"index": index, "text": text, "logprobs": logprobs,
                                  "finish_reason": None}], True)]
 
-    def chunk(self, item: StreamChunk) -> list[dict[str, Any]]:
+    def _tool_chunks(self, index: int, events: list[Event], lps: list[TokenLogprob],
+                     ) -> list[dict[str, Any]]:
+        """Chunks for what the choice's tool parser let through; logprobs of held text
+        ride on the next chunk."""
+        c = self._choices[index]
+        c.held_lps += lps
+        deltas: list[dict[str, Any]] = []
+        for event in events:
+            if isinstance(event, ToolCall):
+                deltas += [{"tool_calls": [d]} for d in call_deltas(c.calls, event)]
+                c.calls += 1
+            elif deltas and "content" in deltas[-1]:
+                deltas[-1]["content"] += event
+            else:
+                deltas.append({"content": event})
+        out = []
+        for delta in deltas:
+            out.append(self._envelope([{"index": index, "delta": delta,
+                                        "logprobs": self._logprobs_of(c, c.held_lps),
+                                        "finish_reason": None}], True))
+            c.held_lps = []
+        return out
+
+    def chunk(self, item: StreamChunk, index: int = 0) -> list[dict[str, Any]]:
         """Stream chunks for new tokens (none when there is nothing to show yet)."""
-        out = self._echo_chunk(item.prompt_logprobs)
-        if self.chat and not self._started:
-            self._started = True
-            out.append(self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
+        c = self._choices[index]
+        out = self._echo_chunk(index, item.prompt_logprobs)
+        if self.chat and not c.started:
+            c.started = True
+            out.append(self._envelope([{"index": index,
+                                        "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}], True))
+        if c.tools is not None:
+            return out + self._tool_chunks(index, c.tools.feed(item.text), item.logprobs)
         if not item.text and not (self._logprobs and item.logprobs):
             return out
-        choice: dict[str, Any] = {"index": 0, "logprobs": self._logprobs_of(item.logprobs),
+        choice: dict[str, Any] = {"index": index, "logprobs": self._logprobs_of(c, item.logprobs),
                                   "finish_reason": None}
         if self.chat:
             choice["delta"] = {"content": item.text}
         else:
             choice["text"] = item.text
-            self._offset += text_length(item.logprobs, self._text)
+            c.offset += text_length(item.logprobs, self._text)
         out.append(self._envelope([choice], True))
         return out
 
-    def final_chunks(self, final: FinalChunk) -> list[dict[str, Any]]:
-        """The finishing chunk, then the usage chunk when the client asked for it."""
-        out = [] if not self.chat or self._started else self.chunk(StreamChunk([], ""))
-        out += self._echo_chunk(final.prompt_logprobs)
-        choice: dict[str, Any] = {"index": 0, "logprobs": None,
-                                  "finish_reason": final.finish_reason,
+    def final_chunks(self, final: FinalChunk, index: int = 0) -> list[dict[str, Any]]:
+        """The choice's finishing chunk, then, once every choice has finished, the usage
+        chunk when the client asked for it."""
+        c = self._choices[index]
+        out = [] if not self.chat or c.started else self.chunk(StreamChunk([], ""), index)
+        if c.tools is not None:
+            out += self._tool_chunks(index, c.tools.finish(), [])
+        out += self._echo_chunk(index, final.prompt_logprobs)
+        choice: dict[str, Any] = {"index": index, "logprobs": None,
+                                  "finish_reason": _finish_reason(final, c.calls),
                                   "stop_reason": final.stop_reason}
         if self.chat:
             choice["delta"] = {}
         else:
             choice["text"] = ""
         out.append(self._envelope([choice], True))
-        if self._include_usage:
-            out.append({**self._envelope([], True), "usage": usage_object(final.usage)})
+        self._finals[index] = final
+        if self._include_usage and len(self._finals) == len(self._choices):
+            usage = merged_usage([self._finals[i] for i in range(len(self._choices))])
+            out.append({**self._envelope([], True), "usage": usage_object(usage)})
         return out
 
-    def add(self, item: StreamChunk) -> None:
+    def add(self, item: StreamChunk, index: int = 0) -> None:
+        c = self._choices[index]
         if item.prompt_logprobs is not None:
-            self._prompt_lps = item.prompt_logprobs
-        self._pieces.append(item.text)
-        self._lps.extend(item.logprobs)
+            c.prompt_lps = item.prompt_logprobs
+        c.pieces.append(item.text)
+        c.lps.extend(item.logprobs)
 
-    def response(self, final: FinalChunk) -> dict[str, Any]:
-        prompt_text, prompt_lps = self._prompt_part(
-            final.prompt_logprobs if final.prompt_logprobs is not None else self._prompt_lps)
-        text = prompt_text + "".join(self._pieces)
-        logprobs = self._logprobs_of(self._lps)
-        if prompt_lps is not None:
-            logprobs = _joined(prompt_lps, logprobs)
-        choice: dict[str, Any] = {"index": 0, "logprobs": logprobs,
-                                  "finish_reason": final.finish_reason,
-                                  "stop_reason": final.stop_reason}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text, "refusal": None}
-        else:
-            choice["text"] = text
-        return {**self._envelope([choice], False), "usage": usage_object(final.usage)}
+    def response(self, finals: Sequence[FinalChunk]) -> dict[str, Any]:
+        """The whole response; ``finals``: each choice's final chunk, by index."""
+        choices = []
+        for index, (c, final) in enumerate(zip(self._choices, finals, strict=True)):
+            prompt_text, prompt_lps = self._prompt_part(
+                c, final.prompt_logprobs if final.prompt_logprobs is not None else c.prompt_lps)
+            text = prompt_text + "".join(c.pieces)
+            logprobs = self._logprobs_of(c, c.lps)
+            if prompt_lps is not None:
+                logprobs = _joined(prompt_lps, logprobs)
+            choice: dict[str, Any] = {"index": index, "logprobs": logprobs,
+                                      "finish_reason": final.finish_reason,
+                                      "stop_reason": final.stop_reason}
+            if self.chat:
+                message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+                if self._tools is not None:
+                    content, calls = self._tools.parse(text)
+                    if calls:
+                        message["content"] = content
+                        message["tool_calls"] = [call_object(call) for call in calls]
+                        choice["finish_reason"] = _finish_reason(final, len(calls))
+                choice["message"] = message
+            else:
+                choice["text"] = text
+            choices.append(choice)
+        return {**self._envelope(choices, False), "usage": usage_object(merged_usage(finals))}
+
+
+def _finish_reason(final: FinalChunk, calls: int) -> str:
+    """``tool_calls`` when the output ended normally after calling tools."""
+    return "tool_calls" if calls and final.finish_reason == "stop" else final.finish_reason

@@ -1,5 +1,7 @@
 """The OpenAI request bodies (``/v1/completions``, ``/v1/chat/completions``): their
-pydantic models, the fields we refuse, and the mapping to ``GenerateRequest``.
+pydantic models, the fields we refuse, and the mapping to ``GenerateRequest``s
+(one per choice), with the output constraint (structured outputs, forced tool
+calls) and the tool-call syntax the response is read with.
 
 Rules:
 
@@ -10,20 +12,36 @@ Rules:
   ``SamplingParams``'), so the JSON schema that ``openapi_doc`` publishes states
   them; only rules between fields (``min_tokens <= max_tokens``, ``stream_options``
   needs ``stream``, ``top_logprobs`` needs ``logprobs``, ``max_tokens`` 0 needs
-  ``echo``, content needed unless the role is assistant) and limits of the model
-  (context, vocabulary) are not in it.
-* Fields we cannot honour (``n`` > 1, ``best_of`` > 1, a non-empty
-  ``logit_bias``, tools, structured output, ...) are refused unless they carry their
-  harmless default; each `Refused` rule carries the JSON schema of its harmless
-  values beside its test. Other unknown fields (``user``, ``metadata``,
-  ``store``, ...) are tolerated and ignored, as OpenAI clients send many of them.
+  ``echo``, ``best_of`` equals ``n``, one output constraint per request,
+  ``tool_choice`` needs ``tools`` and names one of them, content needed unless the
+  role is assistant), whether a schema, regex or grammar compiles (``check_grammars``,
+  bounded by ``STRUCTURED_COMPILE_TIMEOUT_S``) and limits of the model (context,
+  vocabulary) are not in it.
+* Output constraints: ``response_format`` (``json_object``, ``json_schema``), vLLM's
+  ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` and its
+  ``structured_outputs`` object, and ``tool_choice`` ``required`` or a named function
+  (a grammar of the model family's call syntax, ``tool_calls``) each become
+  ``SamplingParams.structured``; at most one per request.
+* Tools: declared tools reach the chat template as a system prompt in the model
+  family's syntax, earlier calls and tool results as text in it (``chat_messages``).
+* ``n`` choices are ``n`` router requests ``{id}-{i}`` of one prompt; with a ``seed``,
+  choice i uses ``seed + i``.
+* Fields we cannot honour (``suffix``, legacy ``functions``, audio, ...) are refused
+  unless they carry their harmless default; each `Refused` rule carries the JSON
+  schema of its harmless values beside its test. Other unknown fields (``user``,
+  ``metadata``, ``store``, ...) are tolerated and ignored, as OpenAI clients send
+  many of them.
 * Defaults follow OpenAI: ``temperature`` 1, ``max_tokens`` 16 for completions and
   "until the context is full" for chat.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -31,18 +49,34 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdserve.engine.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
     SamplingParams,
 )
+from pdserve.engine.structured import MAX_CHOICES, StructuredOutput, grammar_of
+from pdserve.router.tool_calls import ToolSyntax
 from pdserve.router.types import GenerateRequest
 
 INT64 = 2**63
+MAX_N = 16  # choices per request
+STRUCTURED_COMPILE_TIMEOUT_S = 10.0  # a constraint that takes longer to compile is a 400
 TokenId = Annotated[int, Field(ge=0)]
 StopString = Annotated[str, Field(min_length=1)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 TopN = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+Int64 = Annotated[int, Field(ge=-INT64, lt=INT64)]
+NonEmpty = Annotated[str, Field(min_length=1)]
+JsonSchema = dict[str, Any]
+Choices = Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_CHOICES)]
+Named = list[tuple[str, StructuredOutput]]  # (field or its part, constraint)
+# token id (in decimal, as JSON keys are strings) -> bias
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=r"^[0-9]+$")],
+         Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+    Field(max_length=MAX_LOGIT_BIAS_TOKENS, json_schema_extra={"additionalProperties": False})]
 
 
 class InvalidRequest(ValueError):
@@ -62,6 +96,40 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class TextFormat(_Body):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Body):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Body):
+    name: NonEmpty
+    description: str | None = None
+    schema_: JsonSchema | None = Field(default=None, alias="schema")  # None: any object
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(_Body):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat,
+                           Field(discriminator="type")]
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs``: one of its fields."""
+
+    json_: JsonSchema | str | None = Field(default=None, alias="json")
+    regex: NonEmpty | None = None
+    choice: Choices | None = None
+    grammar: NonEmpty | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(_Body):
     """Fields both endpoints share; the vLLM extensions are at the end."""
 
@@ -71,7 +139,10 @@ class _SamplingFields(_Body):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    seed: Annotated[int, Field(ge=-INT64, lt=INT64)] | None = None
+    seed: Int64 | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    logit_bias: LogitBias | None = None
+    response_format: ResponseFormat | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
@@ -83,6 +154,12 @@ class _SamplingFields(_Body):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
+    priority: Int64 = 0  # lower runs first
+    guided_json: JsonSchema | str | None = None  # a schema, or its JSON text
+    guided_regex: NonEmpty | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: NonEmpty | None = None  # Lark (llguidance) or GBNF
+    structured_outputs: StructuredOutputs | None = None
     # pdserve's: deadline in seconds from arrival (as the gRPC field); past it, 504
     timeout_s: Annotated[float, Field(gt=0.0)] | None = None
 
@@ -96,6 +173,7 @@ class CompletionRequest(_SamplingFields):
     # token's are null), as in OpenAI's legacy API and vLLM
     echo: bool = False
     max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: only with echo (scoring)
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None  # equal to n (no ranking)
 
 
 class ContentPart(_Body):
@@ -103,13 +181,50 @@ class ContentPart(_Body):
     text: str
 
 
+class CalledFunction(_Body):
+    name: NonEmpty
+    arguments: str  # JSON text
+
+
+class MessageToolCall(_Body):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None  # None: assistant messages only
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages only
+    tool_call_id: str | None = None  # tool messages: the call answered
+
+
+class FunctionDef(_Body):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: JsonSchema | None = None  # None: no parameters
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: NonEmpty
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Annotated[list[Tool], Field(min_length=1)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     # OpenAI's newer name; wins over max_tokens
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
@@ -139,32 +254,11 @@ def _is_empty(value: Any) -> bool:
 EMPTY = Refused(_is_empty, {"anyOf": [
     {"type": "null"}, {"type": "object", "maxProperties": 0}, {"type": "array", "maxItems": 0},
     {"type": "string", "maxLength": 0}]})
-TEXT_FORMAT = Refused(
-    lambda v: v is None or (isinstance(v, Mapping) and dict(v) == {"type": "text"}),
-    {"anyOf": [{"type": "null"}, {"type": "object", "required": ["type"],
-                                  "properties": {"type": {"const": "text"}},
-                                  "additionalProperties": False}]})
-
 # Field -> its harmless values. Anything else is refused with a 400 naming it.
-REFUSED_COMMON: dict[str, Refused] = {
-    "n": _only(None, 1),
-    "logit_bias": EMPTY,
-    "guided_json": EMPTY,
-    "guided_regex": EMPTY,
-    "guided_choice": EMPTY,
-    "guided_grammar": EMPTY,
-    "structured_outputs": EMPTY,
-    "response_format": TEXT_FORMAT,
-}
-REFUSED_COMPLETION = {
-    **REFUSED_COMMON,
-    "best_of": _only(None, 1),
+REFUSED_COMPLETION: dict[str, Refused] = {
     "suffix": EMPTY,
 }
 REFUSED_CHAT = {
-    **REFUSED_COMMON,
-    "tools": EMPTY,
-    "tool_choice": _only(None, "none", "auto"),
     "functions": EMPTY,
     "function_call": _only(None, "none", "auto"),
     "audio": EMPTY,
@@ -173,16 +267,12 @@ REFUSED_CHAT = {
     "prediction": EMPTY,
     "web_search_options": EMPTY,
 }
-# In a chat message: tool calls are not supported either.
-REFUSED_MESSAGE = {"tool_calls": EMPTY}
 
 
 def _refuse_unsupported(body: Mapping[str, Any], refused: Mapping[str, Refused]) -> None:
     for name, rule in refused.items():
         if name in body and not rule.harmless(body[name]):
-            hint = " (only n=1 is supported)" if name in ("n", "best_of") else ""
-            raise InvalidRequest(f"{name}={body[name]!r} is not supported by this server{hint}",
-                                 name)
+            raise InvalidRequest(f"{name}={body[name]!r} is not supported by this server", name)
 
 
 def _validate(model: type[_Body], body: Any) -> Any:
@@ -198,8 +288,104 @@ def _validate(model: type[_Body], body: Any) -> Any:
         raise InvalidRequest(f"invalid request: {detail}", param) from None
 
 
+@dataclass
+class Plan:
+    """What the API layer does around a body's router request: the constraints that
+    must compile before it runs, and how its output is read."""
+
+    grammars: Named  # (field, constraint): check_grammars
+    tools: ToolSyntax | None = None  # chat: the output's tool calls are in this syntax
+
+
+def _field(name: str) -> str:
+    """The request field a part's name is in (``tools[0].function.parameters`` -> tools)."""
+    return name.split(".", 1)[0].split("[", 1)[0]
+
+
+def _one_line(message: str) -> str:
+    """A compiler's message on one line (clients see one-line messages only): without
+    the source excerpt and caret lines it draws under it."""
+    return " ".join(line.strip() for line in message.splitlines()
+                    if line.strip() and not re.fullmatch(r"\s*(\d+ \|.*|[\s^]*)", line))
+
+
+def _constraint(name: str, make: Callable[[Any], StructuredOutput], arg: Any,
+                ) -> tuple[str, StructuredOutput]:
+    try:
+        return name, make(arg)
+    except ValueError as exc:
+        raise InvalidRequest(f"{name}: {_one_line(str(exc))}", _field(name)) from exc
+
+
+def _json_constraint(schema: JsonSchema | str) -> StructuredOutput:
+    """A schema, or its JSON text (vLLM takes both)."""
+    return StructuredOutput.json_schema(json.loads(schema) if isinstance(schema, str) else schema)
+
+
+def _output_constraints(r: _SamplingFields) -> Named:
+    """Every output constraint the body sets, named by the field that sets it."""
+    fmt = r.response_format
+    so = r.structured_outputs or StructuredOutputs()
+    out = []
+    if isinstance(fmt, JsonObjectFormat) or (isinstance(fmt, JsonSchemaFormat)
+                                             and fmt.json_schema.schema_ is None):
+        out.append(("response_format", StructuredOutput.json_object()))
+    elif isinstance(fmt, JsonSchemaFormat):
+        out.append(_constraint("response_format", StructuredOutput.json_schema,
+                               fmt.json_schema.schema_))
+    if so.json_object:
+        out.append(("structured_outputs.json_object", StructuredOutput.json_object()))
+    given: list[tuple[str, Callable[[Any], StructuredOutput], Any]] = [
+        ("guided_json", _json_constraint, r.guided_json),
+        ("guided_regex", StructuredOutput.regex, r.guided_regex),
+        ("guided_choice", StructuredOutput.choice, r.guided_choice),
+        ("guided_grammar", StructuredOutput.grammar, r.guided_grammar),
+        ("structured_outputs.json", _json_constraint, so.json_),
+        ("structured_outputs.regex", StructuredOutput.regex, so.regex),
+        ("structured_outputs.choice", StructuredOutput.choice, so.choice),
+        ("structured_outputs.grammar", StructuredOutput.grammar, so.grammar)]
+    out += [_constraint(name, make, arg) for name, make, arg in given if arg is not None]
+    return out
+
+
+def _only_one(constraints: Named) -> StructuredOutput | None:
+    if len(constraints) > 1:
+        (a, _), (b, _) = constraints[:2]
+        raise InvalidRequest(f"at most one output constraint per request: {a} and {b} were "
+                             "both given", _field(b))
+    return constraints[0][1] if constraints else None
+
+
+async def check_grammars(grammars: Named) -> None:
+    """InvalidRequest naming the field unless every constraint compiles (``grammar_of``,
+    in a thread: the loop keeps serving), all within STRUCTURED_COMPILE_TIMEOUT_S."""
+    deadline = asyncio.get_running_loop().time() + STRUCTURED_COMPILE_TIMEOUT_S
+    for name, constraint in grammars:
+        try:
+            async with asyncio.timeout_at(deadline):
+                await asyncio.to_thread(grammar_of, constraint)
+        except TimeoutError:
+            raise InvalidRequest(f"{name}: schema too complex to compile within "
+                                 f"{STRUCTURED_COMPILE_TIMEOUT_S:g} s", _field(name)) from None
+        except ValueError as exc:
+            raise InvalidRequest(f"{name}: {_one_line(str(exc))}", _field(name)) from exc
+
+
+def choice_requests(req: GenerateRequest, n: int) -> list[GenerateRequest]:
+    """The router requests of ``n`` choices of ``req``'s prompt: ``req`` itself when n is
+    1, else ids ``{id}-{i}``, choice i seeded ``seed + i`` (wrapping within int64) when
+    the request has a seed."""
+    if n == 1:
+        return [req]
+    seed = req.params.seed
+    return [dataclasses.replace(req, request_id=f"{req.request_id}-{i}", params=dataclasses.replace(
+        req.params, seed=None if seed is None else (seed + i + INT64) % (2 * INT64) - INT64))
+        for i in range(n)]
+
+
 def _params(r: _SamplingFields, max_tokens: int | None, logprobs: int | None,
-            aliases: Mapping[str, str], prompt_logprobs: int | None = None) -> SamplingParams:
+            aliases: Mapping[str, str], prompt_logprobs: int | None = None,
+            structured: StructuredOutput | None = None) -> SamplingParams:
     if r.stream_options is not None and not r.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true",
                              "stream_options")
@@ -216,6 +402,8 @@ def _params(r: _SamplingFields, max_tokens: int | None, logprobs: int | None,
             ignore_eos=r.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=r.include_stop_str_in_output,
             prompt_logprobs=prompt_logprobs,
+            logit_bias=tuple((int(t), b) for t, b in (r.logit_bias or {}).items()),
+            structured=structured, priority=r.priority,
         )
     except ValueError as exc:
         # SamplingParams' messages start with the field's name.
@@ -223,41 +411,45 @@ def _params(r: _SamplingFields, max_tokens: int | None, logprobs: int | None,
         raise InvalidRequest(str(exc), aliases.get(first, first)) from exc
 
 
-def completion_request(body: Any, request_id: str) -> tuple[CompletionRequest, GenerateRequest]:
-    """A ``/v1/completions`` body -> (parsed body, router request); InvalidRequest."""
+def completion_request(body: Any, request_id: str,
+                       ) -> tuple[CompletionRequest, GenerateRequest, Plan]:
+    """A ``/v1/completions`` body -> (parsed body, router request, plan); InvalidRequest."""
     if isinstance(body, dict):
         _refuse_unsupported(body, REFUSED_COMPLETION)
     r: CompletionRequest = _validate(CompletionRequest, body)
     if r.max_tokens == 0 and not r.echo:
         raise InvalidRequest("max_tokens must be >= 1 (0 only with echo: the prompt alone)",
                              "max_tokens")
+    if r.best_of is not None and r.best_of != (r.n or 1):
+        raise InvalidRequest(f"best_of={r.best_of} must equal n={r.n or 1}: returning the best "
+                             "of more candidates than n is not supported", "best_of")
+    constraints = _output_constraints(r)
     # echo + logprobs: the prompt's logprobs; max_tokens 0 computes them anyway
     prompt_logprobs = (r.logprobs if r.logprobs is not None else 0 if r.max_tokens == 0
                        else None) if r.echo else None
-    params = _params(r, r.max_tokens, r.logprobs, {}, prompt_logprobs)
+    params = _params(r, r.max_tokens, r.logprobs, {}, prompt_logprobs, _only_one(constraints))
     req = GenerateRequest(request_id, params, timeout_s=r.timeout_s)
     prompt = r.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
             raise InvalidRequest(
                 f"prompt is a batch of {len(prompt)} prompts; this server takes one prompt "
-                "per request (batches and n > 1 are not supported)", "prompt")
+                "per request (for several outputs of one prompt, use n)", "prompt")
         prompt = prompt[0]
     if isinstance(prompt, str):
         req.prompt = prompt
     else:
         req.prompt_token_ids = list(prompt)  # type: ignore[arg-type]
-    return r, req
+    return r, req, Plan(constraints)
 
 
-def chat_messages(r: ChatCompletionRequest) -> list[dict[str, str]]:
-    """The messages as the chat template takes them; text content parts are joined."""
+def chat_messages(r: ChatCompletionRequest, syntax: ToolSyntax,
+                  tools: list[dict[str, Any]] | None = None) -> list[dict[str, str]]:
+    """The messages as the chat template takes them: text content parts joined, earlier
+    tool calls and tool results written in ``syntax``, and ``tools`` (OpenAI tool
+    objects) declared in a system prompt."""
     out = []
     for i, m in enumerate(r.messages):
-        extra = m.model_extra or {}
-        for name, rule in REFUSED_MESSAGE.items():
-            if name in extra and not rule.harmless(extra[name]):
-                raise InvalidRequest(f"messages[{i}].{name} is not supported", "messages")
         content = m.content
         if content is None:
             if m.role != "assistant":
@@ -265,13 +457,51 @@ def chat_messages(r: ChatCompletionRequest) -> list[dict[str, str]]:
             content = ""
         elif isinstance(content, list):
             content = "".join(part.text for part in content)
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise InvalidRequest(f"messages[{i}].tool_calls is only allowed in assistant "
+                                     "messages", "messages")
+            calls = syntax.render_calls([(c.function.name, c.function.arguments)
+                                         for c in m.tool_calls])
+            content = f"{content}\n{calls}" if content else calls
+        elif m.role == "tool":
+            content = syntax.render_result(content)
         out.append({"role": m.role, "content": content})
-    return out
+    return syntax.with_tools(out, tools) if tools else out
+
+
+def _tool_constraints(r: ChatCompletionRequest, syntax: ToolSyntax) -> tuple[bool, Named, Named]:
+    """(whether the tools are offered to the model, their parameters schemas, which
+    must compile, and for ``required`` or a named function the grammar of the calls)."""
+    functions = [t.function for t in r.tools or []]
+    choice = r.tool_choice if r.tool_choice is not None else "auto" if functions else "none"
+    if choice != "none" and not functions:
+        raise InvalidRequest(f"tool_choice={choice!r} needs tools", "tool_choice")
+    names = [f.name for f in functions]
+    twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if twice is not None:
+        raise InvalidRequest(f"tools declares function {twice!r} twice", "tools")
+    schemas = [_constraint(f"tools[{i}].function.parameters", StructuredOutput.json_schema,
+                           f.parameters)
+               for i, f in enumerate(functions) if f.parameters is not None]
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise InvalidRequest(f"tool_choice names function {choice.function.name!r}, which "
+                                 "tools does not declare", "tool_choice")
+        called, parallel = [f for f in functions if f.name == choice.function.name], False
+    elif choice == "required":
+        called, parallel = functions, r.parallel_tool_calls
+    else:
+        return choice == "auto", schemas, []
+    grammar = syntax.grammar([f.model_dump(exclude_none=True) for f in called], parallel)
+    return True, schemas, [_constraint("tool_choice", StructuredOutput.grammar, grammar)]
 
 
 def chat_request(body: Any, request_id: str, prompt_len: Callable[[list[dict[str, str]]], int],
-                 max_model_len: int) -> tuple[ChatCompletionRequest, GenerateRequest]:
-    """A ``/v1/chat/completions`` body -> (parsed body, router request); InvalidRequest.
+                 max_model_len: int, syntax: ToolSyntax,
+                 ) -> tuple[ChatCompletionRequest, GenerateRequest, Plan]:
+    """A ``/v1/chat/completions`` body -> (parsed body, router request, plan);
+    InvalidRequest. ``syntax``: the model family's tool calls (``tool_calls.syntax_for``).
 
     ``prompt_len(messages)`` tokenizes with the chat template; it is called only
     when the client set no token limit (the default is the rest of the context).
@@ -279,9 +509,13 @@ def chat_request(body: Any, request_id: str, prompt_len: Callable[[list[dict[str
     if isinstance(body, dict):
         _refuse_unsupported(body, REFUSED_CHAT)
     r: ChatCompletionRequest = _validate(ChatCompletionRequest, body)
-    messages = chat_messages(r)
+    offered, schemas, forced = _tool_constraints(r, syntax)
+    messages = chat_messages(r, syntax, [t.model_dump(exclude_none=True) for t in r.tools or []]
+                             if offered else None)
     if r.top_logprobs is not None and not r.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
+    constraints = _output_constraints(r) + forced
+    structured = _only_one(constraints)
     logprobs = (r.top_logprobs or 0) if r.logprobs else None
     limit_name = "max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens"
     max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
@@ -292,5 +526,7 @@ def chat_request(body: Any, request_id: str, prompt_len: Callable[[list[dict[str
             raise InvalidRequest(str(exc), "messages") from exc
         max_tokens = max(1, max_model_len - n)  # a too-long prompt gets the router's 400
     params = _params(r, max_tokens, logprobs,
-                     {"max_tokens": limit_name, "logprobs": "top_logprobs"})
-    return r, GenerateRequest(request_id, params, messages=messages, timeout_s=r.timeout_s)
+                     {"max_tokens": limit_name, "logprobs": "top_logprobs"},
+                     structured=structured)
+    return r, GenerateRequest(request_id, params, messages=messages, timeout_s=r.timeout_s), \
+        Plan(schemas + constraints, syntax if offered else None)

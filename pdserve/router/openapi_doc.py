@@ -29,7 +29,6 @@ from pydantic import BaseModel
 from pdserve.router.openai_schema import (
     REFUSED_CHAT,
     REFUSED_COMPLETION,
-    REFUSED_MESSAGE,
     ChatCompletionRequest,
     CompletionRequest,
     Refused,
@@ -83,8 +82,6 @@ def openapi_document(app: FastAPI, served: Sequence[str], keyed: bool,
             "text/event-stream": {"schema": {"type": "object", "required": ["data"],
                                              "properties": {"data": {"type": "string"}}}}}},
             **_errors([*_GENERATE, *keyed_errors])}
-    message = schemas["ChatMessage"]["properties"]
-    message.update({name: rule.schema for name, rule in REFUSED_MESSAGE.items()})
     paths["/v1/models"]["get"]["responses"] = {
         "200": {"description": "the served models",
                 "content": {"application/json": {"schema": {"type": "object"}}}},

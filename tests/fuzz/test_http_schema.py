@@ -28,7 +28,10 @@ MAX_EXAMPLES = 400
 # 400s for rules between fields, which a JSON schema of each field cannot state
 # (openai_schema's docstring lists them); any other field named in a 400 for a
 # schema-valid body means the document and the server disagree.
-CROSS_FIELD = {"min_tokens", "stream_options", "top_logprobs", "messages", "max_tokens"}
+# Constraints too: whether a regex, grammar or JSON schema compiles, one per request.
+CROSS_FIELD = {"min_tokens", "stream_options", "top_logprobs", "messages", "max_tokens",
+               "best_of", "response_format", "guided_json", "guided_regex", "guided_choice",
+               "guided_grammar", "structured_outputs", "tools", "tool_choice"}
 
 
 def no_server_error(ctx: Any, response: Any, case: schemathesis.Case) -> None:

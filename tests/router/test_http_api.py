@@ -209,11 +209,11 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"prompt": "x", "stop": [1]}, 400, "stop"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"prompt": "x", "echo": 1}, 400, "echo"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),  # needs echo
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),

@@ -1,0 +1,330 @@
+"""The OpenAI fields that shape an output (``router/openai_schema.py``): structured
+outputs (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``) mapped
+to ``SamplingParams.structured`` and checked before a request runs, ``logit_bias``,
+``priority``, and ``n`` choices -- their requests, and their merged responses
+(``openai_format.ResponseBuilder``, and over HTTP with a scripted router)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdserve.engine.structured import StructuredOutput
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.router import openai_schema
+from pdserve.router.openai_format import ResponseBuilder, TokenText
+from pdserve.router.openai_schema import (
+    InvalidRequest,
+    chat_request,
+    check_grammars,
+    choice_requests,
+    completion_request,
+)
+from pdserve.router.tool_calls import HERMES
+from pdserve.router.types import (
+    ErrorKind,
+    FinalChunk,
+    GenerateRequest,
+    RouterError,
+    StreamChunk,
+    Usage,
+)
+from tests.router.test_http_api import Client, ScriptedRouter, serve, sse
+
+SCHEMA: dict[str, Any] = {"type": "object", "properties": {"a": {"type": "integer"}},
+                          "required": ["a"]}
+USER = [{"role": "user", "content": "hi"}]
+
+
+def chat(**body: Any) -> Any:
+    return chat_request({"messages": USER, **body}, "r", lambda m: 10, 100, HERMES)
+
+
+def completion(**body: Any) -> Any:
+    return completion_request({"prompt": "x", **body}, "r")
+
+
+def invalid(make: Callable[..., Any], **body: Any) -> InvalidRequest:
+    with pytest.raises(InvalidRequest) as e:
+        make(**body)
+    return e.value
+
+
+# ---------------------------------------------------------------- structured outputs
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ({"response_format": {"type": "text"}}, None),
+    ({"response_format": {"type": "json_object"}}, StructuredOutput.json_object()),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "thing", "schema": SCHEMA, "strict": True, "description": "d"}}},
+     StructuredOutput.json_schema(SCHEMA)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "any"}}},
+     StructuredOutput.json_object()),
+    ({"guided_json": SCHEMA}, StructuredOutput.json_schema(SCHEMA)),
+    ({"guided_json": '{"type": "object", "properties": {"a": {"type": "integer"}}, '
+                     '"required": ["a"]}'}, StructuredOutput.json_schema(SCHEMA)),
+    ({"guided_regex": "[a-z]+"}, StructuredOutput.regex("[a-z]+")),
+    ({"guided_choice": ["yes", "no"]}, StructuredOutput.choice(["yes", "no"])),
+    ({"guided_grammar": 'start: "a"+'}, StructuredOutput.grammar('start: "a"+')),
+    ({"structured_outputs": {"json": SCHEMA}}, StructuredOutput.json_schema(SCHEMA)),
+    ({"structured_outputs": {"regex": "\\d+"}}, StructuredOutput.regex("\\d+")),
+    ({"structured_outputs": {"choice": ["a", "b"]}}, StructuredOutput.choice(["a", "b"])),
+    ({"structured_outputs": {"grammar": 'start: "x"'}}, StructuredOutput.grammar('start: "x"')),
+    ({"structured_outputs": {"json_object": True}}, StructuredOutput.json_object()),
+    ({"structured_outputs": {"json_object": False}}, None),
+])
+def test_each_field_maps_to_its_constraint(body: dict[str, Any],
+                                           expected: StructuredOutput | None) -> None:
+    for make in (chat, completion):
+        _, req, plan = make(**body)
+        assert req.params.structured == expected, (make, body)
+        assert [c for _, c in plan.grammars] == ([] if expected is None else [expected])
+        asyncio.run(check_grammars(plan.grammars))  # each compiles
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"response_format": {"type": "json_object"}, "guided_json": SCHEMA}, "guided_json",
+     "response_format and guided_json"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice",
+     "guided_regex and guided_choice"),
+    ({"guided_grammar": "start: a", "structured_outputs": {"json": SCHEMA}},
+     "structured_outputs", "guided_grammar and structured_outputs.json"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+     "structured_outputs.regex and structured_outputs.choice"),
+])
+def test_two_constraints_are_a_400_naming_both(body: dict[str, Any], param: str,
+                                               words: str) -> None:
+    for make in (chat, completion):
+        e = invalid(make, **body)
+        assert e.param == param and words in e.message, e.message
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_json": "[1, 2]"}, "guided_json"),
+    ({"guided_json": 5}, "guided_json"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": ["a", ""]}, "guided_choice"),
+    ({"guided_regex": ""}, "guided_regex"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 1}}},
+     "response_format"),
+    ({"structured_outputs": {"json": "{"}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": "a"}}, "structured_outputs"),
+])
+def test_malformed_constraints_are_a_400(body: dict[str, Any], param: str) -> None:
+    assert invalid(chat, **body).param == param
+
+
+@pytest.mark.parametrize(("body", "param", "words"), [
+    ({"guided_json": {"type": "bogus"}}, "guided_json", "Invalid type: bogus"),
+    ({"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}},
+     "response_format", "invalid JSON schema"),
+    ({"guided_regex": "a("}, "guided_regex", "unclosed group"),
+    ({"guided_grammar": "start: missing_rule"}, "guided_grammar", "missing_rule"),
+    ({"structured_outputs": {"grammar": "start: x"}}, "structured_outputs",
+     "structured_outputs.grammar"),
+])
+def test_constraints_that_do_not_compile_are_a_400(body: dict[str, Any], param: str,
+                                                   words: str) -> None:
+    _, _, plan = chat(**body)  # parsing passes; compiling names the field
+    with pytest.raises(InvalidRequest) as e:
+        asyncio.run(check_grammars(plan.grammars))
+    assert e.value.param == param and words in e.value.message, e.value.message
+    assert "\n" not in e.value.message  # clients are shown one-line messages only
+
+
+def test_compiling_is_bounded_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(openai_schema, "STRUCTURED_COMPILE_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(openai_schema, "grammar_of", lambda s: time.sleep(0.5))
+    _, _, plan = chat(guided_regex="a+")
+
+    async def refused() -> tuple[InvalidRequest, float]:
+        started = time.monotonic()
+        with pytest.raises(InvalidRequest) as e:
+            await check_grammars(plan.grammars)
+        return e.value, time.monotonic() - started
+
+    error, waited = asyncio.run(refused())
+    assert error.param == "guided_regex"
+    assert "too complex to compile within 0.05 s" in error.message
+    assert waited < 0.4  # the request did not wait for the compiling thread
+
+
+# ---------------------------------------------------------------- logit_bias, priority, n
+
+def test_logit_bias_and_priority() -> None:
+    for make in (chat, completion):
+        _, req, _ = make(logit_bias={"5": -100, "17": 2.5}, priority=-3)
+        assert req.params.logit_bias == ((5, -100.0), (17, 2.5))
+        assert req.params.priority == -3
+        _, req, _ = make()
+        assert req.params.logit_bias == () and req.params.priority == 0
+    for body in ({"logit_bias": {"x": 1}}, {"logit_bias": {"5": 101}}, {"logit_bias": [1]},
+                 {"logit_bias": {str(i): 1 for i in range(1025)}}):
+        assert invalid(completion, **body).param == "logit_bias"
+    assert invalid(chat, priority=1.5).param == "priority"
+    assert invalid(chat, priority=2**63).param == "priority"
+
+
+def test_n_choices_are_requests_with_their_own_seeds() -> None:
+    _, req, _ = completion(n=3, seed=7, best_of=3)
+    reqs = choice_requests(req, 3)
+    assert [(r.request_id, r.params.seed, r.prompt) for r in reqs] == [
+        ("r-0", 7, "x"), ("r-1", 8, "x"), ("r-2", 9, "x")]
+    assert all(r.params.max_tokens == req.params.max_tokens for r in reqs)
+    assert choice_requests(req, 1) == [req]  # one choice: the request as it is
+    _, req, _ = chat(n=2)
+    assert [(r.request_id, r.params.seed) for r in choice_requests(req, 2)] == [
+        ("r-0", None), ("r-1", None)]
+    _, req, _ = chat(n=2, seed=2**63 - 1)  # wraps within int64
+    assert [r.params.seed for r in choice_requests(req, 2)] == [2**63 - 1, -(2**63)]
+    for body, param in (({"n": 0}, "n"), ({"n": 17}, "n"), ({"n": 2, "best_of": 3}, "best_of"),
+                        ({"best_of": 2}, "best_of")):
+        e = invalid(completion, **body)
+        assert e.param == param, e.message
+    assert "must equal n" in invalid(completion, best_of=2).message
+
+
+# ---------------------------------------------------------------- merged responses
+
+def builder(tiny_model: Callable[[str], Path], chat: bool, **kw: Any) -> ResponseBuilder:
+    return ResponseBuilder(chat=chat, request_id="r", model="tiny", created=1,
+                           text=TokenText(Tokenizer.from_dir(tiny_model("llama-gqa"))),
+                           logprobs=False, **kw)
+
+
+def test_whole_response_merges_the_choices(tiny_model: Callable[[str], Path]) -> None:
+    for chat_shape in (True, False):
+        out = builder(tiny_model, chat_shape, n=2)
+        out.add(StreamChunk([1], "b-"), 1)
+        out.add(StreamChunk([1], "a"), 0)
+        out.add(StreamChunk([1], "b"), 1)
+        whole = out.response([FinalChunk("stop", Usage(5, 1, cached_tokens=4)),
+                              FinalChunk("length", Usage(5, 2, cached_tokens=0))])
+        texts = [c["message"]["content"] if chat_shape else c["text"] for c in whole["choices"]]
+        assert texts == ["a", "b-b"]
+        assert [c["index"] for c in whole["choices"]] == [0, 1]
+        assert [c["finish_reason"] for c in whole["choices"]] == ["stop", "length"]
+        assert whole["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                                  "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+def test_stream_tags_chunks_and_counts_usage_once(tiny_model: Callable[[str], Path]) -> None:
+    out = builder(tiny_model, True, n=2, include_usage=True)
+    chunks = [*out.chunk(StreamChunk([1], "x"), 1), *out.chunk(StreamChunk([1], "y"), 0),
+              *out.final_chunks(FinalChunk("stop", Usage(5, 1)), 1)]
+    assert all(c["usage"] is None for c in chunks)  # no usage before every choice finished
+    chunks += out.final_chunks(FinalChunk("length", Usage(5, 4)), 0)
+    by_index: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+    for c in chunks[:-1]:
+        (choice,) = c["choices"]
+        by_index[choice["index"]].append(choice)
+    for index, text, reason in ((0, "y", "length"), (1, "x", "stop")):
+        deltas = [c["delta"] for c in by_index[index]]
+        assert deltas[0] == {"role": "assistant", "content": ""}  # each choice its own role
+        assert "".join(d.get("content", "") for d in deltas) == text
+        assert [c["finish_reason"] for c in by_index[index]][-1] == reason
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    assert chunks[-1]["usage"]["prompt_tokens"] == 5
+
+
+# ---------------------------------------------------------------- over HTTP
+
+class ChoicesRouter(ScriptedRouter):
+    """A ScriptedRouter that records its requests, plays ``scripts[request id]`` when
+    there is one (a float item: sleep that long) and notes the streams it closed."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        super().__init__(tokenizer)
+        self.scripts: dict[str, list[Any]] = {}
+        self.seen: list[GenerateRequest] = []
+        self.closed: list[str] = []
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk | FinalChunk]:
+        self.seen.append(req)
+        try:
+            for item in self.scripts.get(req.request_id, self.script):
+                if isinstance(item, RouterError):
+                    raise item
+                if isinstance(item, float):
+                    await asyncio.sleep(item)
+                    continue
+                yield item
+        finally:
+            self.closed.append(req.request_id)
+
+
+def test_n_choices_over_http(tiny_model: Callable[[str], Path]) -> None:
+    router = ChoicesRouter(Tokenizer.from_dir(tiny_model("llama-gqa")))
+    router.script = [StreamChunk([5], "a"), StreamChunk([6], "b"), FinalChunk("stop", Usage(4, 2))]
+
+    async def run(c: Client) -> None:
+        r = await c.post("/v1/completions", json={"prompt": "x", "n": 3, "seed": 1},
+                         headers={"X-Request-Id": "q"})
+        whole = r.json()
+        assert r.status_code == 200 and whole["id"] == "cmpl-q"
+        assert [ch["text"] for ch in whole["choices"]] == ["ab"] * 3
+        assert [ch["index"] for ch in whole["choices"]] == [0, 1, 2]
+        assert whole["usage"]["prompt_tokens"] == 4 and whole["usage"]["completion_tokens"] == 6
+        assert sorted((q.request_id, q.params.seed) for q in router.seen) == [
+            ("q-0", 1), ("q-1", 2), ("q-2", 3)]
+        events = await sse(c, "/v1/chat/completions", {
+            "messages": USER, "n": 2, "stream": True, "stream_options": {"include_usage": True}})
+        assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 4
+        finish = [e["choices"][0] for e in events[:-2] if e["choices"][0]["finish_reason"]]
+        assert sorted(ch["index"] for ch in finish) == [0, 1]
+        for i in (0, 1):
+            assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-2]
+                           if e["choices"][0]["index"] == i) == "ab"
+
+        # One choice fails before its first token: the request's status, the others end.
+        router.closed.clear()
+        router.scripts = {"f-0": [StreamChunk([5], "a"), 30.0],
+                          "f-1": [RouterError(ErrorKind.OVERLOADED, "busy", retry_after_s=1)]}
+        r = await c.post("/v1/completions", json={"prompt": "x", "n": 2},
+                         headers={"X-Request-Id": "f"})
+        assert r.status_code == 429 and r.json()["error"]["message"] == "busy"
+        # ... or later: an error event, then [DONE]; the waiting choice is cancelled.
+        router.scripts = {"g-0": [StreamChunk([5], "a"), 30.0],
+                          "g-1": [StreamChunk([5], "b"), 0.05,
+                                  RouterError(ErrorKind.DEADLINE, "too slow")]}
+        async with c.stream("POST", "/v1/completions", json={
+                "prompt": "x", "n": 2, "stream": True}, headers={"X-Request-Id": "g"}) as s:
+            lines = [line async for line in s.aiter_lines() if line.startswith("data: ")]
+        assert '"too slow"' in lines[-2] and lines[-1] == "data: [DONE]"
+        for _ in range(100):
+            if {"f-0", "f-1", "g-0", "g-1"} <= set(router.closed):
+                break
+            await asyncio.sleep(0.02)
+        assert {"f-0", "f-1", "g-0", "g-1"} <= set(router.closed)
+
+    serve(router, run)
+
+
+def test_structured_request_over_http(tiny_model: Callable[[str], Path]) -> None:
+    router = ChoicesRouter(Tokenizer.from_dir(tiny_model("llama-gqa")))
+    router.script = [StreamChunk([5], '{"a": 1}'), FinalChunk("stop", Usage(4, 1))]
+
+    async def run(c: Client) -> None:
+        r = await c.post("/v1/chat/completions", json={
+            "messages": USER, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "t", "schema": SCHEMA}}, "logit_bias": {"5": 3}, "priority": 2})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == '{"a": 1}'
+        (req,) = router.seen
+        assert req.params.structured == StructuredOutput.json_schema(SCHEMA)
+        assert req.params.logit_bias == ((5, 3.0),) and req.params.priority == 2
+        for body, param in (({"guided_regex": "a("}, "guided_regex"),
+                            ({"guided_json": SCHEMA, "guided_regex": "a"}, "guided_regex")):
+            r = await c.post("/v1/completions", json={"prompt": "x", **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert len(router.seen) == 1  # refused before reaching the router
+
+    serve(router, run)
