@@ -6,16 +6,19 @@ the deadline end a request with a clear, typed error; nothing leaks."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
 
+import jsonschema
 import pytest
 from prometheus_client import CollectorRegistry
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured import StructuredOutput
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.router import Router
 from pdserve.router.types import ErrorKind, GenerateRequest, RouterError, StreamChunk
@@ -85,6 +88,44 @@ def test_gone_worker_leaves_routing_and_its_stream_continues_elsewhere(
                 closed.append(serving)
         assert tokens == expected  # continued on the other decode worker, exactly
         assert router.worker_states()[closed[0]] is False and router.ready()
+        pair.decode = [w for w in pair.decode if w.worker_id != closed[0]]
+
+    run(pair, body)
+
+
+def test_structured_stream_moved_mid_json_stays_valid_and_exact(
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:  # noqa: F811
+    """The decode worker of a seeded, schema-constrained stream goes away mid-JSON: the
+    retry resumes the grammar and the random stream after the tokens already sent, so
+    the client gets the very JSON an uninterrupted run makes."""
+    pair = pair_factory(n_decode=2)
+    schema = {"type": "object",
+              "properties": {"name": {"type": "string", "maxLength": 10},
+                             "n": {"type": "integer", "minimum": 0, "maximum": 999},
+                             "tags": {"type": "array", "items": {"enum": ["a", "b"]},
+                                      "maxItems": 4}},
+              "required": ["name", "n", "tags"], "additionalProperties": False}
+    params = SamplingParams(max_tokens=120, temperature=0.8, seed=3,
+                            structured=StructuredOutput.json_schema(schema))
+    expected = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=64)).generate(
+        [PROMPT], params)[0]
+
+    async def body(router: Router) -> None:
+        tokens: list[int] = []
+        text = ""
+        closed: list[str] = []
+        async for item in router.generate(GenerateRequest("j", params, prompt_token_ids=PROMPT)):
+            if not isinstance(item, StreamChunk):
+                assert item.num_retries == 1
+                continue
+            tokens += item.token_ids
+            text += item.text
+            if len(tokens) >= 4 and not closed:
+                (serving,) = [w for w in router.fanout.workers_of("j") if w.startswith("decode")]
+                next(w for w in pair.decode if w.worker_id == serving).close()
+                closed.append(serving)
+        assert tokens == expected.token_ids and text == expected.text
+        jsonschema.validate(json.loads(text), schema)
         pair.decode = [w for w in pair.decode if w.worker_id != closed[0]]
 
     run(pair, body)
