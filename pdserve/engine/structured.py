@@ -8,7 +8,11 @@ a worker, so a schema the engine cannot compile is a 400 naming its part.
 ``engine/grammar.py`` runs the grammar per request (matcher, token masks).
 
 JSON is generated compact with one space after ``:`` and ``,`` (OpenAI's own shape), so
-a sampled stream cannot wander off into unbounded whitespace.
+a sampled stream cannot wander off into unbounded whitespace; and an object schema that
+lists ``properties`` without saying ``additionalProperties`` gets no others
+(``closed_objects``; OpenAI's strict mode, and vLLM's default with xgrammar): a small
+model otherwise invents keys until ``max_tokens``. Say ``"additionalProperties": true``
+to allow them.
 """
 
 from __future__ import annotations
@@ -102,10 +106,42 @@ class StructuredOutput:
         return f"{self.kind}({len(self.spec)} chars)"
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMAS = ("items", "additionalItems", "not", "if", "then", "else", "contains",
+            "propertyNames", "additionalProperties", "unevaluatedProperties", "unevaluatedItems")
+
+
+def closed_objects(schema: Any, closable: bool = True) -> Any:
+    """``schema`` with ``"additionalProperties": false`` on every object schema that
+    lists ``properties`` and says nothing of other properties (``allOf`` members are
+    left open: closing each would refuse the others' properties)."""
+    if not isinstance(schema, Mapping):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in _SCHEMA_MAPS and isinstance(value, Mapping):
+            out[key] = {k: closed_objects(v) for k, v in value.items()}
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            out[key] = [closed_objects(v) for v in value]
+        elif key == "allOf" and isinstance(value, list):
+            out[key] = [closed_objects(v, closable=False) for v in value]
+        elif key in _SCHEMAS:
+            out[key] = closed_objects(value)
+        else:
+            out[key] = value
+    if (closable and isinstance(schema.get("properties"), Mapping)
+            and not {"additionalProperties", "patternProperties",
+                     "unevaluatedProperties"} & schema.keys()):
+        out["additionalProperties"] = False
+    return out
+
+
 def _compile(s: StructuredOutput) -> str:
     if s.kind == "json":
         try:
-            return str(llguidance.LLMatcher.grammar_from_json_schema(s.spec,
+            schema = closed_objects(json.loads(s.spec))
+            return str(llguidance.LLMatcher.grammar_from_json_schema(schema,
                                                                      defaults=JSON_OPTIONS))
         except ValueError as exc:
             raise ValueError(f"invalid JSON schema: {exc}") from exc

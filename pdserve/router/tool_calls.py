@@ -25,8 +25,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.structured import JSON_OPTIONS
+from pdserve.engine.structured import JSON_OPTIONS, closed_objects
 
+_DECODER = json.JSONDecoder()
 # A function declared without parameters takes none.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},
                                  "additionalProperties": False}
@@ -122,15 +123,35 @@ class _HermesStream(ToolStream):
         self._calls += 1
         return call
 
+    def _call_end(self) -> int | None:
+        """Where the call at the start of the buffer ends (after CLOSE), or None while it
+        is unfinished. The JSON is read as JSON, so a CLOSE inside one of its strings
+        does not end it; text that is not JSON ends at the first CLOSE (as content)."""
+        buf = self._buf
+        start = len(self.OPEN) + len(buf[len(self.OPEN):]) - len(buf[len(self.OPEN):].lstrip())
+        try:
+            _, after = _DECODER.raw_decode(buf, start)
+        except ValueError:
+            if buf[start:start + 1] in ("{", ""):
+                return None  # JSON still coming (or malformed: finish() decides)
+            at = buf.find(self.CLOSE)
+            return None if at < 0 else at + len(self.CLOSE)
+        rest = buf[after:].lstrip()
+        if rest.startswith(self.CLOSE):
+            return len(buf) - len(rest) + len(self.CLOSE)
+        if self.CLOSE.startswith(rest):
+            return None  # the closing tag is on its way
+        at = buf.find(self.CLOSE, after)
+        return None if at < 0 else at + len(self.CLOSE)
+
     def feed(self, text: str) -> list[Event]:
         self._buf += text
         out: list[Event] = []
         while True:
             if self._in_call:
-                end = self._buf.find(self.CLOSE)
-                if end < 0:
+                end = self._call_end()
+                if end is None:
                     return out
-                end += len(self.CLOSE)
                 out.append(self._call(self._buf[:end]))
                 self._buf, self._in_call = self._buf[end:], False
                 continue
@@ -257,12 +278,14 @@ class ToolSyntax(ABC):
         """A Lark grammar (llguidance) whose sentences are one call, or several when
         ``parallel``, each to one of ``functions`` (OpenAI ``function`` objects) with
         arguments valid for its ``parameters``."""
-        schema = {"x-guidance": JSON_OPTIONS, "anyOf": [
-            {"type": "object", "properties": {
-                "name": {"const": f["name"]},
-                self.args_key: NO_PARAMETERS if f.get("parameters") is None else f["parameters"]},
-             "required": ["name", self.args_key], "additionalProperties": False}
-            for f in functions]}
+        defs: dict[str, Any] = {}
+        calls = [{"type": "object", "properties": {
+                      "name": {"const": f["name"]},
+                      self.args_key: _rooted(NO_PARAMETERS if f.get("parameters") is None
+                                             else f["parameters"], f"f{i}.", defs)},
+                  "required": ["name", self.args_key], "additionalProperties": False}
+                 for i, f in enumerate(functions)]
+        schema = {"x-guidance": JSON_OPTIONS, "anyOf": calls, **({"$defs": defs} if defs else {})}
         more = f" ({json.dumps(self.separator)} call)*" if parallel else ""
         return f"start: call{more}\ncall: {self._call_rule(_dumps(schema))}\n"
 
@@ -275,6 +298,42 @@ class ToolSyntax(ABC):
         if not calls:
             return text, []
         return "".join(e for e in events if isinstance(e, str)).strip() or None, calls
+
+
+def _rooted(parameters: Mapping[str, Any], prefix: str, defs: dict[str, Any]) -> Any:
+    """``parameters`` made to sit inside a larger schema: its ``$defs`` / ``definitions``
+    move to the root's ``$defs`` under ``prefix`` (pydantic models put nested models
+    there) and every ``$ref`` to them, or to its own root, follows. Objects are closed
+    as in a response format (``closed_objects``)."""
+    recursive = False
+
+    def ref(target: str) -> str:
+        nonlocal recursive
+        if target == "#":
+            recursive = True
+            return f"#/$defs/{prefix}root"
+        for base in ("#/$defs/", "#/definitions/"):
+            if target.startswith(base):
+                return f"#/$defs/{prefix}{target[len(base):]}"
+        return target
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, Mapping):
+            return {k: ref(v) if k == "$ref" and isinstance(v, str) else walk(v)
+                    for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    parameters = closed_objects(parameters)
+    own = {k: v for k, v in parameters.items() if k not in ("$defs", "definitions")}
+    for key in ("$defs", "definitions"):
+        for name, sub in (parameters.get(key) or {}).items():
+            defs[f"{prefix}{name}"] = walk(sub)
+    body = walk(own)
+    if recursive:  # it refers to its own root
+        defs[f"{prefix}root"] = body
+    return body
 
 
 class _Hermes(ToolSyntax):

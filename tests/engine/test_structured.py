@@ -214,3 +214,23 @@ def test_a_text_only_engine_refuses_grammars(tiny_model: Callable[[str], Path]) 
 def test_schema_compiles_once() -> None:
     s = StructuredOutput.json_schema(SCHEMAS[2])
     assert grammar_of(s) is grammar_of(StructuredOutput.json_schema(SCHEMAS[2]))
+
+
+def test_objects_without_a_word_on_other_keys_are_closed() -> None:
+    from pdserve.engine.structured import closed_objects
+
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        "b": {"type": "object", "properties": {}, "additionalProperties": True},
+        "properties": {"type": "array", "items": {"properties": {"y": {}}}}},
+        "allOf": [{"properties": {"z": {}}}],
+        "$defs": {"D": {"properties": {"w": {}}}}}
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["properties"]["b"]["additionalProperties"] is True
+    assert closed["properties"]["properties"]["items"]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]["properties"]  # a property
+    assert "additionalProperties" not in closed["allOf"][0]
+    assert closed["$defs"]["D"]["additionalProperties"] is False
+    assert schema["properties"]["a"] == {"type": "object", "properties": {"x": {"type": "integer"}}}

@@ -155,7 +155,7 @@ def test_errors_have_their_status_and_the_server_keeps_serving(served: Served) -
     s = served
     cases: list[tuple[type[Exception], int, Callable[[], object]]] = [
         (openai.BadRequestError, 400, lambda: s.client.completions.create(
-            model=s.model, prompt="x", n=2)),
+            model=s.model, prompt="x", n=17)),
         (openai.BadRequestError, 400, lambda: s.client.chat.completions.create(
             model=s.model, messages=[{"role": "user", "content": "x"}], temperature=-1)),
         (openai.BadRequestError, 400, lambda: s.client.completions.create(

@@ -323,3 +323,34 @@ def test_tool_calls_over_http(tiny_model: Callable[[str], Path]) -> None:
         assert "tools[0].function.parameters" in err["message"] and "bogus" in err["message"]
 
     serve(router, run)
+
+
+def test_forced_call_grammar_keeps_nested_definitions() -> None:
+    """pydantic puts nested models in ``$defs`` and refers to them from the root: inside
+    the call grammar they must still resolve (instructor's and LangChain's tools)."""
+    item = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    nested = {"$defs": {"Item": item},
+              "type": "object",
+              "properties": {"item": {"$ref": "#/$defs/Item"},
+                             "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+              "required": ["item", "next"]}
+    old_style = {"definitions": {"Item": item}, "type": "object",
+                 "properties": {"item": {"$ref": "#/definitions/Item"}}, "required": ["item"]}
+    lark = HERMES.grammar([{"name": "a", "parameters": nested},
+                           {"name": "b", "parameters": old_style}], parallel=True)
+    grammar_of(StructuredOutput.grammar(lark))  # compiles: every $ref resolves
+    assert '"$ref": "#/$defs/f0.Item"' in lark and '"$ref": "#/$defs/f1.Item"' in lark
+    assert '"$ref": "#/$defs/f0.root"' in lark
+
+
+def test_a_closing_tag_inside_a_json_string_does_not_end_the_call() -> None:
+    text = ('<tool_call>\n{"name": "f", "arguments": {"city": "Rome}}</tool_call></", '
+            '"n": 1}}\n</tool_call>')
+    content, calls = HERMES.parse(text)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("f", {"city": "Rome}}</tool_call></", "n": 1})]
+    # Streamed a character at a time: the same call, nothing leaks as content.
+    s = HERMES.stream()
+    events = [e for ch in text for e in s.feed(ch)] + s.finish()
+    assert [e.name for e in events if not isinstance(e, str)] == ["f"]
+    assert not [e for e in events if isinstance(e, str)]
