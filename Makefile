@@ -66,6 +66,7 @@ bench: $(VENV)/.test $(KERNELS) model
 	$(PY) -m pdserve.engine.bench_gemm
 	$(PY) -m pdserve.engine.bench
 	$(PY) -m pdserve.engine.bench_tp
+	$(PY) -m pdserve.engine.bench_structured
 	$(PY) -m pdserve.kv_transfer.bench --slice
 	$(PY) -m pdserve.deploy.bench_serving
 

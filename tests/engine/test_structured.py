@@ -234,3 +234,23 @@ def test_objects_without_a_word_on_other_keys_are_closed() -> None:
     assert "additionalProperties" not in closed["allOf"][0]
     assert closed["$defs"]["D"]["additionalProperties"] is False
     assert schema["properties"]["a"] == {"type": "object", "properties": {"x": {"type": "integer"}}}
+
+
+def test_bitmask_kernel_equals_reference() -> None:
+    import torch
+
+    from pdserve.engine import kernels
+    from pdserve.engine.grammar import apply_bitmask, apply_bitmask_reference
+
+    if not kernels.available():
+        pytest.skip(f"no CPU kernels here: {kernels.reason()}")
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=g)
+    for words in (32, 30):  # covering the vocabulary, and short of it (the rest is -inf)
+        mask = torch.randint(-2**31, 2**31 - 1, (4, words), dtype=torch.int32, generator=g)
+        mask[0], mask[1] = 0, -1  # nothing allowed; everything allowed
+        fast, ref = logits.clone(), logits.clone()
+        apply_bitmask(fast, [5, 0, 2, 3], mask)
+        apply_bitmask_reference(ref, [5, 0, 2, 3], mask)
+        assert torch.equal(fast, ref)
+        assert torch.equal(fast[[1, 4]], logits[[1, 4]])  # rows not listed are untouched

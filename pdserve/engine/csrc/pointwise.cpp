@@ -4,6 +4,8 @@
 //   rope_write_kv     rotary ("rotate half") on the q and k heads of a fused qkv row,
 //                     in place, then k and v stored into their cache slots
 //   silu_mul          out = silu(gate) * up for gate_up = [gate | up]
+//   apply_token_bitmask  logits[rows[j], t] = -inf where bit t of mask[j] is clear
+//                     (structured outputs: the tokens a request's grammar forbids)
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/addmm.h>
@@ -12,6 +14,8 @@
 #include <ATen/ops/mm.h>
 
 #include <cmath>
+#include <cstring>
+#include <limits>
 
 #include "vec.h"
 
@@ -168,6 +172,34 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       }
   });
   return out;
+}
+
+void apply_token_bitmask(at::Tensor& logits, const at::Tensor& rows, const at::Tensor& mask) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
+              "logits must be a contiguous float32 [B, V] tensor");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be int64 [R]");
+  TORCH_CHECK(mask.dim() == 2 && mask.scalar_type() == at::kInt && mask.is_contiguous() &&
+                  mask.size(0) == rows.size(0),
+              "mask must be a contiguous int32 [R, words] tensor, one row per entry of rows");
+  const int64_t B = logits.size(0), V = logits.size(1), W = mask.size(1), R = rows.size(0);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  for (int64_t j = 0; j < R; ++j)
+    TORCH_CHECK(rp[j] >= 0 && rp[j] < B, "row ", rp[j], " is outside the logits' ", B, " rows");
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const auto* mp = reinterpret_cast<const uint32_t*>(mask.data_ptr<int32_t>());
+  float* lp = logits.data_ptr<float>();
+  for (int64_t j = 0; j < R; ++j) {
+    float* row = lp + rp[j] * V;
+    const uint32_t* bits = mp + j * W;
+    for (int64_t w = 0; w < W && w * 32 < V; ++w) {
+      const uint32_t b = bits[w];
+      if (b == 0xFFFFFFFFu) continue;
+      const int64_t base = w * 32, n = std::min<int64_t>(32, V - base);
+      for (int64_t t = 0; t < n; ++t)
+        if (!((b >> t) & 1u)) row[base + t] = ninf;
+    }
+    for (int64_t t = W * 32; t < V; ++t) row[t] = ninf;  // past the mask: never allowed
+  }
 }
 
 }  // namespace pdk
