@@ -33,7 +33,14 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import SamplingParams, effective_priority
 from pdserve.failures import AttemptFailed, FailReason, WorkerGone
-from pdserve.router.policies import ClusterSnapshot, Policy, PrefixIndex, RouteInput, WorkerView
+from pdserve.router.policies import (
+    ClusterSnapshot,
+    Policy,
+    PrefixIndex,
+    RouteInput,
+    WorkerView,
+    prefix_affinity,
+)
 from pdserve.router.types import ErrorKind, RouterError
 from pdserve.router.workers import WorkerSet, WorkerState
 
@@ -230,7 +237,7 @@ class Admission:
             return None
         snap = ClusterSnapshot(prefill=[self._view(w) for w in candidates], decode=[],
                                sequence=self._sequence, prefix_owner=self._prefix.view())
-        choice, _ = self._policy(snap, req)
+        choice, _ = (prefix_affinity if req.share_prefix else self._policy)(snap, req)
         return next((w for w in candidates if w.worker_id == choice), candidates[0])
 
     def _view(self, w: WorkerState) -> WorkerView:

@@ -21,8 +21,10 @@ compiled before the request runs (``openai_schema.check_grammars``: a 400 naming
 field, bounded in time).
 
 ``n`` > 1: ``n`` router requests of the same prompt (``openai_schema.choice_requests``)
-read as one (``_Choices``); the response merges them, a stream interleaves their
-chunks by choice index, and one failing fails the request and cancels the others.
+read as one (``_Choices``), the others started once the first has its first token so
+that they reuse its prompt's KV through the prefix cache; the response merges them, a
+stream interleaves their chunks by choice index, and one failing fails the request and
+cancels the others.
 
 Cancellation: a client that goes away, before or during the response, closes its
 ``RouterStream``s (one per choice), which abort the request on both workers (see
@@ -211,18 +213,32 @@ class _Choices:
     each choice's first item (so that admission errors keep their status), ``next``
     gives (choice index, item) in arrival order and None once every choice has
     finished. A choice's error is raised for the whole request; ``close`` then ends
-    the others."""
+    the others.
+
+    Choices 1.. start when choice 0 has its first token: by then its prompt is in the
+    prefill worker's prefix cache (and a colocated worker's), so the prefix-affinity
+    policy sends the others where their prompt is computed already and each computes
+    only its last, partial block. One prefill, n decodes."""
 
     def __init__(self, router: RouterLike, reqs: list[GenerateRequest],
                  tasks: set[asyncio.Task[None]], request_id: str):
         self.request_id = request_id
-        self._calls = [RouterStream(router, req, tasks) for req in reqs]
+        self._router, self._reqs, self._tasks = router, reqs, tasks
+        self._calls: list[RouterStream] = []
+        self._pumps: list[asyncio.Task[None]] = []
         self._queue: asyncio.Queue[tuple[int, StreamChunk | FinalChunk | RouterError]] = (
             asyncio.Queue())
-        self._pumps = [asyncio.create_task(self._pump(i, call), name=f"choice-{req.request_id}")
-                       for i, (call, req) in enumerate(zip(self._calls, reqs, strict=True))]
         self._ready: deque[tuple[int, StreamChunk | FinalChunk]] = deque()  # read by start
         self._finished = 0
+        self._closed = False
+        self._launch(0)
+
+    def _launch(self, index: int) -> None:
+        req = self._reqs[index]
+        call = RouterStream(self._router, req, self._tasks)
+        self._calls.append(call)
+        self._pumps.append(asyncio.create_task(self._pump(index, call),
+                                               name=f"choice-{req.request_id}"))
 
     async def _pump(self, index: int, call: RouterStream) -> None:
         try:
@@ -240,11 +256,14 @@ class _Choices:
         if isinstance(item, RouterError):
             raise item
         self._finished += isinstance(item, FinalChunk)
+        if index == 0 and len(self._calls) == 1 and not self._closed:
+            for i in range(1, len(self._reqs)):  # choice 0 is prefilled: the rest now
+                self._launch(i)
         return index, item
 
     async def start(self) -> None:
         """Wait until every choice has sent its first item; RouterError if one failed."""
-        waiting = set(range(len(self._calls)))
+        waiting = set(range(len(self._reqs)))
         while waiting:
             got = await self._take()
             self._ready.append(got)
@@ -253,13 +272,14 @@ class _Choices:
     async def next(self) -> tuple[int, StreamChunk | FinalChunk] | None:
         if self._ready:
             return self._ready.popleft()
-        if self._finished == len(self._calls):
+        if self._finished == len(self._reqs):
             return None
         return await self._take()
 
     def close(self, error: RouterError | None = None) -> None:
-        """Abort every choice the router has not finished (idempotent). ``error``: what
-        a reader waiting in ``next`` gets instead."""
+        """Abort every choice the router has not finished, and start no more
+        (idempotent). ``error``: what a reader waiting in ``next`` gets instead."""
+        self._closed = True
         for call in self._calls:
             call.close(error)
         if error is None:

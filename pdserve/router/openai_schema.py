@@ -374,13 +374,16 @@ async def check_grammars(grammars: Named) -> None:
 def choice_requests(req: GenerateRequest, n: int) -> list[GenerateRequest]:
     """The router requests of ``n`` choices of ``req``'s prompt: ``req`` itself when n is
     1, else ids ``{id}-{i}``, choice i seeded ``seed + i`` (wrapping within int64) when
-    the request has a seed."""
+    the request has a seed; choices 1.. are routed to where choice 0's prompt is cached
+    (``share_prefix``)."""
     if n == 1:
         return [req]
     seed = req.params.seed
-    return [dataclasses.replace(req, request_id=f"{req.request_id}-{i}", params=dataclasses.replace(
-        req.params, seed=None if seed is None else (seed + i + INT64) % (2 * INT64) - INT64))
-        for i in range(n)]
+    return [dataclasses.replace(req, request_id=f"{req.request_id}-{i}", share_prefix=i > 0,
+                                params=dataclasses.replace(req.params, seed=None if seed is None
+                                                           else (seed + i + INT64) % (2 * INT64)
+                                                           - INT64))
+            for i in range(n)]
 
 
 def _params(r: _SamplingFields, max_tokens: int | None, logprobs: int | None,

@@ -39,6 +39,7 @@ class ClusterSnapshot:
 class RouteInput:
     num_prompt_tokens: int
     block_hashes: Sequence[int]  # chained hashes of the prompt's full blocks
+    share_prefix: bool = False  # its prompt was just prefilled: prefix affinity, any policy
 
 
 Choice = tuple[str | None, list[str]]

@@ -27,6 +27,9 @@ class GenerateRequest:
     messages: list[dict[str, str]] | None = None  # ... or chat messages (chat template) ...
     prompt_token_ids: list[int] | None = None  # ... or pre-tokenized ids; exactly one is set
     timeout_s: float | None = None  # deadline from arrival; None = the router's default
+    # Another request with this prompt ran first (a choice of n > 1): prefill where its
+    # prompt is cached, whatever the routing policy (``policies.RouteInput``).
+    share_prefix: bool = False
 
 
 @dataclass

@@ -447,3 +447,22 @@ def test_token_strings_carry_the_raw_bytes(tiny_model: Callable[[str], Path]) ->
     split = [text(i)[0] for i in ids if text(i)[0].startswith("bytes:")]
     assert split, "expected a token holding part of a character"
     assert all(re.fullmatch(r"bytes:(\\x[0-9a-f]{2})+", s) for s in split)
+
+
+def test_n_choices_share_one_prefill(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+    """Choices 1.. start after choice 0's first token: the prefill worker computes the
+    prompt's full blocks once and the other choices find them in its prefix cache."""
+    pair = pair_factory(n_prefill=2)
+    prompt = list(range(10, 74))  # 64 tokens: 4 full blocks
+
+    async def body(c: Client) -> None:
+        r = await c.post("/v1/completions", json={**GREEDY, "prompt": prompt, "max_tokens": 5,
+                                                  "n": 3})
+        assert r.status_code == 200, r.text
+        texts = [ch["text"] for ch in r.json()["choices"]]
+        assert len(texts) == 3 and len(set(texts)) == 1  # greedy: the same three times
+        hits = sum(w.engine.pool.prefix_hits for w in pair.prefill)
+        assert hits >= 2 * 3, hits  # choices 1 and 2 reused at least 3 of the 4 blocks
+        await wait_freed(pair)
+
+    serve(pair, body)
