@@ -6,6 +6,9 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -46,3 +49,26 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def start_serve(args: list[str], log: Path, env: dict[str, str],
+                timeout_s: float = 180) -> tuple[subprocess.Popen[bytes], str]:
+    """``pdserve serve ARGS`` in its own session, output to ``log``; returns once it
+    prints that it is serving, with the log's text so far. If it exits first or takes
+    longer than ``timeout_s``: AssertionError, with it and everything carrying its
+    mark (``env``, from ``marked_env``) killed."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.deploy.cli", "serve", *args],
+                                stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while "] serving " not in (text := log.read_text(errors="replace")):
+        if proc.poll() is not None or time.monotonic() >= deadline:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            if MARK_VAR in env:
+                kill_marked(env[MARK_VAR])
+            raise AssertionError(f"serve did not come up:\n{text[-3000:]}")
+        time.sleep(0.2)
+    return proc, text

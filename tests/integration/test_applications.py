@@ -12,9 +12,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +23,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
 
-from tests.integration.procs import kill_marked, marked_env  # noqa: E402
+from tests.integration.procs import kill_marked, marked_env, start_serve  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MODES = {
@@ -97,19 +94,10 @@ def served(request: pytest.FixtureRequest, default_model_dir: Path,
     tmp = tmp_path_factory.mktemp(f"apps-{request.param}")
     (tmp / "cluster.yaml").write_text(MODES[request.param])
     mark, env = marked_env()
-    log = tmp / "serve.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.deploy.cli", "serve", "--model",
-             str(default_model_dir), "--config", str(tmp / "cluster.yaml"), "--http-port", "0",
-             "--grpc-port", "0"], stdout=out, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True)
+    proc, text = start_serve(["--model", str(default_model_dir), "--config",
+                              str(tmp / "cluster.yaml"), "--http-port", "0", "--grpc-port", "0"],
+                             tmp / "serve.log", env)
     try:
-        deadline = time.monotonic() + 180
-        while "] serving " not in (text := log.read_text(errors="replace")):
-            assert proc.poll() is None, f"serve exited early:\n{text[-3000:]}"
-            assert time.monotonic() < deadline, f"serve did not come up:\n{text[-3000:]}"
-            time.sleep(0.2)
         http = re.search(r"HTTP\s+(http://127\.0\.0\.1:\d+)/v1", text)
         assert http, text
         client = openai.OpenAI(base_url=f"{http[1]}/v1", api_key="unused", max_retries=0,

@@ -22,7 +22,12 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from pdserve.engine.tokenizer import Tokenizer  # noqa: E402
-from tests.integration.procs import kill_marked, marked_env, processes_with  # noqa: E402
+from tests.integration.procs import (  # noqa: E402
+    kill_marked,
+    marked_env,
+    processes_with,
+    start_serve,
+)
 
 KEY = "test-key"
 CONFIG = """\
@@ -56,18 +61,10 @@ def served(tiny_model: Callable[[str], Path], tmp_path_factory: pytest.TempPathF
     (tmp / "cluster.yaml").write_text(CONFIG + f"file_sd_path: {tmp / 'targets.json'}\n")
     mark, env = marked_env()
     log = tmp / "serve.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pdserve.deploy.cli", "serve", "--model", str(model),
-             "--config", str(tmp / "cluster.yaml"), "--http-port", "0", "--grpc-port", "0",
-             "--api-key", KEY], stdout=out, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True)
+    proc, text = start_serve(["--model", str(model), "--config", str(tmp / "cluster.yaml"),
+                              "--http-port", "0", "--grpc-port", "0", "--api-key", KEY],
+                             log, env, timeout_s=150)
     try:
-        deadline = time.monotonic() + 150
-        while "] serving " not in (text := log.read_text(errors="replace")):
-            assert proc.poll() is None, f"serve exited early:\n{text[-3000:]}"
-            assert time.monotonic() < deadline, f"serve did not come up:\n{text[-3000:]}"
-            time.sleep(0.2)
         http = re.search(r"HTTP\s+(http://127\.0\.0\.1:\d+)/v1", text)
         metrics = re.search(r"worker decode-0: (http://\S+/metrics)", text)
         assert http and metrics, text

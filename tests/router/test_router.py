@@ -66,6 +66,28 @@ def test_failed_attempt_is_retried_elsewhere_and_costs_no_worker(
     run(pair, body)
 
 
+async def stream_losing_its_decode_worker(router: Router, pair: Pair, req: GenerateRequest,
+                                          after: int) -> tuple[list[int], str, str]:
+    """Stream ``req``, closing the decode worker serving it once ``after`` tokens came
+    (its loop and token stream stop: it is gone); the tokens, text and that worker."""
+    tokens: list[int] = []
+    text = ""
+    closed: list[str] = []
+    async for item in router.generate(req):
+        if not isinstance(item, StreamChunk):
+            assert item.num_retries == 1
+            continue
+        tokens += item.token_ids
+        text += item.text
+        if len(tokens) >= after and not closed:
+            (serving,) = [w for w in router.fanout.workers_of(req.request_id)
+                          if w.startswith("decode")]
+            next(w for w in pair.decode if w.worker_id == serving).close()
+            closed.append(serving)
+    pair.decode = [w for w in pair.decode if w.worker_id != closed[0]]
+    return tokens, text, closed[0]
+
+
 def test_gone_worker_leaves_routing_and_its_stream_continues_elsewhere(
         pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:  # noqa: F811
     pair = pair_factory(n_decode=2)
@@ -74,21 +96,10 @@ def test_gone_worker_leaves_routing_and_its_stream_continues_elsewhere(
         [PROMPT], params)[0].token_ids
 
     async def body(router: Router) -> None:
-        tokens: list[int] = []
-        closed: list[str] = []
-        async for item in router.generate(GenerateRequest("g", params, prompt_token_ids=PROMPT)):
-            if not isinstance(item, StreamChunk):
-                assert item.num_retries == 1
-                continue
-            tokens += item.token_ids
-            if len(tokens) >= 5 and not closed:
-                (serving,) = [w for w in router.fanout.workers_of("g") if w.startswith("decode")]
-                worker = next(w for w in pair.decode if w.worker_id == serving)
-                worker.close()  # its loop and token stream stop: it is gone
-                closed.append(serving)
+        tokens, _, closed = await stream_losing_its_decode_worker(
+            router, pair, GenerateRequest("g", params, prompt_token_ids=PROMPT), after=5)
         assert tokens == expected  # continued on the other decode worker, exactly
-        assert router.worker_states()[closed[0]] is False and router.ready()
-        pair.decode = [w for w in pair.decode if w.worker_id != closed[0]]
+        assert router.worker_states()[closed] is False and router.ready()
 
     run(pair, body)
 
@@ -111,22 +122,10 @@ def test_structured_stream_moved_mid_json_stays_valid_and_exact(
         [PROMPT], params)[0]
 
     async def body(router: Router) -> None:
-        tokens: list[int] = []
-        text = ""
-        closed: list[str] = []
-        async for item in router.generate(GenerateRequest("j", params, prompt_token_ids=PROMPT)):
-            if not isinstance(item, StreamChunk):
-                assert item.num_retries == 1
-                continue
-            tokens += item.token_ids
-            text += item.text
-            if len(tokens) >= 4 and not closed:
-                (serving,) = [w for w in router.fanout.workers_of("j") if w.startswith("decode")]
-                next(w for w in pair.decode if w.worker_id == serving).close()
-                closed.append(serving)
+        tokens, text, _ = await stream_losing_its_decode_worker(
+            router, pair, GenerateRequest("j", params, prompt_token_ids=PROMPT), after=4)
         assert tokens == expected.token_ids and text == expected.text
         jsonschema.validate(json.loads(text), schema)
-        pair.decode = [w for w in pair.decode if w.worker_id != closed[0]]
 
     run(pair, body)
 
