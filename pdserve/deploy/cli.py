@@ -97,6 +97,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="the key guards /health, /metrics and grpc.health.v1 too")
     p.add_argument("--file-sd", default=None,
                    help="write a Prometheus file-SD targets file here (kept current)")
+    p.add_argument("--shutdown-timeout", type=float, default=None, dest="shutdown_timeout_s",
+                   metavar="S", help="on SIGTERM/SIGINT, stop admitting and give requests in "
+                                     "flight this long to finish (default 30; a second signal "
+                                     "stops at once)")
     p.add_argument("--ttft-slo-ms", type=float, default=None, help="TTFT target for SLO metrics")
     p.add_argument("--tpot-slo-ms", type=float, default=None, help="TPOT target for SLO metrics")
     p.add_argument("--autoscale", action="store_true", default=None,
@@ -209,6 +213,7 @@ def _load_cluster_config(args: argparse.Namespace, formats: dict[str, Any]) -> C
         "protect_probes": getattr(args, "protect_probes", None),
         "file_sd_path": getattr(args, "file_sd", None),
         "ttft_slo_ms": getattr(args, "ttft_slo_ms", None),
+        "shutdown_timeout_s": getattr(args, "shutdown_timeout_s", None),
         "tpot_slo_ms": getattr(args, "tpot_slo_ms", None),
         "autoscale": getattr(args, "autoscale", None),
         "autoscale_profile": getattr(args, "autoscale_profile", None),

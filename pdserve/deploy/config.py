@@ -112,6 +112,9 @@ class ClusterConfig:
     colocated: PoolConfig | None = None
     router: RouterConfig = field(default_factory=RouterConfig)
     kv_timeout_s: float = 30.0  # a KV transfer without progress this long fails (P and D)
+    # SIGTERM / SIGINT: admission stops at once (503 + Retry-After, /health 503) and the
+    # requests in flight get this long to finish before the rest are ended (0: at once).
+    shutdown_timeout_s: float = 30.0
     max_restarts: int = 5  # Ray restarts a dead worker actor at most this often ...
     restart_backoff_s: float = 1.0  # ... waiting this long, doubling with each restart
     api_key: str | None = None  # HTTP + gRPC: required Bearer token (None = open) ...
@@ -148,6 +151,8 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be in [0, 65535], got {port}")
         if self.kv_timeout_s <= 0:
             raise ValueError("kv_timeout_s must be > 0")
+        if not self.shutdown_timeout_s >= 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
         if self.max_restarts < 0 or self.restart_backoff_s < 0:
             raise ValueError("max_restarts and restart_backoff_s must be >= 0")
         if (self.prefill.workers == 0) != (self.decode.workers == 0):

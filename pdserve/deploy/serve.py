@@ -1,6 +1,7 @@
-"""``pdserve serve``: a cluster, a router and its endpoints, until Ctrl-C (SIGINT)
-or SIGTERM: gRPC, the OpenAI HTTP API with ``/health`` and the router's
-``/metrics`` on one port, and the Prometheus file-SD targets file when configured.
+"""``pdserve serve``: a cluster, a router and its endpoints (gRPC, the OpenAI HTTP API
+with ``/health`` and the router's ``/metrics`` on one port, and the Prometheus file-SD
+targets file when configured) until Ctrl-C (SIGINT) or SIGTERM, then a graceful drain:
+nothing new is admitted and the requests in flight get ``shutdown_timeout_s`` to finish.
 
 Also ``run_disaggregated``: one request through a fresh 1 prefill + 1 decode
 cluster, for ``pdserve generate --disaggregated``.
@@ -103,6 +104,7 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
         _progress(f"serving {cluster.model_dir.name} with {pools} worker(s) over "
                   f"{cfg.transfer}; Ctrl-C stops")
         await stop.wait()
+        await _drain(router, cfg.shutdown_timeout_s, loop)
     finally:
         _progress("shutting down")
         if autoscale is not None:
@@ -121,6 +123,28 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
         if router is not None:
             await router.stop()
         cluster.shutdown()
+
+
+async def _drain(router: Router, timeout_s: float, loop: asyncio.AbstractEventLoop) -> None:
+    """Graceful shutdown: admit nothing more (new requests get 503 / UNAVAILABLE with a
+    retry hint, ``/health`` and grpc.health.v1 turn NOT_SERVING) and let the requests in
+    flight finish, for at most ``timeout_s``; a second signal ends the wait."""
+    router.begin_drain()
+    if not router.num_in_flight or timeout_s <= 0:
+        return
+    again = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, again.set)
+    _progress(f"draining: {router.num_in_flight} request(s) in flight get up to "
+              f"{timeout_s:g} s to finish (signal again to stop now)")
+    waiting = asyncio.ensure_future(router.drained(timeout_s))
+    signalled = asyncio.ensure_future(again.wait())
+    await asyncio.wait({waiting, signalled}, return_when=asyncio.FIRST_COMPLETED)
+    signalled.cancel()
+    waiting.cancel()
+    if router.num_in_flight:
+        _progress(f"{router.num_in_flight} request(s) still in flight: ending them")
 
 
 async def _start(cluster: Cluster, stop: asyncio.Event) -> bool:

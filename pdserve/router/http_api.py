@@ -94,7 +94,7 @@ class ApiError(Exception):
     def from_router(cls, exc: RouterError, request_id: str) -> ApiError:
         status, body = router_error_object(exc, request_id)
         headers = {}
-        if exc.kind is ErrorKind.OVERLOADED:
+        if exc.kind is ErrorKind.OVERLOADED or exc.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, round(exc.retry_after_s or 1)))
         return cls(status, body, headers)
 

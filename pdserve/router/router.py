@@ -19,6 +19,8 @@ Request state machine (one attempt per worker pair or colocated worker tried)::
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -86,6 +88,9 @@ class Router:
         self._services = Services(self.workers, self.admission, self.fanout, self.prefix,
                                   tokenizer, cfg.block_size, cfg.max_retries, metrics)
         self._active: set[str] = set()  # request ids in flight (client ids are unique)
+        self._draining = False
+        self._idle = asyncio.Event()  # set whenever nothing is in flight
+        self._idle.set()
 
     @property
     def metrics(self) -> Any:
@@ -104,7 +109,24 @@ class Router:
         await self.workers.stop()
 
     def ready(self) -> bool:
-        return self.workers.ready()
+        return not self._draining and self.workers.ready()
+
+    def begin_drain(self) -> None:
+        """Admit nothing more (NOT_READY with a retry hint, ``ready()`` False at once);
+        what is in flight goes on (a graceful shutdown, ``pdserve serve`` on SIGTERM)."""
+        self._draining = True
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._active)
+
+    async def drained(self, timeout_s: float) -> int:
+        """Wait until nothing is in flight, at most ``timeout_s``; the number left."""
+        if self._active:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await self._idle.wait()
+        return len(self._active)
 
     def models(self) -> list[ModelInfo]:
         return [ModelInfo(id=self.model_name, max_model_len=self.max_model_len)]
@@ -148,6 +170,9 @@ class Router:
         ``RouterError`` (before or during the stream)."""
         arrival = time.monotonic()
         try:
+            if self._draining:
+                raise RouterError(ErrorKind.NOT_READY, "the server is shutting down",
+                                  retry_after_s=1.0)
             prompt = self._tokenize(req)
             self._validate(prompt, req.params)
             await self._wait_ready()
@@ -161,6 +186,7 @@ class Router:
             self._reject(exc.kind)
             raise
         self._active.add(req.request_id)
+        self._idle.clear()
         deadline = arrival + (req.timeout_s or self.config.default_timeout_s)
         try:
             async for item in RequestRun(self._services, req, prompt, arrival, deadline).stream():
@@ -170,6 +196,8 @@ class Router:
             raise
         finally:
             self._active.discard(req.request_id)
+            if not self._active:
+                self._idle.set()
 
     # ------------------------------------------------------------------ helpers
     async def _wait_ready(self) -> None:

@@ -101,7 +101,7 @@ class RouterError(Exception):
         super().__init__(message)
         self.kind = kind
         self.message = message
-        self.retry_after_s = retry_after_s  # OVERLOADED: hint for Retry-After
+        self.retry_after_s = retry_after_s  # OVERLOADED, shutting down: hint for Retry-After
 
 
 @dataclass
