@@ -52,6 +52,7 @@ from pdserve.router.admin_api import Admin, admin_routes
 from pdserve.router.api_common import RouterLike, RouterStream, check_model
 from pdserve.router.api_keys import ApiKeys
 from pdserve.router.http_middleware import (
+    BODY_TIMEOUT_S,
     ApiKeyMiddleware,
     BodyLimitMiddleware,
     RequestIdMiddleware,
@@ -94,7 +95,8 @@ class ApiError(Exception):
     def from_router(cls, exc: RouterError, request_id: str) -> ApiError:
         status, body = router_error_object(exc, request_id)
         headers = {}
-        if exc.kind is ErrorKind.OVERLOADED or exc.retry_after_s is not None:
+        if exc.kind is ErrorKind.OVERLOADED or (exc.kind is ErrorKind.NOT_READY
+                                                and exc.retry_after_s is not None):
             headers["Retry-After"] = str(max(1, round(exc.retry_after_s or 1)))
         return cls(status, body, headers)
 
@@ -340,7 +342,7 @@ class _ClientGone(Exception):
 def build_app(router: RouterLike, model_name: str, registry: CollectorRegistry,
               api_keys: ApiKeys | None = None, protect_probes: bool = False,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, admin: Admin | None = None,
-              ) -> FastAPI:
+              body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
     """The ASGI app serving ``router`` as ``model_name``; see the module docstring.
     ``api_keys``: None = open; ``protect_probes``: the keys guard ``/health`` and
     ``/metrics`` too; ``admin``: serve ``/admin/`` (``admin_api``) over it."""
@@ -409,6 +411,7 @@ def build_app(router: RouterLike, model_name: str, registry: CollectorRegistry,
     # body is read before a 401, so that answering never resets the connection).
     if api_keys is not None:
         app.add_middleware(ApiKeyMiddleware, keys=api_keys, protect_probes=protect_probes)
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes,
+                       body_timeout_s=body_timeout_s)
     app.add_middleware(RequestIdMiddleware)
     return app

@@ -5,9 +5,11 @@
   access log line per request carrying it.
 * ``BodyLimitMiddleware``: a request body larger than the limit gets a 413 before
   any of it is parsed: at once from a declared ``Content-Length`` (before reading a
-  byte of it), otherwise (chunked) as soon as the bytes read pass the limit. The
-  body is read here whole and replayed to the app; later ``receive()`` calls go to
-  the server, so disconnects still arrive.
+  byte of it), otherwise (chunked) as soon as the bytes read pass the limit. A body
+  not whole within ``body_timeout_s`` (a client that declares 100 bytes and sends 10)
+  gets a 408 and its connection is closed, so slow clients cannot pile up. The body
+  is read here whole and replayed to the app; later ``receive()`` calls go to the
+  server, so disconnects still arrive.
 * ``ApiKeyMiddleware`` (with keys configured): every path needs ``Authorization:
   Bearer <key>`` (401 otherwise) except the probes ``/health`` and ``/metrics``,
   which stay open unless ``protect_probes``. Deny by default: a route added later
@@ -93,12 +95,27 @@ DRAIN_FACTOR = 8
 DRAIN_TIMEOUT_S = 5.0
 
 
+BODY_TIMEOUT_S = 30.0  # a request's whole body must arrive within this
+
+
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_body_bytes: int):
+    def __init__(self, app: ASGIApp, max_body_bytes: int, body_timeout_s: float = BODY_TIMEOUT_S):
         if max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        if not body_timeout_s > 0:
+            raise ValueError(f"body_timeout_s must be > 0, got {body_timeout_s}")
         self.app = app
         self.limit = max_body_bytes
+        self.body_timeout_s = body_timeout_s
+
+    async def _too_slow(self, send: Send) -> None:
+        body = json.dumps(error_object(
+            f"the request body did not arrive within {self.body_timeout_s:g} s",
+            code="request_timeout")).encode()
+        await send({"type": "http.response.start", "status": 408, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send, more: bool) -> None:
         """413 now; then drop the rest of the body before the connection closes (see
@@ -136,17 +153,23 @@ class BodyLimitMiddleware:
             return
         chunks: list[bytes] = []
         size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away while sending
-                return
-            size += len(message.get("body", b""))
-            if size > self.limit:
-                await self._reject(scope, receive, send, more=message.get("more_body", False))
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":  # the client went away while sending
+                        return
+                    size += len(message.get("body", b""))
+                    if size > self.limit:
+                        await self._reject(scope, receive, send,
+                                           more=message.get("more_body", False))
+                        return
+                    chunks.append(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            await self._too_slow(send)
+            return
         replayed = False
 
         async def replay() -> Message:

@@ -1,6 +1,13 @@
 """Running an ASGI app on uvicorn inside an asyncio loop that someone else owns
 (``pdserve serve``, tests): binding (port 0 = ephemeral, the bound port is
-returned), startup, and a graceful stop.
+returned), startup, bounds on connections, and a graceful stop.
+
+Bounds, so that one client cannot hold the server's sockets: at most
+``max_connections`` connections and requests at once (beyond: uvicorn's 503), and a
+connection waiting for a request head (new, or idle between keep-alive requests) gets
+``header_timeout_s`` to send a whole one, or it is closed (uvicorn's own keep-alive
+timer stops at the first byte, so a client sending a byte at a time would hold it
+forever). The body's own deadline is ``http_middleware.BODY_TIMEOUT_S`` (a 408).
 
 Stop rule for an app from ``http_api.build_app`` (``app.state.pdserve_api``): open
 requests are ended first (a 503, or an SSE error event and ``[DONE]``), so that
@@ -19,12 +26,47 @@ from collections.abc import Callable, Generator
 from typing import Any, Protocol
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+MAX_CONNECTIONS = 2048  # well under a default 20k open-files limit
+HEADER_TIMEOUT_S = 10.0
 
 
 class _Drainable(Protocol):
     tasks: set[asyncio.Task[None]]  # router streams still running or cleaning up
 
     def begin_shutdown(self) -> None: ...
+
+
+class _HeadDeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol with the request-head deadline (see the module doc)."""
+
+    header_timeout_s = HEADER_TIMEOUT_S
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_late,
+                                                self.cycle)
+
+    def _head_late(self, waiting_after: object) -> None:
+        if self.cycle is waiting_after:  # no new request head arrived in time
+            self.timeout_keep_alive_handler()
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -56,7 +98,9 @@ class HttpServer:
 
 
 async def start_http_server(app: Callable[..., Any], host: str, port: int, *,
-                            grace_s: float = 2.0) -> tuple[HttpServer, int]:
+                            grace_s: float = 2.0, max_connections: int = MAX_CONNECTIONS,
+                            header_timeout_s: float = HEADER_TIMEOUT_S,
+                            ) -> tuple[HttpServer, int]:
     """Serve ``app`` on ``host:port`` (0 = ephemeral) in the running loop; returns the
     server handle and the bound port. Raises OSError when the address is taken."""
     # Bind here, not in uvicorn: a taken port raises here (uvicorn would sys.exit),
@@ -71,8 +115,11 @@ async def start_http_server(app: Callable[..., Any], host: str, port: int, *,
     except OSError:
         sock.close()
         raise
+    protocol = type("HeadDeadlineProtocol", (_HeadDeadlineProtocol,),
+                    {"header_timeout_s": header_timeout_s})
     config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
-                            timeout_graceful_shutdown=max(1, round(grace_s)))
+                            timeout_graceful_shutdown=max(1, round(grace_s)), http=protocol,
+                            limit_concurrency=max_connections)
     server = _EmbeddedServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="http-server")
     while not server.started:

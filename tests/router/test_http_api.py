@@ -342,7 +342,7 @@ def test_router_errors_map_to_status(tiny_model: Callable[[str], Path]) -> None:
                 shown = (f"{kind.value}!" if status != 500 else
                          "internal error (request id r-1; details are in the server log)")
                 assert r.status_code == status and r.json()["error"]["message"] == shown
-                assert r.headers.get("retry-after") == ("2" if status == 429 else None)
+                assert r.headers.get("retry-after") == ("2" if status in (429, 503) else None)
                 # A message with server internals in it is not shown (the log has it).
                 router.script = [RouterError(kind, LEAKY, retry_after_s=2.0)]
                 r = await c.post("/v1/completions", json={**req, "stream": stream})
