@@ -10,7 +10,9 @@ their work to the loop thread with ``_on_loop``. The loop thread publishes the l
 after every iteration and the metrics snapshot at most every ``METRICS_PERIOD_S``
 (and whenever it idles), so ``load()`` (the health probe) and ``/metrics`` answer
 from the last ones at once, even while a long prefill step runs: a busy worker is
-not an unhealthy one. A worker whose loop has stopped answers ``WorkerGone``.
+not an unhealthy one. Both are made once before the thread starts too, so a new
+worker's first answers show its engine's real free blocks. A worker whose loop has
+stopped answers ``WorkerGone``.
 """
 
 from __future__ import annotations
@@ -104,6 +106,12 @@ class WorkerLoop(EngineLoop):
         if self.error is not None or not self._thread.is_alive():
             raise WorkerGone(f"{self.role} worker {self.worker_id} is not running "
                              f"({self.error!r})")
+
+    def start(self) -> None:
+        """Publish the first metrics snapshot, then start the loop thread (whose first
+        pass may come only after an idle wait)."""
+        self._publish_metrics(force=True)
+        super().start()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the loop, then the engine's other tensor-parallel ranks (if any)."""

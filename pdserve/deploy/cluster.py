@@ -46,8 +46,11 @@ class StartupError(ValueError):
 
 
 def init_local_ray(num_cpus: int | None = None) -> None:
-    """Start an embedded single-node Ray cluster bound to loopback only."""
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
+    """Start an embedded single-node Ray cluster bound to loopback only: always a
+    new one of its own (``address="local"``). Without an address Ray would join the
+    cluster ``RAY_ADDRESS`` names, or the last one ``ray start`` began on this
+    machine (its bootstrap file, even when that cluster is long dead)."""
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
              logging_level=logging.WARNING, _node_ip_address=EMBEDDED_NODE_IP,
              runtime_env={"env_vars": EMBEDDED_ENV})
 

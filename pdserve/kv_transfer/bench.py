@@ -228,6 +228,7 @@ def _start_ray() -> str:
     import ray
 
     ray.init(
+        address="local",  # a cluster of its own, never one `ray start` left on the machine
         num_cpus=2,
         _node_ip_address=RAY_NODE_IP,
         include_dashboard=False,

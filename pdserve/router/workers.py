@@ -157,7 +157,7 @@ class WorkerSet:
             if t is not None and t.get_name() in (f"probe-{worker_id}", f"join-{worker_id}"):
                 t.cancel()
         self._tasks = [t for t in self._tasks if t.get_name() != f"probe-{worker_id}"]
-        self._leave(w, FailReason.UNHEALTHY, "removed (drained)")
+        self._leave(w, FailReason.UNHEALTHY, "removed (drained)", planned=True)
         del self.workers[worker_id]
         self._on_change(w, "removed")
 
@@ -299,10 +299,13 @@ class WorkerSet:
         if w.alive and w.incarnation == incarnation and not self._stopping:
             self._leave(w, FailReason.STREAM_LOST, f"token stream lost: {why}")
 
-    def _leave(self, w: WorkerState, reason: FailReason, why: str) -> None:
+    def _leave(self, w: WorkerState, reason: FailReason, why: str,
+               planned: bool = False) -> None:
+        """Out of routing; logged as an error unless ``planned`` (a drained worker)."""
         if not w.alive:
             return
-        log.error("worker %s (%s) leaves routing: %s", w.worker_id, w.role, why)
+        log.log(logging.INFO if planned else logging.ERROR,
+                "worker %s (%s) leaves routing: %s", w.worker_id, w.role, why)
         w.alive = False
         if w.left is not None:
             w.left.set()

@@ -1,6 +1,7 @@
 """The worker collector: step histograms recorded in ``WorkerMetrics``, exported as
 Prometheus histograms; counters, gauges, labels, the MFU/MBU window; and the real
-prefill/decode workers filling them (in-process, local transfer), answering while busy."""
+prefill/decode/colocated workers filling them (in-process, local transfer): from the
+first scrape on, and answering while busy."""
 
 from __future__ import annotations
 
@@ -13,12 +14,16 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.colocated_worker.worker import ColocatedWorker
+from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.deploy import worker_metrics
 from pdserve.deploy.efficiency import DevicePeaks
 from pdserve.deploy.worker_metrics import WorkerCollector, bucket_samples, serve_worker_metrics
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import StepInfo
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import STEP_SECONDS_BUCKETS, WorkerMetrics
+from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.types import FinalChunk, GenerateRequest
 from tests.integration.test_inprocess import Pair
 from tests.integration.waiting import until_async
@@ -157,6 +162,29 @@ def test_real_workers_fill_step_statistics(tiny_model: Callable[[str], Path]) ->
         assert "r0" not in text and "r1" not in text  # never a request id
     finally:
         pair.close()
+
+
+def test_a_new_worker_shows_its_free_blocks_from_the_first_scrape(
+        tiny_model: Callable[[str], Path]) -> None:
+    """Scraped right after it is built, before its loop's first pass (which waits
+    for work up to a second): the engine's free blocks, not 0."""
+    model = tiny_model("llama-gqa")
+    builders: list[Callable[[], PrefillWorker | DecodeWorker | ColocatedWorker]] = [
+        lambda: PrefillWorker("prefill-0", model, EngineConfig(role="prefill", num_blocks=24)),
+        lambda: DecodeWorker("decode-0", model, EngineConfig(role="decode", num_blocks=24)),
+        lambda: ColocatedWorker("colocated-0", model,
+                                EngineConfig(role="colocated", num_blocks=24)),
+    ]
+    for build in builders:
+        w = build()
+        try:
+            got = samples(w.metrics())
+            assert got["pdserve_kv_blocks_free"][0][1] == w.engine.stats().num_free_blocks > 0
+            assert got["pdserve_kv_blocks_capacity"][0][1] == w.engine.num_blocks
+            assert got["pdserve_kv_cache_usage_ratio"][0][1] == pytest.approx(
+                1 - w.engine.stats().num_free_blocks / w.engine.num_blocks)
+        finally:
+            w.close()
 
 
 def test_metrics_answer_while_the_engine_is_busy(tiny_model: Callable[[str], Path]) -> None:

@@ -1,10 +1,14 @@
-"""``WorkerSet`` on its own, over a real prefill worker: probing, joining and stopping."""
+"""``WorkerSet`` on its own, over a real prefill worker: probing, joining, leaving
+(logged as an error unless drained) and stopping."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.messages import WorkerLoad
@@ -50,3 +54,27 @@ def test_stop_ends_a_probe_loop_whose_cancellation_was_lost(
         asyncio.run(main())
     finally:
         worker.close()
+
+
+def test_a_drain_leaves_routing_at_info_a_failure_at_error(
+        tiny_model: Callable[[str], Path], caplog: pytest.LogCaptureFixture) -> None:
+    worker = PrefillWorker("prefill-0", tiny_model("llama-gqa"),
+                           EngineConfig(role="prefill", num_blocks=16), "local")
+    caplog.set_level(logging.INFO, logger="pdserve.router")
+    try:
+        ws = WorkerSet([worker], Fanout(), HealthConfig(interval_s=0.02))
+
+        async def main() -> None:
+            await ws.start()
+            ws.gone("prefill-0", "its actor died")
+            await until_async("rejoined", lambda: ws.workers["prefill-0"].alive)
+            assert await ws.drain("prefill-0", timeout_s=5) == 0
+            await ws.stop()
+
+        asyncio.run(main())
+    finally:
+        worker.close()
+    left = [(r.levelno, r.getMessage()) for r in caplog.records if "leaves routing" in r.getMessage()]
+    assert left == [
+        (logging.ERROR, "worker prefill-0 (prefill) leaves routing: its actor died"),
+        (logging.INFO, "worker prefill-0 (prefill) leaves routing: removed (drained)")]
