@@ -8,6 +8,7 @@ text deltas without ever cutting a UTF-8 character in half.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -170,33 +172,52 @@ class Tokenizer:
 
     # ----- chat ------------------------------------------------------------------
 
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template reads a ``tools`` variable (HF's convention for
+        templates that render the tools themselves)."""
+        if not self._chat_template_src:
+            return False
+        try:
+            ast = ImmutableSandboxedEnvironment(
+                extensions=["jinja2.ext.loopcontrols"]).parse(self._chat_template_src)
+        except jinja2.TemplateError:
+            return False
+        return "tools" in jinja2.meta.find_undeclared_variables(ast)
+
     def render_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The chat template applied to `messages`, as text.
+        """The chat template applied to `messages` (and `tools`, OpenAI tool objects, for a
+        template that renders them), as text.
 
         Raises ValueError when the model has no template, a message is malformed
-        (not a dict, missing or non-string role/content) or the template refuses
-        the conversation (e.g. a role it does not know).
+        (not a dict, missing or non-string role, content neither a string nor, with
+        ``tool_calls``, None) or the template refuses the conversation (e.g. a role
+        it does not know).
         """
         _validate_messages(messages)
         template = self._template()
+        extra = {} if tools is None else {"tools": tools}
         try:
             return template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                **extra,
                 **self._template_vars,
             )
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template rejected the messages: {exc}") from exc
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of the rendered chat. The template writes every special token
         itself, so the post-processor is not applied (as in transformers)."""
         return self.encode(
-            self.render_chat(messages, add_generation_prompt), add_special_tokens=False
+            self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False
         )
 
     def _template(self) -> jinja2.Template:
@@ -240,7 +261,8 @@ def _validate_messages(messages: Any) -> None:
         for key in ("role", "content"):
             if key not in msg:
                 raise ValueError(f"messages[{i}] is missing {key!r}")
-            if not isinstance(msg[key], str):
+            if not isinstance(msg[key], str) and not (
+                    key == "content" and msg[key] is None and msg.get("tool_calls")):
                 raise ValueError(
                     f"messages[{i}][{key!r}] must be a string, got {type(msg[key]).__name__}"
                 )

@@ -138,8 +138,9 @@ class _Api:
             plan: Plan
             echo: tuple[str, list[int]] | None = None
             if chat:
-                parsed, req, plan = chat_request(body, rid, lambda m: len(
-                    self.router.tokenizer.apply_chat_template(m)), max_len, self.tools)
+                parsed, req, plan = chat_request(body, rid, lambda m, t: len(
+                    self.router.tokenizer.apply_chat_template(m, tools=t)), max_len, self.tools,
+                    self.router.tokenizer.renders_tools)
                 logprobs = parsed.logprobs
             else:
                 parsed, req, plan = completion_request(body, rid)

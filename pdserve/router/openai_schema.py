@@ -447,11 +447,14 @@ def completion_request(body: Any, request_id: str,
 
 
 def chat_messages(r: ChatCompletionRequest, syntax: ToolSyntax,
-                  tools: list[dict[str, Any]] | None = None) -> list[dict[str, str]]:
-    """The messages as the chat template takes them: text content parts joined, earlier
-    tool calls and tool results written in ``syntax``, and ``tools`` (OpenAI tool
-    objects) declared in a system prompt."""
-    out = []
+                  tools: list[dict[str, Any]] | None = None,
+                  native: bool = False) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them: text content parts joined. With
+    ``native`` (a template that renders tools itself) earlier tool calls stay structured
+    (HF's convention: ``tool_calls`` with the arguments as an object) and the template
+    is given ``tools``; otherwise earlier calls and tool results are written in
+    ``syntax`` and ``tools`` (OpenAI tool objects) declared in a system prompt."""
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(r.messages):
         content = m.content
         if content is None:
@@ -460,17 +463,36 @@ def chat_messages(r: ChatCompletionRequest, syntax: ToolSyntax,
             content = ""
         elif isinstance(content, list):
             content = "".join(part.text for part in content)
+        if m.tool_calls and m.role != "assistant":
+            raise InvalidRequest(f"messages[{i}].tool_calls is only allowed in assistant "
+                                 "messages", "messages")
+        if native:
+            msg: dict[str, Any] = {"role": m.role, "content": content}
+            if m.tool_calls:
+                msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                    for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            out.append(msg)
+            continue
         if m.tool_calls:
-            if m.role != "assistant":
-                raise InvalidRequest(f"messages[{i}].tool_calls is only allowed in assistant "
-                                     "messages", "messages")
             calls = syntax.render_calls([(c.function.name, c.function.arguments)
                                          for c in m.tool_calls])
             content = f"{content}\n{calls}" if content else calls
         elif m.role == "tool":
             content = syntax.render_result(content)
         out.append({"role": m.role, "content": content})
-    return syntax.with_tools(out, tools) if tools else out
+    return syntax.with_tools(out, tools) if tools and not native else out
+
+
+def _arguments(text: str) -> Any:
+    """A call's JSON arguments as an object (what templates render), or the text as
+    the client sent it when it is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _tool_constraints(r: ChatCompletionRequest, syntax: ToolSyntax) -> tuple[bool, Named, Named]:
@@ -500,21 +522,24 @@ def _tool_constraints(r: ChatCompletionRequest, syntax: ToolSyntax) -> tuple[boo
     return True, schemas, [_constraint("tool_choice", StructuredOutput.grammar, grammar)]
 
 
-def chat_request(body: Any, request_id: str, prompt_len: Callable[[list[dict[str, str]]], int],
-                 max_model_len: int, syntax: ToolSyntax,
+def chat_request(body: Any, request_id: str,
+                 prompt_len: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], int],
+                 max_model_len: int, syntax: ToolSyntax, native_tools: bool = False,
                  ) -> tuple[ChatCompletionRequest, GenerateRequest, Plan]:
     """A ``/v1/chat/completions`` body -> (parsed body, router request, plan);
-    InvalidRequest. ``syntax``: the model family's tool calls (``tool_calls.syntax_for``).
+    InvalidRequest. ``syntax``: the model family's tool calls (``tool_calls.syntax_for``);
+    ``native_tools``: the chat template renders tools itself (``Tokenizer.renders_tools``).
 
-    ``prompt_len(messages)`` tokenizes with the chat template; it is called only
+    ``prompt_len(messages, tools)`` tokenizes with the chat template; it is called only
     when the client set no token limit (the default is the rest of the context).
     """
     if isinstance(body, dict):
         _refuse_unsupported(body, REFUSED_CHAT)
     r: ChatCompletionRequest = _validate(ChatCompletionRequest, body)
     offered, schemas, forced = _tool_constraints(r, syntax)
-    messages = chat_messages(r, syntax, [t.model_dump(exclude_none=True) for t in r.tools or []]
-                             if offered else None)
+    tools = [t.model_dump(exclude_none=True) for t in r.tools or []] if offered else None
+    messages = chat_messages(r, syntax, tools, native_tools)
+    template_tools = tools if native_tools else None
     if r.top_logprobs is not None and not r.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
     constraints = _output_constraints(r) + forced
@@ -524,12 +549,13 @@ def chat_request(body: Any, request_id: str, prompt_len: Callable[[list[dict[str
     max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
     if max_tokens is None:
         try:
-            n = prompt_len(messages)
+            n = prompt_len(messages, template_tools)
         except ValueError as exc:
             raise InvalidRequest(str(exc), "messages") from exc
         max_tokens = max(1, max_model_len - n)  # a too-long prompt gets the router's 400
     params = _params(r, max_tokens, logprobs,
                      {"max_tokens": limit_name, "logprobs": "top_logprobs"},
                      structured=structured)
-    return r, GenerateRequest(request_id, params, messages=messages, timeout_s=r.timeout_s), \
+    return r, GenerateRequest(request_id, params, messages=messages, timeout_s=r.timeout_s,
+                              tools=template_tools), \
         Plan(schemas + constraints, syntax if offered else None)

@@ -227,7 +227,7 @@ class Router:
             if req.prompt is not None:
                 return self.tokenizer.encode(req.prompt)
             if req.messages is not None:
-                return self.tokenizer.apply_chat_template(req.messages)
+                return self.tokenizer.apply_chat_template(req.messages, tools=req.tools)
         except (ValueError, TypeError, UnicodeError) as exc:  # e.g. lone surrogates
             raise RouterError(ErrorKind.INVALID, f"cannot tokenize the prompt: {exc}") from exc
         return list(req.prompt_token_ids or [])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import TokenLogprob  # the one logprobs shape, worker to API
@@ -24,9 +25,12 @@ class GenerateRequest:
     request_id: str  # client's id (X-Request-Id / proto field) or one the API layer made
     params: SamplingParams
     prompt: str | None = None  # plain completion text ...
-    messages: list[dict[str, str]] | None = None  # ... or chat messages (chat template) ...
+    messages: list[dict[str, Any]] | None = None  # ... or chat messages (chat template) ...
     prompt_token_ids: list[int] | None = None  # ... or pre-tokenized ids; exactly one is set
     timeout_s: float | None = None  # deadline from arrival; None = the router's default
+    # OpenAI tool objects, for a chat template that renders them itself (else the API
+    # layer wrote them into the messages)
+    tools: list[dict[str, Any]] | None = None
     # Another request with this prompt ran first (a choice of n > 1): prefill where its
     # prompt is cached, whatever the routing policy (``policies.RouteInput``).
     share_prefix: bool = False

@@ -162,7 +162,7 @@ def test_forcing_grammar_compiles_and_takes_compact_calls(
 # ---------------------------------------------------------------- requests
 
 def chat(syntax: ToolSyntax = HERMES, **body: Any) -> Any:
-    return chat_request({"messages": USER, **body}, "r", lambda m: 10, 100, syntax)
+    return chat_request({"messages": USER, **body}, "r", lambda m, t: 10, 100, syntax)
 
 
 def test_auto_renders_tools_and_parses_without_constraint() -> None:
@@ -354,3 +354,41 @@ def test_a_closing_tag_inside_a_json_string_does_not_end_the_call() -> None:
     events = [e for ch in text for e in s.feed(ch)] + s.finish()
     assert [e.name for e in events if not isinstance(e, str)] == ["f"]
     assert not [e for e in events if isinstance(e, str)]
+
+
+# A Qwen2.5-style template: it renders the tools and earlier calls itself.
+NATIVE_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}"
+    "{{ t.function.name }};{% endfor %}</tools><|im_end|>\n{%- endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{%- for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}"
+    "({{ c.function.arguments.city }})</tool_call>{%- endfor %}"
+    "{%- if m.tool_call_id %}[{{ m.tool_call_id }}]{%- endif %}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+def test_a_template_that_renders_tools_gets_them_structured(
+        tiny_model: Callable[[str], Path]) -> None:
+    base = Tokenizer.from_dir(tiny_model("llama-gqa"))
+    tok = Tokenizer(base.backend, eos_token_ids=base.eos_token_ids,
+                    bos_token_id=base.bos_token_id, chat_template=NATIVE_TEMPLATE)
+    assert tok.renders_tools and not base.renders_tools
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    _, req, plan = chat_request({"messages": messages, "tools": [WEATHER, TIME]}, "r",
+                                lambda m, t: 10, 100, HERMES, native_tools=True)
+    assert plan.tools is HERMES and req.tools is not None
+    assert [t["function"]["name"] for t in req.tools] == ["get_weather", "get_time"]
+    assert req.messages is not None and req.messages[1]["tool_calls"][0]["function"] == {
+        "name": "get_weather", "arguments": {"city": "Paris"}}  # an object, as templates want
+    text = tok.render_chat(req.messages, tools=req.tools)
+    assert "<tools>get_weather;get_time;</tools>" in text  # the template's own rendering
+    assert "<tool_call>get_weather(Paris)</tool_call>" in text and "[call_1]" in text
+    assert "# Tools\n\nYou may call" not in text  # pdserve's prompt is not added
+    # The same request for a template without tools support: pdserve writes them in.
+    _, req, _ = chat_request({"messages": messages, "tools": [WEATHER]}, "r",
+                             lambda m, t: 10, 100, HERMES)
+    assert req.tools is None and req.messages is not None
+    assert "<tools>" in req.messages[0]["content"]
