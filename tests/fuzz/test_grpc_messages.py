@@ -31,6 +31,18 @@ def _small_or_any(small: st.SearchStrategy[Any], anything: st.SearchStrategy[Any
 
 
 FLOATS = st.floats(allow_nan=True, allow_infinity=True)
+# One structured-output constraint (the oneof): small valid ones, and any text.
+SMALL_SCHEMAS = ['{"type": "object"}', '{"type": "string", "maxLength": 4}',
+                 '{"enum": ["a", "b"]}', '{"type": "wat"}', "[1, 2", "{}"]
+STRUCTURED = st.one_of(
+    st.fixed_dictionaries({"json_schema": st.sampled_from(SMALL_SCHEMAS) | st.text(max_size=30)}),
+    st.fixed_dictionaries({"json_object": st.booleans()}),
+    st.fixed_dictionaries({"regex": st.sampled_from(["[0-9]{2}", "a|b", "(", ""])
+                           | st.text(max_size=20)}),
+    st.fixed_dictionaries({"choice": st.lists(st.text(max_size=6), max_size=4).map(
+        lambda c: pb.Choices(choices=c))}),
+    st.fixed_dictionaries({"grammar": st.sampled_from(['root ::= "x"', 'start: "y"', "::="])
+                           | st.text(max_size=30)}))
 PARAMS = st.fixed_dictionaries({}, optional={
     "max_tokens": _small_or_any(st.integers(-2, CONTEXT), INT64),
     "min_tokens": _small_or_any(st.integers(-2, 8), INT64),
@@ -47,7 +59,12 @@ PARAMS = st.fixed_dictionaries({}, optional={
     "ignore_eos": st.booleans(),
     "logprobs": _small_or_any(st.integers(-1, 21), INT64),
     "include_stop_str_in_output": st.booleans(),
-})
+    "logit_bias": st.dictionaries(_small_or_any(st.integers(-2, 300), st.integers(-(2**31),
+                                                                                 2**31 - 1)),
+                                  _small_or_any(st.floats(-100, 100), FLOATS), max_size=4),
+    "priority": _small_or_any(st.integers(-3, 3), INT64),
+}).flatmap(lambda params: st.one_of(st.just(params), STRUCTURED.map(
+    lambda structured: {**params, **structured})))
 TEXT = st.text(max_size=200)  # any code points protobuf can carry (no lone surrogates)
 CHAT = st.lists(st.builds(pb.ChatMessage, role=st.sampled_from(["system", "user", "assistant",
                                                                 "tool", "", "x"]) | TEXT,
