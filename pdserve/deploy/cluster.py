@@ -15,6 +15,7 @@ signal handler), so no stop leaves a half-started cluster behind.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -217,8 +218,9 @@ class Cluster:
         mc = ModelConfig.from_dir(self.model_dir)
         token_pool = self.config.decode if self.config.decode.workers else self.config.colocated_pool
         max_len = EngineConfig.from_dict(token_pool.engine).resolve_max_model_len(mc)
+        router_cfg = dataclasses.replace(self.config.router, block_size=self.config.block_size)
         return Router(self.model_dir.name, Tokenizer.from_dir(self.model_dir), max_len,
-                      self.workers(), self.config.router, metrics)
+                      self.workers(), router_cfg, metrics)
 
     def metrics_targets(self) -> dict[str, tuple[str, int]]:
         """worker id -> (host, port) of its ``/metrics`` (the running incarnation's)."""

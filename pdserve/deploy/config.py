@@ -161,6 +161,7 @@ class ClusterConfig:
         if self.prefill.workers == 0 and self.colocated_pool.workers == 0:
             raise ValueError("no workers: give prefill + decode workers, colocated workers, "
                              "or both")
+        _ = self.block_size  # the pools agree on one
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -182,6 +183,19 @@ class ClusterConfig:
                 raise ValueError("autoscale_interval_s must be > 0")
             if self.autoscale_prompt_len < 1 or self.autoscale_output_len < 2:
                 raise ValueError("autoscale_prompt_len must be >= 1, autoscale_output_len >= 2")
+
+    @property
+    def block_size(self) -> int:
+        """The KV block size of every pool with workers (the router counts blocks and
+        hashes prompts by it); ``ValueError`` if the pools disagree."""
+        sizes = {name: EngineConfig.from_dict(pool.engine).block_size
+                 for name, pool in (("prefill", self.prefill), ("decode", self.decode),
+                                    ("colocated", self.colocated_pool)) if pool.workers}
+        if len(set(sizes.values())) > 1:
+            raise ValueError("every pool must use one KV block size (the router counts and "
+                             "hashes blocks by it), got " + ", ".join(
+                                 f"{name} {size}" for name, size in sizes.items()))
+        return next(iter(sizes.values()), EngineConfig().block_size)
 
     @property
     def colocated_pool(self) -> PoolConfig:

@@ -148,7 +148,7 @@ class RequestRun:
         aid = f"{self.req.request_id}#{next(s.attempt_ids)}"  # unique per attempt
         ids, params = self.prompt + self.emitted, self._params_left()
         hashes = prefix_block_hashes(ids, s.block_size)
-        route = RouteInput(len(ids), hashes, self.req.share_prefix)
+        route = RouteInput(len(ids), hashes, self.req.share_prefix, s.block_size)
         avoid = frozenset(self._failed_on)
         # Open before admitting: a colocated worker computes as soon as it admits, and
         # its first tokens can reach the router before admit() returns here.

@@ -40,6 +40,7 @@ class RouteInput:
     num_prompt_tokens: int
     block_hashes: Sequence[int]  # chained hashes of the prompt's full blocks
     share_prefix: bool = False  # its prompt was just prefilled: prefix affinity, any policy
+    block_size: int = 16  # tokens per KV block (the workers' own: ClusterConfig.block_size)
 
 
 Choice = tuple[str | None, list[str]]
@@ -89,7 +90,7 @@ def prefix_affinity(snap: ClusterSnapshot, req: RouteInput) -> Choice:
     # A hit saves best_len blocks of compute; do not queue behind more than a few
     # times that much extra work.
     extra = live[best].outstanding_tokens - live[fallback].outstanding_tokens
-    saved = best_len * 16
+    saved = best_len * req.block_size
     return (best if extra <= 4 * saved else fallback), _decode_by_room(snap)
 
 

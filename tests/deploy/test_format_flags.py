@@ -44,3 +44,14 @@ def test_bad_values_are_clear_errors(tmp_path: Path) -> None:
         config("--quantization-group-size", "48")
     with pytest.raises(SystemExit):
         config("--quantization", "int3")
+
+
+def test_the_router_counts_blocks_of_the_pools_size() -> None:
+    """The router's block size is the workers' (a pool of 32-token blocks is not counted
+    and hashed in 16-token ones); pools that disagree are refused."""
+    assert ClusterConfig().block_size == 16
+    big = {"engine": {"block_size": 32}}
+    c = ClusterConfig.from_dict({"prefill": big, "decode": big})
+    assert c.block_size == 32
+    with pytest.raises(ValueError, match=r"one KV block size.*prefill 32, decode 16"):
+        ClusterConfig.from_dict({"prefill": big})

@@ -48,6 +48,17 @@ def test_prefix_affinity_follows_the_cache_unless_far_busier() -> None:
     assert p == "p1"  # no affinity: least loaded
 
 
+def test_prefix_affinity_weighs_the_blocks_it_saves_at_their_size() -> None:
+    """3 cached blocks save 48 tokens of 16-token blocks and 96 of 32-token blocks: 300
+    extra queued tokens are worth waiting for with the larger blocks only."""
+    owner = {11: "p0", 22: "p0", 33: "p0"}
+    busy = [WorkerView("p0", outstanding_tokens=300), WorkerView("p1")]
+    small = RouteInput(64, [11, 22, 33, 44], block_size=16)
+    large = RouteInput(128, [11, 22, 33, 44], block_size=32)
+    assert prefix_affinity(ClusterSnapshot(busy, D, prefix_owner=owner), small)[0] == "p1"
+    assert prefix_affinity(ClusterSnapshot(busy, D, prefix_owner=owner), large)[0] == "p0"
+
+
 def test_prefix_index_is_bounded_and_forgets_dead_workers() -> None:
     idx = PrefixIndex(capacity=3)
     idx.record([1, 2, 3], "p0")

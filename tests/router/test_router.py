@@ -222,3 +222,19 @@ def test_overload_burst_gets_429s_and_recovers(pair_factory: Callable[..., Pair]
         assert len(tokens) == 30
 
     run(pair, body)
+
+
+def test_a_prefill_worker_that_leaves_is_forgotten_by_prefix_affinity(
+        pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+    pair = pair_factory(n_prefill=2)
+
+    async def body(router: Router) -> None:
+        await collect(router.generate(GenerateRequest("p", PARAMS, prompt_token_ids=PROMPT)))
+        (owner,) = set(router.prefix.view().values())  # who prefilled PROMPT's full blocks
+        next(w for w in pair.prefill if w.worker_id == owner).close()
+        await until_async("the worker left routing",
+                          lambda: router.worker_states()[owner] is False)
+        assert owner not in router.prefix.view().values()
+        pair.prefill = [w for w in pair.prefill if w.worker_id != owner]
+
+    run(pair, body)
