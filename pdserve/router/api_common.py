@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pdserve.engine.structured import StructuredOutput, grammar_of
 from pdserve.router.types import (
     ErrorKind,
     FinalChunk,
@@ -146,3 +147,40 @@ class RouterStream:
             self._task.cancel()
             if error is not None:
                 self._queue.put_nowait(error)
+
+
+STRUCTURED_COMPILE_TIMEOUT_S = 10.0  # a constraint that takes longer to compile is refused
+
+
+class ConstraintRefused(ValueError):
+    """A request's constraint ``name`` does not compile (``message``, on one line), or
+    did not within ``limit_s`` seconds (``limit_s`` set: it timed out)."""
+
+    def __init__(self, name: str, message: str, limit_s: float | None = None):
+        super().__init__(f"{name}: {message}")
+        self.name, self.message, self.limit_s = name, message, limit_s
+
+
+def one_line(message: str) -> str:
+    """A compiler's message on one line (clients see one-line messages only: a status
+    message that spans lines is replaced by a generic one, ``public_errors``), without
+    the source excerpt and caret lines it draws under it."""
+    return " ".join(line.strip() for line in message.splitlines()
+                    if line.strip() and not re.fullmatch(r"\s*(\d+ \|.*|[\s^]*)", line))
+
+
+async def compile_constraints(named: list[tuple[str, StructuredOutput]]) -> None:
+    """Compile each (name, constraint) (``grammar_of``: cached; on a thread, so the loop
+    keeps serving), all within ``STRUCTURED_COMPILE_TIMEOUT_S``; ``ConstraintRefused``
+    for the first that does not compile."""
+    timeout_s = STRUCTURED_COMPILE_TIMEOUT_S
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    for name, constraint in named:
+        try:
+            async with asyncio.timeout_at(deadline):
+                await asyncio.to_thread(grammar_of, constraint)
+        except TimeoutError:
+            raise ConstraintRefused(name, f"took longer than {timeout_s:g} s to compile",
+                                    limit_s=timeout_s) from None
+        except ValueError as exc:
+            raise ConstraintRefused(name, one_line(str(exc))) from None

@@ -9,7 +9,7 @@ the health status (SERVING only while ``router.ready()``, re-read periodically).
 Sampling parameters beyond the scalar ones: ``logit_bias`` (a map), ``priority``,
 and the ``structured`` oneof (``json_schema`` as JSON text, ``json_object``,
 ``regex``, ``choice``, ``grammar``) -> ``StructuredOutput``. A constraint is compiled
-(``grammar_of``, on a thread, at most ``STRUCTURED_CHECK_TIMEOUT_S``) before the
+(``api_common.compile_constraints``, at most ``STRUCTURED_COMPILE_TIMEOUT_S``) before the
 request reaches the router, so a bad schema is INVALID_ARGUMENT naming the field
 and nothing is queued for it.
 
@@ -43,14 +43,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.structured import StructuredOutput, grammar_of
+from pdserve.engine.structured import StructuredOutput
 from pdserve.protos import pb
 from pdserve.router.api_common import (
     REQUEST_ID_KEY,
+    ConstraintRefused,
     RouterLike,
     check_model,
     checked_request_id,
     close_stream,
+    compile_constraints,
+    one_line,
 )
 from pdserve.router.api_keys import ApiKeys
 from pdserve.router.public_errors import public_message
@@ -68,9 +71,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "pdserv
 RETRY_AFTER_KEY = "retry-after"  # trailing metadata on RESOURCE_EXHAUSTED: seconds, like HTTP
 # Longest a structured-output constraint may take to compile before it is refused
 # (INVALID_ARGUMENT); the OpenAI HTTP API bounds its check the same way.
-STRUCTURED_CHECK_TIMEOUT_S = 10.0
 # REQUEST_ID_KEY (api_common): initial metadata of Generate, the id the router used
-__all__ = ["REQUEST_ID_KEY", "RETRY_AFTER_KEY", "SERVICE_NAME", "STRUCTURED_CHECK_TIMEOUT_S",
+__all__ = ["REQUEST_ID_KEY", "RETRY_AFTER_KEY", "SERVICE_NAME",
            "GenerationServicer", "RouterLike", "start_grpc_server"]
 
 STATUS_OF = {
@@ -150,7 +152,7 @@ def structured_from_proto(params: Any) -> StructuredOutput | None:
             return StructuredOutput.choice(list(params.choice.choices))
         return StructuredOutput.grammar(params.grammar)
     except (ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
-        raise ValueError(f"{kind}: {_one_line(exc)}") from None
+        raise ValueError(f"{kind}: {one_line(str(exc))}") from None
 
 
 def _no_constant(name: str) -> Any:
@@ -161,29 +163,19 @@ def _structured_field(params: Any) -> str:
     return params.WhichOneof("structured") or "structured"
 
 
-async def check_structured(req: GenerateRequest, field: str,
-                           timeout_s: float | None = None) -> None:
-    """Compile ``req.params.structured`` (cached, on a thread: it can take a while);
-    ValueError naming ``field`` if it is invalid or takes longer than ``timeout_s``
-    (default ``STRUCTURED_CHECK_TIMEOUT_S``)."""
+async def check_structured(req: GenerateRequest, field: str) -> None:
+    """Compile ``req.params.structured`` (``api_common.compile_constraints``); ValueError
+    naming ``field`` if it is invalid or too slow to compile."""
     structured = req.params.structured
     if structured is None:
         return
-    if timeout_s is None:
-        timeout_s = STRUCTURED_CHECK_TIMEOUT_S
     try:
-        await asyncio.wait_for(asyncio.to_thread(grammar_of, structured), timeout_s)
-    except TimeoutError:
-        raise ValueError(f"{field}: the constraint took longer than {timeout_s:g} s to "
+        await compile_constraints([(field, structured)])
+    except ConstraintRefused as exc:
+        if exc.limit_s is None:
+            raise ValueError(str(exc)) from None
+        raise ValueError(f"{field}: the constraint took longer than {exc.limit_s:g} s to "
                          f"compile; simplify it") from None
-    except ValueError as exc:
-        raise ValueError(f"{field}: {_one_line(exc)}") from None
-
-
-def _one_line(exc: BaseException) -> str:
-    # Compiler errors span lines (a caret under the bad spot); a status message that
-    # spans lines would be replaced by a generic one (public_errors).
-    return " ".join(str(exc).split())
 
 
 def request_from_proto(request: Any, time_remaining: float | None) -> GenerateRequest:

@@ -15,7 +15,7 @@ Rules:
   ``echo``, ``best_of`` equals ``n``, one output constraint per request,
   ``tool_choice`` needs ``tools`` and names one of them, content needed unless the
   role is assistant), whether a schema, regex or grammar compiles (``check_grammars``,
-  bounded by ``STRUCTURED_COMPILE_TIMEOUT_S``) and limits of the model (context,
+  bounded by ``api_common.STRUCTURED_COMPILE_TIMEOUT_S``) and limits of the model (context,
   vocabulary) are not in it.
 * Output constraints: ``response_format`` (``json_object``, ``json_schema``), vLLM's
   ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` and its
@@ -37,11 +37,9 @@ Rules:
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import math
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -56,13 +54,13 @@ from pdserve.engine.sampling_params import (
     MAX_TEMPERATURE,
     SamplingParams,
 )
-from pdserve.engine.structured import MAX_CHOICES, StructuredOutput, grammar_of
+from pdserve.engine.structured import MAX_CHOICES, StructuredOutput
+from pdserve.router.api_common import ConstraintRefused, compile_constraints, one_line
 from pdserve.router.tool_calls import ToolSyntax
 from pdserve.router.types import GenerateRequest
 
 INT64 = 2**63
 MAX_N = 16  # choices per request
-STRUCTURED_COMPILE_TIMEOUT_S = 10.0  # a constraint that takes longer to compile is a 400
 TokenId = Annotated[int, Field(ge=0)]
 StopString = Annotated[str, Field(min_length=1)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
@@ -302,19 +300,12 @@ def _field(name: str) -> str:
     return name.split(".", 1)[0].split("[", 1)[0]
 
 
-def _one_line(message: str) -> str:
-    """A compiler's message on one line (clients see one-line messages only): without
-    the source excerpt and caret lines it draws under it."""
-    return " ".join(line.strip() for line in message.splitlines()
-                    if line.strip() and not re.fullmatch(r"\s*(\d+ \|.*|[\s^]*)", line))
-
-
 def _constraint(name: str, make: Callable[[Any], StructuredOutput], arg: Any,
                 ) -> tuple[str, StructuredOutput]:
     try:
         return name, make(arg)
     except ValueError as exc:
-        raise InvalidRequest(f"{name}: {_one_line(str(exc))}", _field(name)) from exc
+        raise InvalidRequest(f"{name}: {one_line(str(exc))}", _field(name)) from exc
 
 
 def _json_constraint(schema: JsonSchema | str) -> StructuredOutput:
@@ -357,18 +348,14 @@ def _only_one(constraints: Named) -> StructuredOutput | None:
 
 
 async def check_grammars(grammars: Named) -> None:
-    """InvalidRequest naming the field unless every constraint compiles (``grammar_of``,
-    in a thread: the loop keeps serving), all within STRUCTURED_COMPILE_TIMEOUT_S."""
-    deadline = asyncio.get_running_loop().time() + STRUCTURED_COMPILE_TIMEOUT_S
-    for name, constraint in grammars:
-        try:
-            async with asyncio.timeout_at(deadline):
-                await asyncio.to_thread(grammar_of, constraint)
-        except TimeoutError:
-            raise InvalidRequest(f"{name}: schema too complex to compile within "
-                                 f"{STRUCTURED_COMPILE_TIMEOUT_S:g} s", _field(name)) from None
-        except ValueError as exc:
-            raise InvalidRequest(f"{name}: {_one_line(str(exc))}", _field(name)) from exc
+    """InvalidRequest naming the field unless every constraint compiles, all within
+    ``api_common.STRUCTURED_COMPILE_TIMEOUT_S`` (``compile_constraints``)."""
+    try:
+        await compile_constraints(grammars)
+    except ConstraintRefused as exc:
+        message = (exc.message if exc.limit_s is None
+                   else f"schema too complex to compile within {exc.limit_s:g} s")
+        raise InvalidRequest(f"{exc.name}: {message}", _field(exc.name)) from None
 
 
 def choice_requests(req: GenerateRequest, n: int) -> list[GenerateRequest]:

@@ -15,7 +15,7 @@ import pytest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured import StructuredOutput
 from pdserve.protos import pb
-from pdserve.router import grpc_server
+from pdserve.router import api_common
 from pdserve.router.grpc_server import sampling_params_from_proto
 from tests.router.test_grpc_server import ScriptedRouter, collect, expect_status, serve
 
@@ -111,8 +111,8 @@ def test_a_constraint_that_compiles_too_long_is_refused(monkeypatch: pytest.Monk
         time.sleep(1.0)
         return ""
 
-    monkeypatch.setattr(grpc_server, "grammar_of", slow)
-    monkeypatch.setattr(grpc_server, "STRUCTURED_CHECK_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(api_common, "grammar_of", slow)
+    monkeypatch.setattr(api_common, "STRUCTURED_COMPILE_TIMEOUT_S", 0.05)
     router = ScriptedRouter()
 
     async def scenario(channel: grpc.aio.Channel) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from pdserve.engine.structured import StructuredOutput
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.router import openai_schema
+from pdserve.router import api_common
 from pdserve.router.openai_format import ResponseBuilder, TokenText
 from pdserve.router.openai_schema import (
     InvalidRequest,
@@ -142,8 +142,8 @@ def test_constraints_that_do_not_compile_are_a_400(body: dict[str, Any], param: 
 
 
 def test_compiling_is_bounded_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(openai_schema, "STRUCTURED_COMPILE_TIMEOUT_S", 0.05)
-    monkeypatch.setattr(openai_schema, "grammar_of", lambda s: time.sleep(0.5))
+    monkeypatch.setattr(api_common, "STRUCTURED_COMPILE_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(api_common, "grammar_of", lambda s: time.sleep(0.5))
     _, _, plan = chat(guided_regex="a+")
 
     async def refused() -> tuple[InvalidRequest, float]:
