@@ -134,6 +134,51 @@ def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
 
 
+SPEC_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``engine/spec_decode.py``), vLLM's ``--speculative-config``
+    keys: a proposer guesses up to ``num_speculative_tokens`` next tokens, the model
+    checks them all in one step. ``ngram``: prompt lookup over the request's own prompt
+    and output, matching its last ``prompt_lookup_max`` down to ``prompt_lookup_min``
+    tokens. ``disable_by_batch_size``: no speculation in a step with more running
+    requests than this (decode is no longer memory-bound there)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    disable_by_batch_size: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got "
+                             f"{self.method!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError("speculative_config.num_speculative_tokens must be in [1, 16], "
+                             f"got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 32:
+            raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= "
+                             f"prompt_lookup_max <= 32, got {self.prompt_lookup_min} and "
+                             f"{self.prompt_lookup_max}")
+        if self.disable_by_batch_size < 1:
+            raise ValueError("speculative_config.disable_by_batch_size must be >= 1, got "
+                             f"{self.disable_by_batch_size}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SpeculativeConfig:
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a mapping, got {type(d).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys: {unknown}; known: "
+                             f"{sorted(known)}")
+        return cls(**d)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Knobs of one engine instance (one worker)."""
@@ -171,8 +216,13 @@ class EngineConfig:
     # Ranks one engine is split over (engine/tp.py): each holds 1/N of the weights and
     # KV heads; one process per rank, one thread each (num_threads) on CPU.
     tensor_parallel_size: int = 1
+    # Speculative decoding (a mapping with SpeculativeConfig's keys is accepted); None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):
+            object.__setattr__(self, "speculative_config",
+                               SpeculativeConfig.from_dict(self.speculative_config))
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.dtype == "auto":

@@ -12,6 +12,10 @@ Disaggregated use (what the prefill and decode workers call):
   outside; the KV is written (``write_kv`` or a channel writing ``kv_cache``);
   ``start_decode(rid, first_token)`` makes it run; ``step`` decodes.
 
+With ``speculative_config`` (``spec_decode.py``) a decoding request may get several
+tokens from one step: its accepted draft tokens and one more, stop rules applied to
+each in order, as if they had come one step each.
+
 ``step`` streams token ids and applies the token-level stops (EOS, stop token ids,
 max_tokens), which free a request's blocks at once. Text and stop strings are made
 outside the step loop by an ``OutputProcessor`` (``engine/output.py``): the router's
@@ -47,6 +51,7 @@ from pdserve.engine.runner import ModelRunner, Sampled
 from pdserve.engine.sampler import TokenLogprobs, make_generator, skip_draws
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.spec_decode import SpecState, SpecStats
 from pdserve.engine.stop import StopChecker, StopDecision
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.tp import (
@@ -65,7 +70,7 @@ class RequestOutput:
     """What one step produced for one request (filled by the engine)."""
 
     request_id: str
-    new_token_ids: list[int]  # tokens sampled this step (0 or 1)
+    new_token_ids: list[int]  # tokens of this step (0, 1, or more with speculation)
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort" | None
     num_prompt_tokens: int
@@ -175,6 +180,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._stops: dict[str, StopChecker] = {}  # token-level stop rules per request
         self.role = self.config.role
+        # A prefill engine samples one token per request: nothing to speculate.
+        self.spec_config = None if self.role == "prefill" else self.config.speculative_config
+        self.spec_stats = SpecStats()
 
     @classmethod
     def create(cls, model_dir: str | Path, config: EngineConfig | None = None,
@@ -269,6 +277,8 @@ class LLMEngine:
         if self.tp is None or self.tp.rank == 0:  # rank 0 samples for every rank
             req.grammar = self.grammars.matcher(params, req.prompt_token_ids)
         req.generator = make_generator(params, self.config.device)
+        if self.spec_config is not None and params.structured is None:
+            req.spec = SpecState.of(self.spec_config)
         skip_draws(params, req.generator, params.resumed_tokens)
         self._stops[request_id] = StopChecker(params, self.eos_token_ids)
         self.requests[request_id] = req
@@ -309,7 +319,8 @@ class LLMEngine:
                              f"match its structured output constraint")
         self.scheduler.start_decode(req)
         skip_draws(req.params, req.generator, 1)  # the prefill worker drew the first token
-        return self._append_token(Sampled(req, first_token, first_logprobs))
+        return self._append_tokens(Sampled(req, [first_token],
+                                           [] if first_logprobs is None else [first_logprobs]))
 
     def block_ids(self, request_id: str) -> list[int]:
         return list(self.requests[request_id].block_ids)
@@ -367,6 +378,8 @@ class LLMEngine:
     @replicated
     def step(self) -> StepOutput:
         """Schedule, run the model once, sample, and report what changed."""
+        if self.spec_config is not None:
+            self._propose(self.spec_config.disable_by_batch_size)
         batch = self.scheduler.schedule()
         if not batch:
             return StepOutput([], None)
@@ -382,9 +395,10 @@ class LLMEngine:
             num_decode=sum(1 for _, n in batch.work if n == 1),
             context_tokens=context, seconds=time.monotonic() - now,
         )
-        for req, n in batch.work:
-            self.scheduler.advance(req, n)
-        outputs = [self._append_token(s) for s in sampled]
+        drafted = {s.request.request_id: s.num_draft for s in sampled if s.num_draft}
+        for req, n in batch.work:  # accepted draft tokens advance as they are appended
+            self.scheduler.advance(req, n - drafted.get(req.request_id, 0))
+        outputs = [self._append_tokens(s) for s in sampled]
         for req, _ in batch.work:  # max_tokens=0: the prompt is scored, nothing generated
             if req.params.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:
                 req.finish_reason = "length"
@@ -393,30 +407,52 @@ class LLMEngine:
                 self._forget(req.request_id)
         return StepOutput(outputs, info)
 
-    def _append_token(self, s: Sampled) -> RequestOutput:
+    def _propose(self, max_batch: int) -> None:
+        """Drafts for this step's decoding requests (none in a batch over ``max_batch``
+        requests, or for a request not one token behind)."""
+        on = len(self.scheduler.running) <= max_batch
+        for req in self.scheduler.running:
+            if not on or req.spec is None or req.num_new_tokens != 1:
+                req.spec_token_ids.clear()
+                continue
+            # All of a draft accepted, plus one: still within max_tokens.
+            room = req.params.max_tokens - req.num_output_tokens - 1
+            req.spec_token_ids = req.spec.propose(req.token_ids, room)
+
+    def _append_tokens(self, s: Sampled) -> RequestOutput:
+        """Append a step's tokens in order, each through the grammar and the stop rules;
+        the first that stops the request ends it (what follows is dropped)."""
         req = s.request
-        req.token_ids.append(s.token_id)
+        if s.num_draft:
+            assert req.spec is not None
+            req.spec.observe(s.num_draft, len(s.token_ids) - 1)
+            self.spec_stats.observe(s.num_draft, len(s.token_ids) - 1)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        logprobs = [s.logprobs] if s.logprobs is not None else []
-        if req.grammar is not None and not req.grammar.consume_token(s.token_id):
-            # Sampled under its mask, or checked in start_decode: a bug if it misses.
-            raise RuntimeError(f"request {req.request_id!r}: token {s.token_id} does not "
-                               f"match its grammar: {req.grammar.get_error()}")
-        if self.role == "prefill":
-            # Hand-off: the decode side owns stop decisions (it sees the first token
-            # again in ``start_decode``), so the KV is always kept.
-            self.scheduler.finish(req, keep_blocks=True)
-            return self._output(req, [s.token_id], logprobs, prefilled=True)
-        decision = self._stops[req.request_id].token_decision(s.token_id, req.num_output_tokens)
-        if decision is not None:
-            req.finish_reason = decision.finish_reason
-            self.scheduler.finish(req)
-            stop_id = decision.stop_reason if isinstance(decision.stop_reason, int) else None
-            out = self._output(req, [s.token_id], logprobs, stop_id)
-            self._forget(req.request_id)
-            return out
-        return self._output(req, [s.token_id], logprobs)
+        for j, token in enumerate(s.token_ids):
+            if j:  # the token before was an accepted draft token: its KV is computed
+                self.scheduler.advance(req, 1)
+            req.token_ids.append(token)
+            if req.grammar is not None and not req.grammar.consume_token(token):
+                # Sampled under its mask, or checked in start_decode: a bug if it misses.
+                raise RuntimeError(f"request {req.request_id!r}: token {token} does not "
+                                   f"match its grammar: {req.grammar.get_error()}")
+            if self.role == "prefill":
+                # Hand-off: the decode side owns stop decisions (it sees the first token
+                # again in ``start_decode``), so the KV is always kept.
+                self.scheduler.finish(req, keep_blocks=True)
+                return self._output(req, [token], s.logprobs, prefilled=True)
+            decision = self._stops[req.request_id].token_decision(token, req.num_output_tokens)
+            if decision is not None:
+                req.finish_reason = decision.finish_reason
+                self.scheduler.finish(req)
+                stop_id = decision.stop_reason if isinstance(decision.stop_reason, int) else None
+                out = self._output(req, s.token_ids[: j + 1], s.logprobs[: j + 1], stop_id)
+                self._forget(req.request_id)
+                return out
+        if s.num_draft:
+            self.scheduler.trim(req)
+        return self._output(req, s.token_ids, s.logprobs)
 
     def _output(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs],
                 stop_reason: int | None = None, prefilled: bool = False) -> RequestOutput:
@@ -432,13 +468,14 @@ class LLMEngine:
             stop_reason=stop_reason,
             prefilled=prefilled,
             first_scheduled_time=req.first_scheduled_time,
-            prompt_logprobs=self._prompt_logprobs(req),
+            prompt_logprobs=self._prompt_logprobs(req, len(tokens)),
         )
 
-    def _prompt_logprobs(self, req: Request) -> list[TokenLogprobs | None] | None:
-        """The prompt's logprobs, on the first output of a request that computed them."""
+    def _prompt_logprobs(self, req: Request, num_new: int) -> list[TokenLogprobs | None] | None:
+        """The prompt's logprobs, on the first output of a request that computed them
+        (``num_new``: the output's tokens)."""
         if (req.params.prompt_logprobs is None or self.role == "decode"
-                or req.num_output_tokens > 1):
+                or req.num_output_tokens - num_new > 0):
             return None
         return [None, *req.prompt_logprobs]
 
@@ -462,6 +499,7 @@ class LLMEngine:
             prefix_queries=pool.prefix_queries,
             prefix_hits=pool.prefix_hits,
             num_preemptions=sch.num_preemptions,
+            spec=self.spec_stats.snapshot() if self.spec_config is not None else None,
         )
 
     def kv_layout_spec(self) -> dict[str, object]:
@@ -554,6 +592,7 @@ class EngineStats:
     prefix_queries: int  # cumulative, in blocks
     prefix_hits: int  # cumulative, in blocks
     num_preemptions: int  # cumulative
+    spec: SpecStats | None = None  # cumulative speculation counters (None: not speculating)
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,12 @@ class StepInputs:
 
     input_ids: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    # Rows the model computes logits for: first one per request that samples, then
-    # the prompt positions of requests that asked for prompt logprobs.
+    # Rows the model computes logits for: first 1 + len(draft) per request that
+    # samples (its last token, then each draft token), then the prompt positions of
+    # requests that asked for prompt logprobs.
     logits_indices: torch.Tensor  # [R + P] int64 token indices
     sampled: list[Request]  # the requests of the first R rows, in order
+    drafts: list[list[int]]  # per sampled request: the draft tokens it verifies
     # (request, target tokens) per prompt-logprob request, in row order: row j of
     # its part predicts target j.
     prompt_targets: list[tuple[Request, list[int]]]
@@ -85,6 +87,8 @@ class InputBatch:
             row = self._rows[rid] = self._free_rows.pop()
             self._written[rid] = 0
         done, have = self._written[rid], len(req.block_ids)
+        if have < done:  # blocks given back (a rejected draft's): rewrite from there
+            self._written[rid] = done = have
         if have > done:  # blocks allocated since the last step
             self.block_table_np[row, done:have] = req.block_ids[done:have]
             self._written[rid] = have
@@ -98,7 +102,8 @@ class InputBatch:
     # ------------------------------------------------------------------ step
     def prepare(self, work: list[tuple[Request, int]]) -> StepInputs:
         """Inputs for computing ``n`` new tokens of each ``(request, n)``; single
-        tokens first so that decodes lead the batch."""
+        tokens first so that decodes lead the batch. ``n`` past the request's own new
+        tokens are its draft (``spec_token_ids``), verified after them."""
         work = sorted(work, key=lambda rn: rn[1] != 1)
         if self._copied is not None:
             self._copied.synchronize()
@@ -106,6 +111,7 @@ class InputBatch:
         seq = self._seq[:, :s_count]
         tokens: list[int] = []
         sampled: list[Request] = []
+        drafts: list[list[int]] = []
         logits_rows: list[int] = []
         prompt_rows: list[int] = []
         prompt_targets: list[tuple[Request, list[int]]] = []
@@ -114,6 +120,7 @@ class InputBatch:
         for i, (req, n) in enumerate(work):
             start = req.num_computed_tokens
             end = start + n
+            k = max(0, n - req.num_new_tokens)  # draft tokens
             seq[0, i] = self._row(req)
             seq[1, i] = t
             seq[2, i] = n
@@ -122,7 +129,8 @@ class InputBatch:
                 tokens.append(req.token_ids[start])
                 num_decode += 1
             else:
-                tokens.extend(req.token_ids[start:end])
+                tokens.extend(req.token_ids[start : end - k])
+                tokens.extend(req.spec_token_ids[:k])
             if req.params.prompt_logprobs is not None:
                 # positions p predict token p + 1; each prompt position is recorded once
                 lo = max(start, len(req.prompt_logprobs))
@@ -131,9 +139,11 @@ class InputBatch:
                     prompt_rows.extend(range(t + lo - start, t + hi - start))
                     prompt_targets.append((req, req.token_ids[lo + 1 : hi + 1]))
             t += n
-            if end == req.num_tokens and req.params.max_tokens > 0:
-                logits_rows.append(t - 1)  # caught up: this row samples the next token
+            if end - k == req.num_tokens and req.params.max_tokens > 0:
+                # caught up: this row samples the next token (and each draft token's)
+                logits_rows.extend(range(t - 1 - k, t))
                 sampled.append(req)
+                drafts.append(req.spec_token_ids[:k])
         self._tokens[:t] = tokens
         # position of token j of sequence s = ctx_s - len_s + (j - start_s)
         qlen = seq[2].astype(np.int64)
@@ -169,5 +179,6 @@ class InputBatch:
             logits_indices=torch.tensor(logits_rows + prompt_rows, dtype=torch.long,
                                         device=self.device),
             sampled=sampled,
+            drafts=drafts,
             prompt_targets=prompt_targets,
         )

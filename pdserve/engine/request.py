@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from llguidance import LLMatcher
 
     from pdserve.engine.sampler import TokenLogprobs
+    from pdserve.engine.spec_decode import SpecState
 
 
 class RequestStatus(enum.Enum):
@@ -63,6 +64,11 @@ class Request:
     # runner: logprobs of prompt tokens 1.. as their positions are computed (kept
     # through preemption: recomputed positions are not recorded twice)
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # engine: speculative decoding's proposer and draft length (None: not speculating)
+    spec: SpecState | None = None
+    # engine -> scheduler: this step's draft, computed after the request's next token
+    # when the scheduler makes room for it (it may shorten or drop it)
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

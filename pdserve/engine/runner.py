@@ -2,6 +2,9 @@
 the model on the KV cache, and the sampler for the requests that caught up with
 their tokens this step.
 
+A request that verifies a draft (``spec_decode.py``) has one logits row per draft
+token after its own; ``verify`` keeps the tokens the model agrees with.
+
 The token masks of structured-output requests are computed on a helper thread while
 the model runs (llguidance releases the GIL, as torch's kernels do), so a grammar
 costs the step only what outlasts the forward pass."""
@@ -19,15 +22,19 @@ from pdserve.engine.model import LlamaModel
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SamplingRow, TokenLogprobs, token_logprobs
 from pdserve.engine.scheduler import ScheduledBatch
+from pdserve.engine.spec_decode import Verified, verify
 
 PROMPT_LOGITS_ROWS = 512  # prompt positions turned into logits at once
 
 
 @dataclass
 class Sampled:
+    """A request's tokens from one step: its accepted draft tokens, then one sampled."""
+
     request: Request
-    token_id: int
-    logprobs: TokenLogprobs | None
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]  # one per token where the request asked, else []
+    num_draft: int = 0  # draft tokens it verified (accepted: len(token_ids) - 1)
 
 
 class ModelRunner:
@@ -56,27 +63,40 @@ class ModelRunner:
         masks = self._start_masks(step.sampled)
         hidden = self.model(step.input_ids, self.kv_cache, step.meta, step.logits_indices)
         n = len(step.sampled)
+        widths = [1 + len(d) for d in step.drafts]  # logits rows per sampled request
+        num_rows = sum(widths)
         if step.prompt_targets:
-            self._prompt_logprobs(hidden[n:], step.prompt_targets)
+            self._prompt_logprobs(hidden[num_rows:], step.prompt_targets)
         if not n:
             return []
-        logits = self.model.logits(hidden[:n])
+        logits = self.model.logits(hidden[:num_rows])
         tp = self.model.tp
         if logits is None:  # a tensor-parallel follower: rank 0 samples for every rank
             assert tp is not None
-            tokens = tp.broadcast_ints(None, n)
-            return [Sampled(r, t, None) for r, t in zip(step.sampled, tokens, strict=True)]
-        rows = [SamplingRow(r.params, r.token_ids, r.num_prompt_tokens, r.generator,
-                            self.eos_token_ids) for r in step.sampled]
-        if masks is not None:
-            bitmask = masks[1].result()
-            for j, i in enumerate(masks[0]):
-                rows[i].allowed = bitmask[j]
-        out = self.sampler(logits, rows)
-        if tp is not None:
-            tp.broadcast_ints(out.token_ids, n)
-        return [Sampled(r, t, lp) for r, t, lp in zip(step.sampled, out.token_ids, out.logprobs,
-                                                      strict=True)]
+            flat = tp.broadcast_ints(None, num_rows)
+            kept, at = [], 0
+            for w in widths:  # each request's tokens, padded with -1 to its width
+                kept.append(Verified([t for t in flat[at : at + w] if t >= 0], []))
+                at += w
+        else:
+            rows = [SamplingRow(r.params, r.token_ids, r.num_prompt_tokens, r.generator,
+                                self.eos_token_ids) for r in step.sampled]
+            if masks is not None:
+                bitmask = masks[1].result()
+                for j, i in enumerate(masks[0]):
+                    rows[i].allowed = bitmask[j]
+            if num_rows == n:
+                out = self.sampler(logits, rows)
+                kept = [Verified([t], [] if lp is None else [lp])
+                        for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
+            else:
+                kept = verify(self.sampler, logits, rows, step.drafts)
+            if tp is not None:
+                tp.broadcast_ints([t for v, w in zip(kept, widths, strict=True)
+                                   for t in v.token_ids + [-1] * (w - len(v.token_ids))],
+                                  num_rows)
+        return [Sampled(r, v.token_ids, v.logprobs, len(d))
+                for r, v, d in zip(step.sampled, kept, step.drafts, strict=True)]
 
     def _prompt_logprobs(self, hidden: torch.Tensor,
                          targets: list[tuple[Request, list[int]]]) -> None:

@@ -128,7 +128,7 @@ def _draw(generator: torch.Generator) -> float:
                             device=generator.device)[0])
 
 
-def _is_plain_greedy(row: SamplingRow) -> bool:
+def is_plain_greedy(row: SamplingRow) -> bool:
     p = row.params
     return (
         p.greedy
@@ -152,7 +152,7 @@ class Sampler:
             )
         if logits.dtype != torch.float32:
             logits = logits.float()
-        if self.fast and all(_is_plain_greedy(r) for r in rows):
+        if self.fast and all(is_plain_greedy(r) for r in rows):
             return SampleOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
 
         processed = logits.clone(memory_format=torch.contiguous_format)

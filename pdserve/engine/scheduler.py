@@ -122,6 +122,7 @@ class Scheduler:
             n = min(req.num_new_tokens, budget)
             if not self._grow_or_preempt(req, n, batch):
                 break  # req itself was preempted; it was the lowest priority left
+            n += self._make_room_for_draft(req, n, budget)
             batch.work.append((req, n))
             budget -= n
             i += 1
@@ -195,6 +196,27 @@ class Scheduler:
         req.block_ids.extend(blocks)
         return True
 
+    def _make_room_for_draft(self, req: Request, n: int, budget: int) -> int:
+        """Draft tokens of ``req`` to verify after its ``n`` new tokens: as many of
+        ``spec_token_ids`` as the budget and the free blocks allow (a draft never
+        preempts anyone); the rest of the draft is dropped."""
+        draft = req.spec_token_ids
+        if not draft:
+            return 0
+        k = min(len(draft), budget - n) if n == req.num_new_tokens else 0
+        if k > 0 and not self._grow(req, n + k):
+            k = 0
+        del draft[max(k, 0):]
+        return max(k, 0)
+
+    def trim(self, req: Request) -> None:
+        """Give back the blocks past the one that receives ``req``'s next token
+        (allocated for draft tokens that were rejected)."""
+        keep = ceil_div(req.num_computed_tokens + 1, self.block_size)
+        if len(req.block_ids) > keep:
+            self.pool.free(req.block_ids[keep:])
+            del req.block_ids[keep:]
+
     def _grow_or_preempt(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
         while not self._grow(req, n):
             victim = self.running.pop()  # the most recently admitted goes first
@@ -214,6 +236,7 @@ class Scheduler:
 
     def _release_blocks(self, req: Request) -> None:
         self.on_release(req)
+        req.spec_token_ids.clear()
         self.pool.free(req.block_ids)
         req.block_ids = []
         req.num_computed_tokens = 0
