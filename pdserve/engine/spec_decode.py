@@ -6,7 +6,8 @@ like checking 1 (measured with the default model: 14.3 ms either way).
 Proposer (draft-free, nothing to move between workers): ``ngram`` prompt lookup,
 as vLLM's. The request's last ``prompt_lookup_max`` .. ``prompt_lookup_min``
 tokens are looked up among its earlier tokens (prompt and output); the tokens that
-followed the most recent match are the draft. An incremental index (n-gram ->
+followed the most recent match are the draft (a continuation that reaches the end
+is a repeating span, and is repeated). An incremental index (n-gram ->
 where its continuation starts) makes a lookup O(1) per step.
 
 Verification is exact: the output is the one the model would have produced
@@ -63,9 +64,11 @@ class NgramProposer:
                 index[tuple(tokens[e - n : e])] = e
         self._indexed = max(self._indexed, end)
         for n in range(min(hi, end - 1), lo - 1, -1):
-            e = index.get(tuple(tokens[end - n :]))
-            if e is not None:
-                return list(tokens[e : e + k])
+            at = index.get(tuple(tokens[end - n :]))
+            if at is not None:
+                # A continuation that runs into the end is a repeating span: repeat it.
+                span = list(tokens[at : at + k])
+                return (span * -(-k // len(span)))[:k]
         return []
 
 

@@ -1,0 +1,271 @@
+"""Speculative decoding (engine/spec_decode.py): the n-gram proposer, adaptive draft
+lengths, exact verification, and the engine producing the same tokens with and
+without it (greedy, seeded sampling, stops, preemption, hand-off, tensor parallel)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.engine.config import EngineConfig, SpeculativeConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.spec_decode import NgramProposer, SpecState, verify
+from pdserve.engine.structured import StructuredOutput
+from tests.engine.test_engine import BACKENDS, prompts
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}
+GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+
+
+def engine(path: Path, backend: str = "cpu", spec: dict[str, object] | None = NGRAM,
+           **kw: object) -> LLMEngine:
+    cfg = {"num_blocks": 256, "attention_backend": backend, "linear_backend": backend,
+           "speculative_config": spec, **kw}
+    return LLMEngine(path, EngineConfig(**cfg))  # type: ignore[arg-type]
+
+
+def copy_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a random span: a draft from the prompt has something to match."""
+    return [p * 3 + p[:5] for p in prompts(n, [11, 17, 9], 500, seed=seed)]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    from pdserve.engine import kernels
+
+    if request.param == "cpu" and kernels.cpu_supported() is not None:
+        pytest.skip("the cpu kernels run on x86-64 CPUs only")
+    return str(request.param)
+
+
+# ------------------------------------------------------------------ proposer
+def test_ngram_proposes_what_followed_the_longest_most_recent_match() -> None:
+    p = NgramProposer(1, 3)
+    # suffix [7, 8] occurred at 1..2 (followed by 9, 4) and at 5..6 (followed by 5)
+    tokens = [1, 7, 8, 9, 4, 7, 8, 5, 2, 7, 8]
+    assert p.propose(tokens, 2) == [5, 2]  # the most recent occurrence of the longest match
+    tokens += [3]  # suffix [8, 3] never occurred; [3] neither
+    assert p.propose(tokens, 3) == []
+    tokens += [9]  # [9] occurred once, followed by 4, 7, 8
+    assert p.propose(tokens, 5) == [4, 7, 8, 5, 2]
+
+
+def test_ngram_continuation_stops_at_the_end_and_index_is_incremental() -> None:
+    p = NgramProposer(2, 2)
+    tokens = [5, 6, 5, 6]
+    # [5, 6] at 0..1, followed by what is left (5, 6): a repeating span, repeated
+    assert p.propose(tokens, 4) == [5, 6, 5, 6]
+    tokens += [5]  # suffix [6, 5] at 1..2, followed by 6, 5
+    assert p.propose(tokens, 3) == [6, 5, 6]
+    assert NgramProposer(2, 4).propose([1, 2], 4) == []  # too short to have a match
+
+
+def test_spec_state_adapts_the_draft_length_and_pauses_after_misses() -> None:
+    s = SpecState.of(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=1))
+    tokens = [1, 2, 3, 1, 2, 3, 1, 2]
+    assert s.propose(tokens, 10) == [3, 1, 2, 3]
+    assert s.propose(tokens, 2) == [3, 1]  # never past the room left
+    s.observe(4, 1)  # one accepted: next draft is 2 long
+    assert s.k == 2 and s.propose(tokens, 10) == [3, 1]
+    s.observe(2, 2)  # all accepted: grows
+    assert s.k == 3
+    s.observe(3, 0)
+    assert s.k == 1 and s.paused == 2  # nothing accepted: pause 2 steps
+    assert s.propose(tokens, 10) == [] and s.propose(tokens, 10) == []
+    assert s.propose(tokens, 10) == [3]
+    s.observe(1, 0)
+    assert s.paused == 4  # a second miss in a row pauses longer
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (4, 10, 3)
+
+
+def test_speculative_config_is_checked() -> None:
+    with pytest.raises(ValueError, match="method"):
+        SpeculativeConfig(method="eagle")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig(num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        SpeculativeConfig(prompt_lookup_min=5, prompt_lookup_max=3)
+    with pytest.raises(ValueError, match="unknown speculative_config keys"):
+        EngineConfig(speculative_config={"method": "ngram", "lookahead": 3})  # type: ignore[arg-type]
+    cfg = EngineConfig(speculative_config={"method": "ngram"})  # type: ignore[arg-type]
+    assert cfg.speculative_config == SpeculativeConfig()
+
+
+# -------------------------------------------------------------- verification
+def test_verify_is_exact_in_distribution() -> None:
+    """Unseeded rows, temperature 0.8 with top-k and top-p: the first token verification
+    emits follows the sampler's own distribution, and the draft token is accepted with
+    its probability under it."""
+    torch.manual_seed(0)
+    logits = torch.randn(3, 12) * 2  # one request, a draft of 2: rows 0, 1, 2
+    params = SamplingParams(temperature=0.8, top_k=8, top_p=0.9, max_tokens=10)
+    row = SamplingRow(params, [1, 2, 3], 3)
+    # the sampler's distribution at position 0, by drawing it
+    trials = 6000
+    plain = Counter(Sampler()(logits[:1].repeat(trials, 1), [row] * trials).token_ids)
+    draft = [plain.most_common(1)[0][0], 4]
+    first: Counter[int] = Counter()
+    for _ in range(trials):
+        first[verify(Sampler(), logits, [row], [draft])[0].token_ids[0]] += 1
+    for token in set(plain) | set(first):
+        p, q = plain[token] / trials, first[token] / trials
+        # both are estimates of one probability: 5 standard errors of their difference
+        assert abs(p - q) <= 5 * math.sqrt(max(p * (1 - p), 1e-4) * 2 / trials), (token, p, q)
+
+
+def test_verify_keeps_the_agreeing_prefix_plus_one() -> None:
+    logits = torch.full((7, 10), -10.0)
+    best = [3, 5, 7, 1, 4, 2, 6]  # greedy token of each row
+    logits[torch.arange(7), torch.tensor(best)] = 10.0
+    rows = [SamplingRow(SamplingParams(max_tokens=9), [0], 1) for _ in range(2)]
+    # request 0: draft [3, 5] all accepted -> + row 2's token; request 1: draft [1, 9, 9]
+    # -> 1 accepted, then row 5's own token 2 (not 9)
+    got = verify(Sampler(), logits, rows, [[3, 5], [1, 9, 9]])
+    assert [v.token_ids for v in got] == [[3, 5, 7], [1, 4]]
+    ref = verify(Sampler(fast=False), logits, rows, [[3, 5], [1, 9, 9]])
+    assert [v.token_ids for v in ref] == [[3, 5, 7], [1, 4]]
+
+
+# ------------------------------------------------------------------- engine
+def _run(eng: LLMEngine, ps: list[list[int]], params: SamplingParams | list[SamplingParams],
+         ) -> list[list[int]]:
+    out = [c.token_ids for c in eng.generate(ps, params)]
+    eng.check_integrity()
+    assert eng.pool.num_used == 0 and not eng.requests
+    return out
+
+
+def test_greedy_output_is_unchanged_and_drafts_are_accepted(
+        tiny_model: Callable[[str], Path], backend: str) -> None:
+    path = tiny_model("llama-gqa")
+    ps = copy_prompts(3)
+    want = _run(engine(path, backend, spec=None), ps, GREEDY)
+    eng = engine(path, backend)
+    assert _run(eng, ps, GREEDY) == want
+    stats = eng.stats().spec
+    assert stats is not None and stats.num_drafts > 0
+    # Both outcomes happened: accepted tokens and rejected ones.
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens
+
+
+def test_seeded_sampling_is_unchanged_token_for_token(tiny_model: Callable[[str], Path],
+                                                      backend: str) -> None:
+    path = tiny_model("llama-gqa")
+    ps = copy_prompts(3, seed=3)
+    params = [SamplingParams(max_tokens=40, temperature=0.8, top_p=0.9, top_k=20, seed=s,
+                             repetition_penalty=1.1, frequency_penalty=0.2, logprobs=2,
+                             ignore_eos=True) for s in (1, 2, 3)]
+    base = engine(path, backend, spec=None).generate(ps, params)
+    eng = engine(path, backend)
+    got = eng.generate(ps, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in base]
+    for a, b in zip(got, base, strict=True):  # logprobs of every token, same values
+        assert [lp.token_id for lp in a.logprobs] == a.token_ids
+        assert [lp.logprob for lp in a.logprobs] == pytest.approx(
+            [lp.logprob for lp in b.logprobs], abs=1e-4)
+        assert [[t for t, _ in lp.top] for lp in a.logprobs] == \
+            [[t for t, _ in lp.top] for lp in b.logprobs]
+    assert eng.stats().spec.num_accepted_tokens > 0  # type: ignore[union-attr]
+
+
+def test_stops_inside_a_draft_end_where_they_would_without_one(
+        tiny_model: Callable[[str], Path]) -> None:
+    path = tiny_model("llama-gqa")
+    ps = copy_prompts(2, seed=5)
+    free = _run(engine(path, spec=None), ps, GREEDY)
+    # each stop token is one of its output's later tokens: it ends a verified run
+    stops = [out[len(out) * 2 // 3] for out in free]
+    for params in ([SamplingParams(max_tokens=40, stop_token_ids=[s], ignore_eos=True)
+                    for s in stops],
+                   [SamplingParams(max_tokens=n, ignore_eos=True) for n in (7, 10)]):
+        want = _run(engine(path, spec=None), ps, params)
+        eng = engine(path)
+        assert _run(eng, ps, params) == want
+        assert eng.stats().spec.num_accepted_tokens > 0  # type: ignore[union-attr]
+    assert [w[-1] for w in _run(engine(path), ps, [SamplingParams(
+        max_tokens=40, stop_token_ids=[s], ignore_eos=True) for s in stops])] == stops
+
+
+def test_preemption_and_tight_blocks_keep_output_and_free_everything(
+        tiny_model: Callable[[str], Path]) -> None:
+    path = tiny_model("llama-gqa")
+    ps = copy_prompts(6, seed=7)
+    want = _run(engine(path, spec=None), ps, GREEDY)
+    spec = {**NGRAM, "disable_by_batch_size": 64}
+    tight = engine(path, spec=spec, num_blocks=22, block_size=8)
+    assert _run(tight, ps, GREEDY) == want
+    assert tight.scheduler.num_preemptions > 0
+    assert tight.stats().spec.num_accepted_tokens > 0  # type: ignore[union-attr]
+
+
+def test_no_speculation_over_the_batch_limit_or_with_a_grammar(
+        tiny_model: Callable[[str], Path]) -> None:
+    path = tiny_model("llama-gqa")
+    ps = copy_prompts(3, seed=2)
+    eng = engine(path, spec={**NGRAM, "disable_by_batch_size": 2})
+    _run(eng, ps, SamplingParams(max_tokens=6, ignore_eos=True))  # 3 running > 2
+    assert eng.stats().spec.num_drafts == 0  # type: ignore[union-attr]
+    _run(eng, ps[:1], GREEDY)
+    assert eng.stats().spec.num_drafts > 0  # type: ignore[union-attr]
+    before = eng.stats().spec.num_drafts  # type: ignore[union-attr]
+    choice = SamplingParams(max_tokens=8, structured=StructuredOutput.regex("(ab){1,3}c"),
+                            ignore_eos=True)
+    eng.add_request("g", ps[0], choice)
+    assert eng.requests["g"].spec is None
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats().spec.num_drafts == before  # type: ignore[union-attr]
+
+
+def test_decode_worker_speculates_from_its_first_step(tiny_model: Callable[[str], Path]) -> None:
+    path = tiny_model("llama-gqa")
+    prompt = copy_prompts(1, seed=11)[0]
+    want = _run(engine(path, spec=None), [prompt], GREEDY)[0]
+    prefill = engine(path, role="prefill")
+    assert prefill.spec_config is None
+    decode = engine(path, role="decode", num_blocks=64)
+    prefill.add_request("r", prompt, GREEDY)
+    outs = []
+    while not outs:
+        outs = prefill.step().outputs
+    dest = decode.reserve("r", prompt, GREEDY)
+    assert dest is not None
+    decode.write_kv(dest, prefill.read_kv(prefill.block_ids("r")))
+    prefill.release("r")
+    tokens = list(outs[0].new_token_ids)
+    decode.start_decode("r", tokens[0])
+    steps = 0
+    while decode.has_unfinished():
+        steps += 1
+        for o in decode.step().outputs:
+            tokens.extend(o.new_token_ids)
+    assert tokens == want
+    assert steps < len(want) - 1  # some steps gave more than one token
+    decode.check_integrity()
+    assert decode.pool.num_used == 0
+
+
+def test_tensor_parallel_ranks_agree_on_drafts(tiny_model: Callable[[str], Path]) -> None:
+    path = tiny_model("llama-gqa")
+    ps = copy_prompts(2, seed=13)
+    want = _run(engine(path, backend="torch", spec=None), ps, GREEDY)
+    eng = LLMEngine.create(path, EngineConfig(
+        num_blocks=128, attention_backend="torch", linear_backend="torch", num_threads=1,
+        tensor_parallel_size=2, speculative_config=NGRAM))  # type: ignore[arg-type]
+    try:
+        assert _run(eng, ps, GREEDY) == want
+        assert eng.stats().spec.num_accepted_tokens > 0  # type: ignore[union-attr]
+        eng.add_request("after", ps[0], SamplingParams(max_tokens=3))  # ranks still in step
+        while eng.has_unfinished():
+            eng.step()
+    finally:
+        eng.close()
