@@ -111,6 +111,8 @@ class RequestDelta(NamedTuple):
     stages: Stages | None = None
     # colocated, with the first delta of a request that asked: see PrefillResult
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # with the last delta of a request that speculated: (draft tokens, accepted)
+    spec: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,11 @@ class WorkerMetrics:
     prefix_queries: int = 0
     prefix_hits: int = 0
     num_preemptions: int = 0
+    # speculative decoding (engine/spec_decode.py), cumulative: drafts verified, their
+    # tokens, and the tokens accepted
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     kv_transfer_bytes: int = 0
     kv_transfer_failures: int = 0
     kv_transfers: int = 0

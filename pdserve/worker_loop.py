@@ -161,6 +161,9 @@ class WorkerLoop(EngineLoop):
         m.queued_prefill_tokens = e.queued_prefill_tokens
         m.prefix_queries, m.prefix_hits = e.prefix_queries, e.prefix_hits
         m.num_preemptions = e.num_preemptions
+        if e.spec is not None:
+            m.spec_drafts, m.spec_draft_tokens = e.spec.num_drafts, e.spec.num_draft_tokens
+            m.spec_accepted_tokens = e.spec.num_accepted_tokens
         self._before_publish(m)
         self._published = WorkerMetrics(**vars(m))  # one reference swap: readers see all or none
 
@@ -176,7 +179,8 @@ def delta_of(out: RequestOutput, stages: Stages | None = None,
                     for lp in out.logprobs]
     return RequestDelta(out.request_id, out.new_token_ids, logprobs,
                         out.finish_reason if out.finished else None, out.stop_reason,
-                        stages=stages, prompt_logprobs=prompt_logprobs_of(out))
+                        stages=stages, prompt_logprobs=prompt_logprobs_of(out),
+                        spec=out.spec if out.finished else None)
 
 
 def prompt_logprobs_of(out: RequestOutput) -> list[TokenLogprob | None] | None:

@@ -184,6 +184,15 @@ ROWS: list[tuple[str, list[Panel]]] = [
               [(rate("pdserve_engine_tokens_total", D, "worker"), "{{worker}}")]),
         Panel("Decode waiting", "Requests waiting for a decode slot (not KV).",
               [("sum by (worker) (pdserve_num_requests_waiting{" + D + "})", "{{worker}}")]),
+        Panel("Speculative decoding", "Draft tokens accepted / proposed (acceptance), and "
+              "tokens each speculating step gave (accepted per draft + 1). Acceptance near 0: "
+              "the workload copies little; speculation pauses itself, or turn it off.",
+              [(f'{rate("pdserve_spec_decode_num_accepted_tokens_total", D, "worker")} / '
+                f'{rate("pdserve_spec_decode_num_draft_tokens_total", D, "worker")}',
+                "{{worker}} acceptance"),
+               (f'1 + {rate("pdserve_spec_decode_num_accepted_tokens_total", D, "worker")} / '
+                f'{rate("pdserve_spec_decode_num_drafts_total", D, "worker")}',
+                "{{worker}} tokens per step")]),
     ]),
     ("Efficiency", [
         Panel("Prefill MFU", "Model FLOPs utilisation of the prefill pool while busy (should be "

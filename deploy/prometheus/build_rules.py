@@ -40,6 +40,10 @@ VLLM_SERIES = {
     "vllm:prompt_tokens_total": "pdserve_prompt_tokens_total",
     "vllm:generation_tokens_total": "pdserve_generation_tokens_total",
     "vllm:num_preemptions_total": "pdserve_num_preemptions_total",
+    "vllm:spec_decode_num_drafts_total": "pdserve_spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total": "pdserve_spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total":
+        "pdserve_spec_decode_num_accepted_tokens_total",
     "vllm:prefix_cache_queries_total": "pdserve_prefix_cache_queries_total",
     "vllm:prefix_cache_hits_total": "pdserve_prefix_cache_hits_total",
     "vllm:gpu_prefix_cache_queries_total": "pdserve_prefix_cache_queries_total",

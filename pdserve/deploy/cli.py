@@ -57,6 +57,10 @@ def _add_format_flags(p: argparse.ArgumentParser, per_pool: bool) -> None:
                         "prefill; docs/quantization.md)")
     p.add_argument("--quantization-group-size", type=int, default=None,
                    help="int4 group: 32 (default), 64 or 128")
+    p.add_argument("--speculative-config", type=_json_mapping, default=None, metavar="JSON",
+                   help="speculative decoding, as vLLM's flag: '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' "
+                        "(the decode and colocated pools; docs/speculative-decoding.md)")
     if per_pool:
         for pool in ("prefill", "decode"):
             p.add_argument(f"--{pool}-quantization", default=None,
@@ -70,6 +74,16 @@ def _add_format_flags(p: argparse.ArgumentParser, per_pool: bool) -> None:
                        help=f"ranks per {pool} worker (default 1; the pool's "
                             f"tensor_parallel_size)" + (" with --disaggregated" if not per_pool
                                                        else ""))
+
+
+def _json_mapping(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -233,6 +247,8 @@ def _format_overrides(args: argparse.Namespace, pools: tuple[str, ...]) -> dict[
             args, "quantization_group_size", None)
         out[f"{pool}.engine.dtype"] = getattr(args, "dtype", None)
         out[f"{pool}.tensor_parallel_size"] = getattr(args, f"{pool}_tensor_parallel_size", None)
+        if pool != "prefill":  # a prefill worker samples one token per request
+            out[f"{pool}.engine.speculative_config"] = getattr(args, "speculative_config", None)
     return out
 
 
@@ -295,7 +311,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             dtype=args.dtype or "auto", num_threads=args.threads,
             quantization=args.quantization or "none",
             quantization_group_size=args.quantization_group_size or 32,
-            tensor_parallel_size=args.tensor_parallel_size or 1), tokenizer=tok)
+            tensor_parallel_size=args.tensor_parallel_size or 1,
+            speculative_config=args.speculative_config), tokenizer=tok)
         try:
             (out,) = engine.generate([prompt_ids], params)
         finally:

@@ -70,6 +70,12 @@ COUNTERS: list[tuple[str, str, Getter]] = [
      lambda s: s.prefix_hits),
     ("pdserve_num_preemptions", "Requests preempted for recomputation.",
      lambda s: s.num_preemptions),
+    ("pdserve_spec_decode_num_drafts", "Speculative drafts verified (engine steps in which "
+     "a request checked a draft).", lambda s: s.spec_drafts),
+    ("pdserve_spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+     lambda s: s.spec_draft_tokens),
+    ("pdserve_spec_decode_num_accepted_tokens", "Draft tokens the model accepted (each one "
+     "a decode step saved).", lambda s: s.spec_accepted_tokens),
     ("pdserve_kv_transfers", "KV transfers completed (sender side).", lambda s: s.kv_transfers),
     ("pdserve_kv_sends", "KV send calls (sender side): one per engine step that completed "
      "blocks of a prompt, plus the last (overlap with prefill).", lambda s: s.kv_sends),

@@ -83,6 +83,8 @@ class RequestOutput:
     # With the request's first output when it asked for prompt logprobs: one entry per
     # prompt token, None for the first (nothing predicts it).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # speculative decoding: (draft tokens verified, accepted) so far (None: not speculating)
+    spec: tuple[int, int] | None = None
 
 
 @dataclass
@@ -469,6 +471,8 @@ class LLMEngine:
             prefilled=prefilled,
             first_scheduled_time=req.first_scheduled_time,
             prompt_logprobs=self._prompt_logprobs(req, len(tokens)),
+            spec=None if req.spec is None else (req.spec.num_draft_tokens,
+                                                 req.spec.num_accepted_tokens),
         )
 
     def _prompt_logprobs(self, req: Request, num_new: int) -> list[TokenLogprobs | None] | None:

@@ -227,7 +227,9 @@ def response_from_item(item: StreamChunk | FinalChunk) -> Any:
             completion_tokens=item.usage.completion_tokens,
             cached_tokens=item.usage.cached_tokens,
         ),
-        timings=pb.StageTimings(**{k: v for k, v in timings.items() if v is not None}),
+        timings=pb.StageTimings(**{k: v for k, v in timings.items() if v is not None},
+                                spec_draft_tokens=item.timings.spec_draft_tokens,
+                                spec_accepted_tokens=item.timings.spec_accepted_tokens),
         num_retries=item.num_retries,
     )
     if isinstance(item.stop_reason, str):

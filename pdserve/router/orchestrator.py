@@ -279,6 +279,9 @@ class RequestRun:
                 t.prefill_queue, t.prefill = st.prefill_queue_s, st.prefill_s
                 self.cached = self.cached or st.num_cached_tokens
         self._got_prompt_logprobs(delta.prompt_logprobs)
+        if delta.spec is not None:
+            t.spec_draft_tokens += delta.spec[0]
+            t.spec_accepted_tokens += delta.spec[1]
         chunk = None
         decision = None
         if delta.token_ids:
@@ -289,8 +292,10 @@ class RequestRun:
             now = time.monotonic()
             if t.ttft is None:
                 t.ttft = now - self.arrival
+                t.tokens_after_first += max(0, len(tokens) - 1)
             elif self._last_token_at is not None:
                 t.inter_token.append(now - self._last_token_at)
+                t.tokens_after_first += len(tokens)
             self._last_token_at = now
             self.emitted.extend(tokens)
             chunk = StreamChunk(tokens, text, list(delta.logprobs[:n]) if delta.logprobs else [],

@@ -67,12 +67,21 @@ class StageTimings:
     decode_queue: float | None = None  # decode worker: KV arrived -> first decode step
     ttft: float | None = None  # router: arrival -> first token received
     e2e: float | None = None  # router: arrival -> finished
-    inter_token: list[float] = field(default_factory=list)  # router: gaps between tokens
+    # router: gaps between deliveries of tokens (one delivery may carry several: the
+    # accepted tokens of a speculative step)
+    inter_token: list[float] = field(default_factory=list)
+    tokens_after_first: int = 0  # router: output tokens after the first
+    # token worker: speculative decoding's draft tokens verified / accepted (all attempts)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def tpot(self) -> float | None:
-        """Mean time per output token after the first."""
-        return sum(self.inter_token) / len(self.inter_token) if self.inter_token else None
+        """Mean time per output token after the first (first token -> last, divided by
+        the tokens after the first, as vLLM defines it)."""
+        if not self.inter_token or not self.tokens_after_first:
+            return None
+        return sum(self.inter_token) / self.tokens_after_first
 
 
 @dataclass

@@ -95,7 +95,8 @@ def make_loop(pair: Pair, cluster: LocalCluster, clock: Clock,
 def final(ttft_ms: float, tpot_ms: float, prompt: int, output: int,
           reason: str = "length") -> FinalChunk:
     return FinalChunk(reason, Usage(prompt, output), timings=StageTimings(
-        ttft=ttft_ms / 1e3, inter_token=[tpot_ms / 1e3] * (output - 1)))
+        ttft=ttft_ms / 1e3, inter_token=[tpot_ms / 1e3] * (output - 1),
+        tokens_after_first=output - 1))
 
 
 # ---------------------------------------------------------------- config, CLI

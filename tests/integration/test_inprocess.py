@@ -34,6 +34,7 @@ class Pair:
                  decode_blocks: int = 128, n_colocated: int = 0,
                  prefill_engine: dict[str, object] | None = None, kv_timeout_s: float = 5,
                  decode_engine: dict[str, object] | None = None, transfer: str = "local",
+                 colocated_engine: dict[str, object] | None = None,
                  **router_kw: object) -> None:
         self.prefill = [PrefillWorker(f"prefill-{i}", model, EngineConfig(**{
             "role": "prefill", "num_blocks": 128, **(prefill_engine or {})}), transfer)  # type: ignore[arg-type]
@@ -41,8 +42,9 @@ class Pair:
         self.decode = [DecodeWorker(f"decode-{i}", model, EngineConfig(**{  # type: ignore[arg-type]
             "role": "decode", "num_blocks": decode_blocks, **(decode_engine or {})}), transfer,
             kv_timeout_s=kv_timeout_s) for i in range(n_decode)]
-        self.colocated = [ColocatedWorker(f"colocated-{i}", model, EngineConfig(
-            role="colocated", num_blocks=decode_blocks)) for i in range(n_colocated)]
+        self.colocated = [ColocatedWorker(f"colocated-{i}", model, EngineConfig(**{  # type: ignore[arg-type]
+            "role": "colocated", "num_blocks": decode_blocks, **(colocated_engine or {})}))
+            for i in range(n_colocated)]
         tok = self.workers[0].engine.tokenizer
         assert tok is not None
         self.router = Router("tiny", tok, 2048, self.workers,
@@ -126,6 +128,31 @@ def test_served_equals_the_engine(pair_factory: Callable[..., Pair],
         assert t.ttft is not None and t.prefill is not None and t.prefill_queue is not None
         assert t.router_queue is not None and t.e2e is not None and len(t.inter_token) == 23
         assert (t.kv_transfer is not None) == (mode == "pair")
+
+
+@pytest.mark.parametrize("mode", ["pair", "colocated"])
+def test_speculative_serving_equals_the_engine_without_it(
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path], mode: str) -> None:
+    """n-gram speculation on the decode (or colocated) worker: the same tokens, several
+    per step, the per-request acceptance in the timings, TPOT per token (not per step)."""
+    spec = {"speculative_config": {"method": "ngram", "prompt_lookup_min": 1,
+                                   "prompt_lookup_max": 3}}
+    pair = (pair_factory(decode_engine=spec) if mode == "pair"
+            else pair_factory(n_prefill=0, n_decode=0, n_colocated=1, colocated_engine=spec))
+    eng = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=256))
+    prompts = [[7 + (i * 13 + j) % 40 for j in range(30)] * 2 for i in range(3)]
+    expected = eng.generate(prompts, GREEDY)
+    accepted = 0
+    for (tokens, text, final), exp in zip(generate_all(pair, prompts), expected, strict=True):
+        assert tokens == exp.token_ids and text == exp.text
+        t = final.timings
+        assert t.spec_draft_tokens >= t.spec_accepted_tokens >= 0
+        accepted += t.spec_accepted_tokens
+        assert t.tokens_after_first == 23
+        assert t.tpot == pytest.approx(sum(t.inter_token) / 23)
+        # deliveries after the first: fewer than the tokens when drafts were accepted
+        assert len(t.inter_token) <= 23
+    assert accepted > 0
 
 
 def test_kv_sent_chunk_by_chunk(pair_factory: Callable[..., Pair],

@@ -86,7 +86,7 @@ def router_with_traffic() -> CollectorRegistry:
     metrics = RouterMetrics(registry, "tiny", ttft_slo_s=1.0, tpot_slo_s=0.1)
     timings = StageTimings(router_queue=0.001, prefill_queue=0.002, prefill=0.05,
                            kv_transfer=0.004, decode_queue=0.0005, ttft=0.2, e2e=1.5,
-                           inter_token=[0.01, 0.02])
+                           inter_token=[0.01, 0.02], tokens_after_first=2)
     usage = Usage(prompt_tokens=7, completion_tokens=3, cached_tokens=0)
     metrics.observe_finished(FinalChunk("stop", usage, timings=timings))
     metrics.observe_rejected(ErrorKind.OVERLOADED)

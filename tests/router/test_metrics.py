@@ -39,6 +39,7 @@ def final(
         ttft=ttft,
         e2e=1.5,
         inter_token=list(gaps),
+        tokens_after_first=len(gaps),
     )
     usage = Usage(prompt_tokens=prompt, completion_tokens=len(gaps) + 1, cached_tokens=3)
     return FinalChunk(reason, usage, timings=timings, num_retries=retries)
