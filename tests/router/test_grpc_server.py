@@ -86,7 +86,8 @@ class ScriptedRouter:
                 if text == "hang":
                     await asyncio.Event().wait()
             timings = StageTimings(router_queue=0.001, prefill=0.02, ttft=0.03, e2e=0.1)
-            timings.inter_token = [0.01, 0.03]
+            timings.inter_token, timings.tokens_after_first = [0.01, 0.03], 2
+            timings.spec_draft_tokens, timings.spec_accepted_tokens = 6, 4
             usage = Usage(prompt_tokens=len(ids), completion_tokens=len(ids), cached_tokens=1)
             yield FinalChunk("stop", usage, stop_reason=7, timings=timings, num_retries=1)
         except GeneratorExit:
@@ -153,6 +154,7 @@ def test_streams_chunks_then_final() -> None:
         assert final.timings.ttft_s == pytest.approx(0.03)
         assert final.timings.tpot_s == pytest.approx(0.02)
         assert final.timings.HasField("router_queue_s")
+        assert (final.timings.spec_draft_tokens, final.timings.spec_accepted_tokens) == (6, 4)
         assert not final.timings.HasField("kv_transfer_s")  # stage absent -> unset
 
     serve(router, scenario)

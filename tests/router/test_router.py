@@ -104,6 +104,30 @@ def test_gone_worker_leaves_routing_and_its_stream_continues_elsewhere(
     run(pair, body)
 
 
+def test_speculating_seeded_stream_moved_mid_way_is_exact(
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:  # noqa: F811
+    """Decode workers speculate (n-gram); the one serving a seeded random stream goes
+    away: the retry rebuilds the proposer from prompt + tokens sent and continues the
+    random stream, and the client gets exactly what one unspeculated engine makes."""
+    spec = {"speculative_config": {"method": "ngram", "prompt_lookup_min": 1}}
+    pair = pair_factory(n_decode=2, decode_engine=spec)
+    prompt = PROMPT[:12] * 4
+    params = SamplingParams(max_tokens=60, temperature=0.3, top_k=2, seed=11, ignore_eos=True)
+    decode = list(pair.decode)
+    expected = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=64)).generate(
+        [prompt], params)[0].token_ids
+
+    async def body(router: Router) -> None:
+        tokens, _, _ = await stream_losing_its_decode_worker(
+            router, pair, GenerateRequest("s", params, prompt_token_ids=prompt), after=12)
+        assert tokens == expected
+        accepted = sum(w.engine.stats().spec.num_accepted_tokens  # type: ignore[union-attr]
+                       for w in decode)
+        assert accepted > 0
+
+    run(pair, body)
+
+
 def test_structured_stream_moved_mid_json_stays_valid_and_exact(
         pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:  # noqa: F811
     """The decode worker of a seeded, schema-constrained stream goes away mid-JSON: the

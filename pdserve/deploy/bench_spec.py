@@ -1,0 +1,286 @@
+"""``make bench`` for speculative decoding (n-gram prompt lookup), on the default
+model, greedy chat prompts, against the same engine or server without speculation
+measured in the same run.
+
+1. Engine (one colocated engine in this process): per workload, single-stream TPOT
+   (first token to last / tokens after the first) without and with each proposer
+   setting, the ratio, acceptance (accepted / draft tokens), tokens per verifying
+   step, and whether the tokens are the same; then output tokens/s at 1..32
+   concurrent streams with and without speculation (where it stops paying:
+   ``disable_by_batch_size``).
+2. Served (``pdserve serve``, colocated on 2 threads and 1P+1D on one thread each,
+   through the HTTP chat endpoint as a client sees it): single-stream TPOT and text
+   with and without ``--speculative-config``; with ``--llama-server PATH``, llama.cpp's
+   server on the same GGUF and prompts, without and with its n-gram speculation.
+
+Workloads: *copy* (repeat a paragraph, copy a list adding numbers, repeat a code
+snippet) and *open* (open-ended questions: nothing to copy).
+
+Run: ``python -m pdserve.deploy.bench_spec [--parts 1,2] [--threads 2]
+[--max-tokens 160] [--llama-server PATH] [--json FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pdserve.client.openai_stream import CHAT_COMPLETIONS, OpenAIStreamClient
+from pdserve.deploy.harness import Served
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.gguf_convert import default_gguf_path, resolve_model
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tokenizer import Tokenizer
+
+PARAGRAPH = (
+    "The lighthouse stood at the edge of the northern cliffs for more than two hundred "
+    "years. Every evening the keeper climbed its one hundred and twelve steps, trimmed the "
+    "wick, polished the great lens and watched the ships pass safely through the narrow "
+    "channel below. When the storms came in winter, the light was the only thing the "
+    "sailors could see, and many of them owed their lives to its steady beam.")
+SHOPPING = ("apples\nbread\nmilk\neggs\nbutter\ncheese\ntomatoes\nonions\nrice\npasta\n"
+            "olive oil\ncoffee")
+CODE = '''def merge_sorted(a, b):
+    """Merge two sorted lists into one sorted list."""
+    result = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i] <= b[j]:
+            result.append(a[i])
+            i += 1
+        else:
+            result.append(b[j])
+            j += 1
+    result.extend(a[i:])
+    result.extend(b[j:])
+    return result'''
+WORKLOADS: dict[str, list[str]] = {
+    "copy": [
+        f"Repeat the following paragraph exactly, word for word:\n\n{PARAGRAPH}",
+        f"Copy this shopping list, one item per line, numbering the items:\n\n{SHOPPING}",
+        f"Repeat this Python function exactly as it is:\n\n```python\n{CODE}\n```",
+    ],
+    "open": [
+        "What are three good habits for staying healthy? Explain each one.",
+        "Write a short story about a robot who learns to paint.",
+        "Explain how rainbows form.",
+    ],
+}
+PROPOSERS: dict[str, dict[str, Any]] = {
+    "ngram k=4": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                  "prompt_lookup_min": 2},
+    "ngram k=8": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
+                  "prompt_lookup_min": 2},
+}
+SERVED_SPEC = PROPOSERS["ngram k=8"]
+
+
+def single_stream(eng: LLMEngine, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
+    """Tokens and TPOT (s) of one greedy request alone on ``eng``."""
+    eng.add_request("bench", prompt, SamplingParams(max_tokens=max_tokens))
+    tokens: list[int] = []
+    first = last = 0.0
+    while eng.has_unfinished():
+        for out in eng.step().outputs:
+            if out.new_token_ids:
+                last = time.perf_counter()
+                if not tokens:
+                    first = last
+                tokens.extend(out.new_token_ids)
+    return tokens, (last - first) / max(1, len(tokens) - 1)
+
+
+def part1(model: Path, tok: Tokenizer, threads: int, max_tokens: int,
+          concurrency: list[int]) -> dict[str, Any]:
+    prompts = {w: [tok.apply_chat_template([{"role": "user", "content": p}]) for p in ps]
+               for w, ps in WORKLOADS.items()}
+    configs: dict[str, dict[str, Any] | None] = {"none": None, **PROPOSERS}
+    result: dict[str, Any] = {"single_stream": {}, "throughput": {}}
+    base: dict[str, list[list[int]]] = {}
+    print(f"\n1. engine, {threads} thread(s), greedy, max_tokens {max_tokens}")
+    print(f"   {'workload':8} {'proposer':10} {'TPOT ms':>8} {'vs none':>8} {'accept':>7} "
+          f"{'tok/step':>8}  same tokens")
+    for name, spec in configs.items():
+        eng = LLMEngine(model, EngineConfig(dtype="auto", num_threads=threads,
+                                            speculative_config=spec), tokenizer=tok)  # type: ignore[arg-type]
+        single_stream(eng, prompts["open"][0], 8)  # warm-up
+        for workload, ps in prompts.items():
+            before = eng.stats().spec
+            runs = [single_stream(eng, p, max_tokens) for p in ps]
+            tokens = [t for t, _ in runs]
+            tpot = sum(s * (len(t) - 1) for t, s in runs) / sum(len(t) - 1 for t in tokens)
+            row: dict[str, Any] = {"tpot_ms": tpot * 1e3}
+            if name == "none":
+                base[workload] = tokens
+                result["single_stream"].setdefault(workload, {})["none"] = row
+                print(f"   {workload:8} {name:10} {tpot * 1e3:8.2f}")
+                continue
+            after = eng.stats().spec
+            assert before is not None and after is not None
+            drafts = after.num_drafts - before.num_drafts
+            drafted = after.num_draft_tokens - before.num_draft_tokens
+            accepted = after.num_accepted_tokens - before.num_accepted_tokens
+            none_tpot = result["single_stream"][workload]["none"]["tpot_ms"]
+            row.update(speedup=none_tpot / row["tpot_ms"],
+                       acceptance=accepted / drafted if drafted else 0.0,
+                       tokens_per_step=1 + accepted / drafts if drafts else 1.0,
+                       same_tokens=tokens == base[workload])
+            result["single_stream"][workload][name] = row
+            print(f"   {workload:8} {name:10} {row['tpot_ms']:8.2f} {row['speedup']:7.2f}x "
+                  f"{row['acceptance']:7.0%} {row['tokens_per_step']:8.2f}  {row['same_tokens']}")
+    mixed = [p for ps in prompts.values() for p in ps]
+    print(f"   output tokens/s by concurrent streams (mixed workload, max_tokens {max_tokens}):")
+    for name, spec in (("none", None), ("ngram k=4", {**PROPOSERS["ngram k=4"],
+                                                      "disable_by_batch_size": 64})):
+        eng = LLMEngine(model, EngineConfig(dtype="auto", num_threads=threads,
+                                            speculative_config=spec), tokenizer=tok)  # type: ignore[arg-type]
+        eng.generate(mixed[:2], SamplingParams(max_tokens=4))
+        rates = {}
+        for c in concurrency:
+            batch = [mixed[i % len(mixed)] for i in range(c)]
+            t0 = time.perf_counter()
+            outs = eng.generate(batch, SamplingParams(max_tokens=max_tokens))
+            rates[c] = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+        result["throughput"][name] = rates
+        print(f"   {name:28} " + "  ".join(f"c={c}: {r:6.1f}" for c, r in rates.items()))
+    ratios = {c: result["throughput"]["ngram k=4"][c] / result["throughput"]["none"][c]
+              for c in concurrency}
+    result["throughput"]["ratio"] = ratios
+    print(f"   {'speculating at every size/none':28} " +
+          "  ".join(f"c={c}: {r:5.2f}x" for c, r in ratios.items()))
+    return result
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _chat_tpot(base_url: str, prompts: list[str], max_tokens: int,
+                     model: str) -> tuple[list[str], float]:
+    """Each prompt alone through the chat endpoint; texts and TPOT over all of them."""
+    texts, spent, counted = [], 0.0, 0
+    async with OpenAIStreamClient(base_url) as client:
+        for i, prompt in enumerate([prompts[0], *prompts]):  # the first one twice: warm-up
+            body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+                    "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            out = await client.stream(CHAT_COMPLETIONS, body)
+            if not out.success:
+                raise RuntimeError(f"request failed: {out.error}")
+            if i:
+                texts.append(out.generated_text)
+                spent += out.latency - out.ttft
+                counted += out.output_tokens - 1
+    return texts, spent / max(1, counted)
+
+
+def _served(config: dict[str, Any], max_tokens: int) -> dict[str, tuple[list[str], float]]:
+    with Served(config) as served:
+        return {w: asyncio.run(_chat_tpot(served.url, ps, max_tokens, "SmolLM2-135M-Instruct"))
+                for w, ps in WORKLOADS.items()}
+
+
+def _llama_server(binary: str, gguf: Path, threads: int, max_tokens: int,
+                  spec_flags: list[str]) -> dict[str, tuple[list[str], float]]:
+    port = _free_port()
+    log = Path(tempfile.mkdtemp(prefix="pdserve-llama-")) / "server.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([binary, "-m", str(gguf), "--host", "127.0.0.1", "--port",
+                                 str(port), "-t", str(threads), "-c", "4096", *spec_flags],
+                                stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while b"server is listening" not in log.read_bytes():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server did not start:\n{log.read_text()[-2000:]}")
+            time.sleep(0.2)
+        return {w: asyncio.run(_chat_tpot(f"http://127.0.0.1:{port}", ps, max_tokens, "x"))
+                for w, ps in WORKLOADS.items()}
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def part2(threads: int, max_tokens: int, llama_server: str | None) -> dict[str, Any]:
+    spec = json.loads(json.dumps(SERVED_SPEC))
+    colocated = {"prefill": {"workers": 0}, "decode": {"workers": 0},
+                 "colocated": {"workers": 1, "num_cpus": threads}}
+    pair = {"prefill": {"num_cpus": 1}, "decode": {"num_cpus": 1}}
+    runs: dict[str, dict[str, Any]] = {
+        "pdserve colocated": colocated,
+        "pdserve colocated + ngram": {**colocated, "colocated": {
+            **colocated["colocated"], "engine": {"speculative_config": spec}}},
+        "pdserve 1P+1D": pair,
+        "pdserve 1P+1D + ngram": {**pair, "decode": {"num_cpus": 1, "engine": {
+            "speculative_config": spec}}},
+    }
+    results: dict[str, dict[str, tuple[list[str], float]]] = {
+        name: _served(cfg, max_tokens) for name, cfg in runs.items()}
+    if llama_server:
+        gguf = default_gguf_path()
+        results["llama-server"] = _llama_server(llama_server, gguf, threads, max_tokens, [])
+        results["llama-server + ngram"] = _llama_server(
+            llama_server, gguf, threads, max_tokens,
+            ["--spec-type", "ngram-simple"])  # its defaults: 12-token lookup, 48-token drafts
+    print(f"\n2. served, single stream, chat, greedy, max_tokens {max_tokens} "
+          f"(client TPOT: first token to last / tokens after the first)")
+    out: dict[str, Any] = {}
+    for name, res in results.items():
+        row = {w: {"tpot_ms": tpot * 1e3} for w, (_, tpot) in res.items()}
+        ref = name.removesuffix(" + ngram")
+        if ref != name:
+            for w, (texts, tpot) in res.items():
+                row[w]["speedup"] = results[ref][w][1] / tpot
+                row[w]["same_text"] = texts == results[ref][w][0]
+        out[name] = row
+        print(f"   {name:26} " + "  ".join(
+            f"{w}: {r['tpot_ms']:6.2f} ms" + (f" ({r['speedup']:.2f}x, same text "
+                                              f"{r['same_text']})" if "speedup" in r else "")
+            for w, r in row.items()))
+    if "llama-server + ngram" in out:
+        for w in WORKLOADS:
+            ours = out["pdserve colocated + ngram"][w]["tpot_ms"]
+            theirs = out["llama-server + ngram"][w]["tpot_ms"]
+            print(f"   {w}: pdserve colocated + ngram vs llama-server + ngram: "
+                  f"{theirs / ours:.2f}x faster")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--parts", default="1,2")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--concurrency", default="1,2,4,8,32")
+    ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
+                    help="llama.cpp's llama-server binary, to compare against (default: "
+                         "$LLAMA_SERVER; skipped when unset)")
+    ap.add_argument("--json", default=None, help="also write the figures here")
+    args = ap.parse_args()
+    parts = {int(p) for p in args.parts.split(",")}
+    model = resolve_model(args.model)
+    tok = Tokenizer.from_dir(model)
+    report: dict[str, Any] = {"model": model.name, "threads": args.threads}
+    if 1 in parts:
+        report["engine"] = part1(model, tok, args.threads, args.max_tokens,
+                                 [int(c) for c in args.concurrency.split(",")])
+    if 2 in parts:
+        report["served"] = part2(args.threads, args.max_tokens, args.llama_server)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
