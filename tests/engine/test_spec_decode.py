@@ -16,6 +16,7 @@ from pdserve.engine.config import EngineConfig, SpeculativeConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.spec_decode import NgramProposer, SpecState, verify
 from pdserve.engine.structured import StructuredOutput
 from tests.engine.test_engine import BACKENDS, prompts
@@ -269,3 +270,34 @@ def test_tensor_parallel_ranks_agree_on_drafts(tiny_model: Callable[[str], Path]
             eng.step()
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_verifying_a_draft_computes_what_decoding_does_bit_for_bit(
+        tiny_model: Callable[[str], Path], dtype: str) -> None:
+    """The C++ kernels: a decoding request's logits for positions p..p+4 are the same
+    bits whether computed one step each or as one verification of a 4-token draft (in
+    bfloat16 a last-bit difference in attention can flip an argmax tokens later)."""
+    from pdserve.engine import kernels
+
+    if kernels.cpu_supported() is not None:
+        pytest.skip("the cpu kernels run on x86-64 CPUs only")
+    eng = engine(tiny_model("llama-gqa"), spec=None, dtype=dtype)
+    eng.add_request("a", copy_prompts(1)[0], SamplingParams(max_tokens=30, ignore_eos=True))
+    eng.step()  # the prompt
+    captured: list[torch.Tensor] = []
+    logits = eng.model.logits
+    eng.model.logits = lambda h: captured.append(logits(h)) or captured[-1]  # type: ignore[method-assign]
+    for _ in range(5):
+        eng.step()
+    decoded = torch.cat(captured)
+    req = eng.requests["a"]
+    tokens = list(req.token_ids)
+    start = req.num_computed_tokens - 5  # rewind, and verify the 5 as one draft
+    req.num_computed_tokens = start
+    del req.token_ids[start + 1:]
+    req.spec_token_ids = tokens[start + 1 : start + 5]
+    captured.clear()
+    (verified,) = eng.runner.execute(ScheduledBatch(work=[(req, 5)]))
+    assert torch.equal(captured[0], decoded)
+    assert verified.token_ids == tokens[start + 1 : start + 6]

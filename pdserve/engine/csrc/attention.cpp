@@ -20,8 +20,10 @@
 // so nothing is gathered and memory use is O(tile) whatever the context length.
 //
 // Rows of a task: r = (kv head, query token, head in the group), so each kv head's
-// rows are contiguous. Few rows per kv head (decodes): one dot product per
-// (row, slot). Many (prefill tiles): scores vectorised over rows (attend_rows).
+// rows are contiguous. Few rows per kv head, or a sequence of at most kDotQueries
+// query tokens (decodes, speculative verification): one dot product per (row, slot),
+// each row on its own, so a query token's result is bit for bit what it would be
+// decoding alone. Many (prefill tiles): scores vectorised over rows (attend_rows).
 // head_dim is a template parameter so that the per-row accumulators stay in
 // registers.
 #include <ATen/Parallel.h>
@@ -40,6 +42,7 @@ namespace {
 constexpr int kTileQ = 8;       // query tokens per task
 constexpr int kMaxBlock = 64;   // slots per KV block the kernel handles
 constexpr int kDotRows = 4;     // rows per kv head up to which scores are dot products
+constexpr int kDotQueries = 17; // query tokens of a sequence up to which they are too
 constexpr int kChunkSlots = 32; // slots per softmax update
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -217,7 +220,7 @@ void attend_rows(const float* Q, int nr, const int64_t* row_pos, const T* cache,
 template <typename T, int D>
 void attend_tile(const float* q, int64_t q_row_stride, float* out, int64_t out_row_stride,
                  const T* cache, const Geometry& g, const int32_t* blocks, int64_t ctx,
-                 int64_t first_pos, int nq, float scale) {
+                 int64_t first_pos, int nq, float scale, bool dot) {
   const int G = g.G, KVH = g.KVH, BS = g.BS;
   const int per_kvh = nq * G;  // rows of one kv head
   const int rows = per_kvh * KVH;
@@ -240,7 +243,7 @@ void attend_tile(const float* q, int64_t q_row_stride, float* out, int64_t out_r
         float* dst = Qb.data() + ((kvh * nq + qi) * G + gi) * D;
         for (int d = 0; d < D; d += 8) store8(dst + d, _mm256_mul_ps(load8(src + d), sv));
       }
-  if (per_kvh > kDotRows) {  // prefill tiles: scores vectorised over rows
+  if (!dot && per_kvh > kDotRows) {  // prefill tiles: scores vectorised over rows
     int64_t pos[8 * 3];
     for (int kvh = 0; kvh < KVH; ++kvh)
       for (int r0 = 0; r0 < per_kvh; r0 += 24) {
@@ -343,7 +346,7 @@ void attend_tile(const float* q, int64_t q_row_stride, float* out, int64_t out_r
 
 template <typename T>
 using TileFn = void (*)(const float*, int64_t, float*, int64_t, const T*, const Geometry&,
-                        const int32_t*, int64_t, int64_t, int, float);
+                        const int32_t*, int64_t, int64_t, int, float, bool);
 
 template <typename T>
 TileFn<T> tile_fn(int64_t D) {
@@ -422,7 +425,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t la
         const int64_t tok = qs[s] + t0;
         fn(qp + tok * q.stride(0), q.stride(0), op + tok * H * D, H * D,
            cache + layer * 2 * g.kv_stride, g, bt + static_cast<int64_t>(rows[s]) * max_blocks,
-           cl[s], cl[s] - ql[s] + t0, nq, static_cast<float>(scale));
+           cl[s], cl[s] - ql[s] + t0, nq, static_cast<float>(scale), ql[s] <= kDotQueries);
       }
     });
   };
