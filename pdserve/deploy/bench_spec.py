@@ -80,6 +80,8 @@ PROPOSERS: dict[str, dict[str, Any]] = {
                   "prompt_lookup_min": 2},
     "ngram k=8": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
                   "prompt_lookup_min": 2},
+    "suffix k=8": {"method": "suffix", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
+                   "prompt_lookup_min": 2},
 }
 SERVED_SPEC = PROPOSERS["ngram k=8"]
 
@@ -139,8 +141,10 @@ def part1(model: Path, tok: Tokenizer, threads: int, max_tokens: int,
                   f"{row['acceptance']:7.0%} {row['tokens_per_step']:8.2f}  {row['same_tokens']}")
     mixed = [p for ps in prompts.values() for p in ps]
     print(f"   output tokens/s by concurrent streams (mixed workload, max_tokens {max_tokens}):")
-    for name, spec in (("none", None), ("ngram k=4", {**PROPOSERS["ngram k=4"],
-                                                      "disable_by_batch_size": 64})):
+    throughput_configs: dict[str, dict[str, Any] | None] = {
+        "none": None, "ngram k=4": PROPOSERS["ngram k=4"],
+        "ngram k=4, any batch": {**PROPOSERS["ngram k=4"], "disable_by_batch_size": 64}}
+    for name, spec in throughput_configs.items():
         eng = LLMEngine(model, EngineConfig(dtype="auto", num_threads=threads,
                                             speculative_config=spec), tokenizer=tok)  # type: ignore[arg-type]
         eng.generate(mixed[:2], SamplingParams(max_tokens=4))
@@ -152,11 +156,12 @@ def part1(model: Path, tok: Tokenizer, threads: int, max_tokens: int,
             rates[c] = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
         result["throughput"][name] = rates
         print(f"   {name:28} " + "  ".join(f"c={c}: {r:6.1f}" for c, r in rates.items()))
-    ratios = {c: result["throughput"]["ngram k=4"][c] / result["throughput"]["none"][c]
-              for c in concurrency}
-    result["throughput"]["ratio"] = ratios
-    print(f"   {'speculating at every size/none':28} " +
-          "  ".join(f"c={c}: {r:5.2f}x" for c, r in ratios.items()))
+    for name in list(throughput_configs)[1:]:
+        ratios = {c: result["throughput"][name][c] / result["throughput"]["none"][c]
+                  for c in concurrency}
+        result["throughput"][f"{name} / none"] = ratios
+        print(f"   {name + ' / none':28} " +
+              "  ".join(f"c={c}: {r:5.2f}x" for c, r in ratios.items()))
     return result
 
 

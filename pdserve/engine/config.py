@@ -134,7 +134,7 @@ def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
 
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "suffix")
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,10 @@ class SpeculativeConfig:
     keys: a proposer guesses up to ``num_speculative_tokens`` next tokens, the model
     checks them all in one step. ``ngram``: prompt lookup over the request's own prompt
     and output, matching its last ``prompt_lookup_max`` down to ``prompt_lookup_min``
-    tokens. ``disable_by_batch_size``: no speculation in a step with more running
+    tokens. ``suffix``: the same lookup, also in the worker's last
+    ``suffix_decoding_max_cached_requests`` outputs, the match measured up to
+    ``suffix_decoding_max_tree_depth`` tokens and the draft ``..._max_spec_factor`` x
+    as long. ``disable_by_batch_size``: no speculation in a step with more running
     requests than this (decode is no longer memory-bound there)."""
 
     method: str = "ngram"
@@ -151,6 +154,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     disable_by_batch_size: int = 4
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -163,6 +169,12 @@ class SpeculativeConfig:
             raise ValueError("speculative_config needs 1 <= prompt_lookup_min <= "
                              f"prompt_lookup_max <= 32, got {self.prompt_lookup_min} and "
                              f"{self.prompt_lookup_max}")
+        if not (1 <= self.suffix_decoding_max_tree_depth <= 256
+                and self.suffix_decoding_max_cached_requests >= 0
+                and self.suffix_decoding_max_spec_factor > 0):
+            raise ValueError("speculative_config needs suffix_decoding_max_tree_depth in "
+                             "[1, 256], suffix_decoding_max_cached_requests >= 0 and "
+                             "suffix_decoding_max_spec_factor > 0")
         if self.disable_by_batch_size < 1:
             raise ValueError("speculative_config.disable_by_batch_size must be >= 1, got "
                              f"{self.disable_by_batch_size}")

@@ -51,7 +51,7 @@ from pdserve.engine.runner import ModelRunner, Sampled
 from pdserve.engine.sampler import TokenLogprobs, make_generator, skip_draws
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.spec_decode import SpecState, SpecStats
+from pdserve.engine.spec_decode import SpecState, SpecStats, SuffixCache
 from pdserve.engine.stop import StopChecker, StopDecision
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.tp import (
@@ -185,6 +185,11 @@ class LLMEngine:
         # A prefill engine samples one token per request: nothing to speculate.
         self.spec_config = None if self.role == "prefill" else self.config.speculative_config
         self.spec_stats = SpecStats()
+        spec = self.spec_config
+        # suffix decoding: this worker's recent outputs, drafts for the requests after them
+        self.suffix_cache = SuffixCache(
+            spec.suffix_decoding_max_cached_requests, spec.prompt_lookup_min,
+            spec.prompt_lookup_max) if spec is not None and spec.method == "suffix" else None
 
     @classmethod
     def create(cls, model_dir: str | Path, config: EngineConfig | None = None,
@@ -280,7 +285,7 @@ class LLMEngine:
             req.grammar = self.grammars.matcher(params, req.prompt_token_ids)
         req.generator = make_generator(params, self.config.device)
         if self.spec_config is not None and params.structured is None:
-            req.spec = SpecState.of(self.spec_config)
+            req.spec = SpecState.of(self.spec_config, self.suffix_cache)
         skip_draws(params, req.generator, params.resumed_tokens)
         self._stops[request_id] = StopChecker(params, self.eos_token_ids)
         self.requests[request_id] = req
@@ -369,6 +374,8 @@ class LLMEngine:
             return None
         self.scheduler.finish(req)
         req.finish_reason = "abort"
+        if self.suffix_cache is not None:  # a stop string, a client gone: still real output
+            self.suffix_cache.add(req.output_token_ids)
         out = self._output(req, [], [])
         self._forget(request_id)
         return out
@@ -448,6 +455,8 @@ class LLMEngine:
             if decision is not None:
                 req.finish_reason = decision.finish_reason
                 self.scheduler.finish(req)
+                if self.suffix_cache is not None:
+                    self.suffix_cache.add(req.output_token_ids)
                 stop_id = decision.stop_reason if isinstance(decision.stop_reason, int) else None
                 out = self._output(req, s.token_ids[: j + 1], s.logprobs[: j + 1], stop_id)
                 self._forget(req.request_id)

@@ -10,6 +10,13 @@ followed the most recent match are the draft (a continuation that reaches the en
 is a repeating span, and is repeated). An incremental index (n-gram ->
 where its continuation starts) makes a lookup O(1) per step.
 
+Suffix decoding (``suffix``, after Arctic's and vLLM's method of that name): the
+longest match of the request's last tokens in its own tokens *or* in the worker's
+recent outputs (``SuffixCache``: requests that repeat what earlier ones answered),
+measured backwards up to ``suffix_decoding_max_tree_depth`` tokens; the draft is
+``suffix_decoding_max_spec_factor`` x that long (at most ``num_speculative_tokens``),
+so a long match drafts far and a short one little.
+
 Verification is exact: the output is the one the model would have produced
 without speculation, token for token, for greedy *and* seeded random sampling.
 Position ``j`` of a request's verified rows is sampled by the ordinary sampler
@@ -35,6 +42,7 @@ for one position per step).
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -55,8 +63,9 @@ class NgramProposer:
         self._next: dict[tuple[int, ...], int] = {}
         self._indexed = 0  # continuations at positions < this are in the index
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to ``k`` tokens that followed the longest recent match of the suffix."""
+    def match(self, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """(where the continuation starts, n) of the longest n-gram ending ``tokens``
+        that occurred earlier in them (the most recent occurrence), or None."""
         end = len(tokens)
         lo, hi, index = self.min_n, self.max_n, self._next
         for e in range(max(self._indexed, lo), end):
@@ -66,17 +75,111 @@ class NgramProposer:
         for n in range(min(hi, end - 1), lo - 1, -1):
             at = index.get(tuple(tokens[end - n :]))
             if at is not None:
-                # A continuation that runs into the end is a repeating span: repeat it.
-                span = list(tokens[at : at + k])
-                return (span * -(-k // len(span)))[:k]
-        return []
+                return at, n
+        return None
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to ``k`` tokens that followed the longest recent match of the suffix."""
+        found = self.match(tokens)
+        return [] if found is None else _continuation(tokens, found[0], k, repeat=True)
+
+
+def _continuation(source: Sequence[int], at: int, k: int, repeat: bool) -> list[int]:
+    """``k`` tokens of ``source`` from ``at``; with ``repeat``, a span that reaches the
+    end of the request's own tokens is a repeating one, and is repeated."""
+    span = list(source[at : at + k])
+    return (span * -(-k // len(span)))[:k] if repeat and span else span
+
+
+def _match_length(source: Sequence[int], at: int, tokens: Sequence[int], n: int,
+                  depth: int) -> int:
+    """How many tokens before ``source[at]`` equal the last ones of ``tokens`` (at least
+    the ``n`` of the n-gram match, at most ``depth``)."""
+    end = len(tokens)
+    while n < depth and at - n - 1 >= 0 and n + 1 <= end and \
+            source[at - n - 1] == tokens[end - n - 1]:
+        n += 1
+    return n
+
+
+class SuffixCache:
+    """A worker's recent outputs, the shared half of suffix decoding: requests that
+    repeat what earlier ones answered (agents calling the same tools, templated JSON)
+    get drafts from them. At most ``capacity`` outputs (the oldest go first), indexed
+    by n-gram like a request's own tokens."""
+
+    def __init__(self, capacity: int, min_n: int, max_n: int) -> None:
+        self.capacity, self.min_n, self.max_n = capacity, min_n, max_n
+        self._outputs: OrderedDict[int, list[int]] = OrderedDict()
+        self._next: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (output, at)
+        self._ids = 0
+
+    def __len__(self) -> int:
+        return len(self._outputs)
+
+    def _ngrams(self, tokens: list[int]) -> list[tuple[tuple[int, ...], int]]:
+        return [(tuple(tokens[e - n : e]), e) for e in range(self.min_n, len(tokens))
+                for n in range(self.min_n, min(self.max_n, e) + 1)]
+
+    def add(self, output: Sequence[int]) -> None:
+        tokens = list(output)
+        if len(tokens) <= self.min_n:
+            return
+        oid, self._ids = self._ids, self._ids + 1
+        self._outputs[oid] = tokens
+        for key, e in self._ngrams(tokens):
+            self._next[key] = (oid, e)
+        while len(self._outputs) > self.capacity:
+            old, old_tokens = self._outputs.popitem(last=False)
+            for key, _ in self._ngrams(old_tokens):
+                if self._next.get(key, (None,))[0] == old:
+                    del self._next[key]
+
+    def match(self, tokens: Sequence[int]) -> tuple[list[int], int, int] | None:
+        """(output, where its continuation starts, n) of the longest n-gram ending
+        ``tokens`` found in a cached output, or None."""
+        end = len(tokens)
+        for n in range(min(self.max_n, end), self.min_n - 1, -1):
+            hit = self._next.get(tuple(tokens[end - n :]))
+            if hit is not None:
+                return self._outputs[hit[0]], hit[1], n
+        return None
+
+
+class SuffixProposer:
+    """Suffix decoding (Arctic's, as vLLM's ``suffix`` method): the longest match of
+    the request's last tokens in its own prompt and output or in the worker's recent
+    outputs (``SuffixCache``), measured up to ``depth`` tokens; the draft is as long
+    as ``factor`` x that match (so a long, confident match drafts far, a two-token one
+    little), at most ``k``."""
+
+    def __init__(self, min_n: int, max_n: int, depth: int, factor: float,
+                 cache: SuffixCache) -> None:
+        self.own = NgramProposer(min_n, max_n)
+        self.cache, self.depth, self.factor = cache, depth, factor
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        best: tuple[int, Sequence[int], int, bool] | None = None  # (length, source, at, own)
+        own = self.own.match(tokens)
+        if own is not None:
+            best = (_match_length(tokens, own[0], tokens, own[1], self.depth), tokens, own[0],
+                    True)
+        shared = self.cache.match(tokens)
+        if shared is not None:
+            length = _match_length(shared[0], shared[1], tokens, shared[2], self.depth)
+            if best is None or length > best[0]:  # the request's own wins a tie
+                best = (length, shared[0], shared[1], False)
+        if best is None:
+            return []
+        length, source, at, repeat = best
+        return _continuation(source, at, min(k, max(1, int(self.factor * length))), repeat)
 
 
 @dataclass
 class SpecState:
     """One request's proposer and adaptive draft length (see the module doc)."""
 
-    proposer: NgramProposer
+    proposer: NgramProposer | SuffixProposer
     max_k: int
     k: int = 0
     misses: int = 0  # drafts in a row with nothing accepted
@@ -86,9 +189,14 @@ class SpecState:
     num_accepted_tokens: int = 0
 
     @classmethod
-    def of(cls, config: SpeculativeConfig) -> SpecState:
-        n = config.num_speculative_tokens
-        return cls(NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max), n, n)
+    def of(cls, config: SpeculativeConfig, cache: SuffixCache | None = None) -> SpecState:
+        """A new request's state (``suffix``: drafts from ``cache`` too)."""
+        n, lo, hi = config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+        if config.method == "suffix":
+            assert cache is not None
+            return cls(SuffixProposer(lo, hi, config.suffix_decoding_max_tree_depth,
+                                      config.suffix_decoding_max_spec_factor, cache), n, n)
+        return cls(NgramProposer(lo, hi), n, n)
 
     def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
         """A draft of at most ``limit`` tokens (none while paused)."""

@@ -17,7 +17,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch
-from pdserve.engine.spec_decode import NgramProposer, SpecState, verify
+from pdserve.engine.spec_decode import NgramProposer, SpecState, SuffixCache, SuffixProposer, verify
 from pdserve.engine.structured import StructuredOutput
 from tests.engine.test_engine import BACKENDS, prompts
 
@@ -301,3 +301,46 @@ def test_verifying_a_draft_computes_what_decoding_does_bit_for_bit(
     (verified,) = eng.runner.execute(ScheduledBatch(work=[(req, 5)]))
     assert torch.equal(captured[0], decoded)
     assert verified.token_ids == tokens[start + 1 : start + 6]
+
+
+# ------------------------------------------------------------ suffix decoding
+def test_suffix_cache_matches_recent_outputs_and_forgets_the_oldest() -> None:
+    cache = SuffixCache(capacity=2, min_n=2, max_n=3)
+    cache.add([1, 2, 3, 4, 5])
+    cache.add([9, 2, 3, 7])
+    out, at, n = cache.match([0, 2, 3])  # type: ignore[misc]
+    assert out[at:] == [7] and n == 2  # the most recent output with [2, 3]
+    assert cache.match([5, 6]) is None
+    cache.add([6, 6, 6])  # evicts [1, 2, 3, 4, 5]; [2, 3] still points at [9, 2, 3, 7]
+    assert len(cache) == 2
+    assert cache.match([1, 2]) is None and cache.match([3, 4]) is None
+    out, at, _ = cache.match([2, 3])  # type: ignore[misc]
+    assert out[at:] == [7]
+    cache.add([5])  # too short to index: ignored
+    assert len(cache) == 2
+
+
+def test_suffix_proposer_takes_the_longer_match_and_drafts_as_far_as_it_reaches() -> None:
+    cache = SuffixCache(capacity=8, min_n=2, max_n=3)
+    cache.add([10, 11, 12, 13, 14, 15, 16, 17, 18, 19])
+    p = SuffixProposer(2, 3, depth=24, factor=1.0, cache=cache)
+    # own tokens match [12, 13] twice back (length 2); the cache matches 10..13 (length 4)
+    tokens = [7, 12, 13, 40, 10, 11, 12, 13]
+    assert p.propose(tokens, 8) == [14, 15, 16, 17]  # 4 long: factor x the match
+    assert SuffixProposer(2, 3, 24, 0.5, cache).propose(tokens, 8) == [14, 15]
+    assert SuffixProposer(2, 3, 24, 1.0, SuffixCache(8, 2, 3)).propose(tokens, 8) == [40, 10]
+
+
+def test_suffix_decoding_drafts_a_repeated_answer_from_the_cache(
+        tiny_model: Callable[[str], Path]) -> None:
+    path = tiny_model("llama-gqa")
+    prompt = prompts(1, [20], 500, seed=21)[0]  # nothing in it repeats
+    want = _run(engine(path, spec=None), [prompt], GREEDY)
+    eng = engine(path, spec={"method": "suffix", "num_speculative_tokens": 8,
+                             "prompt_lookup_min": 2})
+    assert _run(eng, [prompt], GREEDY) == want
+    first = eng.stats().spec.num_accepted_tokens  # type: ignore[union-attr]
+    assert len(eng.suffix_cache) == 1  # type: ignore[arg-type]
+    assert _run(eng, [prompt], GREEDY) == want  # asked again: drafted from the first answer
+    again = eng.stats().spec.num_accepted_tokens - first  # type: ignore[union-attr]
+    assert again >= len(want[0]) // 2 > first
