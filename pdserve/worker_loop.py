@@ -140,8 +140,9 @@ class WorkerLoop(EngineLoop):
         """One engine step, recorded in the worker's step metrics when it ran."""
         result = self.engine.step()
         if result.info is not None:
-            self._metrics.observe_step(result.info, *self._cost.step(result.info,
-                                                                     len(result.outputs)))
+            # logits rows: one per output, one per draft token verified
+            rows = len(result.outputs) + result.info.num_draft_tokens
+            self._metrics.observe_step(result.info, *self._cost.step(result.info, rows))
         return result.outputs
 
     def _make_load(self) -> WorkerLoad:

@@ -403,6 +403,7 @@ class LLMEngine:
             num_seqs=len(batch.work), num_tokens=batch.num_tokens,
             num_decode=sum(1 for _, n in batch.work if n == 1),
             context_tokens=context, seconds=time.monotonic() - now,
+            num_draft_tokens=sum(s.num_draft for s in sampled),
         )
         drafted = {s.request.request_id: s.num_draft for s in sampled if s.num_draft}
         for req, n in batch.work:  # accepted draft tokens advance as they are appended
@@ -619,3 +620,4 @@ class StepInfo:
     num_decode: int  # sequences computing exactly one token
     context_tokens: int  # sum over sequences of the tokens attended (cached + new)
     seconds: float  # wall time of the forward pass + sampling
+    num_draft_tokens: int = 0  # speculative draft tokens verified (each a logits row too)
