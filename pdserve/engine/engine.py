@@ -5,11 +5,10 @@ Colocated use: ``add_request`` then ``step`` until done (or ``generate``).
 Disaggregated use (what the prefill and decode workers call):
 
 * prefill role — ``add_request``/``step`` as usual; a request stops after its
-  first token with status PREFILLED and keeps its blocks: ``block_ids(rid)``,
-  ``read_kv(blocks)`` (or the transfer channel reading ``kv_cache`` directly),
-  then ``release(rid)``.
+  first token with status PREFILLED and keeps its blocks: ``block_ids(rid)``, which
+  the transfer channel reads from ``kv_cache``, then ``release(rid)``.
 * decode role — ``reserve(...)`` allocates blocks for a prompt whose KV comes from
-  outside; the KV is written (``write_kv`` or a channel writing ``kv_cache``);
+  outside (a channel writes them into ``kv_cache``);
   ``start_decode(rid, first_token)`` makes it run; ``step`` decodes.
 
 With ``speculative_config`` (``spec_decode.py``) a decoding request may get several
@@ -331,18 +330,6 @@ class LLMEngine:
 
     def block_ids(self, request_id: str) -> list[int]:
         return list(self.requests[request_id].block_ids)
-
-    def read_kv(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """Copy of the given blocks: [n, layers, 2, kv_heads, block_size, head_dim]."""
-        return self.kv_cache[torch.as_tensor(list(block_ids), dtype=torch.long)].clone()
-
-    @replicated
-    def write_kv(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
-        expected = (len(idx), *self.kv_cache.shape[1:])
-        if tuple(data.shape) != expected:
-            raise ValueError(f"KV data shape {tuple(data.shape)} != {expected}")
-        self.kv_cache[idx] = data.to(self.kv_cache.dtype)
 
     @replicated
     def pin(self, block_ids: Sequence[int]) -> None:

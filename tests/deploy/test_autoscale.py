@@ -27,7 +27,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.router import Router
 from pdserve.router.types import ErrorKind, FinalChunk, GenerateRequest, StageTimings, Usage
 from tests.integration.test_inprocess import GREEDY, Pair, collect, pair_factory, run
-from tests.integration.waiting import until_async
+from tests.waiting import until_async
 
 __all__ = ["pair_factory"]  # the fixture, shared with test_inprocess
 

@@ -8,16 +8,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.integration.procs import kill_marked, marked_env, processes_with
-from tests.integration.waiting import until
-
-pytest.importorskip("ray")
+from tests.waiting import until
 
 
 class Server:
@@ -65,11 +62,11 @@ def test_unplaceable_pools_fail_fast_naming_the_resource(server: Callable[..., S
 @pytest.mark.parametrize("when", ["loading the model", "serving"])
 def test_sigterm_leaves_nothing_behind(server: Callable[..., Server], when: str) -> None:
     s = server()
-    deadline = time.monotonic() + 150
-    while f"] {when}" not in s.text():
+    def reached() -> bool:
         assert s.proc.poll() is None, s.text()[-2000:]
-        assert time.monotonic() < deadline, s.text()[-2000:]
-        time.sleep(0.05)
+        return f"] {when}" in s.text()
+
+    until(f"the server {when}", reached, 150, poll_s=0.05)
     s.proc.send_signal(signal.SIGTERM)
     assert s.proc.wait(timeout=60) == 0, s.text()[-3000:]
     s.nothing_left()

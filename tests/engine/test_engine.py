@@ -13,6 +13,7 @@ from pdserve.engine import kernels
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from tests.engine.handoff import hand_off
 
 GREEDY48 = SamplingParams(max_tokens=48, ignore_eos=True)
 PRESETS = ["llama-gqa", "llama-mha", "llama3-rope", "qwen2-bias", "mistral"]
@@ -132,7 +133,7 @@ def test_prefill_to_decode_handoff_equals_colocated(tiny_model: Callable[[str], 
     assert first.prefilled and not first.finished and len(first.new_token_ids) == 1
     dest = decode.reserve("r", prompt, GREEDY48)
     assert dest is not None and len(dest) == 3
-    decode.write_kv(dest, prefill.read_kv(prefill.block_ids("r")))
+    hand_off(prefill, "r", decode, dest)
     prefill.release("r")
     prefill.check_integrity()
     assert prefill.pool.num_used == 0

@@ -19,6 +19,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.spec_decode import NgramProposer, SpecState, SuffixCache, SuffixProposer, verify
 from pdserve.engine.structured import StructuredOutput
+from tests.engine.handoff import hand_off
 from tests.engine.test_engine import BACKENDS, prompts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
@@ -240,7 +241,7 @@ def test_decode_worker_speculates_from_its_first_step(tiny_model: Callable[[str]
         outs = prefill.step().outputs
     dest = decode.reserve("r", prompt, GREEDY)
     assert dest is not None
-    decode.write_kv(dest, prefill.read_kv(prefill.block_ids("r")))
+    hand_off(prefill, "r", decode, dest)
     prefill.release("r")
     tokens = list(outs[0].new_token_ids)
     decode.start_decode("r", tokens[0])

@@ -17,6 +17,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured import StructuredOutput, grammar_of
+from tests.engine.handoff import hand_off
 
 # Schemas of our own: nested objects, arrays with bounds, enums, patterns, numbers with
 # ranges, optional fields, anyOf and $defs. (Integers: a random-weight model would write
@@ -150,7 +151,7 @@ def test_grammar_follows_the_handoff(tiny_model: Callable[[str], Path]) -> None:
         outs = prefill.step().outputs
     dest = decode.reserve("r", prompt, p)
     assert dest is not None
-    decode.write_kv(dest, prefill.read_kv(prefill.block_ids("r")))
+    hand_off(prefill, "r", decode, dest)
     prefill.release("r")
     tokens = list(outs[0].new_token_ids)
     decode.start_decode("r", tokens[0])

@@ -17,13 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import instructor
 import jsonschema
+import langchain_openai
+import openai
+import pydantic
 import pytest
 
-openai = pytest.importorskip("openai")
-pydantic = pytest.importorskip("pydantic")
-
-from tests.integration.procs import kill_marked, marked_env, start_serve  # noqa: E402
+from tests.integration.procs import kill_marked, marked_env, start_serve
 
 pytestmark = pytest.mark.slow
 MODES = {
@@ -215,8 +216,7 @@ class CityWeather(pydantic.BaseModel):
 
 
 def test_langchain_with_structured_output(served: Served) -> None:
-    chat_openai = pytest.importorskip("langchain_openai")
-    llm = chat_openai.ChatOpenAI(model=served.model, base_url=served.base_url,
+    llm = langchain_openai.ChatOpenAI(model=served.model, base_url=served.base_url,
                                  api_key="unused", temperature=0.8, max_tokens=200,
                                  max_retries=0)
     for method in ("json_schema", "function_calling"):
@@ -226,7 +226,6 @@ def test_langchain_with_structured_output(served: Served) -> None:
 
 
 def test_instructor(served: Served) -> None:
-    instructor = pytest.importorskip("instructor")
     for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
         client = instructor.from_openai(served.client, mode=mode)
         result = client.chat.completions.create(

@@ -26,9 +26,8 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.router import Router
 from pdserve.router.types import ErrorKind, GenerateRequest, RouterError, StreamChunk
 from tests.integration.chaos_summary import SUMMARY, Case
-from tests.integration.waiting import until_async
+from tests.waiting import until_async
 
-ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.usefixtures("ray_address")
 
 LONG_PROMPT = 1200  # tokens: 38 chunks of 32 on the prefill side, KV sent as they go

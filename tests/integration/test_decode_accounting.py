@@ -27,7 +27,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import PrefillTask
 from pdserve.prefill_worker.worker import PrefillWorker
-from tests.integration.waiting import until_async
+from tests.waiting import until_async
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 NIXL = any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12"))

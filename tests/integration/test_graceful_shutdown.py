@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import signal
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.procs import kill_marked, marked_env, processes_with, start_serve
+from tests.waiting import until
 
 pytestmark = pytest.mark.slow
 CONFIG = "transfer: torch\nprefill: {num_cpus: 1}\ndecode: {num_cpus: 1}\n"
@@ -74,13 +74,8 @@ def test_sigterm_lets_admitted_requests_finish(tiny_model: Callable[[str], Path]
         for _ in range(STREAMS):  # every stream admitted and streaming
             assert started.acquire(timeout=60)
         proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 30
-        while True:  # /health turns 503 once the signal is handled
-            status, _, _ = call(f"{base}/health")
-            if status == 503:
-                break
-            assert time.monotonic() < deadline, "health never turned 503"
-            time.sleep(0.05)
+        # /health turns 503 once the signal is handled
+        until("/health to turn 503", lambda: call(f"{base}/health")[0] == 503, 30, poll_s=0.05)
         status, headers, body = call(f"{base}/v1/completions",
                                      {"prompt": "late", "max_tokens": 2})
         assert status == 503 and headers.get("retry-after"), body
@@ -95,10 +90,7 @@ def test_sigterm_lets_admitted_requests_finish(tiny_model: Callable[[str], Path]
         # tolerated only after the HTTP server finished; any other exit is a failure.
         assert code == 0 or (code == -signal.SIGABRT and "Finished server process" in log), (
             code, log[-3000:])
-        deadline = time.monotonic() + 20
-        while left := processes_with(mark):
-            assert time.monotonic() < deadline, f"processes left behind: {left}"
-            time.sleep(0.2)
+        until("no process left behind", lambda: not processes_with(mark), 20, poll_s=0.2)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -22,7 +22,7 @@ from pdserve.messages import PrefillResult, PrefillTask
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.router import Router, RouterConfig
 from pdserve.router.types import ErrorKind, FinalChunk, GenerateRequest, RouterError, StreamChunk
-from tests.integration.waiting import until_async
+from tests.waiting import until_async
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 

@@ -11,23 +11,22 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import pytest
 
-openai = pytest.importorskip("openai")
-
-from pdserve.engine.tokenizer import Tokenizer  # noqa: E402
-from tests.integration.procs import (  # noqa: E402
+from pdserve.engine.tokenizer import Tokenizer
+from tests.integration.procs import (
     kill_marked,
     marked_env,
     processes_with,
     start_serve,
 )
+from tests.waiting import until
 
 KEY = "test-key"
 CONFIG = """\
@@ -194,10 +193,7 @@ def test_overload_429_and_disconnect_frees_blocks(served: Served) -> None:
     assert exc.value.status_code == 429 and exc.value.response.headers["retry-after"]
     assert _decode_blocks(s)[0] < 64
     a.close()  # the client goes away mid-stream: the router aborts A on both workers
-    deadline = time.monotonic() + 20
-    while (blocks := _decode_blocks(s))[0] != blocks[1]:
-        assert time.monotonic() < deadline, f"decode blocks not freed: {blocks}"
-        time.sleep(0.1)
+    until("decode blocks freed", lambda: (b := _decode_blocks(s))[0] == b[1], 20, poll_s=0.1)
     _ok(s)
 
 
@@ -256,8 +252,5 @@ def test_sigint_stops_everything(served: Served) -> None:
     assert sorted(g["labels"]["worker"] for g in targets) == ["decode-0", "prefill-0", "router"]
     s.proc.send_signal(signal.SIGINT)
     assert s.proc.wait(timeout=60) == 0, s.log.read_text(errors="replace")[-3000:]
-    deadline = time.monotonic() + 20
-    while left := processes_with(s.mark):
-        assert time.monotonic() < deadline, f"processes left behind: {left}"
-        time.sleep(0.2)
+    until("no process left behind", lambda: not processes_with(s.mark), 20, poll_s=0.2)
     assert not s.file_sd.exists()

@@ -14,6 +14,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.types import GenerateRequest
+from tests.engine.handoff import hand_off
 from tests.integration.test_inprocess import Pair, collect
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -49,7 +50,7 @@ def handed_off(model: Path, prompt: list[int], prefill: dict[str, object],
     first = outs[0].new_token_ids[0]
     dest = d.reserve("r", prompt, GREEDY)
     assert dest is not None
-    d.write_kv(dest, p.read_kv(p.block_ids("r")))
+    hand_off(p, "r", d, dest)
     p.release("r")
     tokens = [first]
     d.start_decode("r", first)

@@ -17,9 +17,8 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.router import Router
 from pdserve.router.types import FinalChunk, GenerateRequest, StreamChunk
-from tests.integration.waiting import until_async
+from tests.waiting import until_async
 
-ray = pytest.importorskip("ray")
 BACKENDS = ["torch", "ray", "nixl"]
 GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
 

@@ -27,9 +27,8 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.api_keys import ApiKeys
 from pdserve.router.http_api import build_app, start_http_server
 from tests.integration.test_ray_cluster import run_one, start
-from tests.integration.waiting import until, until_async
+from tests.waiting import until, until_async
 
-pytest.importorskip("ray")
 pytestmark = pytest.mark.usefixtures("ray_address")  # the session's shared Ray cluster
 
 PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)

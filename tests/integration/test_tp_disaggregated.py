@@ -19,7 +19,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.router import Router
 from pdserve.router.types import GenerateRequest
 from tests.integration.test_inprocess import GREEDY, Pair, collect, generate_all, pair_factory, run
-from tests.integration.waiting import until_async
+from tests.waiting import until_async
 
 __all__ = ["pair_factory"]  # the fixture, shared with test_inprocess
 PROMPTS = [[5 + (i * 11 + j) % 300 for j in range(5 + 17 * i)] for i in range(4)]
@@ -97,7 +97,6 @@ def test_ray_pools_of_different_tp_and_a_rank_lost(tiny_model: Callable[[str], P
     """On Ray: a 2-rank prefill worker (one actor, its follower process beside it) feeds a
     1-rank decode worker over nixl with the engine's tokens; killing the follower ends
     the actor, Ray restarts it whole and it serves again."""
-    pytest.importorskip("ray")
     from pdserve.deploy.cluster import Cluster
     from pdserve.deploy.config import ClusterConfig
     from tests.integration.test_ray_cluster import run_one

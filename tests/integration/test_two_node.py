@@ -30,9 +30,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from tests.integration.procs import free_port, kill_marked, marked_env, processes_with
-from tests.integration.waiting import until
-
-pytest.importorskip("ray")
+from tests.waiting import until
 
 HEAD_IP, NODE_IP = "127.0.0.3", "127.0.0.4"
 PROMPTS = [[5 + (i * 13 + j) % 400 for j in range(4 + 11 * i)] for i in range(4)]

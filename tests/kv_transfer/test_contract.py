@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 from pdserve.kv_transfer import FailReason, KVLayout, KVLayoutMismatch
+from tests.waiting import until
 
 from .conftest import Hosts
 from .kvdata import digest, expected_digest, make_kv
@@ -84,11 +84,11 @@ def by_id(events: list[Any]) -> dict[str, Any]:
 def wait_landed(recv: Peer, expected: str, ids: list[int], layers: tuple[int, int]) -> None:
     """Poll the receiver (some backends write inside poll) until kv[ids, layers] holds
     the sender's data; no request may end meanwhile."""
-    deadline = time.monotonic() + WAIT_S
-    while recv.digest(ids, layers) != expected:
+    def landed() -> bool:
         assert not recv.events(), "a request ended while its first message was landing"
-        assert time.monotonic() < deadline, f"blocks {ids} layers {layers} never landed"
-        time.sleep(0.005)
+        return recv.digest(ids, layers) == expected
+
+    until(f"blocks {ids} layers {layers} to land", landed, WAIT_S)
 
 
 def shuffled_ids(rng: random.Random, pool: int, n: int) -> list[int]:
@@ -343,7 +343,7 @@ def test_sender_death_fails_receiver_in_time(hosts: Hosts) -> None:
     p.send.send(p.peer, "r", [1, 2, 3], [1, 2, 3], layers=(0, 1))
     wait_landed(p.recv, p.expected([1, 2, 3], (0, 1)), [1, 2, 3], (0, 1))
     _kill(hosts, host, p.send)
-    (got,) = collect([p.recv], [1], timeout_s + 3)  # in time: the bound is the wait
+    (got,) = collect([p.recv], [1], WAIT_S)  # it ends: by the expectation timeout at the latest
     assert len(got) == 1 and not got[0].ok, got
     # Ray cannot tell a dead sender from a slow one between messages: it times out.
     allowed = (
@@ -365,13 +365,10 @@ def test_receiver_death_fails_sender_in_time(hosts: Hosts) -> None:
     wait_landed(p.recv, p.expected([1, 2], (0, 1)), [1, 2], (0, 1))
     # ... and the sender is done with that message (nixl over cma: UCX may crash a
     # sender whose one-sided write is still in flight when its peer dies).
-    deadline = time.monotonic() + WAIT_S
-    while p.send.inflight("r"):
-        assert time.monotonic() < deadline, "the first message never completed"
-        time.sleep(0.005)
+    until("the first message to complete", lambda: not p.send.inflight("r"), WAIT_S)
     _kill(hosts, host, p.recv)
     p.send.send(p.peer, "r", [1, 2], [1, 2], layers=(1, 4), notify={})
-    (sent,) = collect([p.send], [1], timeout_s + 3)  # in time: the bound is the wait
+    (sent,) = collect([p.send], [1], WAIT_S)  # it ends: by the send timeout at the latest
     assert len(sent) == 1 and not sent[0].ok, sent
     assert sent[0].reason in {FailReason.PEER_DIED, FailReason.TIMEOUT}
     assert p.send.num_pending() == 0

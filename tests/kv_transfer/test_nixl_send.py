@@ -11,6 +11,7 @@ import pytest
 from pdserve.kv_transfer import FailReason, KVLayout
 from pdserve.kv_transfer.nixl_recv import NixlReceiver
 from pdserve.kv_transfer.nixl_send import NixlSender
+from tests.waiting import until
 
 from .kvdata import make_kv
 
@@ -32,11 +33,12 @@ def test_no_write_to_a_receiver_that_cut_the_link() -> None:
         peer = send.connect(recv.endpoint())
         recv.expect("r1", [1], 30)
         send.send(peer, "r1", [1], [1], layers=(0, 1))
-        deadline = time.monotonic() + WAIT_S
-        while send.state.inflight("r1") or not kv_d[1, 0].equal(kv_p[1, 0]):
-            assert time.monotonic() < deadline, "the first write never landed"
+        def landed() -> bool:
             assert not send.poll() and not recv.poll()
-            time.sleep(0.002)
+            return not send.state.inflight("r1") and kv_d[1, 0].equal(kv_p[1, 0])
+
+        until("the first write to land", landed, WAIT_S)
+        deadline = time.monotonic() + WAIT_S
         recv.abort("r1")  # the sender stays silent (no poll): D cuts it off
         events: list = []
         while not events:

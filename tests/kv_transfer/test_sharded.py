@@ -10,7 +10,6 @@ import multiprocessing
 import os
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,6 +26,7 @@ from pdserve.kv_transfer.sharded import (
     plan_pairs,
     serve_rank,
 )
+from tests.waiting import until
 
 from .kvdata import make_kv
 
@@ -104,10 +104,7 @@ def cut(conn: Any) -> None:
 
 def events(channel: Any, n: int) -> list[Any]:
     got: list[Any] = []
-    deadline = time.monotonic() + WAIT_S
-    while len(got) < n and time.monotonic() < deadline:
-        got += channel.poll()
-        time.sleep(0.002)
+    until(f"{n} events", lambda: got.extend(channel.poll()) or len(got) >= n, WAIT_S)
     assert len(got) == n, got
     return got
 

@@ -10,14 +10,12 @@ import contextlib
 import json
 import shutil
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 import yaml
 from prometheus_client import CollectorRegistry, start_http_server
 
@@ -32,8 +30,8 @@ from tests.integration.procs import free_port
 from tests.observability.conftest import DEPLOY, rule_outputs
 from tests.observability.test_dashboards import panels
 from tests.observability.test_top import parse
+from tests.waiting import until
 
-ray = pytest.importorskip("ray")
 NUM_REQUESTS = 20
 MAX_TOKENS = 6
 # Dashboard queries and rules that may be empty here, with the reason.
@@ -62,13 +60,12 @@ class Prometheus:
             stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_until(self, what: str, ok: Callable[[], bool], timeout_s: float = 30) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not ok():
+        def done() -> bool:
             if self.proc.poll() is not None:
                 raise AssertionError(f"prometheus exited: {Path(self.log.name).read_text()}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what}")
-            time.sleep(0.25)
+            return ok()
+
+        until(what, done, timeout_s, poll_s=0.25)
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         url = f"{self.url}/api/v1/query?" + urllib.parse.urlencode({"query": expr})

@@ -26,8 +26,8 @@ from pdserve.messages import STEP_SECONDS_BUCKETS, WorkerMetrics
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.types import FinalChunk, GenerateRequest
 from tests.integration.test_inprocess import Pair
-from tests.integration.waiting import until_async
 from tests.observability.conftest import PEAKS, worker_registry
+from tests.waiting import until_async
 
 LABEL_KEYS = {"model", "role", "worker"}
 

@@ -23,7 +23,7 @@ from pdserve.router.metrics import RouterMetrics
 from pdserve.router.router import Router
 from pdserve.router.types import ErrorKind, GenerateRequest, RouterError, StreamChunk
 from tests.integration.test_inprocess import Pair, collect, pair_factory, run  # noqa: F401
-from tests.integration.waiting import until_async
+from tests.waiting import until_async
 
 PARAMS = SamplingParams(max_tokens=30, ignore_eos=True)
 PROMPT = list(range(20, 60))

@@ -15,7 +15,7 @@ from pdserve.messages import WorkerLoad
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.fanout import Fanout
 from pdserve.router.workers import HealthConfig, WorkerSet
-from tests.integration.waiting import until_async
+from tests.waiting import until_async
 
 
 def test_stop_ends_a_probe_loop_whose_cancellation_was_lost(
