@@ -59,6 +59,16 @@ class TokenLogprob(NamedTuple):
                    [(int(t), float(v)) for t, v in d["top"]], int(d["rank"]))
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """Decode worker -> router: the blocks reserved for a prompt's KV, in token order.
+    The first ``reused`` already hold the KV of the prompt's first blocks (the decode
+    worker's own prefix cache): nothing is sent into them."""
+
+    blocks: list[int]
+    reused: int = 0
+
+
 @dataclass
 class PrefillTask:
     """Router -> prefill worker: compute a prompt, push its KV to a decode worker."""
@@ -68,6 +78,7 @@ class PrefillTask:
     params: SamplingParams  # router
     decode_worker: str  # router: id of the decode worker whose blocks were reserved
     dst_block_ids: list[int]  # decode worker (reserve): its blocks, in token order
+    dst_reused: int = 0  # decode worker (reserve): leading blocks it holds already: not sent
 
 
 @dataclass

@@ -31,7 +31,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.failures import FailReason
 from pdserve.kv_transfer import KVReceiver, RecvEvent
 from pdserve.kv_transfer.driver import ChannelThread
-from pdserve.messages import JoinInfo, RequestDelta, Stages, TokenLogprob
+from pdserve.messages import JoinInfo, RequestDelta, Reservation, Stages, TokenLogprob
 from pdserve.output_stream import OutputServer
 from pdserve.worker_loop import WorkerLoop, delta_of
 
@@ -61,9 +61,11 @@ class DecodeWorker(WorkerLoop):
                         self.metrics_at)
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
-                      params: SamplingParams) -> list[int] | None:
-        """Blocks for the prompt's KV, or ``None`` when there is no room now.
-        Fails with ``ValueError`` for a request this worker can never serve."""
+                      params: SamplingParams) -> Reservation | None:
+        """Blocks for the prompt's KV (the leading ones from this worker's own prefix
+        cache where it holds the prompt's first blocks: only the rest is sent), or
+        ``None`` when there is no room now. Fails with ``ValueError`` for a request
+        this worker can never serve."""
         return await self._on_loop(lambda: self._reserve(request_id, prompt_token_ids, params))
 
     def close(self) -> None:
@@ -72,12 +74,15 @@ class DecodeWorker(WorkerLoop):
         self.outputs.close()
 
     # ------------------------------------------------------------- loop side
-    def _reserve(self, rid: str, prompt: Sequence[int], params: SamplingParams) -> list[int] | None:
+    def _reserve(self, rid: str, prompt: Sequence[int],
+                 params: SamplingParams) -> Reservation | None:
         blocks = self.engine.reserve(rid, prompt, params)
         if blocks is None:
             return None
+        reused = self.engine.requests[rid].num_cached_tokens // self.engine.block_size
         try:
-            self.receiver.expect(rid, blocks, self.kv_timeout_s)  # any thread may
+            # only the blocks the KV is written into (reused ones are shared, read-only)
+            self.receiver.expect(rid, blocks[reused:], self.kv_timeout_s)  # any thread may
         except ValueError as exc:
             # The engine handed out blocks the receiver still expects KV in: ownership
             # is checked, not trusted. Never give them to this request; no room now.
@@ -87,7 +92,7 @@ class DecodeWorker(WorkerLoop):
         self.transfer.wake()  # poll soon: it may be asleep with nothing pending
         self._expecting.add(rid)
         self.blocks_granted += len(blocks)
-        return blocks
+        return Reservation(blocks, reused)
 
     def _abort(self, rid: str) -> None:
         self._kv_arrived.pop(rid, None)

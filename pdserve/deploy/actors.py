@@ -34,7 +34,7 @@ from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.deploy.config import PoolConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.failures import AttemptFailed, FailReason, WorkerGone
-from pdserve.messages import JoinInfo, PrefillResult, PrefillTask, WorkerLoad
+from pdserve.messages import JoinInfo, PrefillResult, PrefillTask, Reservation, WorkerLoad
 from pdserve.prefill_worker.worker import PrefillWorker
 
 MAX_BACKOFF_S = 60.0
@@ -209,7 +209,7 @@ class RayWorker:
         return await self._call("prefill", task)
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
-                      params: SamplingParams) -> list[int] | None:
+                      params: SamplingParams) -> Reservation | None:
         return await self._call("reserve", request_id, list(prompt_token_ids), params)
 
     async def admit(self, request_id: str, prompt_token_ids: Sequence[int],

@@ -84,17 +84,25 @@ class Scheduler:
         self._waiting_priorities[req.params.priority] += 1
 
     def reserve(self, req: Request) -> list[int] | None:
-        """Decode role: allocate blocks for the prompt's KV, written from outside.
-        ``None`` when there is no room (the caller waits or tries elsewhere)."""
+        """Decode role: blocks for the prompt's KV, written from outside -- except the
+        leading full blocks this pool's prefix cache holds already (a conversation's
+        earlier turns), which are shared (``num_cached_tokens`` says how many tokens;
+        the block of the prompt's last token is always fresh, so something is always
+        sent). ``None`` when there is no room (the caller waits or tries elsewhere)."""
         if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
             return None
-        blocks = self.pool.allocate(ceil_div(req.num_prompt_tokens, self.block_size))
+        hits = self.pool.lookup(self._block_hashes(req, (req.num_tokens - 1) // self.block_size))
+        self.pool.acquire(hits)  # before allocating: an allocation may evict cached blocks
+        blocks = self.pool.allocate(ceil_div(req.num_prompt_tokens, self.block_size) - len(hits))
         if blocks is None:
+            self.pool.free(hits)
             return None
-        req.block_ids = blocks
+        req.block_ids = [*hits, *blocks]
+        req.num_cached_tokens = len(hits) * self.block_size
+        req.num_registered_blocks = len(hits)
         req.status = RequestStatus.WAITING_FOR_KV
         self.waiting_for_kv[req.request_id] = req
-        return blocks
+        return list(req.block_ids)
 
     def start_decode(self, req: Request) -> None:
         """Decode role: the prompt's KV is in ``req.block_ids``; the caller appended

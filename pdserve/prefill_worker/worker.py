@@ -94,7 +94,9 @@ class PrefillWorker(WorkerLoop):
             # Only the loop resolves it from now on: a caller that gives up (cancelling
             # its wrapper) cannot cancel it between a done() check here and the set.
             fut.set_running_or_notify_cancel()
-            self._inflight[task.request_id] = _InFlight(task, fut, now, known[0])
+            # blocks the decode worker holds already are never sent
+            self._inflight[task.request_id] = _InFlight(task, fut, now, known[0],
+                                                        sent_blocks=task.dst_reused)
 
         await self._on_loop(add)
         return await asyncio.wrap_future(fut)

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import SamplingParams, effective_priority
 from pdserve.failures import AttemptFailed, FailReason, WorkerGone
+from pdserve.messages import Reservation
 from pdserve.router.policies import (
     ClusterSnapshot,
     Policy,
@@ -55,7 +56,7 @@ class Target:
     """Where one attempt's tokens come from."""
 
     worker: WorkerState  # a decode or colocated worker
-    blocks: list[int] | None  # decode: the reserved blocks; colocated: None
+    reservation: Reservation | None  # decode: the reserved blocks; colocated: None
 
 
 class Claims:
@@ -193,9 +194,9 @@ class Admission:
         granted = False
         try:
             if w.role == "decode":
-                blocks = await self._workers.call(w, w.handle.reserve(attempt_id, ids, params))
-                granted = blocks is not None
-                return Target(w, blocks) if granted else None
+                got = await self._workers.call(w, w.handle.reserve(attempt_id, ids, params))
+                granted = got is not None
+                return Target(w, got) if granted else None
             granted = bool(await self._workers.call(w, w.handle.admit(attempt_id, ids, params)))
             return Target(w, None) if granted else None
         except ValueError as exc:  # the worker can never serve it: the request's fault

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.messages import JoinInfo, PrefillResult, PrefillTask, WorkerLoad
+from pdserve.messages import JoinInfo, PrefillResult, PrefillTask, Reservation, WorkerLoad
 
 
 class WorkerHandle(Protocol):
@@ -38,7 +38,7 @@ class PrefillHandle(WorkerHandle, Protocol):
 
 class DecodeHandle(WorkerHandle, Protocol):
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
-                      params: SamplingParams) -> list[int] | None: ...
+                      params: SamplingParams) -> Reservation | None: ...
 
 
 class ColocatedHandle(WorkerHandle, Protocol):

@@ -172,9 +172,10 @@ class RequestRun:
                 if p is None:
                     raise AttemptFailed(FailReason.NOT_CONNECTED,
                                         f"no prefill worker is connected to {token.worker_id}")
-                assert target.blocks is not None
+                r = target.reservation
+                assert r is not None
                 leg = self._start_prefill(p, inbox, PrefillTask(
-                    aid, ids, params, token.worker_id, target.blocks), hashes)
+                    aid, ids, params, token.worker_id, r.blocks, r.reused), hashes)
             wants_prompt = params.prompt_logprobs is not None
             while True:
                 item = await inbox.get()

@@ -119,5 +119,28 @@ def test_decode_role_reserve_then_start() -> None:
     a.token_ids.append(9)  # first token, sampled by the prefill worker
     s.start_decode(a)
     assert run_step(s) == [("a", 1)]
-    assert s.reserve(req("b", 12)) is None  # 3 blocks do not fit: None, not an error
+    assert s.reserve(req("b", 12, first=50)) is None  # 3 blocks do not fit: None, not an error
+    s.pool.check_integrity()
+
+
+def test_decode_role_reserve_shares_the_blocks_it_holds() -> None:
+    """A prompt that starts with blocks this decode pool holds (an earlier turn) shares
+    them; only the rest is fresh, and the block of its last token always is."""
+    s = make(num_blocks=6, max_seqs=4)
+    a = req("a", 9)  # blocks [0..3], [4..7], [8]
+    assert s.reserve(a) is not None
+    s.start_decode(a)  # KV arrived: its full blocks join the prefix cache
+    b = req("b", 12)  # [0..3] and [4..7] are a's; [8..11] is new
+    got = s.reserve(b)
+    assert got is not None and got[:2] == a.block_ids[:2] and got[2] not in a.block_ids
+    assert b.num_cached_tokens == 8 and s.pool.prefix_hits == 2
+    assert [s.pool.ref_count(x) for x in got] == [2, 2, 1]
+    c = req("c", 8)  # both blocks are a's, but the last token's block is always fresh
+    got_c = s.reserve(c)
+    assert got_c is not None and got_c[0] == a.block_ids[0] and c.num_cached_tokens == 4
+    assert s.reserve(req("d", 13, first=100)) is None  # 4 fresh blocks: no room; hits kept
+    s.finish(b)
+    s.finish(c)
+    s.finish(a)
+    assert s.pool.num_used == 0
     s.pool.check_integrity()

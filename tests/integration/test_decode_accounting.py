@@ -75,7 +75,7 @@ def _scenario(model: Path) -> None:
         # One whole hand-off first: D now knows P as a sender it must ask on abort.
         warm = await dec.reserve("warm", [6] * 20, PARAMS)
         assert warm is not None
-        await pre.prefill(PrefillTask("warm", [6] * 20, PARAMS, dec.worker_id, warm))
+        await pre.prefill(PrefillTask("warm", [6] * 20, PARAMS, dec.worker_id, warm.blocks))
         await until_async("the warm-up request to finish", lambda: used() == 0)
         # P's transfer thread busy (a stalled channel): it answers D's abort late.
         pre.transfer.call(gate.wait)
@@ -85,12 +85,12 @@ def _scenario(model: Path) -> None:
             await dec.abort("a")  # the client left during prefill
             # While P has not confirmed, a's blocks are not free: no room, never an error.
             assert await dec.reserve("b", [5] * 100, PARAMS) is None
-            assert used() == len(held)
+            assert used() == len(held.blocks)
         finally:
             gate.set()
         await until_async("a's blocks to come back", lambda: used() == 0)
         blocks = await dec.reserve("c", [5] * 100, PARAMS)
-        assert blocks is not None and len(blocks) == len(held)
+        assert blocks is not None and len(blocks.blocks) == len(held.blocks)
         await dec.abort("c")
         await until_async("c's blocks to come back", lambda: used() == 0)
         await dec.check_integrity()

@@ -155,6 +155,44 @@ def test_speculative_serving_equals_the_engine_without_it(
     assert accepted > 0
 
 
+def test_conversation_sends_only_the_blocks_decode_lacks(
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:
+    """Each turn resends the whole history, as chat clients do: the decode worker keeps
+    the earlier turns' blocks (the prompts it received, the answers it computed) and
+    reserves fresh blocks only for the rest, and the prefill worker sends only those.
+    The answers are a colocated engine's (which reuses its prefix cache the same way)."""
+    pair = pair_factory()
+    eng = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=256))
+    history = [7 + (j * 13) % 400 for j in range(40)]
+    expected: list[list[int]] = []
+    for turn in range(3):
+        (out,) = eng.generate([history], GREEDY)
+        expected.append(out.token_ids)
+        history = history + out.token_ids + [11 + turn + (j * 7) % 300 for j in range(10)]
+    p, d = pair.prefill[0], pair.decode[0]
+    block_bytes = p.layout.block_bytes
+
+    async def body(router: Router) -> None:
+        history = [7 + (j * 13) % 400 for j in range(40)]
+        for turn in range(3):
+            sent_before = p.metrics().kv_transfer_bytes
+            tokens, _, _ = await collect(router.generate(GenerateRequest(
+                f"t{turn}", GREEDY, prompt_token_ids=history)))
+            assert tokens == expected[turn]
+            await until_async("P's counters",
+                              lambda n=turn + 1: p.metrics().kv_transfers == n)
+            sent = (p.metrics().kv_transfer_bytes - sent_before) // block_bytes
+            full = -(-len(history) // 16)
+            if turn == 0:
+                assert sent == full
+            else:  # the earlier turns' full blocks stayed on D
+                assert sent <= full - (len(history) - 10 - 24) // 16 + 1, (turn, sent, full)
+            history = history + tokens + [11 + turn + (j * 7) % 300 for j in range(10)]
+        await until_async("D's counters", lambda: d.metrics().prefix_hits > 0)
+
+    run(pair, body)
+
+
 def test_kv_sent_chunk_by_chunk(pair_factory: Callable[..., Pair],
                                 tiny_model: Callable[[str], Path]) -> None:
     """Prompts prefilled in 32-token chunks go out block by block as the chunks are
@@ -375,8 +413,9 @@ def test_a_caller_giving_up_cannot_cancel_a_prefill_under_the_loop(
 
     async def main() -> None:
         await p.connect("decode-0", (await d.join_info()).kv_endpoint)
-        blocks = await d.reserve("r", prompt, GREEDY)
-        assert blocks is not None
+        got = await d.reserve("r", prompt, GREEDY)
+        assert got is not None
+        blocks = got.blocks
         gate = threading.Event()
         p.transfer.post(gate.wait)  # no send goes out (and "r" stays in flight) until set
         try:
