@@ -162,6 +162,15 @@ ROWS: list[tuple[str, list[Panel]]] = [
               [("sum by (worker) (pdserve_kv_blocks_in_flight{" + P + "})", "{{worker}} blocks"),
                ("sum by (worker) (pdserve_num_requests_waiting_for_kv{" + D + "})",
                 "{{worker}} requests")]),
+        Panel("KV bytes per request", "KV bytes the prefill worker sent per request: only "
+              "the blocks the decode worker did not hold already.",
+              quantiles("pdserve_kv_transfer_request_bytes", M), "bytes"),
+        Panel("Decode prefix reuse", "Share of prompt blocks each decode worker held already "
+              "(its prefix cache: a conversation's earlier turns are not sent again). Low on "
+              "multi-turn traffic: the router spread a conversation over decode workers.",
+              [(f'{rate("pdserve_prefix_cache_hits_total", D, "worker")} / '
+                f'{rate("pdserve_prefix_cache_queries_total", D, "worker")}', "{{worker}}")],
+              "percentunit"),
         Panel("Per-transfer throughput", "Bytes per second while transfers are busy (bytes / summed "
               "transfer seconds): the channel's effective speed.",
               [(f'{rate("pdserve_kv_transfer_bytes_total", P, "worker")} / '

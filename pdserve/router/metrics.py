@@ -99,6 +99,8 @@ _STAGES = {
     ),
 }
 
+# 16 KiB .. 16 GiB, x4 per bucket
+KV_BYTES_BUCKETS = tuple(float(16 * 1024 * 4**i) for i in range(11))
 _SLO_COUNTED = ("stop", "length", "error")  # "abort" is not counted, see docstring
 
 
@@ -136,8 +138,15 @@ class RouterMetrics:
         )
         self._itl = histogram(
             "pdserve_inter_token_latency_seconds",
-            "Router: each gap between consecutive output tokens.",
+            "Router: each gap between consecutive output tokens (a delivery of several "
+            "tokens, a speculative step's, is one gap).",
             TOKEN_BUCKETS,
+        )
+        self._kv_bytes = histogram(
+            "pdserve_kv_transfer_request_bytes",
+            "Prefill worker: KV bytes sent for one request (only the blocks the decode "
+            "worker did not hold already).",
+            KV_BYTES_BUCKETS,
         )
         self._requests = Counter(
             "pdserve_requests",
@@ -214,6 +223,8 @@ class RouterMetrics:
         tpot = timings.tpot
         if tpot is not None:
             self._tpot.observe(tpot)
+        if timings.kv_bytes is not None:
+            self._kv_bytes.observe(timings.kv_bytes)
         self._requests.labels(**self._labels, status=final.finish_reason).inc()
         self._prompt_tokens.inc(final.usage.prompt_tokens)
         self._generation_tokens.inc(final.usage.completion_tokens)

@@ -244,6 +244,7 @@ class RequestRun:
             t = self.timings
             t.prefill_queue, t.prefill, t.kv_transfer = (res.prefill_queue_s, res.prefill_s,
                                                          res.kv_transfer_s)
+            t.kv_bytes = res.kv_bytes
             self.cached = self.cached or res.num_cached_tokens
             self._got_prompt_logprobs(res.prompt_logprobs)
             return

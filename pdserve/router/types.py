@@ -64,6 +64,7 @@ class StageTimings:
     prefill_queue: float | None = None  # prefill worker: received -> first scheduled
     prefill: float | None = None  # prefill worker: first scheduled -> first token sampled
     kv_transfer: float | None = None  # prefill worker: send started -> acknowledged
+    kv_bytes: int | None = None  # prefill worker: KV bytes it sent (the last attempt's)
     decode_queue: float | None = None  # decode worker: KV arrived -> first decode step
     ttft: float | None = None  # router: arrival -> first token received
     e2e: float | None = None  # router: arrival -> finished
