@@ -102,6 +102,9 @@ class Admission:
         self._workers = workers
         self._policy = policy
         self._prefix = prefix
+        # block hash -> the token worker (decode, colocated) that last held it: the
+        # prompt and output of a request it finished (the orchestrator records them)
+        self.token_prefix = PrefixIndex()
         self.max_waiting = max_waiting
         self.queue_timeout_s = queue_timeout_s
         self._block_size = block_size
@@ -221,7 +224,8 @@ class Admission:
         tokens = self._workers.live("decode", "colocated")
         self._sequence += 1
         snap = ClusterSnapshot(prefill=[], decode=[self._view(w) for w in tokens],
-                               sequence=self._sequence)
+                               sequence=self._sequence,
+                               token_prefix_owner=self.token_prefix.view())
         _, order = self._policy(snap, req)
         by_id = {w.worker_id: w for w in tokens}
         # A decode worker without a connected prefill worker cannot be served now.

@@ -191,6 +191,7 @@ class RequestRun:
                     done = item.finish_reason is not None
                     if done:  # P's timings belong in the final chunk's
                         await self._late_prefill(leg)
+                        self._held_by(token, item.token_ids)
                     yield item
                     if done:
                         return
@@ -222,6 +223,14 @@ class RequestRun:
                             await w.handle.abort(aid)
             s.admission.wake()
             s.workers.attempt_ended()
+
+    def _held_by(self, token: WorkerState, last: list[int]) -> None:
+        """The token worker's prefix cache now holds this request's prompt and output
+        (up to ``last``, the final delta's tokens, but the very last token, whose KV was
+        never computed): a later turn of the conversation is best served there."""
+        held = (self.prompt + self.emitted + last)[:-1]
+        self.s.admission.token_prefix.record(prefix_block_hashes(held, self.s.block_size),
+                                             token.worker_id)
 
     def _start_prefill(self, p: WorkerState, inbox: Inbox, task: PrefillTask,
                        hashes: list[int]) -> _PrefillLeg:

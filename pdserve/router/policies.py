@@ -33,6 +33,8 @@ class ClusterSnapshot:
     sequence: int = 0  # requests routed so far (round-robin position)
     # prefix-affinity: which prefill worker last saw each prompt block hash
     prefix_owner: dict[int, str] = field(default_factory=dict)
+    # ... and which token worker (decode, colocated) last held each block hash
+    token_prefix_owner: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -72,26 +74,47 @@ def least_loaded(snap: ClusterSnapshot, req: RouteInput) -> Choice:
     return _least_loaded_prefill(snap.prefill), _decode_by_room(snap)
 
 
-def prefix_affinity(snap: ClusterSnapshot, req: RouteInput) -> Choice:
-    """Prefill: the worker that last prefilled the longest prefix of this prompt
-    (its prefix cache most likely holds it), unless it is far busier than the
-    least-loaded one; otherwise least-loaded. Decode: most free blocks."""
-    live = {w.worker_id: w for w in snap.prefill}
+def _longest_owner(owners: dict[int, str], hashes: Sequence[int],
+                   live: set[str]) -> tuple[str | None, int]:
+    """The live worker that last held the longest prefix of ``hashes``, and its length."""
     best, best_len = None, 0
-    for i, h in enumerate(req.block_hashes):
-        owner = snap.prefix_owner.get(h)
+    for i, h in enumerate(hashes):
+        owner = owners.get(h)
         if owner is None:
             break
         if owner in live:
             best, best_len = owner, i + 1
+    return best, best_len
+
+
+def _decode_by_prefix(snap: ClusterSnapshot, req: RouteInput) -> list[str]:
+    """Most free blocks first, except that the token worker holding the longest prefix
+    of the prompt (a conversation's earlier turns: its KV is not sent again, or not
+    recomputed) goes first when it has room for the rest."""
+    order = _decode_by_room(snap)
+    live = {w.worker_id: w for w in snap.decode}
+    best, held = _longest_owner(snap.token_prefix_owner, req.block_hashes, set(live))
+    need = -(-req.num_prompt_tokens // req.block_size) - held
+    if best is None or live[best].free_blocks < need:
+        return order
+    return [best, *(w for w in order if w != best)]
+
+
+def prefix_affinity(snap: ClusterSnapshot, req: RouteInput) -> Choice:
+    """Prefill: the worker that last prefilled the longest prefix of this prompt
+    (its prefix cache most likely holds it), unless it is far busier than the
+    least-loaded one; otherwise least-loaded. Decode: the one holding the longest
+    prefix if it has room, else most free blocks."""
+    live = {w.worker_id: w for w in snap.prefill}
+    best, best_len = _longest_owner(snap.prefix_owner, req.block_hashes, set(live))
     fallback = _least_loaded_prefill(snap.prefill)
     if best is None or fallback is None:
-        return fallback, _decode_by_room(snap)
+        return fallback, _decode_by_prefix(snap, req)
     # A hit saves best_len blocks of compute; do not queue behind more than a few
     # times that much extra work.
     extra = live[best].outstanding_tokens - live[fallback].outstanding_tokens
     saved = best_len * req.block_size
-    return (best if extra <= 4 * saved else fallback), _decode_by_room(snap)
+    return (best if extra <= 4 * saved else fallback), _decode_by_prefix(snap, req)
 
 
 POLICIES: dict[str, Policy] = {

@@ -193,6 +193,41 @@ def test_conversation_sends_only_the_blocks_decode_lacks(
     run(pair, body)
 
 
+def test_prefix_affinity_keeps_a_conversation_on_its_decode_worker(
+        pair_factory: Callable[..., Pair]) -> None:
+    """Two decode workers, the one that served the first turn now the fuller: with
+    prefix_affinity the next turn still goes there (it holds the earlier turn) and
+    only the new blocks are sent."""
+    pair = pair_factory(n_decode=2, policy="prefix_affinity")
+    p = pair.prefill[0]
+    first = [7 + (j * 13) % 400 for j in range(40)]
+
+    async def body(router: Router) -> None:
+        tokens, _, _ = await collect(router.generate(GenerateRequest(
+            "t0", GREEDY, prompt_token_ids=first)))
+        served = next(d for d in pair.decode if d.engine.pool.num_cached > 0)
+        other = next(d for d in pair.decode if d is not served)
+        await served.reserve("hold", [3] * 200, GREEDY)  # now the fuller one
+
+        def free(worker_id: str) -> int:
+            w = next(w for w in router.workers.live("decode") if w.worker_id == worker_id)
+            return w.load.num_free_blocks if w.load is not None else 0
+
+        await until_async("the router to see it fuller",
+                          lambda: free(served.worker_id) < free(other.worker_id))
+        await until_async("P's counters", lambda: p.metrics().kv_transfers == 1)
+        sent_before = p.metrics().kv_transfer_bytes
+        second = first + tokens + [11 + (j * 7) % 300 for j in range(10)]
+        await collect(router.generate(GenerateRequest("t1", GREEDY, prompt_token_ids=second)))
+        await until_async("P's counters", lambda: p.metrics().kv_transfers == 2)
+        sent = (p.metrics().kv_transfer_bytes - sent_before) // p.layout.block_bytes
+        assert sent < -(-len(second) // 16)  # the earlier turn stayed on `served`
+        assert served.engine.pool.prefix_hits > 0 and other.engine.pool.num_cached == 0
+        await served.abort("hold")
+
+    run(pair, body)
+
+
 def test_kv_sent_chunk_by_chunk(pair_factory: Callable[..., Pair],
                                 tiny_model: Callable[[str], Path]) -> None:
     """Prompts prefilled in 32-token chunks go out block by block as the chunks are

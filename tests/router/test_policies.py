@@ -59,6 +59,19 @@ def test_prefix_affinity_weighs_the_blocks_it_saves_at_their_size() -> None:
     assert prefix_affinity(ClusterSnapshot(busy, D, prefix_owner=owner), large)[0] == "p0"
 
 
+def test_prefix_affinity_sends_a_conversation_back_to_the_decode_worker_holding_it() -> None:
+    """d0 holds the prompt's first 3 blocks (an earlier turn): it goes first although d1
+    has more room, as long as d0 has room for the one block it lacks."""
+    held = {11: "d0", 22: "d0", 33: "d0"}
+    _, d = prefix_affinity(ClusterSnapshot(P, D, token_prefix_owner=held), REQ)
+    assert d == ["d0", "d1"]
+    full = [WorkerView("d0", free_blocks=0, total_blocks=100), D[1]]
+    _, d = prefix_affinity(ClusterSnapshot(P, full, token_prefix_owner=held), REQ)
+    assert d == ["d1", "d0"]  # no room for the rest there: most room first
+    _, d = least_loaded(ClusterSnapshot(P, D, token_prefix_owner=held), REQ)
+    assert d == ["d1", "d0"]  # only prefix_affinity follows it
+
+
 def test_prefix_index_is_bounded_and_forgets_dead_workers() -> None:
     idx = PrefixIndex(capacity=3)
     idx.record([1, 2, 3], "p0")
