@@ -1,0 +1,117 @@
+"""``make bench`` for KV that moves less: multi-turn chat through ``pdserve serve``
+1P+1D, sent as chat clients send it (every turn resends the whole history), with the
+decode worker's prefix reuse on (the default) against it off (every prompt block
+sent, as before), and a colocated worker as the reference for the answers.
+
+Per run: KV bytes the prefill worker sent (its ``/metrics``), TTFT p50/p90 (client
+side), output tokens/s; then the bytes ratio, the TTFT ratio and whether every
+greedy answer equals the colocated worker's.
+
+Run: ``python -m pdserve.deploy.bench_conversations [--conversations 4] [--turns 8]
+[--max-tokens 48] [--json FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from pdserve.client.openai_stream import CHAT_COMPLETIONS, OpenAIStreamClient
+from pdserve.deploy.harness import Served, metric
+
+MODEL = "SmolLM2-135M-Instruct"
+TOPICS = ["the ocean", "volcanoes", "the history of bread", "how bicycles work",
+          "honey bees", "the moon", "paper making", "rainforests"]
+FOLLOW_UPS = ["Tell me more.", "Why is that?", "Give me an example.", "What else?",
+              "Explain it to a child.", "Summarise what you said.", "Any fun facts?"]
+
+
+def opening(i: int) -> str:
+    return f"Let's talk about {TOPICS[i % len(TOPICS)]}. What is the most interesting thing about it?"
+
+
+async def conversation(base_url: str, i: int, turns: int,
+                       max_tokens: int) -> list[tuple[str, float, int]]:
+    """One conversation, turn by turn; (answer, TTFT, output tokens) per turn."""
+    messages: list[dict[str, str]] = []
+    out: list[tuple[str, float, int]] = []
+    for t in range(turns):
+        messages.append({"role": "user",
+                         "content": opening(i) if t == 0 else FOLLOW_UPS[(i + t) % len(FOLLOW_UPS)]})
+        body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        async with OpenAIStreamClient(base_url) as client:
+            res = await client.stream(CHAT_COMPLETIONS, body)
+        if not res.success:
+            raise RuntimeError(f"turn {t} of conversation {i} failed: {res.error}")
+        out.append((res.generated_text, res.ttft, res.output_tokens))
+        messages.append({"role": "assistant", "content": res.generated_text})
+    return out
+
+
+def run(config: dict[str, Any], conversations: int, turns: int,
+        max_tokens: int) -> dict[str, Any]:
+    with Served(config) as served:
+        async def all_of_them() -> list[list[tuple[str, float, int]]]:
+            return list(await asyncio.gather(*(conversation(served.url, i, turns, max_tokens)
+                                               for i in range(conversations))))
+
+        t0 = time.perf_counter()
+        results = asyncio.run(all_of_them())
+        wall = time.perf_counter() - t0
+        sent = sum(metric(served.scrape(w), "pdserve_kv_transfer_bytes_total")
+                   for w in served.workers if w.startswith("prefill"))
+        reused = sum(metric(served.scrape(w), "pdserve_prefix_cache_hits_total")
+                     for w in served.workers if w.startswith("decode"))
+    ttfts = sorted(t for conv in results for _, t, _ in conv)
+    return {"answers": [[a for a, _, _ in conv] for conv in results],
+            "kv_bytes_sent": sent, "decode_blocks_reused": reused,
+            "ttft_p50_ms": statistics.median(ttfts) * 1e3,
+            "ttft_p90_ms": ttfts[int(0.9 * (len(ttfts) - 1))] * 1e3,
+            "output_tokens_per_s": sum(n for conv in results for _, _, n in conv) / wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--conversations", type=int, default=4)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    pair = {"prefill": {"num_cpus": 1}, "decode": {"num_cpus": 1}}
+    configs: dict[str, dict[str, Any]] = {
+        "1P+1D, decode prefix reuse": pair,
+        "1P+1D, every block sent": {**pair, "decode": {
+            "num_cpus": 1, "engine": {"enable_prefix_caching": False}}},
+        "colocated": {"prefill": {"workers": 0}, "decode": {"workers": 0},
+                      "colocated": {"workers": 1, "num_cpus": 2}},
+    }
+    res = {name: run(cfg, args.conversations, args.turns, args.max_tokens)
+           for name, cfg in configs.items()}
+    new, old = res["1P+1D, decode prefix reuse"], res["1P+1D, every block sent"]
+    print(f"\n{args.conversations} conversations x {args.turns} turns, whole history resent "
+          f"each turn, greedy, max_tokens {args.max_tokens}, default model")
+    print(f"   {'run':28} {'KV sent MB':>10} {'blocks reused':>13} {'TTFT p50':>9} "
+          f"{'TTFT p90':>9} {'out tok/s':>9}  answers = colocated")
+    for name, r in res.items():
+        same = r["answers"] == res["colocated"]["answers"]
+        print(f"   {name:28} {r['kv_bytes_sent'] / 1e6:10.1f} {r['decode_blocks_reused']:13.0f} "
+              f"{r['ttft_p50_ms']:7.1f}ms {r['ttft_p90_ms']:7.1f}ms "
+              f"{r['output_tokens_per_s']:9.1f}  {same}")
+    ratio = new["kv_bytes_sent"] / max(1.0, old["kv_bytes_sent"])
+    print(f"   KV bytes sent with reuse / without: {ratio:.2f}x; TTFT p50 "
+          f"{old['ttft_p50_ms'] / new['ttft_p50_ms']:.2f}x better; output tokens/s "
+          f"{new['output_tokens_per_s'] / old['output_tokens_per_s']:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({k: {kk: vv for kk, vv in v.items()
+                                                   if kk != "answers"} for k, v in res.items()},
+                                              indent=2))
+
+
+if __name__ == "__main__":
+    main()
