@@ -85,9 +85,9 @@ def main() -> None:
     args = ap.parse_args()
     pair = {"prefill": {"num_cpus": 1}, "decode": {"num_cpus": 1}}
     configs: dict[str, dict[str, Any]] = {
-        "1P+1D, decode prefix reuse": pair,
         "1P+1D, every block sent": {**pair, "decode": {
             "num_cpus": 1, "engine": {"enable_prefix_caching": False}}},
+        "1P+1D, decode prefix reuse": pair,
         "colocated": {"prefill": {"workers": 0}, "decode": {"workers": 0},
                       "colocated": {"workers": 1, "num_cpus": 2}},
     }
@@ -98,11 +98,25 @@ def main() -> None:
           f"each turn, greedy, max_tokens {args.max_tokens}, default model")
     print(f"   {'run':28} {'KV sent MB':>10} {'blocks reused':>13} {'TTFT p50':>9} "
           f"{'TTFT p90':>9} {'out tok/s':>9}  answers = colocated")
+    def same_turns(a: list[list[str]], b: list[list[str]]) -> str:
+        """Turns whose answer is the same, up to the first that differs per conversation
+        (after it the histories differ)."""
+        equal = total = 0
+        for ca, cb in zip(a, b, strict=True):
+            total += len(ca)
+            for x, y in zip(ca, cb, strict=True):
+                if x != y:
+                    break
+                equal += 1
+        return f"{equal}/{total}"
+
     for name, r in res.items():
-        same = r["answers"] == res["colocated"]["answers"]
+        r["answers_equal_colocated"] = same_turns(r["answers"], res["colocated"]["answers"])
         print(f"   {name:28} {r['kv_bytes_sent'] / 1e6:10.1f} {r['decode_blocks_reused']:13.0f} "
               f"{r['ttft_p50_ms']:7.1f}ms {r['ttft_p90_ms']:7.1f}ms "
-              f"{r['output_tokens_per_s']:9.1f}  {same}")
+              f"{r['output_tokens_per_s']:9.1f}  {r['answers_equal_colocated']} turns")
+    print(f"   1P+1D with reuse vs every block sent, same answers: "
+          f"{same_turns(new['answers'], old['answers'])} turns")
     ratio = new["kv_bytes_sent"] / max(1.0, old["kv_bytes_sent"])
     print(f"   KV bytes sent with reuse / without: {ratio:.2f}x; TTFT p50 "
           f"{old['ttft_p50_ms'] / new['ttft_p50_ms']:.2f}x better; output tokens/s "
