@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +40,10 @@ log = logging.getLogger("pdserve.deploy")
 EMBEDDED_NODE_IP = "127.0.0.2"
 # UCX (nixl) opens its own listeners; an embedded cluster keeps them on loopback.
 EMBEDDED_ENV = {"UCX_NET_DEVICES": "lo"}
+# Ray's autoscaler monitor serves its metrics on a fixed port (44217) of every
+# interface unless the head is 127.0.0.1; an embedded cluster has no autoscaler to
+# watch, so its monitor gets a port that cannot be bound (it logs that and goes on).
+EMBEDDED_MONITOR_PORT = {"AUTOSCALER_METRIC_PORT": "-1"}
 
 
 class StartupError(ValueError):
@@ -51,6 +56,7 @@ def init_local_ray(num_cpus: int | None = None) -> None:
     new one of its own (``address="local"``). Without an address Ray would join the
     cluster ``RAY_ADDRESS`` names, or the last one ``ray start`` began on this
     machine (its bootstrap file, even when that cluster is long dead)."""
+    os.environ.update(EMBEDDED_MONITOR_PORT)  # read by the monitor process ray.init starts
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=True,
              logging_level=logging.WARNING, _node_ip_address=EMBEDDED_NODE_IP,
              runtime_env={"env_vars": EMBEDDED_ENV})
