@@ -48,7 +48,7 @@ from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.rope import RotaryEmbedding
 from pdserve.engine.runner import ModelRunner, Sampled
 from pdserve.engine.sampler import TokenLogprobs, make_generator, skip_draws
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, request_problem
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.spec_decode import SpecState, SpecStats, SuffixCache
 from pdserve.engine.stop import StopChecker, StopDecision
@@ -241,22 +241,11 @@ class LLMEngine:
     # ------------------------------------------------------------------ intake
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise ``ValueError`` if the request can never be served here."""
+        problem = request_problem(prompt_token_ids, params, self.model_config.vocab_size,
+                                  self.max_model_len)
+        if problem is not None:
+            raise ValueError(problem)
         n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {n} tokens; the model's context is {self.max_model_len} tokens"
-            )
-        if n + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens={params.max_tokens} cannot fit: prompt ({n}) + max_tokens "
-                f"exceeds the context of {self.max_model_len} tokens "
-                f"(at most {self.max_model_len - n} new tokens)"
-            )
         # A prefill engine holds only the prompt (its first token's KV is made later).
         need = n if self.role == "prefill" else n + params.max_tokens
         if ceil_div(need, self.block_size) > self.num_blocks:
@@ -264,13 +253,6 @@ class LLMEngine:
                 f"prompt ({n}) + max_tokens ({params.max_tokens}) needs more KV blocks than "
                 f"this engine has ({self.num_blocks} blocks of {self.block_size})"
             )
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be < vocab size {vocab}")
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise ValueError(f"logit_bias token ids must be < vocab size {vocab}")
-        if params.resumed_tokens >= n:
-            raise ValueError(f"resumed_tokens ({params.resumed_tokens}) must be shorter "
-                             f"than the prompt ({n})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
 

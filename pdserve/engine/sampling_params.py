@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,6 +186,32 @@ class SamplingParams:
                 f"allowed: {', '.join(sorted(allowed))}"
             )
         return cls(**d)
+
+
+def request_problem(prompt_token_ids: Sequence[int], params: SamplingParams, vocab: int,
+                    max_model_len: int) -> str | None:
+    """Why a request can never be served by a model of ``vocab`` tokens and a context
+    of ``max_model_len``, or None. The one copy of these rules: the router refuses a
+    request with it before routing (400), the engine again on intake (``ValueError``)."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        return "prompt is empty"
+    if any(not 0 <= t < vocab for t in prompt_token_ids):
+        return f"prompt token ids must be in [0, {vocab})"
+    if n >= max_model_len:
+        return f"prompt has {n} tokens; the model's context is {max_model_len} tokens"
+    if n + params.max_tokens > max_model_len:
+        return (f"max_tokens={params.max_tokens} cannot fit: prompt ({n}) + max_tokens "
+                f"exceeds the context of {max_model_len} tokens "
+                f"(at most {max_model_len - n} new tokens)")
+    if any(t >= vocab for t in params.stop_token_ids):
+        return f"stop_token_ids must be < vocab size {vocab}"
+    if any(t >= vocab for t, _ in params.logit_bias):
+        return f"logit_bias token ids must be < vocab size {vocab}"
+    if params.resumed_tokens >= n:
+        return (f"resumed_tokens ({params.resumed_tokens}) must be shorter than the "
+                f"prompt ({n})")
+    return None
 
 
 def effective_priority(priority: int, waited_s: float, aging_s: float = AGING_S) -> int:

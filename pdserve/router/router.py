@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import SamplingParams, request_problem
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.admission import Admission
 from pdserve.router.fanout import Fanout
@@ -233,18 +233,9 @@ class Router:
         return list(req.prompt_token_ids or [])
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
-        n, limit = len(prompt), self.max_model_len
-        vocab = self.tokenizer.vocab_size
-        problem = None
-        if n == 0:
-            problem = "prompt is empty"
-        elif any(not 0 <= t < vocab for t in prompt):
-            problem = f"prompt token ids must be in [0, {vocab})"
-        elif n >= limit:
-            problem = f"prompt has {n} tokens; the model's context is {limit} tokens"
-        elif n + params.max_tokens > limit:
-            problem = (f"max_tokens={params.max_tokens} cannot fit: prompt ({n}) + max_tokens "
-                       f"exceeds the context of {limit} tokens (at most {limit - n} new tokens)")
+        """The engine's own rules (``request_problem``), before routing: a request no
+        worker can serve is a 400 at once, not an attempt."""
+        problem = request_problem(prompt, params, self.tokenizer.vocab_size, self.max_model_len)
         if problem:
             raise RouterError(ErrorKind.INVALID, problem)
 

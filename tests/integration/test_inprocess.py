@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -301,6 +302,17 @@ def test_bad_input_and_overload(pair_factory: Callable[..., Pair]) -> None:
             await collect(router.generate(GenerateRequest(
                 "m", GREEDY, messages=[{"role": "nobody"}])))
         assert e.value.kind is ErrorKind.INVALID
+        # The engine's rules, checked before routing: no worker sees these.
+        calls = pair.decode[0].blocks_granted
+        for bad in (SamplingParams(stop_token_ids=[10**6]),
+                    SamplingParams(logit_bias={10**6: 1.0}),
+                    SamplingParams(max_tokens=10**6)):
+            with pytest.raises(RouterError) as e:
+                await collect(router.generate(GenerateRequest("v", bad, prompt_token_ids=[5])))
+            assert e.value.kind is ErrorKind.INVALID, bad
+            with pytest.raises(ValueError, match=re.escape(str(e.value)[:30])):
+                pair.decode[0].engine.validate([5], bad)  # the same words from the engine
+        assert pair.decode[0].blocks_granted == calls
         # Hold 10 of the decode worker's 12 blocks with a reservation whose KV never
         # comes: a 100-token prompt (7 blocks) must wait, then get 429.
         held = await pair.decode[0].reserve("hold", [7] * 150, GREEDY)
