@@ -35,11 +35,13 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """Chained hashes of every full block of ``token_ids``."""
-    hashes: list[int] = []
-    parent = ROOT_HASH
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int,
+                        known: Sequence[int] = ()) -> list[int]:
+    """Chained hashes of every full block of ``token_ids``; ``known``: those of its
+    first blocks, computed before (only the blocks after them are hashed)."""
+    hashes = list(known)
+    parent = hashes[-1] if hashes else ROOT_HASH
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         parent = hash_block(parent, token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes

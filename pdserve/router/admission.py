@@ -105,6 +105,7 @@ class Admission:
         # block hash -> the token worker (decode, colocated) that last held it: the
         # prompt and output of a request it finished (the orchestrator records them)
         self.token_prefix = PrefixIndex()
+        self.tracks_token_prefix = policy is prefix_affinity  # the only policy that reads it
         self.max_waiting = max_waiting
         self.queue_timeout_s = queue_timeout_s
         self._block_size = block_size

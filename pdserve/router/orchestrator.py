@@ -191,7 +191,7 @@ class RequestRun:
                     done = item.finish_reason is not None
                     if done:  # P's timings belong in the final chunk's
                         await self._late_prefill(leg)
-                        self._held_by(token, item.token_ids)
+                        self._held_by(token, item.token_ids, hashes)
                     yield item
                     if done:
                         return
@@ -224,13 +224,17 @@ class RequestRun:
             s.admission.wake()
             s.workers.attempt_ended()
 
-    def _held_by(self, token: WorkerState, last: list[int]) -> None:
+    def _held_by(self, token: WorkerState, last: list[int], hashes: list[int]) -> None:
         """The token worker's prefix cache now holds this request's prompt and output
-        (up to ``last``, the final delta's tokens, but the very last token, whose KV was
-        never computed): a later turn of the conversation is best served there."""
+        (up to ``last``, the final delta's tokens) but the very last token, whose KV was
+        never computed: prefix affinity sends a later turn of the conversation there.
+        ``hashes``: the attempt's prompt blocks, hashed when it started."""
+        if not self.s.admission.tracks_token_prefix:
+            return
         held = (self.prompt + self.emitted + last)[:-1]
-        self.s.admission.token_prefix.record(prefix_block_hashes(held, self.s.block_size),
-                                             token.worker_id)
+        bs = self.s.block_size
+        self.s.admission.token_prefix.record(
+            prefix_block_hashes(held, bs, hashes[: len(held) // bs]), token.worker_id)
 
     def _start_prefill(self, p: WorkerState, inbox: Inbox, task: PrefillTask,
                        hashes: list[int]) -> _PrefillLeg:

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
 
 
 def hand_off(prefill: LLMEngine, request_id: str, decode: LLMEngine, dest: Sequence[int]) -> None:
@@ -16,3 +17,20 @@ def hand_off(prefill: LLMEngine, request_id: str, decode: LLMEngine, dest: Seque
     assert len(src) == len(dest), (len(src), len(dest))
     decode.kv_cache[torch.as_tensor(list(dest), dtype=torch.long)] = \
         prefill.kv_cache[src].to(decode.kv_cache.dtype)
+
+
+def disaggregate(prefill: LLMEngine, decode: LLMEngine, request_id: str,
+                 prompt: list[int], params: SamplingParams) -> int:
+    """Prefill ``prompt`` on ``prefill``, hand its KV to ``decode`` and start decoding
+    there, as a prefill/decode pair does; the first token (sampled by the prefill side)."""
+    prefill.add_request(request_id, prompt, params)
+    outs = []
+    while not outs:
+        outs = prefill.step().outputs
+    dest = decode.reserve(request_id, prompt, params)
+    assert dest is not None
+    hand_off(prefill, request_id, decode, dest)
+    prefill.release(request_id)
+    first = outs[0].new_token_ids[0]
+    decode.start_decode(request_id, first)
+    return first

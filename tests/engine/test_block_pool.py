@@ -142,3 +142,11 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+def test_prefix_hashes_continue_from_known_ones() -> None:
+    tokens = list(range(100, 171))  # 4 full blocks of 16, and 7 tokens
+    whole = prefix_block_hashes(tokens, 16)
+    assert len(whole) == 4
+    assert prefix_block_hashes(tokens, 16, prefix_block_hashes(tokens[:40], 16)) == whole
+    assert prefix_block_hashes(tokens, 16, whole[:1]) == whole

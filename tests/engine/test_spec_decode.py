@@ -19,7 +19,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.spec_decode import NgramProposer, SpecState, SuffixCache, SuffixProposer, verify
 from pdserve.engine.structured import StructuredOutput
-from tests.engine.handoff import hand_off
+from tests.engine.handoff import disaggregate
 from tests.engine.test_engine import BACKENDS, prompts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
@@ -235,16 +235,7 @@ def test_decode_worker_speculates_from_its_first_step(tiny_model: Callable[[str]
     prefill = engine(path, role="prefill")
     assert prefill.spec_config is None
     decode = engine(path, role="decode", num_blocks=64)
-    prefill.add_request("r", prompt, GREEDY)
-    outs = []
-    while not outs:
-        outs = prefill.step().outputs
-    dest = decode.reserve("r", prompt, GREEDY)
-    assert dest is not None
-    hand_off(prefill, "r", decode, dest)
-    prefill.release("r")
-    tokens = list(outs[0].new_token_ids)
-    decode.start_decode("r", tokens[0])
+    tokens = [disaggregate(prefill, decode, "r", prompt, GREEDY)]
     steps = 0
     while decode.has_unfinished():
         steps += 1

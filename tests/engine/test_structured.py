@@ -17,7 +17,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured import StructuredOutput, grammar_of
-from tests.engine.handoff import hand_off
+from tests.engine.handoff import disaggregate
 
 # Schemas of our own: nested objects, arrays with bounds, enums, patterns, numbers with
 # ranges, optional fields, anyOf and $defs. (Integers: a random-weight model would write
@@ -145,16 +145,7 @@ def test_grammar_follows_the_handoff(tiny_model: Callable[[str], Path]) -> None:
     colocated = engine(path).generate(["Write JSON:"], p)[0]
     prefill, decode = engine(path, role="prefill"), engine(path, role="decode")
     prompt = prefill.tokenizer.encode("Write JSON:")
-    prefill.add_request("r", prompt, p)
-    outs = []
-    while not outs:
-        outs = prefill.step().outputs
-    dest = decode.reserve("r", prompt, p)
-    assert dest is not None
-    hand_off(prefill, "r", decode, dest)
-    prefill.release("r")
-    tokens = list(outs[0].new_token_ids)
-    decode.start_decode("r", tokens[0])
+    tokens = [disaggregate(prefill, decode, "r", prompt, p)]
     while decode.has_unfinished():
         for o in decode.step().outputs:
             tokens.extend(o.new_token_ids)
