@@ -36,7 +36,7 @@ from pdserve.engine import kernels
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cost import cost_model
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.linear import FAMILIES, Linear
+from pdserve.engine.linear import FAMILIES, INT_FAMILIES, Linear, int_family
 from pdserve.engine.sampling_params import SamplingParams
 
 # weight format -> (engine dtype, quantization)
@@ -223,10 +223,13 @@ def bench_format(model_dir: Path, fmt: str, threads: int, bw: float, peak: float
 
     eng = make()
     family = eng.linear_backend.removeprefix("cpu-")
-    if family in FAMILIES:  # MFU against the chosen kernel family's own peak
+    if quant in ("int4", "w8a8") and family in FAMILIES:  # the integer family's peak
+        family = int_family(eng.config.linear_backend)
+        peak = kernels.require().w8a8_peak(INT_FAMILIES[family]) * threads
+    elif family in FAMILIES:  # MFU against the chosen kernel family's own peak
         peak = kernels.require().family_peak(FAMILIES[family]) * threads
-    print(f"-- {fmt}: linear backend {eng.linear_backend}, MFU against "
-          f"{peak / 1e9:.0f} GFLOP/s")
+    print(f"-- {fmt}: linear backend {eng.linear_backend}, kernels {family}, MFU against "
+          f"{peak / 1e9:.0f} GFLOP/s (GOP/s for integer kernels)")
     cost = cost_model(eng.model_config, dtype, quant)
     vocab = eng.model_config.vocab_size
     prompt = random_prompts(1, args.prompt_len, vocab)[0]

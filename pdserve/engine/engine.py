@@ -40,7 +40,7 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ModelConfig, ceil_div
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.input_batch import InputBatch
-from pdserve.engine.linear import resolve_linear_backend, w8a8_family
+from pdserve.engine.linear import int_family, resolve_linear_backend
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.output import OutputProcessor
 from pdserve.engine.quant_load import quantize_model
@@ -152,8 +152,7 @@ class LLMEngine:
                                                self.config.quantization_group_size)
         model.use(self.linear_backend, make_attention(
             self.attention_backend, local.num_heads, local.num_kv_heads, mc.head_dim, rotary),
-            w8a8=(w8a8_family(self.config.linear_backend)
-                  if self.config.quantization == "w8a8" else None))
+            int_family(self.config.linear_backend), w8a8=self.config.quantization == "w8a8")
         self.model = model
 
         self.num_blocks = self.config.resolve_num_blocks(

@@ -16,11 +16,17 @@ through a kernel chosen once at load (``Linear.use``):
   construction; see gemm.cpp). ``cpu`` picks the fastest family this CPU runs.
 
 A quantized layer (``Linear.quantize``, formats in ``quant.py``) keeps only its
-blocks; its reference is ``dequantize`` then ``F.linear``. A W8A8 layer
-(``Linear.use(..., w8a8=family)``) multiplies int8 weights by activations quantized
-to int8 per row and group of 64 (``csrc/w8a8.cpp``: ``avx2`` with vpmaddwd,
-``avx512vnni`` with vpdpbusd); its reference is ``quant.w8a8_reference``, equal to it
-bit for bit.
+blocks; the int8 reference is ``dequantize`` then ``F.linear``. The integer kernels come
+in two families with the same results bit for bit (``INT_FAMILIES``: ``avx2``, and
+``avx512vnni`` with vpdpbusd), chosen by ``int_family``:
+
+* int4 (``csrc/int4.cpp``): Q4_1 weights repacked at load x activations quantized
+  to int8 per row and block of 32; equal to ``quant.int4_reference`` bit for bit.
+* W8A8 (``Linear.use(..., w8a8=True)``, ``csrc/w8a8.cpp``): int8 weights per channel
+  x activations quantized to int8 per row and group of 64; equal to
+  ``quant.w8a8_reference`` bit for bit.
+
+int8 weight-only (Q8_0, ``csrc/linear.cpp``) multiplies int16-quantized activations.
 
 ``LayerOps`` is the matching switch for RMSNorm (with the residual add fused) and
 SiLU-and-multiply: ``TorchOps`` is the reference, ``CpuOps`` the fused kernels.
@@ -39,6 +45,7 @@ from pdserve.engine.quant import (
     QuantizedWeight,
     W8Weight,
     dequantize,
+    int4_reference,
     quantize_w8,
     w8a8_group,
     w8a8_reference,
@@ -48,16 +55,17 @@ from pdserve.engine.quant import (
 FAMILIES = {"avx2": 0, "avx512bf16": 1}
 _FAMILY_FLAGS = {"avx2": {"avx2", "fma"},
                  "avx512bf16": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}}
-# The W8A8 kernel families (w8a8.cpp's enum); the same results on each, bit for bit.
-W8A8_FAMILIES = {"avx2": 0, "avx512vnni": 1}
-_W8A8_FLAGS = {"avx2": {"avx2"}, "avx512vnni": {"avx512f", "avx512bw", "avx512_vnni"}}
+# The integer kernel families (int4.cpp's and w8a8.cpp's enum); the same results on
+# each, bit for bit.
+INT_FAMILIES = {"avx2": 0, "avx512vnni": 1}
+_INT_FLAGS = {"avx2": {"avx2"}, "avx512vnni": {"avx512f", "avx512bw", "avx512_vnni"}}
 
 
-def w8a8_family(backend: str) -> str:
-    """The W8A8 family for a configured ``linear_backend``: VNNI where the CPU has it,
-    unless the configuration forces ``cpu-avx2`` (the dense family a float32 model
-    resolves to does not matter: W8A8's sums are integers)."""
-    if backend == "cpu-avx2" or not _W8A8_FLAGS["avx512vnni"] <= kernels.cpu_flags():
+def int_family(backend: str) -> str:
+    """The integer (int4, W8A8) family for a configured ``linear_backend``: VNNI where
+    the CPU has it, unless the configuration forces ``cpu-avx2`` (the dense family a
+    float32 model resolves to does not matter: these sums are integers)."""
+    if backend == "cpu-avx2" or not _INT_FLAGS["avx512vnni"] <= kernels.cpu_flags():
         return "avx2"
     return "avx512vnni"
 
@@ -95,18 +103,26 @@ class Linear(nn.Module):
         self.qweight = qweight
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
-    def use(self, backend: str, w8a8: str | None = None) -> None:
-        """Pick the kernel (``torch`` or ``cpu-<family>``; ``w8a8``: int8 weights and
-        activations on that W8A8 family, ``W8A8_FAMILIES``); called once after
-        loading. The C++ and W8A8 paths keep only their own copy of the weight."""
+    def use(self, backend: str, int_family: str = "avx2", w8a8: bool = False) -> None:
+        """Pick the kernel (``torch`` or ``cpu-<family>``; int4 and ``w8a8`` (int8
+        weights and activations) layers run on ``int_family``, ``INT_FAMILIES``);
+        called once after loading. The C++ paths keep only their own copy of the
+        weight."""
         cpu = backend.startswith("cpu-")
         if self.qweight is not None:
-            self.kernel = (CpuQuantized(self.qweight, self.bias) if cpu
-                           else TorchDequantized(self.qweight, self.bias))
+            qweight = self.qweight
+            if not cpu:
+                self.kernel = (TorchInt4(qweight, self.bias) if qweight.bits == 4
+                               else TorchDequantized(qweight, self.bias))
+                return
+            self.kernel = (CpuInt4(qweight, self.bias, int_family) if qweight.bits == 4
+                           else CpuInt8(qweight, self.bias))
+            self.qweight = None
             return
-        if w8a8 is not None:
+        if w8a8:
             w8 = quantize_w8(self.weight.data)
-            self.kernel = CpuW8A8(w8, self.bias, w8a8) if cpu else TorchW8A8(w8, self.bias)
+            self.kernel = (CpuW8A8(w8, self.bias, int_family) if cpu
+                           else TorchW8A8(w8, self.bias))
         elif cpu:
             self.kernel = CpuDense(self.weight.data, self.bias, backend.removeprefix("cpu-"))
         else:
@@ -138,17 +154,32 @@ class CpuDense:
         return self.k.gemm(x, self.packed, self.out_features, self.family, self.bias)
 
 
-class CpuQuantized:
-    """int8 / int4 blocks (``csrc/linear.cpp``), float32 activations in and out, every
+class CpuInt8:
+    """int8 Q8_0 blocks (``csrc/linear.cpp``), float32 activations in and out, every
     batch size through the same kernel (batch-invariant like ``CpuDense``)."""
 
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None) -> None:
         self.k = kernels.require()
-        self.data, self.bits = qweight.data, qweight.bits
+        self.data = qweight.data
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.k.quant_linear(x, self.data, self.bits, self.bias)
+        return self.k.q8_linear(x, self.data, self.bias)
+
+
+class CpuInt4:
+    """int4 Q4_1 blocks repacked for an integer family (``csrc/int4.cpp``), float32
+    activations in and out; ``quant.int4_reference`` is its result exactly."""
+
+    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None, family: str) -> None:
+        self.k = kernels.require()
+        self.family = INT_FAMILIES[family]
+        self.out_features = qweight.out_features
+        self.packed = self.k.pack_q4(qweight.data, self.family)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.k.q4_linear(x, self.packed, self.out_features, self.family, self.bias)
 
 
 class CpuW8A8:
@@ -156,7 +187,7 @@ class CpuW8A8:
 
     def __init__(self, w8: W8Weight, bias: torch.Tensor | None, family: str) -> None:
         self.k = kernels.require()
-        self.family = W8A8_FAMILIES[family]
+        self.family = INT_FAMILIES[family]
         self.packed = self.k.pack_w8(w8.q, self.family)
         self.scale = w8.scale
         n, k = w8.q.shape
@@ -176,6 +207,16 @@ class TorchW8A8:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return w8a8_reference(x.reshape(-1, x.shape[-1]), self.w8, self.bias).to(x.dtype)
+
+
+class TorchInt4:
+    """Reference for int4 layers (``quant.int4_reference``), back in x's dtype."""
+
+    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        self.qweight, self.bias = qweight, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return int4_reference(x.reshape(-1, x.shape[-1]), self.qweight, self.bias).to(x.dtype)
 
 
 class TorchDequantized:

@@ -60,12 +60,14 @@ class LlamaModel(nn.Module):
         self.vocab_range = (0, cfg.vocab_size)
         self.vocab = cfg.vocab_size
 
-    def use(self, linear_backend: str, attn: AttentionBackend, w8a8: str | None = None) -> None:
-        """Choose the kernels (after the weights are loaded); ``w8a8`` (a W8A8 family):
-        the decoder layers' linears multiply in int8 (the LM head keeps the dtype)."""
+    def use(self, linear_backend: str, attn: AttentionBackend, int_family: str = "avx2",
+            w8a8: bool = False) -> None:
+        """Choose the kernels (after the weights are loaded); int4 and W8A8 layers run
+        on ``int_family``; ``w8a8``: the decoder layers' linears multiply in int8 (the
+        LM head keeps the dtype)."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.use(linear_backend, w8a8=None if module is self.lm_head else w8a8)
+                module.use(linear_backend, int_family, w8a8=w8a8 and module is not self.lm_head)
         fast = linear_backend.startswith("cpu-")
         self.ops = CpuOps() if fast else TorchOps()
         self.act_dtype = torch.float32 if fast else None

@@ -129,13 +129,13 @@ def w8a8_group(in_features: int) -> int:
     raise ValueError(f"W8A8 needs an input size that is a multiple of 16, got {in_features}")
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W8A8's activation quantizer, per row and group of ``w8a8_group`` values: (q as
-    float32 integers [M, groups, G], scales [M, groups]), with the kernel's
-    arithmetic (float32, round half to even)."""
+def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The integer kernels' activation quantizer (``csrc/quantize.h``), per row and
+    group of ``group`` values: (q as float32 integers [M, groups, G], scales [M,
+    groups]), with the kernels' arithmetic (float32, round half to even)."""
     x = x.float()
     m, k = x.shape
-    xg = x.reshape(m, k // w8a8_group(k), w8a8_group(k))
+    xg = x.reshape(m, k // group, group)
     amax = xg.abs().amax(dim=-1)
     inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
     return (xg * inv[..., None]).round().clamp(-127, 127), amax / 127.0
@@ -144,9 +144,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def w8a8_reference(x: torch.Tensor, w: W8Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """The W8A8 kernels' result exactly: each group's integer sum in float64 (exact),
     then the same float32 operations in the same order."""
-    q, sx = quantize_rows(x)
     n, k = w.q.shape
     g = w8a8_group(k)
+    q, sx = quantize_rows(x, g)
     qw = w.q.double().reshape(n, k // g, g)
     acc = torch.zeros(x.shape[0], n)
     for i in range(k // g):
@@ -154,6 +154,28 @@ def w8a8_reference(x: torch.Tensor, w: W8Weight, bias: torch.Tensor | None) -> t
         acc = acc + dot * sx[:, i, None]
     y = acc * w.scale[None, :]
     return y if bias is None else y + bias.float()
+
+
+def int4_reference(x: torch.Tensor, qw: QuantizedWeight,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """The int4 kernels' result exactly (``csrc/int4.cpp``: x quantized to int8 per
+    block of 32): each block's integer sum in float64 (exact), then the same float32
+    operations in the same order."""
+    assert qw.bits == 4
+    q, dx = quantize_rows(x, BLOCK)  # [M, nb, 32], [M, nb]
+    sx = dx * q.sum(dim=-1)  # exact integer sums, one float32 product
+    n, nb = qw.out_features, qw.in_features // BLOCK
+    b = qw.data.view(n, nb, BLOCK_BYTES[4])
+    d = b[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)  # [n, nb]
+    mn = b[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
+    qs = b[..., 4:]
+    qw_ = torch.cat([qs & 0x0F, qs >> 4], dim=2).double()  # [n, nb, 32]
+    acc = torch.zeros(x.shape[0], n)
+    for i in range(nb):
+        dot = (q[:, i].double() @ qw_[:, i].T).float()
+        acc = acc + dot * dx[:, i, None] * d[None, :, i]
+        acc = acc + mn[None, :, i] * sx[:, i, None]
+    return acc if bias is None else acc + bias.float()
 
 
 def dequantize(qw: QuantizedWeight) -> torch.Tensor:

@@ -1,7 +1,7 @@
-"""The C++ GEMM (csrc/gemm.cpp), every kernel family this CPU runs: agreement with
-the plain-torch reference, and batch invariance by construction -- a row's result is
-bit-identical however many rows share its call, wherever it lands in the tiles and
-however many threads run it."""
+"""The C++ GEMMs (csrc/gemm.cpp, and the integer ones: w8a8.cpp, int4.cpp), every
+kernel family this CPU runs: agreement with the plain-torch reference, and batch
+invariance by construction -- a row's result is bit-identical however many rows
+share its call, wherever it lands in the tiles and however many threads run it."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ import torch.nn.functional as F
 from pdserve.engine import kernels, quant
 from pdserve.engine.linear import (
     FAMILIES,
-    W8A8_FAMILIES,
+    INT_FAMILIES,
     CpuDense,
+    CpuInt4,
     CpuW8A8,
     cpu_families,
+    int_family,
     resolve_linear_backend,
-    w8a8_family,
 )
 
 pytestmark = pytest.mark.skipif(kernels.cpu_supported() is not None,
@@ -112,19 +113,19 @@ def test_gemm_rejects_bad_input() -> None:
 
 
 # ---------------------------------------------------------------------- W8A8
-W8_FAMILIES = list(W8A8_FAMILIES)
+INT_FAMILY_NAMES = list(INT_FAMILIES)
 
 
-def w8_runnable(family: str) -> None:
-    if family == "avx512vnni" and w8a8_family("cpu") != "avx512vnni":
+def int_runnable(family: str) -> None:
+    if family == "avx512vnni" and int_family("cpu") != "avx512vnni":
         pytest.skip("this CPU has no AVX512-VNNI")
 
 
-@pytest.mark.parametrize("family", W8_FAMILIES)
+@pytest.mark.parametrize("family", INT_FAMILY_NAMES)
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 7, 40, 131])
 @pytest.mark.parametrize("bias", [False, True])
 def test_w8a8_equals_its_reference_bit_for_bit(family: str, m: int, bias: bool) -> None:
-    w8_runnable(family)
+    int_runnable(family)
     g = torch.Generator().manual_seed(m)
     n, k = 101, 96
     w8 = quant.quantize_w8(torch.randn(n, k, generator=g))
@@ -145,9 +146,9 @@ def test_w8a8_is_close_to_the_float_matmul() -> None:
     torch.testing.assert_close(out, ref, rtol=0.05, atol=0.02 * float(ref.abs().max()))
 
 
-@pytest.mark.parametrize("family", W8_FAMILIES)
+@pytest.mark.parametrize("family", INT_FAMILY_NAMES)
 def test_w8a8_rows_are_bit_identical_however_batched(family: str) -> None:
-    w8_runnable(family)
+    int_runnable(family)
     g = torch.Generator().manual_seed(2)
     w8 = quant.quantize_w8(torch.randn(200, 576, generator=g))
     b = torch.randn(200, generator=g)
@@ -160,7 +161,7 @@ def test_w8a8_rows_are_bit_identical_however_batched(family: str) -> None:
 
 def test_w8a8_families_agree_bit_for_bit() -> None:
     """Integer sums and one float epilogue: the same result on every CPU class."""
-    w8_runnable("avx512vnni")
+    int_runnable("avx512vnni")
     g = torch.Generator().manual_seed(4)
     w8 = quant.quantize_w8(torch.randn(80, 192, generator=g))
     x = torch.randn(37, 192, generator=g)
@@ -185,3 +186,70 @@ def test_w8a8_rejects_bad_input() -> None:
         k.pack_w8(w8.q, 5)
     with pytest.raises(RuntimeError, match="int8"):
         k.pack_w8(w8.q.float(), 0)
+
+
+# ---------------------------------------------------------------------- int4
+@pytest.mark.parametrize("family", INT_FAMILY_NAMES)
+@pytest.mark.parametrize(("n", "k", "group"), [(101, 96, 32), (64, 256, 64), (40, 128, 128),
+                                               (16, 32, 32)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_equals_its_reference_bit_for_bit(family: str, n: int, k: int, group: int,
+                                               bias: bool) -> None:
+    int_runnable(family)
+    g = torch.Generator().manual_seed(n + k)
+    qw = quant.quantize(torch.randn(n, k, generator=g), "int4", group)
+    b = torch.randn(n, generator=g) if bias else None
+    lin = CpuInt4(qw, b, family)
+    for m in (1, 2, 3, 5, 40, 131):
+        x = torch.randn(m, k, generator=g) * 3
+        x[0, 5] = 40.0  # an outlier sets its block's scale
+        assert torch.equal(lin(x), quant.int4_reference(x, qw, b)), m
+
+
+def test_int4_is_close_to_the_dequantized_matmul() -> None:
+    g = torch.Generator().manual_seed(1)
+    qw = quant.quantize(torch.randn(64, 256, generator=g) * 0.05, "int4", 32)
+    x = torch.randn(9, 256, generator=g)
+    ref = F.linear(x, quant.dequantize(qw))
+    out = CpuInt4(qw, None, "avx2")(x)
+    # x rounded to 8 bits per block of 32 (the weights are exact): well under 1% of
+    # the typical output (a wrong nibble order is off by tens of percent)
+    torch.testing.assert_close(out, ref, rtol=0.02, atol=0.01 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("family", INT_FAMILY_NAMES)
+def test_int4_rows_are_bit_identical_however_batched(family: str) -> None:
+    int_runnable(family)
+    g = torch.Generator().manual_seed(2)
+    qw = quant.quantize(torch.randn(200, 576, generator=g), "int4", 32)
+    b = torch.randn(200, generator=g)
+    x = torch.randn(300, 576, generator=g)
+    lin = CpuInt4(qw, b, family)
+    full = lin(x)
+    for lo, hi in [(0, 1), (5, 6), (3, 8), (7, 20), (100, 229), (127, 129), (11, 300)]:
+        assert torch.equal(lin(x[lo:hi].contiguous()), full[lo:hi]), (lo, hi)
+
+
+def test_int4_families_agree_bit_for_bit() -> None:
+    int_runnable("avx512vnni")
+    g = torch.Generator().manual_seed(4)
+    qw = quant.quantize(torch.randn(80, 192, generator=g), "int4", 64)
+    x = torch.randn(37, 192, generator=g)
+    b = torch.randn(80, generator=g)
+    assert torch.equal(CpuInt4(qw, b, "avx2")(x), CpuInt4(qw, b, "avx512vnni")(x))
+
+
+def test_int4_rejects_bad_input() -> None:
+    k = kernels.require()
+    qw = quant.quantize(torch.randn(16, 64), "int4", 32)
+    packed = k.pack_q4(qw.data, 0)
+    with pytest.raises(RuntimeError, match="x has 32 columns"):
+        k.q4_linear(torch.randn(2, 32), packed, 16, 0, None)
+    with pytest.raises(RuntimeError, match="not pack_q4's"):
+        k.q4_linear(torch.randn(2, 64), packed, 17, 0, None)
+    with pytest.raises(RuntimeError, match="unknown int4 family"):
+        k.pack_q4(qw.data, 5)
+    with pytest.raises(RuntimeError, match="Q4_1 blocks"):
+        k.pack_q4(qw.data[:, :30].contiguous(), 0)
+    with pytest.raises(RuntimeError, match="bias"):
+        k.q4_linear(torch.randn(2, 64), packed, 16, 0, torch.randn(15))

@@ -45,11 +45,18 @@ def assert_same_greedy(got: list[Completion], want: list[Completion], margin: fl
 
 
 @needs_kernels
-@pytest.mark.parametrize(("kind", "group"), [("int8", 32), ("int4", 32), ("int4", 64)])
-def test_quantized_kernels_match_dequantize_reference(tiny_model: Callable[[str], Path],
-                                                      kind: str, group: int) -> None:
+@pytest.mark.parametrize(("kind", "group", "atol", "mean_tol"), [
+    # int8 multiplies x quantized to int16: float precision. int4 multiplies x
+    # quantized to int8, as its reference quant.int4_reference does (the linears are
+    # equal bit for bit: test_gemm.py); attention and norms round differently on the
+    # two paths, and re-quantizing a layer's input can move a value across a
+    # rounding step: measured on this model, 0.007 nats per prompt token on average,
+    # 0.18 at most (W8A8 alike); a wrong kernel is off by whole nats.
+    ("int8", 32, 5e-3, 1e-3), ("int4", 32, 0.25, 0.025), ("int4", 64, 0.25, 0.025)])
+def test_quantized_kernels_match_their_reference(tiny_model: Callable[[str], Path], kind: str,
+                                                 group: int, atol: float, mean_tol: float) -> None:
     """Batch 1 and 32 (one kernel for every batch size, chunked for the prompts) on both
-    backends; prompt logprobs (every prompt position) within float tolerance."""
+    backends; prompt logprobs (every prompt position) within tolerance."""
     path = tiny_model("llama-gqa")  # sizes 64 / 192: multiples of the groups
     kw = {"quantization": kind, "quantization_group_size": group}
     ref = engine(path, linear_backend="torch", attention_backend="torch", **kw)
@@ -58,13 +65,15 @@ def test_quantized_kernels_match_dequantize_reference(tiny_model: Callable[[str]
     for n in (1, 32):
         ps = prompts(n, 20, seed=n)
         got, want = fast.generate(ps, params), ref.generate(ps, params)
-        assert_same_greedy(got, want)
+        assert_same_greedy(got, want, margin=max(0.05, 2 * atol), atol=atol)
+        diffs = []
         for g, w in zip(got, want, strict=True):
             assert g.prompt_logprobs is not None and w.prompt_logprobs is not None
-            torch.testing.assert_close(
-                torch.tensor([lp.logprob for lp in g.prompt_logprobs[1:] if lp]),
-                torch.tensor([lp.logprob for lp in w.prompt_logprobs[1:] if lp]),
-                rtol=1e-3, atol=2e-3)
+            diffs.append(torch.tensor([lp.logprob for lp in g.prompt_logprobs[1:] if lp])
+                         - torch.tensor([lp.logprob for lp in w.prompt_logprobs[1:] if lp]))
+        diff = torch.cat(diffs).abs()
+        assert float(diff.max()) < atol
+        assert float(diff.mean()) < mean_tol
 
 
 @needs_kernels
@@ -76,11 +85,17 @@ def test_default_model_int4_serves_the_gguf_blocks(default_model_dir: Path) -> N
     assert len(q.quant_report.native) == 4 * q.model_config.num_layers + 1
     tok = q.tokenizer
     assert tok is not None
-    texts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
-    ps = [tok.encode(t) for t in texts]
-    want = engine(default_model_dir, num_threads=1).generate(ps, GREEDY)
-    got = q.generate(ps, GREEDY)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    # The prepared float model is the dequantized GGUF, so only int4's 8-bit
+    # activations part them (measured: 0.05 nats per token on average, the same
+    # perplexity); blocks in a wrong order would be whole nats off.
+    ids = tok.encode(TEXT)[:300]
+    params = SamplingParams(max_tokens=0, prompt_logprobs=0)
+    got, want = (e.generate([ids], params)[0].prompt_logprobs
+                 for e in (q, engine(default_model_dir, num_threads=1)))
+    assert got is not None and want is not None
+    diff = [abs(a.logprob - b.logprob) for a, b in zip(got[1:], want[1:], strict=True)
+            if a is not None and b is not None]
+    assert sum(diff) / len(diff) < 0.1, sum(diff) / len(diff)
 
 
 def test_bad_quantization_settings_are_clear_errors(tiny_model: Callable[[str], Path]) -> None:
@@ -157,13 +172,14 @@ def test_w8a8_kernels_equal_their_reference(tiny_model: Callable[[str], Path]) -
 
 
 @needs_kernels
-def test_w8a8_is_batch_invariant_and_the_same_on_every_family(
-        tiny_model: Callable[[str], Path]) -> None:
+@pytest.mark.parametrize("kind", ["w8a8", "int4"])
+def test_integer_formats_are_batch_invariant_and_the_same_on_every_family(
+        tiny_model: Callable[[str], Path], kind: str) -> None:
     path = tiny_model("llama-gqa")
     ps = prompts(12, 30, seed=3)
     outs = {}
     for backend in ("cpu-avx2", "cpu"):
-        eng = engine(path, linear_backend=backend, quantization="w8a8")
+        eng = engine(path, linear_backend=backend, quantization=kind)
         together = eng.generate(ps, GREEDY)
         alone = eng.generate([ps[5]], GREEDY)[0]
         assert alone.token_ids == together[5].token_ids

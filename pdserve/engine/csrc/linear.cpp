@@ -1,16 +1,13 @@
-// Weight-only quantized linear layers: y[M, N] = x[M, K] @ W^T + b, for every M.
-// (Dense float32 / bfloat16 weights are gemm.cpp's.)
+// int8 weight-only linear layers: y[M, N] = x[M, K] @ W^T + b, for every M.
+// (Dense float32 / bfloat16 weights are gemm.cpp's, int4 int4.cpp's.)
 //
 // Weights stay row-major [N, K] as checkpoints store them, in GGUF's own block
-// layouts, so a GGUF file's tensors are used as they are (one contiguous stream
+// layout, so a GGUF file's tensors are used as they are (one contiguous stream
 // per row, scales next to their weights):
 //
 //   int8   Q8_0 blocks [N][K / 32]  34 bytes: d (fp16), q[32] (int8)     w = d * q
-//   int4   Q4_1 blocks [N][K / 32]  20 bytes: d, m (fp16), 16 bytes of nibbles
-//          (byte j: weight j in the low nibble, weight j + 16 in the high)   w = d * q + m
 //
-// A coarser quantization group (int8 per output channel, int4 groups of 64/128) is
-// the same layout with the scales repeated in each block.
+// A per-output-channel scale is the same layout with the scale repeated in each block.
 //
 // Rows of W are processed R at a time against up to 8 rows of x, so that R*M
 // accumulators live in registers; each output element is summed over K in the
@@ -34,26 +31,22 @@ namespace {
 
 constexpr int64_t kRowGrain = 16;  // rows of W per parallel task (at least)
 
-// ------------------------------------------------------ int8 / int4 weights
-// Quantized weights meet x quantized to int16 per 32 values (scale sx = max|x| /
-// 32767, so x keeps ~15 bits: the result matches the dequantized weights' matmul to
-// float rounding): 16-bit products summed pairwise into int32 (no overflow:
-// 2 * 128 * 32767 < 2^31), then scaled in float by sx * d. The int4 min term
-// m * sum(x) uses the sum of the quantized x, so that the error stays that of
-// centred weights.
-constexpr int64_t kQ8Block = 34, kQ4Block = 20;
+// ------------------------------------------------------------ int8 weights
+// The weights meet x quantized to int16 per 32 values (scale sx = max|x| / 32767,
+// so x keeps ~15 bits: the result matches the dequantized weights' matmul to float
+// rounding): 16-bit products summed pairwise into int32 (no overflow:
+// 2 * 128 * 32767 < 2^31), then scaled in float by sx * d.
+constexpr int64_t kQ8Block = 34;
 
 struct QuantizedX {
   std::vector<int16_t> q;   // [M][K]
   std::vector<float> scale; // [M][K / 32]
-  std::vector<float> sum;   // [M][K / 32]: sx * sum(q)
 };
 
 QuantizedX quantize_x(const float* x, int64_t M, int64_t K) {
   QuantizedX out;
   out.q.resize(M * K);
   out.scale.resize(M * (K / 32));
-  out.sum.resize(M * (K / 32));
   const __m256 sign_mask = _mm256_set1_ps(-0.f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < K / 32; ++b) {
@@ -67,13 +60,9 @@ QuantizedX quantize_x(const float* x, int64_t M, int64_t K) {
       const float sx = amax / 32767.f;
       const __m256 inv = _mm256_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
       __m256i i32[4];
-      __m256i isum = _mm256_setzero_si256();
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < 4; ++i)
         i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // round to nearest even
-        isum = _mm256_add_epi32(isum, i32[i]);
-      }
       out.scale[m * (K / 32) + b] = sx;
-      out.sum[m * (K / 32) + b] = sx * hsum(_mm256_cvtepi32_ps(isum));
       // 32 x int32 -> 32 x int16; packs work per 128-bit lane, a permute restores order
       int16_t* dst = out.q.data() + m * K + b * 32;
       for (int i = 0; i < 4; i += 2) {
@@ -94,21 +83,18 @@ inline __m256 dot32(const __m256i w[2], const int16_t* xq) {
 template <int M>
 constexpr int int_rows_per_pass() { return M <= 2 ? 4 : (M <= 4 ? 2 : 1); }
 
-// xq / sx / xs: x quantized (rows of K, K / 32, K / 32 values), see quantize_x.
-// Q4 selects the format: false = Q8_0 blocks, true = Q4_1 blocks.
-template <bool Q4, int M>
-void quant_small(const int16_t* xq, const float* sx_, const float* xs_, int64_t K,
-                 const uint8_t* W, int64_t n0, int64_t n1, float* y, int64_t N,
-                 const float* bias) {
+// xq / sx_: x quantized (rows of K and K / 32 values), see quantize_x.
+template <int M>
+void q8_small(const int16_t* xq, const float* sx_, int64_t K, const uint8_t* W, int64_t n0,
+              int64_t n1, float* y, int64_t N, const float* bias) {
   constexpr int R = int_rows_per_pass<M>();
-  constexpr int64_t BLK = Q4 ? kQ4Block : kQ8Block;
+  constexpr int64_t BLK = kQ8Block;
   const int64_t nb = K / 32, row_bytes = nb * BLK;
   auto pass = [&](int64_t n, auto rows_tag) {
     constexpr int RR = decltype(rows_tag)::value;
     __m256 acc[RR][M];
-    float mins[RR][M];
     for (int r = 0; r < RR; ++r)
-      for (int m = 0; m < M; ++m) { acc[r][m] = _mm256_setzero_ps(); mins[r][m] = 0.f; }
+      for (int m = 0; m < M; ++m) acc[r][m] = _mm256_setzero_ps();
     // The next pass's rows (contiguous after these) are prefetched as this pass goes:
     // quantized rows are short streams the hardware prefetcher does not ramp up on.
     const uint8_t* next = W + (n + RR) * row_bytes;
@@ -116,34 +102,23 @@ void quant_small(const int16_t* xq, const float* sx_, const float* xs_, int64_t 
       for (int64_t off = b * RR * BLK; off < (b + 1) * RR * BLK; off += 64)
         _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T0);
       __m256i w[RR][2];
-      float dr[RR], mr[RR];
+      float dr[RR];
       for (int r = 0; r < RR; ++r) {
         const uint8_t* blk = W + (n + r) * row_bytes + b * BLK;
-        // d (and m) are the block's first fp16 values: one 4-byte load, one convert
-        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(blk)));
-        dr[r] = _mm_cvtss_f32(dm);
-        if constexpr (Q4) {
-          mr[r] = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-          // each 16-bit lane holds one nibble byte: low nibble = weight j, high = j + 16
-          const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
-          w[r][0] = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
-          w[r][1] = _mm256_srli_epi16(v, 4);
-        } else {
-          w[r][0] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
-          w[r][1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
-        }
+        // d is the block's first fp16 value
+        dr[r] = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int16_t*>(blk))));
+        w[r][0] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2)));
+        w[r][1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18)));
       }
       for (int m = 0; m < M; ++m) {
         const float sx = sx_[m * nb + b];
-        for (int r = 0; r < RR; ++r) {
+        for (int r = 0; r < RR; ++r)
           acc[r][m] = _mm256_fmadd_ps(dot32(w[r], xq + m * K + b * 32), _mm256_set1_ps(dr[r] * sx), acc[r][m]);
-          if constexpr (Q4) mins[r][m] += mr[r] * xs_[m * nb + b];
-        }
       }
     }
     for (int r = 0; r < RR; ++r)
       for (int m = 0; m < M; ++m)
-        y[m * N + n + r] = hsum(acc[r][m]) + mins[r][m] + (bias ? bias[n + r] : 0.f);
+        y[m * N + n + r] = hsum(acc[r][m]) + (bias ? bias[n + r] : 0.f);
   };
   int64_t n = n0;
   for (; n + R <= n1; n += R) pass(n, std::integral_constant<int, R>{});
@@ -168,8 +143,7 @@ void by_m(int64_t M, A&&... args) {
   }
 }
 
-template <int M> struct Int8F { template <typename... A> static void run(A... a) { quant_small<false, M>(a...); } };
-template <int M> struct Int4F { template <typename... A> static void run(A... a) { quant_small<true, M>(a...); } };
+template <int M> struct Int8F { template <typename... A> static void run(A... a) { q8_small<M>(a...); } };
 
 void check_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
@@ -195,14 +169,13 @@ void for_row_blocks(int64_t M, int64_t N, Fn fn) {
 
 }  // namespace
 
-// int8 (Q8_0 blocks, [N, K / 32 * 34] uint8) or int4 (Q4_1 blocks, [N, K / 32 * 20]).
-at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t bits,
-                              const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8");
-  const int64_t blk = bits == 4 ? kQ4Block : kQ8Block;
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() && w.size(1) % blk == 0,
-              "quantized weight must be contiguous uint8 [N, K / 32 * ", blk, "]");
-  const int64_t M = x.size(0), N = w.size(0), K = w.size(1) / blk * 32;
+// int8: Q8_0 blocks, [N, K / 32 * 34] uint8.
+at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& w,
+                     const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() &&
+                  w.size(1) % kQ8Block == 0,
+              "int8: the weight must be contiguous uint8 Q8_0 blocks [N, K / 32 * 34]");
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1) / kQ8Block * 32;
   check_x(x, K);
   auto y = at::empty({M, N}, x.options());
   const QuantizedX xq = quantize_x(x.data_ptr<float>(), M, K);
@@ -212,9 +185,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& w, int64_t bits,
   for_row_blocks(M, N, [&](int64_t n0, int64_t n1, int64_t m0, int64_t mm) {
     const int16_t* q = xq.q.data() + m0 * K;
     const float* sx = xq.scale.data() + m0 * (K / 32);
-    const float* xs = xq.sum.data() + m0 * (K / 32);
-    if (bits == 4) by_m<Int4F>(mm, q, sx, xs, K, W, n0, n1, yp + m0 * N, N, b);
-    else by_m<Int8F>(mm, q, sx, xs, K, W, n0, n1, yp + m0 * N, N, b);
+    by_m<Int8F>(mm, q, sx, K, W, n0, n1, yp + m0 * N, N, b);
   });
   return y;
 }

@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "args.h"
+#include "quantize.h"
 #include "vec.h"
 
 namespace pdk {
@@ -42,42 +43,6 @@ namespace {
 enum W8Family : int64_t { kW8Avx2 = 0, kW8Vnni = 1 };
 constexpr int64_t kAvx2Group = 32, kVnniGroup = 64;
 constexpr int64_t kChunkM = 128;  // rows of x per cache chunk
-
-// Rows of x -> int16 (avx2) or uint8 = q + 128 (vnni), and the scales sx[m][g];
-// 16 values a step (G is a multiple of 16). Clamping before rounding to nearest
-// even (the default MXCSR mode, as torch.round) equals clamping after: 127 is whole.
-void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int64_t family,
-                   int16_t* q16, uint8_t* q8, float* sx) {
-  const __m256 sign = _mm256_set1_ps(-0.f), lo = _mm256_set1_ps(-127.f),
-               hi = _mm256_set1_ps(127.f);
-  const __m256i offset = _mm256_set1_epi16(128);
-  const int64_t ng = K / G;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < ng; ++g) {
-      const float* r = x + m * K + g * G;
-      __m256 mx = _mm256_setzero_ps();
-      for (int64_t k = 0; k < G; k += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, load8(r + k)));
-      const float amax = hmax(mx);
-      sx[m * ng + g] = amax / 127.f;
-      const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-      const int64_t i0 = m * K + g * G;
-      for (int64_t k = 0; k < G; k += 16) {
-        const __m256i a = _mm256_cvtps_epi32(
-            _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(load8(r + k), inv))));
-        const __m256i b = _mm256_cvtps_epi32(
-            _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(load8(r + k + 8), inv))));
-        // 16 x int16 in order (packs works per 128-bit lane; the permute restores it)
-        const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
-        if (family == kW8Avx2) {
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(q16 + i0 + k), p16);
-        } else {
-          const __m256i u = _mm256_add_epi16(p16, offset);  // 1..255
-          const __m256i p8 = _mm256_permute4x64_epi64(_mm256_packus_epi16(u, u), 0x08);
-          _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + i0 + k), _mm256_castsi256_si128(p8));
-        }
-      }
-    }
-}
 
 // MR rows x NB blocks of 8 outputs; P: the group's first pair, ldp bytes per pair.
 template <int MR, int NB>
@@ -344,7 +309,10 @@ at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   std::vector<float> sx(M * ng);
   std::vector<int16_t> q16(family == kW8Avx2 ? M * K : 0);
   std::vector<uint8_t> q8(family == kW8Vnni ? M * K : 0);
-  quantize_rows(x.data_ptr<float>(), M, K, G, family, q16.data(), q8.data(), sx.data());
+  if (family == kW8Avx2)
+    quantize_rows(x.data_ptr<float>(), M, K, G, QxForm::kInt16, q16.data(), sx.data());
+  else
+    quantize_rows(x.data_ptr<float>(), M, K, G, QxForm::kU8Offset, q8.data(), sx.data());
   const int8_t* P = packed.data_ptr<int8_t>();
   const float* swp = sw.data_ptr<float>();
   float* yp = y.data_ptr<float>();
