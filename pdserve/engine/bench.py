@@ -223,7 +223,7 @@ def bench_format(model_dir: Path, fmt: str, threads: int, bw: float, peak: float
 
     eng = make()
     family = eng.linear_backend.removeprefix("cpu-")
-    if quant in ("int4", "w8a8") and family in FAMILIES:  # the integer family's peak
+    if quant in ("int4", "int8", "w8a8") and family in FAMILIES:  # the integer family's peak
         family = int_family(eng.config.linear_backend)
         peak = kernels.require().w8a8_peak(INT_FAMILIES[family]) * threads
     elif family in FAMILIES:  # MFU against the chosen kernel family's own peak

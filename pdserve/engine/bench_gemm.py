@@ -11,10 +11,10 @@ model's layer shapes (qkv 960x576, o 576x576, gate/up 3072x576, down 576x1536):
 - decode bandwidth: one row through 30 layers' weights (larger than the caches), as
   GB/s of weights read and a fraction of the memory read bandwidth measured here;
 - which family ``linear_backend: cpu`` picks;
-- the integer families (``INT_FAMILIES``) for W8A8 (``quantization: w8a8``) and
-  int4 (Q4_1 weights x int8 activations) the same way, against their integer peak
-  (``w8a8_peak``: vpmaddwd on avx2, vpdpbusd on avx512vnni) and bf16 ``F.linear``,
-  and int4's decode bandwidth.
+- the integer families (``INT_FAMILIES``) for W8A8 (``quantization: w8a8``), int4
+  and int8 (Q4_1 / Q8_0 weights x int8 activations) the same way, against their
+  integer peak (``w8a8_peak``: vpmaddwd on avx2, vpdpbusd on avx512vnni) and bf16
+  ``F.linear``, and int4's and int8's decode bandwidth.
 
 Run: ``python -m pdserve.engine.bench_gemm [--threads 1,2] [--rows 1,8,32,128,1024]``.
 """
@@ -35,7 +35,7 @@ from pdserve.engine.linear import (
     FAMILIES,
     INT_FAMILIES,
     CpuDense,
-    CpuInt4,
+    CpuQuantized,
     CpuW8A8,
     cpu_families,
     int_family,
@@ -105,22 +105,24 @@ def bench(threads: int, rows: list[int]) -> None:
 
 
 def bench_integer(threads: int, rows: list[int], kind: str) -> None:
-    """The integer families for ``kind`` (``w8a8`` or ``int4``) against their integer
-    peak and bf16 ``F.linear`` (same shapes); int4 also its decode bandwidth."""
+    """The integer families for ``kind`` (``w8a8``, ``int4``, ``int8``) against their
+    integer peak and bf16 ``F.linear`` (same shapes); int4 / int8 also their decode
+    bandwidth."""
     k = kernels.require()
     g = torch.Generator().manual_seed(1)
     weights = [torch.randn(n, kk, generator=g) * 0.05 for n, kk in LAYER]
     ref_layer: list[Callable[[torch.Tensor], torch.Tensor]] = [
         partial(F.linear, weight=w.bfloat16()) for w in weights]
     families = ["avx2"] + (["avx512vnni"] if int_family("cpu") == "avx512vnni" else [])
-    what = ("W8A8 (int8 x int8, quantization: w8a8)" if kind == "w8a8"
-            else "int4 (Q4_1 x int8, quantization: int4)")
+    what = {"w8a8": "W8A8 (int8 x int8, quantization: w8a8)",
+            "int4": "int4 (Q4_1 x int8, quantization: int4)",
+            "int8": "int8 (Q8_0 x int8, quantization: int8)"}[kind]
     print(f"-- {what}: families {', '.join(families)}")
 
     def make(w: torch.Tensor, family: str) -> Callable[[torch.Tensor], torch.Tensor]:
         if kind == "w8a8":
             return CpuW8A8(quantize_w8(w), None, family)
-        return CpuInt4(quantize(w, "int4"), None, family)
+        return CpuQuantized(quantize(w, kind), None, family)
 
     for family in families:
         peak = k.w8a8_peak(INT_FAMILIES[family]) * threads
@@ -135,11 +137,12 @@ def bench_integer(threads: int, rows: list[int], kind: str) -> None:
             cells.append(f"{m} rows {ops / 1e9:5.0f} GOP/s ({ops / peak:4.0%}, "
                          f"{ref / ours:4.2f}x bf16 F.linear)")
         print(f"   {family:<11} peak {peak / 1e9:4.0f} GOP/s | " + " | ".join(cells))
-        if kind == "int4":
+        if kind != "w8a8":
             deep = [make(w, family) for _ in range(30) for w in weights]
             x1 = {kk: torch.randn(1, kk, generator=g) for kk in (576, 1536)}
             t = best_seconds(partial(run_layers, deep, x1))
-            nbytes = 30 * sum(n * kk for n, kk in LAYER) * 20 // 32  # Q4_1: 20 bytes / 32
+            per_block = 20 if kind == "int4" else 36  # bytes per 32 weights, packed
+            nbytes = 30 * sum(n * kk for n, kk in LAYER) * per_block // 32
             bw = memory_read_bandwidth()
             print(f"   {family:<11} decode, 1 row over {nbytes / 1e6:.0f} MB of weights: "
                   f"{nbytes / t / 1e9:.1f} GB/s ({nbytes / t / bw:.0%} of memory bandwidth)")
@@ -156,7 +159,7 @@ def main() -> None:
     print(f"CPU flags: {' '.join(flags)}")
     for threads in (int(t) for t in args.threads.split(",")):
         bench(threads, [int(r) for r in args.rows.split(",")])
-        for kind in ("w8a8", "int4"):
+        for kind in ("w8a8", "int4", "int8"):
             bench_integer(threads, [int(r) for r in args.rows.split(",")], kind)
 
 

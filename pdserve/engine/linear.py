@@ -16,17 +16,16 @@ through a kernel chosen once at load (``Linear.use``):
   construction; see gemm.cpp). ``cpu`` picks the fastest family this CPU runs.
 
 A quantized layer (``Linear.quantize``, formats in ``quant.py``) keeps only its
-blocks; the int8 reference is ``dequantize`` then ``F.linear``. The integer kernels come
-in two families with the same results bit for bit (``INT_FAMILIES``: ``avx2``, and
-``avx512vnni`` with vpdpbusd), chosen by ``int_family``:
+blocks. The integer kernels come in two families with the same results bit for bit
+(``INT_FAMILIES``: ``avx2``, and ``avx512vnni`` with vpdpbusd), chosen by
+``int_family``:
 
-* int4 (``csrc/int4.cpp``): Q4_1 weights repacked at load x activations quantized
-  to int8 per row and block of 32; equal to ``quant.int4_reference`` bit for bit.
+* int8 / int4 (``csrc/quant_gemm.cpp``): Q8_0 / Q4_1 weights repacked at load x
+  activations quantized to int8 per row and block of 32; equal to
+  ``quant.quantized_reference`` bit for bit.
 * W8A8 (``Linear.use(..., w8a8=True)``, ``csrc/w8a8.cpp``): int8 weights per channel
   x activations quantized to int8 per row and group of 64; equal to
   ``quant.w8a8_reference`` bit for bit.
-
-int8 weight-only (Q8_0, ``csrc/linear.cpp``) multiplies int16-quantized activations.
 
 ``LayerOps`` is the matching switch for RMSNorm (with the residual add fused) and
 SiLU-and-multiply: ``TorchOps`` is the reference, ``CpuOps`` the fused kernels.
@@ -44,9 +43,8 @@ from pdserve.engine import kernels
 from pdserve.engine.quant import (
     QuantizedWeight,
     W8Weight,
-    dequantize,
-    int4_reference,
     quantize_w8,
+    quantized_reference,
     w8a8_group,
     w8a8_reference,
 )
@@ -110,14 +108,9 @@ class Linear(nn.Module):
         weight."""
         cpu = backend.startswith("cpu-")
         if self.qweight is not None:
-            qweight = self.qweight
-            if not cpu:
-                self.kernel = (TorchInt4(qweight, self.bias) if qweight.bits == 4
-                               else TorchDequantized(qweight, self.bias))
-                return
-            self.kernel = (CpuInt4(qweight, self.bias, int_family) if qweight.bits == 4
-                           else CpuInt8(qweight, self.bias))
-            self.qweight = None
+            self.kernel = (CpuQuantized(self.qweight, self.bias, int_family) if cpu
+                           else TorchQuantized(self.qweight, self.bias))
+            self.qweight = None  # the kernel holds what it needs
             return
         if w8a8:
             w8 = quantize_w8(self.weight.data)
@@ -154,32 +147,21 @@ class CpuDense:
         return self.k.gemm(x, self.packed, self.out_features, self.family, self.bias)
 
 
-class CpuInt8:
-    """int8 Q8_0 blocks (``csrc/linear.cpp``), float32 activations in and out, every
-    batch size through the same kernel (batch-invariant like ``CpuDense``)."""
-
-    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None) -> None:
-        self.k = kernels.require()
-        self.data = qweight.data
-        self.bias = None if bias is None else bias.detach().float().contiguous()
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.k.q8_linear(x, self.data, self.bias)
-
-
-class CpuInt4:
-    """int4 Q4_1 blocks repacked for an integer family (``csrc/int4.cpp``), float32
-    activations in and out; ``quant.int4_reference`` is its result exactly."""
+class CpuQuantized:
+    """int8 Q8_0 / int4 Q4_1 blocks repacked for an integer family
+    (``csrc/quant_gemm.cpp``), float32 activations in and out, every batch size through
+    the same kernel; ``quant.quantized_reference`` is its result exactly."""
 
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None, family: str) -> None:
         self.k = kernels.require()
-        self.family = INT_FAMILIES[family]
+        self.family, self.bits = INT_FAMILIES[family], qweight.bits
         self.out_features = qweight.out_features
-        self.packed = self.k.pack_q4(qweight.data, self.family)
+        self.packed = self.k.pack_quantized(qweight.data, self.bits, self.family)
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.k.q4_linear(x, self.packed, self.out_features, self.family, self.bias)
+        return self.k.quant_gemm(x, self.packed, self.out_features, self.bits, self.family,
+                                 self.bias)
 
 
 class CpuW8A8:
@@ -209,25 +191,14 @@ class TorchW8A8:
         return w8a8_reference(x.reshape(-1, x.shape[-1]), self.w8, self.bias).to(x.dtype)
 
 
-class TorchInt4:
-    """Reference for int4 layers (``quant.int4_reference``), back in x's dtype."""
+class TorchQuantized:
+    """Reference for quantized layers (``quant.quantized_reference``), in x's dtype."""
 
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None) -> None:
         self.qweight, self.bias = qweight, bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return int4_reference(x.reshape(-1, x.shape[-1]), self.qweight, self.bias).to(x.dtype)
-
-
-class TorchDequantized:
-    """Reference for quantized layers: dequantize, then ``F.linear`` in x's dtype."""
-
-    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None) -> None:
-        self.qweight, self.bias = qweight, bias
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        w = dequantize(self.qweight).to(x.dtype)
-        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        return quantized_reference(x.reshape(-1, x.shape[-1]), self.qweight, self.bias).to(x.dtype)
 
 
 def resolve_linear_backend(name: str, device: str, dtype: torch.dtype,

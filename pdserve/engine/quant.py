@@ -156,25 +156,28 @@ def w8a8_reference(x: torch.Tensor, w: W8Weight, bias: torch.Tensor | None) -> t
     return y if bias is None else y + bias.float()
 
 
-def int4_reference(x: torch.Tensor, qw: QuantizedWeight,
-                   bias: torch.Tensor | None) -> torch.Tensor:
-    """The int4 kernels' result exactly (``csrc/int4.cpp``: x quantized to int8 per
-    block of 32): each block's integer sum in float64 (exact), then the same float32
-    operations in the same order."""
-    assert qw.bits == 4
+def quantized_reference(x: torch.Tensor, qw: QuantizedWeight,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    """The quantized kernels' result exactly (``csrc/quant_gemm.cpp``: x quantized to
+    int8 per block of 32): each block's integer sum in float64 (exact), then the same
+    float32 operations in the same order."""
     q, dx = quantize_rows(x, BLOCK)  # [M, nb, 32], [M, nb]
-    sx = dx * q.sum(dim=-1)  # exact integer sums, one float32 product
     n, nb = qw.out_features, qw.in_features // BLOCK
-    b = qw.data.view(n, nb, BLOCK_BYTES[4])
+    b = qw.data.view(n, nb, BLOCK_BYTES[qw.bits])
     d = b[..., 0:2].contiguous().view(torch.float16).float().squeeze(-1)  # [n, nb]
-    mn = b[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
-    qs = b[..., 4:]
-    qw_ = torch.cat([qs & 0x0F, qs >> 4], dim=2).double()  # [n, nb, 32]
+    if qw.bits == 4:
+        sx = dx * q.sum(dim=-1)  # exact integer sums, one float32 product
+        mn = b[..., 2:4].contiguous().view(torch.float16).float().squeeze(-1)
+        qs = b[..., 4:]
+        qw_ = torch.cat([qs & 0x0F, qs >> 4], dim=2).double()  # [n, nb, 32]
+    else:
+        qw_ = b[..., 2:].contiguous().view(torch.int8).double()
     acc = torch.zeros(x.shape[0], n)
     for i in range(nb):
         dot = (q[:, i].double() @ qw_[:, i].T).float()
         acc = acc + dot * dx[:, i, None] * d[None, :, i]
-        acc = acc + mn[None, :, i] * sx[:, i, None]
+        if qw.bits == 4:
+            acc = acc + mn[None, :, i] * sx[:, i, None]
     return acc if bias is None else acc + bias.float()
 
 

@@ -14,7 +14,7 @@ from pdserve.engine.linear import (
     FAMILIES,
     INT_FAMILIES,
     CpuDense,
-    CpuInt4,
+    CpuQuantized,
     CpuW8A8,
     cpu_families,
     int_family,
@@ -188,68 +188,82 @@ def test_w8a8_rejects_bad_input() -> None:
         k.pack_w8(w8.q.float(), 0)
 
 
-# ---------------------------------------------------------------------- int4
+# ------------------------------------------------------- int8 / int4 weights
+KINDS = [("int8", 32), ("int4", 32), ("int4", 64), ("int4", 128)]
+
+
 @pytest.mark.parametrize("family", INT_FAMILY_NAMES)
-@pytest.mark.parametrize(("n", "k", "group"), [(101, 96, 32), (64, 256, 64), (40, 128, 128),
-                                               (16, 32, 32)])
+@pytest.mark.parametrize(("kind", "group"), KINDS)
+@pytest.mark.parametrize(("n", "k"), [(101, 128), (64, 256), (16, 384)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int4_equals_its_reference_bit_for_bit(family: str, n: int, k: int, group: int,
-                                               bias: bool) -> None:
+def test_quantized_equals_its_reference_bit_for_bit(family: str, kind: str, group: int, n: int,
+                                                    k: int, bias: bool) -> None:
     int_runnable(family)
-    g = torch.Generator().manual_seed(n + k)
-    qw = quant.quantize(torch.randn(n, k, generator=g), "int4", group)
+    g = torch.Generator().manual_seed(n + k + group)
+    qw = quant.quantize(torch.randn(n, k, generator=g), kind, group)
+    if kind == "int8":  # GGUF's Q8_0 may hold -128 (pdserve's quantizer stops at -127)
+        qw.data.view(n, -1, 34)[0, 0, 2] = 128
     b = torch.randn(n, generator=g) if bias else None
-    lin = CpuInt4(qw, b, family)
+    lin = CpuQuantized(qw, b, family)
     for m in (1, 2, 3, 5, 40, 131):
         x = torch.randn(m, k, generator=g) * 3
         x[0, 5] = 40.0  # an outlier sets its block's scale
-        assert torch.equal(lin(x), quant.int4_reference(x, qw, b)), m
+        assert torch.equal(lin(x), quant.quantized_reference(x, qw, b)), m
 
 
-def test_int4_is_close_to_the_dequantized_matmul() -> None:
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_is_close_to_the_dequantized_matmul(kind: str) -> None:
     g = torch.Generator().manual_seed(1)
-    qw = quant.quantize(torch.randn(64, 256, generator=g) * 0.05, "int4", 32)
+    qw = quant.quantize(torch.randn(64, 256, generator=g) * 0.05, kind, 32)
     x = torch.randn(9, 256, generator=g)
     ref = F.linear(x, quant.dequantize(qw))
-    out = CpuInt4(qw, None, "avx2")(x)
+    out = CpuQuantized(qw, None, "avx2")(x)
     # x rounded to 8 bits per block of 32 (the weights are exact): well under 1% of
     # the typical output (a wrong nibble order is off by tens of percent)
     torch.testing.assert_close(out, ref, rtol=0.02, atol=0.01 * float(ref.abs().max()))
 
 
 @pytest.mark.parametrize("family", INT_FAMILY_NAMES)
-def test_int4_rows_are_bit_identical_however_batched(family: str) -> None:
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_rows_are_bit_identical_however_batched(family: str, kind: str) -> None:
     int_runnable(family)
     g = torch.Generator().manual_seed(2)
-    qw = quant.quantize(torch.randn(200, 576, generator=g), "int4", 32)
+    qw = quant.quantize(torch.randn(200, 576, generator=g), kind, 32)
     b = torch.randn(200, generator=g)
     x = torch.randn(300, 576, generator=g)
-    lin = CpuInt4(qw, b, family)
+    lin = CpuQuantized(qw, b, family)
     full = lin(x)
     for lo, hi in [(0, 1), (5, 6), (3, 8), (7, 20), (100, 229), (127, 129), (11, 300)]:
         assert torch.equal(lin(x[lo:hi].contiguous()), full[lo:hi]), (lo, hi)
 
 
-def test_int4_families_agree_bit_for_bit() -> None:
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_families_agree_bit_for_bit(kind: str) -> None:
     int_runnable("avx512vnni")
     g = torch.Generator().manual_seed(4)
-    qw = quant.quantize(torch.randn(80, 192, generator=g), "int4", 64)
+    qw = quant.quantize(torch.randn(80, 192, generator=g), kind, 64 if kind == "int4" else 32)
     x = torch.randn(37, 192, generator=g)
     b = torch.randn(80, generator=g)
-    assert torch.equal(CpuInt4(qw, b, "avx2")(x), CpuInt4(qw, b, "avx512vnni")(x))
+    assert torch.equal(CpuQuantized(qw, b, "avx2")(x), CpuQuantized(qw, b, "avx512vnni")(x))
 
 
-def test_int4_rejects_bad_input() -> None:
+def test_quantized_rejects_bad_input() -> None:
     k = kernels.require()
     qw = quant.quantize(torch.randn(16, 64), "int4", 32)
-    packed = k.pack_q4(qw.data, 0)
+    packed = k.pack_quantized(qw.data, 4, 0)
     with pytest.raises(RuntimeError, match="x has 32 columns"):
-        k.q4_linear(torch.randn(2, 32), packed, 16, 0, None)
-    with pytest.raises(RuntimeError, match="not pack_q4's"):
-        k.q4_linear(torch.randn(2, 64), packed, 17, 0, None)
-    with pytest.raises(RuntimeError, match="unknown int4 family"):
-        k.pack_q4(qw.data, 5)
+        k.quant_gemm(torch.randn(2, 32), packed, 16, 4, 0, None)
+    with pytest.raises(RuntimeError, match="not pack_quantized's"):
+        k.quant_gemm(torch.randn(2, 64), packed, 17, 4, 0, None)
+    with pytest.raises(RuntimeError, match="not pack_quantized's"):
+        k.quant_gemm(torch.randn(2, 64), packed, 16, 8, 0, None)  # an int4 weight as int8
+    with pytest.raises(RuntimeError, match="unknown integer family"):
+        k.pack_quantized(qw.data, 4, 5)
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        k.pack_quantized(qw.data, 5, 0)
     with pytest.raises(RuntimeError, match="Q4_1 blocks"):
-        k.pack_q4(qw.data[:, :30].contiguous(), 0)
+        k.pack_quantized(qw.data[:, :30].contiguous(), 4, 0)
     with pytest.raises(RuntimeError, match="bias"):
-        k.q4_linear(torch.randn(2, 64), packed, 16, 0, torch.randn(15))
+        k.quant_gemm(torch.randn(2, 64), packed, 16, 4, 0, torch.randn(15))
+    with pytest.raises(RuntimeError, match="float32"):
+        k.quant_gemm(torch.randn(2, 64).double(), packed, 16, 4, 0, None)

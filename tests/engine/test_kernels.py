@@ -25,38 +25,7 @@ def test_kernels_are_built_and_current() -> None:
 
 
 # ------------------------------------------------------------------ linear
-# Dense, W8A8 and int4 layers: test_gemm.py. int8 (Q8_0) layers (csrc/linear.cpp):
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 11, 40, 150])
-def test_int8_linear_matches_dequantized_reference(k, m: int) -> None:  # type: ignore[no-untyped-def]
-    g = torch.Generator().manual_seed(m)
-    w = torch.randn(37, 256, generator=g)
-    qw = quant.quantize(w, "int8", 32)
-    x = torch.randn(m, 256, generator=g) * 3
-    b = torch.randn(37, generator=g)
-    ref = F.linear(x, quant.dequantize(qw), b)
-    out = k.q8_linear(x, qw.data, b)
-    # x is quantized to int16 per 32 values inside the kernel: ~1e-5 relative
-    torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-4 * float(ref.abs().max()))
-
-
-def test_int8_rows_are_bit_identical_however_batched(k) -> None:  # type: ignore[no-untyped-def]
-    g = torch.Generator().manual_seed(5)
-    qw = quant.quantize(torch.randn(200, 256, generator=g), "int8", 32)
-    b = torch.randn(200, generator=g)
-    x = torch.randn(300, 256, generator=g)
-    full = k.q8_linear(x, qw.data, b)
-    for lo, hi in [(0, 1), (5, 6), (3, 8), (7, 20), (100, 229), (127, 129), (11, 300)]:
-        assert torch.equal(k.q8_linear(x[lo:hi].contiguous(), qw.data, b), full[lo:hi]), (lo, hi)
-
-
-def test_int8_linear_rejects_bad_shapes(k) -> None:  # type: ignore[no-untyped-def]
-    qw = quant.quantize(torch.randn(8, 64), "int8", 32)
-    with pytest.raises(RuntimeError, match="columns"):
-        k.q8_linear(torch.randn(2, 32), qw.data, None)
-    with pytest.raises(RuntimeError, match="Q8_0 blocks"):
-        k.q8_linear(torch.randn(2, 64), qw.data[:, :30].contiguous(), None)
-
-
+# Dense, W8A8 and int8 / int4 layers: test_gemm.py. Quantizers and GGUF blocks:
 def test_quantizers_round_trip() -> None:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(8, 128, generator=g)

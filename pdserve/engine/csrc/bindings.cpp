@@ -3,9 +3,9 @@
 #include <torch/extension.h>
 
 namespace pdk {
-at::Tensor q8_linear(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&);
-at::Tensor pack_q4(const at::Tensor&, int64_t);
-at::Tensor q4_linear(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const c10::optional<at::Tensor>&);
+at::Tensor pack_quantized(const at::Tensor&, int64_t, int64_t);
+at::Tensor quant_gemm(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
+                      const c10::optional<at::Tensor>&);
 at::Tensor pack_weight(const at::Tensor&, int64_t);
 double family_peak(int64_t);
 at::Tensor pack_w8(const at::Tensor&, int64_t);
@@ -44,9 +44,8 @@ at::Tensor attention_step(at::Tensor& qkv, const at::Tensor& positions, const at
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("q8_linear", &pdk::q8_linear, nogil);
-  m.def("pack_q4", &pdk::pack_q4, nogil);
-  m.def("q4_linear", &pdk::q4_linear, nogil);
+  m.def("pack_quantized", &pdk::pack_quantized, nogil);
+  m.def("quant_gemm", &pdk::quant_gemm, nogil);
   m.def("pack_weight", &pdk::pack_weight, nogil);
   m.def("gemm", &pdk::gemm, nogil);
   m.def("family_peak", &pdk::family_peak, nogil);
