@@ -53,7 +53,7 @@ from pdserve.engine.quant import (
 FAMILIES = {"avx2": 0, "avx512bf16": 1}
 _FAMILY_FLAGS = {"avx2": {"avx2", "fma"},
                  "avx512bf16": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}}
-# The integer kernel families (int4.cpp's and w8a8.cpp's enum); the same results on
+# The integer kernel families (quant_gemm.cpp's and w8a8.cpp's enum); the same results on
 # each, bit for bit.
 INT_FAMILIES = {"avx2": 0, "avx512vnni": 1}
 _INT_FLAGS = {"avx2": {"avx2"}, "avx512vnni": {"avx512f", "avx512bw", "avx512_vnni"}}

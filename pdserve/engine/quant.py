@@ -1,7 +1,8 @@
 """Weight-only quantization: the two formats, quantizers from float weights, GGUF
-blocks taken as they are, and the plain-torch dequantize reference.
+blocks taken as they are, the plain-torch dequantize reference, and the integer
+kernels' exact references (``quantized_reference``, ``w8a8_reference``).
 
-Both formats are GGUF's own block layouts (see ``csrc/linear.cpp``), row-major,
+Both formats are GGUF's own block layouts (see ``csrc/quant_gemm.cpp``), row-major,
 one row of blocks per output feature, 32 weights per block::
 
     int8  Q8_0  34 bytes: d (fp16) | q[32] int8                       w = d * q

@@ -1,4 +1,4 @@
-"""The C++ GEMMs (csrc/gemm.cpp, and the integer ones: w8a8.cpp, int4.cpp), every
+"""The C++ GEMMs (csrc/gemm.cpp, and the integer ones: w8a8.cpp, quant_gemm.cpp), every
 kernel family this CPU runs: agreement with the plain-torch reference, and batch
 invariance by construction -- a row's result is bit-identical however many rows
 share its call, wherever it lands in the tiles and however many threads run it."""

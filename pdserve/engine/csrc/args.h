@@ -1,4 +1,4 @@
-// Helpers shared by the linear kernels (gemm.cpp, linear.cpp, w8a8.cpp).
+// Helpers shared by the linear kernels (gemm.cpp, quant_gemm.cpp, w8a8.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>

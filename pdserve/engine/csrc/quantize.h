@@ -1,4 +1,4 @@
-// The activation quantizer shared by the integer kernels (w8a8.cpp, int4.cpp): rows
+// The activation quantizer shared by the integer kernels (w8a8.cpp, quant_gemm.cpp): rows
 // of float32 x, per row and group of G values (G a multiple of 16),
 //
 //   sx[m][g] = max|x[m, g]| / 127,   q = round(x * (127 / max|x|)), in -127..127
