@@ -82,20 +82,32 @@ class PrefillTask:
 
 
 @dataclass
-class PrefillResult:
-    """Prefill worker -> router, once the decode worker acknowledged the KV. The
-    first token itself goes to the decode worker with the KV (and from there to the
-    router on the token stream)."""
+class FirstToken:
+    """Prefill worker -> router (``prefill``'s answer), as soon as the prompt is
+    computed and its first token sampled: the router streams it at once, before the
+    KV hand-over ends. The same token goes to the decode worker with the KV."""
 
     request_id: str
+    token_id: int | None  # None: max_tokens=0, the prompt scored and nothing handed off
+    logprob: TokenLogprob | None  # with params.logprobs
+    # The token ends the request by the engine's rules (EOS, a stop token id, the
+    # last of max_tokens): the router waits for the decode worker's final delta.
+    final: bool
     num_cached_tokens: int  # prompt tokens served by this worker's prefix cache
     prefill_queue_s: float  # received -> first scheduled (prefill worker's clock)
     prefill_s: float  # first scheduled -> first token sampled
+    # With params.prompt_logprobs: one entry per prompt token (None for the first).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+@dataclass
+class PrefillResult:
+    """Prefill worker -> router (``handoff``'s answer), once the decode worker
+    acknowledged the KV."""
+
+    request_id: str
     kv_transfer_s: float  # last chunk's send started -> acknowledged (not hidden by compute)
     kv_bytes: int
-    # With params.prompt_logprobs: one entry per prompt token (None for the first).
-    # A request with max_tokens=0 ends here: scored, no first token, no KV sent.
-    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Stages(NamedTuple):

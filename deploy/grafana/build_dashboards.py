@@ -58,13 +58,16 @@ def rate(counter: str, selector: str, by: str = "") -> str:
     return f"sum{grp} (rate({counter}{{{selector}}}{R}))"
 
 
-STAGES = (  # request-flow order; the stacked means add up to the mean TTFT
+BEFORE_FIRST = (  # request-flow order; the stacked means add up to the mean TTFT
     ("router queue", "pdserve_request_queue_seconds"),
     ("prefill queue", "pdserve_prefill_queue_seconds"),
     ("prefill", "pdserve_prefill_seconds"),
+)
+HAND_OVER = (  # after the first token (streamed by the prefill worker)
     ("KV transfer", "pdserve_kv_transfer_seconds"),
     ("decode queue", "pdserve_decode_queue_seconds"),
 )
+STAGES = BEFORE_FIRST + HAND_OVER
 # Token workers: decode and colocated (a colocated worker decodes too).
 P, D = f'{W}, role="prefill"', f'{W}, role=~"decode|colocated"'
 FAILED = ', status!~"stop|length|abort"'  # ended without an answer (errors, rejections)
@@ -123,9 +126,13 @@ ROWS: list[tuple[str, list[Panel]]] = [
     ("Per-stage breakdown", [
         Panel("Mean time per stage (stacked)", "Mean seconds a request spends in each stage before "
               "its first token; the stack is about the mean TTFT. The largest band is the bottleneck.",
-              [(mean(h, M), name) for name, h in STAGES], "s", stacked=True, width=12),
+              [(mean(h, M), name) for name, h in BEFORE_FIRST], "s", stacked=True, width=8),
+        Panel("Hand-over (after the first token)", "Mean seconds of the KV hand-over that follow "
+              "the first token (the prefill worker streams it): the last send until acknowledged, "
+              "then until the decode worker's first step. They delay the second token.",
+              [(mean(h, M), name) for name, h in HAND_OVER], "s", stacked=True, width=8),
         Panel("p90 per stage", "90th percentile of each stage (not additive).",
-              [(q[0], name) for name, h in STAGES for q in quantiles(h, M)[1:2]], "s", width=12),
+              [(q[0], name) for name, h in STAGES for q in quantiles(h, M)[1:2]], "s", width=8),
     ]),
     ("Prefill pool", [
         Panel("Prefill tokens/s", "Prompt tokens computed per second per prefill worker.",

@@ -34,7 +34,14 @@ from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.deploy.config import PoolConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.failures import AttemptFailed, FailReason, WorkerGone
-from pdserve.messages import JoinInfo, PrefillResult, PrefillTask, Reservation, WorkerLoad
+from pdserve.messages import (
+    FirstToken,
+    JoinInfo,
+    PrefillResult,
+    PrefillTask,
+    Reservation,
+    WorkerLoad,
+)
 from pdserve.prefill_worker.worker import PrefillWorker
 
 MAX_BACKOFF_S = 60.0
@@ -205,8 +212,11 @@ class RayWorker:
     async def connect(self, decode_worker: str, endpoint: dict[str, Any]) -> None:
         await self._call("connect", decode_worker, endpoint)
 
-    async def prefill(self, task: PrefillTask) -> PrefillResult:
+    async def prefill(self, task: PrefillTask) -> FirstToken:
         return await self._call("prefill", task)
+
+    async def handoff(self, request_id: str) -> PrefillResult:
+        return await self._call("handoff", request_id)
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
                       params: SamplingParams) -> Reservation | None:

@@ -5,8 +5,10 @@ prefill, prefix reuse), samples each request's first token, and pushes the
 request's KV into the blocks a decode worker reserved -- overlapped with compute:
 after every engine step, the blocks that step completed go out at once (prefix-cache
 hits with the first chunk), and the last send, once the first token is sampled,
-carries the rest (the partial last block) and the first token. So only the last
-chunk's share of the transfer is added to TTFT. The channel runs on its own thread
+carries the rest (the partial last block) and the first token. The first token also
+goes straight back to the router (``prefill``'s answer), which streams it before the
+hand-over ends; ``handoff`` then answers once the decode worker has the KV. So the
+transfer adds nothing to TTFT. The channel runs on its own thread
 (``kv_transfer.driver``), so sends progress and are acknowledged while the engine
 steps.
 
@@ -15,9 +17,11 @@ engine's pool) until the request's transfer has ended, so a preemption cannot re
 it while a backend may still read it. A request's life here::
 
     prefill() -> engine WAITING -> (chunk: send its full blocks) ... -> PREFILLED
-              -> final send (rest + first token) -> SendEvent ok  -> PrefillResult
+              -> FirstToken, final send (rest + first token)
+    handoff()                                    -> SendEvent ok  -> PrefillResult
                                                  -> SendEvent err -> AttemptFailed
-    (blocks released and pins dropped on the event)
+    (blocks released and pins dropped on the event; a failure before the first token
+    fails prefill() too)
 
 A plain class with async methods: a sync constructor builds it in a test, the router
 calls it in-process, ``deploy/`` wraps the class itself as a Ray actor.
@@ -34,26 +38,29 @@ from typing import Any, cast
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import RequestOutput
+from pdserve.engine.stop import StopChecker
 from pdserve.failures import AttemptFailed, FailReason
 from pdserve.kv_transfer import KVSender, SendEvent
 from pdserve.kv_transfer.driver import ChannelThread
-from pdserve.messages import PrefillResult, PrefillTask, TokenLogprob, WorkerMetrics
+from pdserve.messages import FirstToken, PrefillResult, PrefillTask, TokenLogprob, WorkerMetrics
 from pdserve.worker_loop import WorkerLoop, prompt_logprobs_of
 
 
 @dataclass
 class _InFlight:
     task: PrefillTask
-    future: Future[PrefillResult]
+    first: Future[FirstToken]  # prefill()'s answer
+    future: Future[PrefillResult]  # handoff()'s answer
     received: float
     peer: str
     sent_blocks: int = 0  # leading blocks already handed to a send
     pinned: list[int] = field(default_factory=list)  # source blocks referenced for sends
-    num_cached_tokens: int = 0
-    scheduled: float | None = None
-    sampled: float | None = None
-    final_sent: float | None = None  # when the last send started
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the first token
+    final_sent: float | None = None  # when the last send started (the first token sampled)
+
+    def fail(self, exc: BaseException) -> None:
+        for fut in (self.first, self.future):
+            if not fut.done():
+                fut.set_exception(exc)
 
 
 class PrefillWorker(WorkerLoop):
@@ -66,6 +73,8 @@ class PrefillWorker(WorkerLoop):
         self._peers: dict[str, tuple[str, dict[str, Any]]] = {}  # decode id -> (peer, endpoint)
         self._broken: set[str] = set()  # decode ids whose channel died: reconnect on connect()
         self._inflight: dict[str, _InFlight] = {}
+        # handoff()'s answers, from prefill() until handoff() takes them (or an abort)
+        self._handoffs: dict[str, Future[PrefillResult]] = {}
         self.start()
 
     # ------------------------------------------------------------ async API
@@ -79,10 +88,12 @@ class PrefillWorker(WorkerLoop):
         self._peers[decode_worker] = (peer, endpoint)  # one dict store: the loop reads it
         self._broken.discard(decode_worker)
 
-    async def prefill(self, task: PrefillTask) -> PrefillResult:
-        """Compute the prompt and push its KV; resolves once the decode worker has
-        it all. ``AttemptFailed`` when the transfer fails (the router retries)."""
-        fut: Future[PrefillResult] = Future()
+    async def prefill(self, task: PrefillTask) -> FirstToken:
+        """Compute the prompt and start pushing its KV; answers with the first token
+        as soon as it is sampled (``handoff`` answers when the decode worker has the
+        KV). ``AttemptFailed`` when the transfer fails first (the router retries)."""
+        first: Future[FirstToken] = Future()
+        done: Future[PrefillResult] = Future()
         now = time.monotonic()
 
         def add() -> None:
@@ -91,14 +102,27 @@ class PrefillWorker(WorkerLoop):
                 raise AttemptFailed(FailReason.NOT_CONNECTED,
                                     f"no channel to decode worker {task.decode_worker!r}")
             self.engine.add_request(task.request_id, task.prompt_token_ids, task.params)
-            # Only the loop resolves it from now on: a caller that gives up (cancelling
-            # its wrapper) cannot cancel it between a done() check here and the set.
-            fut.set_running_or_notify_cancel()
+            # Only the loop resolves them from now on: a caller that gives up (cancelling
+            # its wrapper) cannot cancel one between a done() check here and the set.
+            first.set_running_or_notify_cancel()
+            done.set_running_or_notify_cancel()
             # blocks the decode worker holds already are never sent
-            self._inflight[task.request_id] = _InFlight(task, fut, now, known[0],
+            self._inflight[task.request_id] = _InFlight(task, first, done, now, known[0],
                                                         sent_blocks=task.dst_reused)
+            self._handoffs[task.request_id] = done
 
         await self._on_loop(add)
+        return await asyncio.wrap_future(first)
+
+    async def handoff(self, request_id: str) -> PrefillResult:
+        """After ``prefill`` answered with a token: resolves once the decode worker has
+        all the KV. ``AttemptFailed`` when the transfer fails or the request is unknown
+        here (aborted)."""
+        # No hop onto the loop (it may be in a long step): one atomic dict pop; the
+        # entry was put there before prefill() answered.
+        fut = self._handoffs.pop(request_id, None)
+        if fut is None:
+            raise AttemptFailed(FailReason.ABORTED, f"no hand-off of {request_id} here")
         return await asyncio.wrap_future(fut)
 
     def close(self) -> None:
@@ -129,9 +153,6 @@ class PrefillWorker(WorkerLoop):
         req = self.engine.requests.get(f.task.request_id)
         if req is None:
             return
-        if f.scheduled is None and req.first_scheduled_time is not None:
-            f.scheduled = req.first_scheduled_time
-            f.num_cached_tokens = req.num_cached_tokens
         full = min(req.num_computed_tokens // self.engine.block_size, len(f.task.dst_block_ids))
         if full > f.sent_blocks:
             self._send(f, req.block_ids[f.sent_blocks:full], f.sent_blocks, None)
@@ -139,24 +160,35 @@ class PrefillWorker(WorkerLoop):
     def _scored(self, f: _InFlight, out: RequestOutput, now: float) -> None:
         """A request with max_tokens=0 ended in the engine: its prompt logprobs are
         the whole answer; no KV goes anywhere."""
-        self._inflight.pop(f.task.request_id, None)
+        rid = f.task.request_id
+        self._inflight.pop(rid, None)
+        self._handoffs.pop(rid, None)
+        f.future.set_result(PrefillResult(rid, kv_transfer_s=0.0, kv_bytes=0))
+        self._answer(f, out, now, None, None, final=True)
+
+    def _answer(self, f: _InFlight, out: RequestOutput, now: float, token: int | None,
+                lp: TokenLogprob | None, final: bool) -> None:
         scheduled = out.first_scheduled_time if out.first_scheduled_time is not None else now
-        if not f.future.done():
-            f.future.set_result(PrefillResult(
-                request_id=f.task.request_id, num_cached_tokens=out.num_cached_tokens,
+        if not f.first.done():
+            f.first.set_result(FirstToken(
+                f.task.request_id, token, lp, final, num_cached_tokens=out.num_cached_tokens,
                 prefill_queue_s=max(0.0, scheduled - f.received), prefill_s=now - scheduled,
-                kv_transfer_s=0.0, kv_bytes=0, prompt_logprobs=prompt_logprobs_of(out)))
+                prompt_logprobs=prompt_logprobs_of(out)))
 
     def _send_last(self, f: _InFlight, out: RequestOutput, now: float) -> None:
-        f.prompt_logprobs = prompt_logprobs_of(out)
-        if f.scheduled is None:
-            f.scheduled = out.first_scheduled_time
-        f.num_cached_tokens, f.sampled, f.final_sent = out.num_cached_tokens, now, now
+        f.final_sent = now
         src = self.engine.block_ids(out.request_id)[f.sent_blocks:]
-        lp = out.logprobs[0] if out.logprobs else None
-        notify = {"first_token": out.new_token_ids[0], "logprobs": None if lp is None else
-                  TokenLogprob(lp.token_id, lp.logprob, lp.top, lp.rank).to_json()}
+        token = out.new_token_ids[0]
+        lp = (None if not out.logprobs else
+              TokenLogprob(out.logprobs[0].token_id, out.logprobs[0].logprob,
+                           out.logprobs[0].top, out.logprobs[0].rank))
+        notify = {"first_token": token, "logprobs": None if lp is None else lp.to_json()}
         self._send(f, src, f.sent_blocks, notify)
+        # The engine's stop rules for this one token (the decode worker applies them
+        # again in start_decode): a token that ends the request is not streamed early.
+        final = StopChecker(f.task.params, self.engine.eos_token_ids).token_decision(
+            token, 1) is not None
+        self._answer(f, out, now, token, lp, final)
 
     def _send(self, f: _InFlight, src: list[int], start: int, notify: dict[str, Any] | None,
               ) -> None:
@@ -187,26 +219,20 @@ class PrefillWorker(WorkerLoop):
                 self._metrics.kv_transfer_failures += 1
                 if ev.reason is FailReason.PEER_DIED:  # the channel is gone, not just this request
                     self._broken.add(f.task.decode_worker)
-                if not f.future.done():
-                    f.future.set_exception(AttemptFailed(
-                        ev.reason or FailReason.TRANSPORT,
-                        f"KV transfer to {f.task.decode_worker} failed: {ev.error}"))
+                if not f.first.done():  # prefill() fails: nobody will ask for handoff()
+                    self._handoffs.pop(ev.request_id, None)
+                f.fail(AttemptFailed(ev.reason or FailReason.TRANSPORT,
+                                     f"KV transfer to {f.task.decode_worker} failed: {ev.error}"))
                 continue
             if f.future.done():  # aborted while its last send was in flight
                 continue
-            assert f.sampled is not None and f.final_sent is not None
+            assert f.final_sent is not None
             nbytes = len(f.pinned) * self.layout.block_bytes
             self._metrics.kv_transfers += 1
             self._metrics.kv_transfer_bytes += nbytes
             self._metrics.kv_transfer_seconds += when - f.final_sent
-            scheduled = f.scheduled if f.scheduled is not None else f.sampled
-            f.future.set_result(PrefillResult(
-                request_id=ev.request_id, num_cached_tokens=f.num_cached_tokens,
-                prefill_queue_s=max(0.0, scheduled - f.received),
-                prefill_s=f.sampled - scheduled,
-                kv_transfer_s=max(0.0, when - f.final_sent), kv_bytes=nbytes,
-                prompt_logprobs=f.prompt_logprobs,
-            ))
+            f.future.set_result(PrefillResult(ev.request_id, max(0.0, when - f.final_sent),
+                                              nbytes))
 
     def _abort(self, request_id: str) -> None:
         f = self._inflight.get(request_id)
@@ -215,9 +241,9 @@ class PrefillWorker(WorkerLoop):
         else:
             self._inflight.pop(request_id, None)
         self.engine.abort(request_id)  # frees its blocks whether queued, running or prefilled
-        if f is not None and not f.future.done():
-            f.future.set_exception(AttemptFailed(FailReason.ABORTED,
-                                                 f"request {request_id} aborted"))
+        self._handoffs.pop(request_id, None)
+        if f is not None:
+            f.fail(AttemptFailed(FailReason.ABORTED, f"request {request_id} aborted"))
 
     def _before_publish(self, m: WorkerMetrics) -> None:
         m.blocks_in_flight = sum(len(f.pinned) for f in self._inflight.values())

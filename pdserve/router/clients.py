@@ -19,7 +19,14 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.messages import JoinInfo, PrefillResult, PrefillTask, Reservation, WorkerLoad
+from pdserve.messages import (
+    FirstToken,
+    JoinInfo,
+    PrefillResult,
+    PrefillTask,
+    Reservation,
+    WorkerLoad,
+)
 
 
 class WorkerHandle(Protocol):
@@ -33,7 +40,8 @@ class WorkerHandle(Protocol):
 
 class PrefillHandle(WorkerHandle, Protocol):
     async def connect(self, decode_worker: str, endpoint: dict[str, Any]) -> None: ...
-    async def prefill(self, task: PrefillTask) -> PrefillResult: ...
+    async def prefill(self, task: PrefillTask) -> FirstToken: ...
+    async def handoff(self, request_id: str) -> PrefillResult: ...
 
 
 class DecodeHandle(WorkerHandle, Protocol):

@@ -6,8 +6,10 @@ One attempt (``_attempt``)::
 
     admission: reserve on a decode worker (or admit on a colocated one)
       -> decode: pick a prefill worker connected to it, start P.prefill(task)
-      -> read the attempt's inbox: token deltas from the worker's stream, the
-         prefill call's completion, a worker's failure, the deadline
+      -> read the attempt's inbox: token deltas from the worker's stream, P's
+         first token (streamed at once, before the KV hand-over ends; the decode
+         worker's copy of it is then dropped), P's hand-off ending
+         (P.handoff), a worker's failure, the deadline
       -> the engine finished it, or a stop string did (then abort it on the worker)
     cleanup: counters, inbox, and -- unless the engine finished -- abort on both
     workers (idempotent there; never waited for)
@@ -43,7 +45,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.stop import StopDecision
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.failures import AttemptFailed, FailReason, WorkerGone
-from pdserve.messages import PrefillResult, PrefillTask, RequestDelta, TokenLogprob
+from pdserve.messages import FirstToken, PrefillResult, PrefillTask, RequestDelta, TokenLogprob
 from pdserve.router.admission import Admission
 from pdserve.router.fanout import Fanout, Inbox
 from pdserve.router.policies import PrefixIndex, RouteInput
@@ -80,12 +82,16 @@ class Services:
 
 @dataclass
 class _PrefillLeg:
-    """An attempt's prefill call, counted against its worker until settled."""
+    """An attempt's prefill call (its first token, then its hand-off), counted against
+    its worker until settled."""
 
     worker: WorkerState
-    future: asyncio.Future[PrefillResult]
+    future: asyncio.Future[FirstToken]  # P.prefill: the first token
+    request_id: str
     num_tokens: int
     decode_worker: str
+    first: FirstToken | None = None  # the future's answer, once taken
+    handoff: asyncio.Future[PrefillResult] | None = None  # P.handoff, once the token is in
     settled: bool = False
 
     def __post_init__(self) -> None:
@@ -177,14 +183,21 @@ class RequestRun:
                 leg = self._start_prefill(p, inbox, PrefillTask(
                     aid, ids, params, token.worker_id, r.blocks, r.reused), hashes)
             wants_prompt = params.prompt_logprobs is not None
+            first_sent = False  # the client has this attempt's first token, from P
+            decoding = False  # the decode worker's first tokens came (its copy of P's first)
             while True:
                 item = await inbox.get()
                 if isinstance(item, RequestDelta):
                     if item.finish_reason == "error":
                         raise AttemptFailed(item.failure or FailReason.TRANSPORT,
                                             f"{token.worker_id}: {item.error}")
+                    if leg is not None and not decoding and item.token_ids:
+                        decoding = True
+                        if first_sent:  # streamed from P already: never twice
+                            item = item._replace(token_ids=item.token_ids[1:], logprobs=(
+                                item.logprobs[1:] if item.logprobs else item.logprobs))
                     if wants_prompt and self.prompt_logprobs is None and leg is not None:
-                        await self._late_prefill(leg)  # the prompt's part comes first
+                        await self._late_first(leg)  # the prompt's part comes first
                         if self.prompt_logprobs is None:
                             raise AttemptFailed(FailReason.TRANSPORT,
                                                 f"{leg.worker.worker_id}: no prompt logprobs")
@@ -196,10 +209,17 @@ class RequestRun:
                     if done:
                         return
                 elif leg is not None and item is leg.future:
-                    self._prefill_done(leg)
-                    if params.max_tokens == 0:  # scored by P: done (D's blocks are aborted)
+                    first = self._first_done(leg)
+                    if first.token_id is None:  # scored by P: done (D's blocks are aborted)
                         yield RequestDelta(aid, [], finish_reason="length")
                         return
+                    self._start_handoff(leg, inbox)
+                    if not decoding and not first.final:  # a final one comes with D's end
+                        first_sent = True
+                        yield RequestDelta(aid, [first.token_id], None if first.logprob is None
+                                           else [first.logprob])
+                elif leg is not None and item is leg.handoff:
+                    self._handoff_done(leg)
                 elif item is _DEADLINE:
                     raise RouterError(ErrorKind.DEADLINE,
                                       f"request {self.req.request_id} passed its deadline")
@@ -212,9 +232,10 @@ class RequestRun:
             timer.cancel()
             s.fanout.close(aid)
             token.outstanding_requests -= 1
-            if leg is not None and not leg.future.done():
-                leg.future.cancel()
             if leg is not None:
+                for fut in (leg.future, leg.handoff):
+                    if fut is not None and not fut.done():
+                        fut.cancel()
                 leg.settle()
             if not done:  # cancelled, failed, stopped by a stop string, past its deadline
                 for w in (token, leg.worker if leg is not None else None):
@@ -242,25 +263,49 @@ class RequestRun:
         self.s.prefix.record(hashes, p.worker_id)
         fut = asyncio.ensure_future(p.handle.prefill(task))
         fut.add_done_callback(inbox.push)  # its completion is an inbox item
-        return _PrefillLeg(p, fut, len(task.prompt_token_ids), task.decode_worker)
+        return _PrefillLeg(p, fut, task.request_id, len(task.prompt_token_ids),
+                           task.decode_worker)
 
-    def _prefill_done(self, leg: _PrefillLeg) -> None:
+    def _start_handoff(self, leg: _PrefillLeg, inbox: Inbox | None) -> None:
+        if leg.handoff is None:
+            leg.handoff = asyncio.ensure_future(leg.worker.handle.handoff(leg.request_id))
+            if inbox is not None:
+                leg.handoff.add_done_callback(inbox.push)
+
+    def _first_done(self, leg: _PrefillLeg) -> FirstToken:
+        """P's first token (and its timings, prompt logprobs); raises what failed."""
+        if leg.first is None:
+            first = leg.first = self._answer(leg, leg.future)
+            t = self.timings
+            t.prefill_queue, t.prefill = first.prefill_queue_s, first.prefill_s
+            self.cached = self.cached or first.num_cached_tokens
+            self._got_prompt_logprobs(first.prompt_logprobs)
+            if first.token_id is None:  # nothing handed off
+                self._settle(leg)
+        return leg.first
+
+    def _handoff_done(self, leg: _PrefillLeg) -> None:
+        """P's hand-off ended: the decode worker has the KV (or it failed: raises)."""
+        assert leg.handoff is not None
+        try:
+            res = self._answer(leg, leg.handoff)
+        finally:
+            self._settle(leg)
+        self.timings.kv_transfer, self.timings.kv_bytes = res.kv_transfer_s, res.kv_bytes
+
+    def _settle(self, leg: _PrefillLeg) -> None:
         leg.settle()
         self.s.workers.attempt_ended()  # a draining prefill worker may be done now
-        fut, p = leg.future, leg.worker
+        self.s.fanout.detach(leg.request_id, leg.worker.worker_id)  # P may leave now
+
+    def _answer(self, leg: _PrefillLeg, fut: asyncio.Future[Any]) -> Any:
+        """One of P's answers, or the failure it means for the attempt."""
+        p = leg.worker
         if fut.cancelled():
-            return
+            raise AttemptFailed(FailReason.ABORTED, f"{p.worker_id}: call cancelled")
         exc = fut.exception()
         if exc is None:
-            res = fut.result()
-            self.s.fanout.detach(res.request_id, p.worker_id)  # P may leave now
-            t = self.timings
-            t.prefill_queue, t.prefill, t.kv_transfer = (res.prefill_queue_s, res.prefill_s,
-                                                         res.kv_transfer_s)
-            t.kv_bytes = res.kv_bytes
-            self.cached = self.cached or res.num_cached_tokens
-            self._got_prompt_logprobs(res.prompt_logprobs)
-            return
+            return fut.result()
         if isinstance(exc, ValueError):
             raise RouterError(ErrorKind.INVALID, str(exc)) from exc
         if isinstance(exc, WorkerGone):
@@ -272,16 +317,32 @@ class RequestRun:
             raise exc
         raise AttemptFailed(FailReason.TRANSPORT, f"{p.worker_id}: {exc!r}") from exc
 
-    async def _late_prefill(self, leg: _PrefillLeg | None) -> None:
-        """The request ended; P's acknowledgement (its timings) may not be in yet."""
-        if leg is None or leg.settled:
+    async def _late_first(self, leg: _PrefillLeg) -> None:
+        """A decode worker's tokens came before P's first-token answer: wait for it
+        (the prompt's logprobs and P's timings are in it)."""
+        if leg.first is not None:
             return
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # a failure is _first_done's to map
             async with asyncio.timeout(LATE_PREFILL_WAIT_S):
                 await asyncio.shield(leg.future)
         if leg.future.done():
-            with contextlib.suppress(RouterError, AttemptFailed):
-                self._prefill_done(leg)  # the tokens are all in: a late failure is moot
+            self._first_done(leg)
+
+    async def _late_prefill(self, leg: _PrefillLeg | None) -> None:
+        """The request ended; P's answers (its timings) may not be in yet."""
+        if leg is None or leg.settled:
+            return
+        with contextlib.suppress(RouterError, AttemptFailed):  # a late failure is moot
+            await self._late_first(leg)
+            if leg.first is None:
+                return
+            self._start_handoff(leg, None)
+            assert leg.handoff is not None
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(LATE_PREFILL_WAIT_S):
+                    await asyncio.shield(leg.handoff)
+            if leg.handoff.done():
+                self._handoff_done(leg)
 
     # --------------------------------------------------------------- tokens
     def _process(self, delta: RequestDelta, attempt: int,

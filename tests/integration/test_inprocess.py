@@ -481,3 +481,38 @@ def test_a_caller_giving_up_cannot_cancel_a_prefill_under_the_loop(
         await until_async("every block free", lambda: not any(pair.used_blocks().values()))
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_first_token_streams_before_the_kv_hand_over(pair_factory: Callable[..., Pair],
+                                                    tiny_model: Callable[[str], Path],
+                                                    logprobs: int | None) -> None:
+    """P's first token reaches the client while its KV cannot leave P (the channel
+    thread held): the hand-over adds nothing to TTFT. Once it moves, the decode
+    worker's copy of that token is dropped: the tokens (and logprobs) equal the
+    engine's, none twice."""
+    pair = pair_factory()
+    p = pair.prefill[0]
+    prompt = list(range(5, 45))  # 40 tokens: two full blocks and a partial one
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=logprobs)
+    want = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=64)).generate(
+        [prompt], params)[0]
+
+    async def body(router: Router) -> None:
+        gate = threading.Event()
+        stream = router.generate(GenerateRequest("r", params, prompt_token_ids=prompt))
+        p.transfer.post(gate.wait)  # no KV send goes out until set
+        try:
+            first = await asyncio.wait_for(anext(stream), timeout=30)
+            assert isinstance(first, StreamChunk) and first.token_ids == want.token_ids[:1]
+            assert p._inflight["r#0"].final_sent is not None  # the last send: still queued
+        finally:
+            gate.set()
+        tokens, _, final = await collect(stream)
+        assert first.token_ids + tokens == want.token_ids
+        assert final.timings is not None and final.timings.kv_transfer is not None
+        if logprobs:
+            got = [lp.logprob for lp in first.logprobs]
+            assert got == pytest.approx([lp.logprob for lp in want.logprobs[:1]], abs=1e-4)
+
+    run(pair, body)
