@@ -19,6 +19,7 @@ from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.failures import FailReason
 from pdserve.messages import PrefillResult, PrefillTask
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.router import Router, RouterConfig
@@ -514,5 +515,35 @@ def test_first_token_streams_before_the_kv_hand_over(pair_factory: Callable[...,
         if logprobs:
             got = [lp.logprob for lp in first.logprobs]
             assert got == pytest.approx([lp.logprob for lp in want.logprobs[:1]], abs=1e-4)
+
+    run(pair, body)
+
+
+def test_a_retry_after_the_streamed_first_token_continues_after_it(
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:
+    """The decode worker fails after P's first token reached the client (its KV still
+    held in P): the retry prefills prompt + that token on the other pair and goes on;
+    the client sees every token once, as the engine makes them."""
+    pair = pair_factory(n_decode=2)
+    p = pair.prefill[0]
+    prompt = list(range(5, 45))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=64)).generate(
+        [prompt], params)[0]
+
+    async def body(router: Router) -> None:
+        gate = threading.Event()
+        stream = router.generate(GenerateRequest("r", params, prompt_token_ids=prompt))
+        p.transfer.post(gate.wait)
+        try:
+            first = await asyncio.wait_for(anext(stream), timeout=30)
+            assert isinstance(first, StreamChunk) and first.token_ids == want.token_ids[:1]
+            (dead,) = {w for w in router.fanout.workers_of("r") if w.startswith("decode")}
+            router.fanout.fail_worker(dead, FailReason.WORKER_DIED, "test: decode worker lost")
+        finally:
+            gate.set()
+        tokens, _, final = await collect(stream)
+        assert first.token_ids + tokens == want.token_ids
+        assert final.num_retries == 1
 
     run(pair, body)
