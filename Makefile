@@ -65,7 +65,7 @@ lint: $(VENV)/.test
 bench: $(VENV)/.test $(KERNELS) model
 	$(PY) -m pdserve.engine.bench_gemm
 	$(PY) -m pdserve.engine.bench
-	$(PY) -m pdserve.engine.bench_tp
+	$(PY) -m pdserve.deploy.bench_tp
 	$(PY) -m pdserve.engine.bench_structured
 	$(PY) -m pdserve.deploy.bench_spec
 	$(PY) -m pdserve.deploy.bench_conversations

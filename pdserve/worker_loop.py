@@ -4,7 +4,7 @@ calls (the same object in-process and inside a Ray actor: Ray wraps the worker c
 itself), the load answer of health probes, the per-step metrics (batch shape, step
 time, FLOPs and bytes for MFU/MBU) and their snapshot, the integrity check.
 
-Threads: the engine belongs to the loop thread (``EngineLoop``). Async methods run
+Threads: the engine belongs to the loop thread (``ThreadLoop``). Async methods run
 on the caller's event loop (Ray's actor loop, or the router's in-process) and hand
 their work to the loop thread with ``_on_loop``. The loop thread publishes the load
 after every iteration and the metrics snapshot at most every ``METRICS_PERIOD_S``
@@ -27,19 +27,20 @@ from typing import Any, TypeVar
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cost import cost_model
-from pdserve.engine.engine import LLMEngine, RequestOutput
-from pdserve.engine.loop import EngineLoop, LoopStopped
+from pdserve.engine.engine import RequestOutput
 from pdserve.failures import WorkerGone
 from pdserve.kv_transfer import KVLayout, KVReceiver, KVSender
 from pdserve.kv_transfer.sharded import open_channel
 from pdserve.messages import JoinInfo, RequestDelta, Stages, TokenLogprob, WorkerLoad, WorkerMetrics
+from pdserve.tensor_parallel import create_engine
+from pdserve.thread_loop import LoopStopped, ThreadLoop
 
 T = TypeVar("T")
 METRICS_PERIOD_S = 0.5
 IDLE_WAIT_S = 1.0  # nothing to do: the loop sleeps until a call wakes it (or this long)
 
 
-class WorkerLoop(EngineLoop):
+class WorkerLoop(ThreadLoop):
     def __init__(self, role: str, worker_id: str, model_dir: str | Path,
                  config: EngineConfig) -> None:
         if config.role != role:
@@ -48,7 +49,7 @@ class WorkerLoop(EngineLoop):
         self.worker_id = worker_id
         self.role = role
         self.incarnation = uuid.uuid4().hex  # new for every process that builds a worker
-        self.engine = LLMEngine.create(model_dir, config)  # tensor parallel: its ranks too
+        self.engine = create_engine(model_dir, config)  # tensor parallel: its ranks too
         threading.Thread(target=self.engine.grammars.warm, name="pdserve-grammar-warm",
                          daemon=True).start()
         # This rank's KV cache; ``layout`` is the whole model's (what a request's KV is).

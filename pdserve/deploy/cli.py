@@ -283,9 +283,10 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.engine import Completion, LLMEngine
+    from pdserve.engine.engine import Completion
     from pdserve.engine.gguf_convert import resolve_model
     from pdserve.engine.tokenizer import Tokenizer
+    from pdserve.tensor_parallel import create_engine
 
     params = SamplingParams(
         max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
@@ -307,7 +308,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = Completion(tokens, text, final.finish_reason, len(prompt_ids),
                          final.usage.cached_tokens)
     else:
-        engine = LLMEngine.create(model_dir, EngineConfig(
+        engine = create_engine(model_dir, EngineConfig(
             dtype=args.dtype or "auto", num_threads=args.threads,
             quantization=args.quantization or "none",
             quantization_group_size=args.quantization_group_size or 32,

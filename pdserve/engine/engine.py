@@ -53,14 +53,7 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.spec_decode import SpecState, SpecStats, SuffixCache
 from pdserve.engine.stop import StopChecker, StopDecision
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.tp import (
-    STOP,
-    Shard,
-    TPGroup,
-    replicated,
-    spawn_followers,
-    wait_followers,
-)
+from pdserve.engine.tp import STOP, Shard, TPGroup, replicated
 from pdserve.engine.weights import load_weights, shard_cut
 
 
@@ -103,7 +96,7 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.tp = tp
         self._in_call = False  # inside a replicated call (tp.replicated)
-        self._followers: list[Any] = []  # processes of ranks 1.. when this engine spawned them
+        self._followers: list[Any] = []  # processes of ranks 1.. (tensor_parallel.create_engine)
         self.model_dir = Path(model_dir)
         if not self.model_dir.is_dir():
             raise FileNotFoundError(f"model directory not found: {self.model_dir}")
@@ -167,7 +160,8 @@ class LLMEngine:
         # Every rank's KV heads (tensor parallel: each rank's channel moves its own).
         self.kv_heads = [Shard.of(mc, r, tp.size).kv_heads for r in range(tp.size)] \
             if tp is not None else [(0, mc.num_kv_heads)]
-        self.rank_links: list[Any] = []  # rank 0 of create(): a pipe to each follower's channel
+        self.rank_links: list[Any] = []  # rank 0 of tensor_parallel.create_engine: a pipe
+        # to each follower's KV channel
         self.pool = BlockPool(self.num_blocks, self.config.enable_prefix_caching)
         inputs = InputBatch(self.config.max_num_seqs, self.max_model_len,
                             self.config.max_num_batched_tokens, self.block_size, device)
@@ -188,32 +182,6 @@ class LLMEngine:
         self.suffix_cache = SuffixCache(
             spec.suffix_decoding_max_cached_requests, spec.prompt_lookup_min,
             spec.prompt_lookup_max) if spec is not None and spec.method == "suffix" else None
-
-    @classmethod
-    def create(cls, model_dir: str | Path, config: EngineConfig | None = None,
-               tokenizer: Tokenizer | None = None) -> LLMEngine:
-        """An engine of ``config.tensor_parallel_size`` ranks on this machine: the
-        followers are spawned here (``engine/tp.py``), this object is rank 0 (its
-        ``close()`` stops them)."""
-        config = config or EngineConfig()
-        size = config.tensor_parallel_size
-        if size == 1:
-            return cls(model_dir, config, tokenizer)
-        store, procs, links = spawn_followers(model_dir, config, size)
-        try:
-            group = TPGroup(0, size, "127.0.0.1", store.port, torch.device(config.device),
-                            store=store)
-            engine = cls(model_dir, config, tokenizer, tp=group)
-            wait_followers(store, procs)
-        except BaseException:
-            for p in procs:
-                p.kill()
-            raise
-        engine._followers, engine.rank_links = procs, links
-        group.peer_gone = lambda: next((f"tensor-parallel rank {r} died (exit code "
-                                        f"{p.exitcode})" for r, p in enumerate(procs, 1)
-                                        if not p.is_alive()), None)
-        return engine
 
     def check_ranks(self) -> None:
         """``RuntimeError`` if one of this engine's tensor-parallel ranks is gone (the

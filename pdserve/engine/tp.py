@@ -17,12 +17,12 @@ their own engine (``follow``). Every rank therefore schedules the same batch and
 allocates the same block ids; only rank 0 samples, and it broadcasts the sampled
 token ids so every rank appends the same tokens.
 
-Process model: the followers are processes the leader spawns (``spawn_followers``),
-on the same node -- one per rank, each with its own CPU threads or GPU, and each with
-its own KV transfer channel over its KV heads, driven by the leader through a pipe
-(``kv_transfer.sharded``). A follower
-that dies breaks the leader's next collective (an error, or the group's timeout), so
-the worker fails as a whole and is restarted as a whole.
+Process model (``pdserve/tensor_parallel.py``, a layer over the engine and the KV
+channels): the followers are processes the leader spawns on the same node -- one per
+rank, each with its own CPU threads or GPU, and each with its own KV transfer channel
+over its KV heads, driven by the leader through a pipe (``kv_transfer.sharded``). A
+follower that dies breaks the leader's next collective (an error, or the group's
+timeout), so the worker fails as a whole and is restarted as a whole.
 
 Collectives run on a c10d group of their own (gloo on CPU, NCCL on CUDA) over a
 TCPStore the leader hosts, never the global default group.
@@ -35,24 +35,18 @@ import dataclasses
 import datetime
 import functools
 import logging
-import multiprocessing
 import os
 import pickle
-import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from pdserve.engine.config import ModelConfig
-
-if TYPE_CHECKING:
-    from pdserve.engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 F = TypeVar("F", bound=Callable[..., Any])
@@ -337,68 +331,3 @@ def follow(engine: Any) -> None:
             return
         with contextlib.suppress(ValueError):
             getattr(engine, name)(*args, **kwargs)
-
-
-# ------------------------------------------------------------------ processes
-def spawn_followers(model_dir: str | Path, config: EngineConfig, size: int,
-                    host: str = "127.0.0.1") -> tuple[dist.TCPStore, list[Any], list[Any]]:
-    """Start ranks 1..size-1 (spawned processes, each building its engine and
-    following); returns the leader's store, the processes and a pipe to each (its KV
-    transfer channel: ``kv_transfer.sharded``)."""
-    store = TPGroup.host_store(size, host)
-    ctx = multiprocessing.get_context("spawn")
-    procs, links = [], []
-    for rank in range(1, size):
-        mine, theirs = ctx.Pipe()
-        p = ctx.Process(target=_follower_main, args=(str(model_dir), config, rank, size, host,
-                                                     store.port, theirs), daemon=True,
-                        name=f"pdserve-tp-rank{rank}")
-        p.start()
-        theirs.close()
-        procs.append(p)
-        links.append(mine)
-    return store, procs, links
-
-
-def wait_followers(store: dist.TCPStore, procs: list[Any], timeout_s: float = TIMEOUT_S,
-                   ) -> None:
-    """Until every follower has built its engine; ``RuntimeError`` with its error if
-    one failed or died first."""
-    deadline = time.monotonic() + timeout_s
-    for rank, p in enumerate(procs, start=1):
-        while not store.check([f"ready/{rank}"]):
-            if not p.is_alive():
-                raise RuntimeError(f"tensor-parallel rank {rank} exited with {p.exitcode} "
-                                   "while loading")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"tensor-parallel rank {rank} not ready in {timeout_s:.0f}s")
-            time.sleep(0.05)
-        status = store.get(f"ready/{rank}").decode()
-        if status != "ok":
-            raise RuntimeError(f"tensor-parallel rank {rank}: {status}")
-
-
-def _follower_main(model_dir: str, config: EngineConfig, rank: int, size: int, host: str,
-                   port: int, link: Any) -> None:
-    from pdserve.engine.engine import LLMEngine
-    from pdserve.kv_transfer.layout import KVLayout
-    from pdserve.kv_transfer.sharded import serve_rank
-
-    if config.device == "cuda":  # "cuda" means this rank's GPU from here on
-        torch.cuda.set_device(rank)
-    leader = os.getppid()
-    group = TPGroup(rank, size, host, port, torch.device(config.device))
-    group.peer_gone = lambda: None if os.getppid() == leader else "the leader (rank 0) died"
-    try:
-        engine = LLMEngine(model_dir, config, load_tokenizer=False, tp=group)
-    except Exception as exc:
-        group.store.set(f"ready/{rank}", f"error: {type(exc).__name__}: {exc}")
-        raise
-    layout = KVLayout(**engine.kv_layout_spec())  # type: ignore[arg-type]
-    channel = threading.Thread(target=serve_rank, args=(link, engine.kv_cache, layout,
-                                                        f"rank{rank}"),
-                               name=f"kv-rank{rank}", daemon=True)
-    channel.start()
-    group.store.set(f"ready/{rank}", "ok")
-    follow(engine)
-    channel.join(10)  # the leader closed its end first: the channel is closing

@@ -7,7 +7,7 @@ progresses only inside ``poll``) for that long. Measured before this change at 2
 of 128/32 tokens: the ``kv_transfer`` stage had p50 17 ms, mean 246 ms, p99 1,420 ms.
 
 The thread is the channel's one caller (the backends' usage rule): the worker hands it
-work with ``call(fn)`` (``EngineLoop.call``: ``fn`` runs on the thread between polls,
+work with ``call(fn)`` (``ThreadLoop.call``: ``fn`` runs on the thread between polls,
 its result resolves the returned future) -- except ``KVReceiver.expect``, which only records an expectation
 under the tracker's lock and may be called from the engine loop directly. Events go to
 ``on_events(events, when)`` on this thread, with the monotonic time of the poll that
@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from pdserve.engine.loop import EngineLoop
+from pdserve.thread_loop import ThreadLoop
 
 from .base import KVReceiver, KVSender, RecvEvent, SendEvent
 
@@ -37,8 +37,8 @@ MAX_POLL_S = 0.01
 IDLE_S = 1.0
 
 
-class ChannelThread(EngineLoop, Generic[C]):
-    """An ``EngineLoop`` whose unit of work is one ``poll`` of the channel."""
+class ChannelThread(ThreadLoop, Generic[C]):
+    """A ``ThreadLoop`` whose unit of work is one ``poll`` of the channel."""
 
     def __init__(self, channel: C,
                  on_events: Callable[[list[Any], float], None], name: str) -> None:

@@ -19,6 +19,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.spec_decode import NgramProposer, SpecState, SuffixCache, SuffixProposer, verify
 from pdserve.engine.structured import StructuredOutput
+from pdserve.tensor_parallel import create_engine
 from tests.engine.handoff import disaggregate
 from tests.engine.test_engine import BACKENDS, prompts
 
@@ -251,7 +252,7 @@ def test_tensor_parallel_ranks_agree_on_drafts(tiny_model: Callable[[str], Path]
     path = tiny_model("llama-gqa")
     ps = copy_prompts(2, seed=13)
     want = _run(engine(path, backend="torch", spec=None), ps, GREEDY)
-    eng = LLMEngine.create(path, EngineConfig(
+    eng = create_engine(path, EngineConfig(
         num_blocks=128, attention_backend="torch", linear_backend="torch", num_threads=1,
         tensor_parallel_size=2, speculative_config=NGRAM))  # type: ignore[arg-type]
     try:

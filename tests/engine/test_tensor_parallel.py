@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.engine import LLMEngine
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.rope import RotaryEmbedding
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tp import Shard, check_shardable
 from pdserve.engine.weights import load_weights, shard_cut
+from pdserve.tensor_parallel import create_engine
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 PROMPTS = [[5 + (i * 7 + j) % 200 for j in range(3 + 23 * i)] for i in range(4)]
@@ -27,7 +27,7 @@ PROMPTS = [[5 + (i * 7 + j) % 200 for j in range(3 + 23 * i)] for i in range(4)]
 def generate(model: Path, tp: int, dtype: str = "float32", prompts: list[list[int]] = PROMPTS,
              device: str = "cpu") -> list[list[int]]:
     """Greedy outputs of a ``tp``-rank engine on ``device`` (CUDA: rank r on GPU r)."""
-    engine = LLMEngine.create(model, EngineConfig(num_blocks=128, dtype=dtype, num_threads=1,
+    engine = create_engine(model, EngineConfig(num_blocks=128, dtype=dtype, num_threads=1,
                                                   tensor_parallel_size=tp, device=device))
     try:
         return [o.token_ids for o in engine.generate(prompts, GREEDY)]
@@ -120,7 +120,7 @@ def test_default_model_fp32_two_ranks_equal_one(default_model_dir: Path) -> None
 
 
 def test_a_dead_rank_fails_the_engine(tiny_model: Callable[[str], Path]) -> None:
-    engine = LLMEngine.create(tiny_model("llama-gqa"), EngineConfig(
+    engine = create_engine(tiny_model("llama-gqa"), EngineConfig(
         num_blocks=64, num_threads=1, tensor_parallel_size=2))
     try:
         engine.generate([PROMPTS[0]], GREEDY)  # works while both ranks live

@@ -1,9 +1,10 @@
-"""``EngineLoop``: owns an engine on one thread.
+"""``ThreadLoop``: one thread that owns an object which is not thread-safe -- a
+worker's engine (``worker_loop``), a KV channel (``kv_transfer.driver``).
 
-The engine is not thread-safe. Other threads (Ray actor methods, the router's
-in-process client) hand work to the loop with ``call``; the loop runs it between
-engine steps and resolves the returned future. When there is nothing to compute
-it sleeps on a condition instead of spinning (2 cores are precious).
+Other threads (Ray actor methods, the router's in-process client) hand work to the
+loop with ``call``; the loop runs it between iterations (engine steps, channel polls)
+and resolves the returned future. When there is nothing to do it sleeps on a
+condition instead of spinning (2 cores are precious).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class LoopStopped(RuntimeError):
     """The loop is not running (any more): a call cannot run."""
 
 
-class EngineLoop:
+class ThreadLoop:
     def __init__(self, name: str, idle_wait_s: float = 0.005) -> None:
         self._cv = threading.Condition()
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
@@ -44,7 +45,7 @@ class EngineLoop:
         fut: Future[T] = Future()
         with self._cv:
             if self._stop:
-                fut.set_exception(LoopStopped("engine loop is stopped"))
+                fut.set_exception(LoopStopped("the loop is stopped"))
                 return fut
             self._calls.append((fn, fut))
             self._cv.notify()
@@ -109,6 +110,6 @@ class EngineLoop:
                 self._calls.clear()
             for _, fut in pending:
                 if not fut.done():
-                    fut.set_exception(LoopStopped(f"engine loop stopped: {self.error!r}"))
+                    fut.set_exception(LoopStopped(f"the loop stopped: {self.error!r}"))
 
 

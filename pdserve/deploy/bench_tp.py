@@ -8,7 +8,7 @@ thread per rank), measured in one run.
   slower rank included).
 
 Each figure prints with its TP=1 reference as a ratio. Run: ``python -m
-pdserve.engine.bench_tp [--model DIR] [--ranks 2] [--dtype float32]
+pdserve.deploy.bench_tp [--model DIR] [--ranks 2] [--dtype float32]
 [--prefill 2048,8192] [--new-tokens 64]``.
 """
 
@@ -19,14 +19,14 @@ import time
 
 from pdserve.engine.bench import random_prompts
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine import LLMEngine
 from pdserve.engine.gguf_convert import resolve_model
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.tensor_parallel import create_engine
 
 
 def measure(model: str | None, ranks: int, dtype: str, prefill: list[int], new_tokens: int,
             ) -> dict[str, float]:
-    engine = LLMEngine.create(resolve_model(model), EngineConfig(
+    engine = create_engine(resolve_model(model), EngineConfig(
         dtype=dtype, num_threads=1, tensor_parallel_size=ranks,
         max_num_batched_tokens=max(prefill), num_blocks=max(prefill) // 16 + 16))
     try:

@@ -1,4 +1,4 @@
-"""``EngineLoop``: calls run on the loop's thread between iterations; ``post`` (a call
+"""``ThreadLoop``: calls run on the loop's thread between iterations; ``post`` (a call
 nobody waits on) logs what fails instead of dropping it with its future."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import threading
 
 import pytest
 
-from pdserve.engine.loop import EngineLoop, LoopStopped
+from pdserve.thread_loop import LoopStopped, ThreadLoop
 
 
-class Idle(EngineLoop):
+class Idle(ThreadLoop):
     def iterate(self) -> None:
         pass
 
@@ -40,7 +40,7 @@ def test_a_failed_post_is_logged_and_the_loop_goes_on(caplog: pytest.LogCaptureF
         def boom() -> None:
             raise KeyError("lost event")
 
-        with caplog.at_level(logging.ERROR, logger="pdserve.engine.loop"):
+        with caplog.at_level(logging.ERROR, logger="pdserve.thread_loop"):
             loop.post(boom)
             assert loop.call(lambda: 7).result(10) == 7  # still serving calls
         failed = [r for r in caplog.records if "a posted call failed" in r.getMessage()]
@@ -56,6 +56,6 @@ def test_a_stopped_loop_refuses_calls(caplog: pytest.LogCaptureFixture) -> None:
     loop.stop()
     with pytest.raises(LoopStopped):
         loop.call(lambda: 1).result(10)
-    with caplog.at_level(logging.ERROR, logger="pdserve.engine.loop"):
+    with caplog.at_level(logging.ERROR, logger="pdserve.thread_loop"):
         loop.post(lambda: None)  # shutting down is not a failure worth a log line
     assert not caplog.records

@@ -1,0 +1,121 @@
+"""The package's layering, read from the source (every import, top-level or inside a
+function): no import cycles among pdserve's modules; the engine imports nothing of
+pdserve outside itself, and no Ray; the KV channels do not import the engine; the
+router imports neither torch nor Ray (ARCHITECTURE.md)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent / "pdserve"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module name an import statement in ``path`` mentions (absolute)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, base] if base else up)
+            out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names)
+    return out
+
+
+MODULES = {module_name(p): p for p in ROOT.rglob("*.py") if "gen" not in p.parts}
+
+
+def graph() -> dict[str, set[str]]:
+    """module -> the pdserve modules it imports (a name is cut back to a module)."""
+    out: dict[str, set[str]] = {}
+    for name, path in MODULES.items():
+        deps = set()
+        for imp in imports_of(path):
+            while imp and imp not in MODULES:
+                imp = imp.rpartition(".")[0]
+            if imp and imp != name:
+                deps.add(imp)
+        out[name] = deps
+    return out
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in g[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in g:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_walk_sees_the_package() -> None:
+    g = graph()
+    assert "pdserve.engine.engine" in g and "pdserve.router.orchestrator" in g
+    assert "pdserve.engine.tp" in g["pdserve.engine.engine"]  # edges are found
+
+
+def test_no_import_cycles() -> None:
+    assert cycles(graph()) == []
+
+
+def test_a_cycle_is_found() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+@pytest.mark.parametrize(("layer", "may_not"), [
+    ("pdserve.engine", ("pdserve.", "ray")),  # only itself (checked below)
+    ("pdserve.kv_transfer", ("pdserve.engine", "pdserve.router", "pdserve.deploy")),
+    ("pdserve.router", ("torch", "ray", "pdserve.deploy", "pdserve.kv_transfer")),
+])
+def test_layers_import_only_below_them(layer: str, may_not: tuple[str, ...]) -> None:
+    bad = []
+    for name, path in MODULES.items():
+        if name != layer and not name.startswith(layer + "."):
+            continue
+        for imp in imports_of(path):
+            if imp.startswith(layer):
+                continue
+            if any(imp == m.rstrip(".") or imp.startswith(m if m.endswith(".") else m + ".")
+                   or imp == m for m in may_not):
+                bad.append(f"{name} imports {imp}")
+    assert bad == []
