@@ -158,6 +158,15 @@ class WorkerLoad:
 
 
 @dataclass(frozen=True)
+class ServingLimits:
+    """What the router and every worker must agree on; the worker's own, from its
+    engine, sent at join (the router refuses a worker that disagrees)."""
+
+    block_size: int  # tokens per KV block: the router counts blocks and hashes prefixes
+    max_model_len: int  # the longest sequence the worker serves (>= the router's limit)
+
+
+@dataclass(frozen=True)
 class JoinInfo:
     """What the router needs once per incarnation to put a worker in routing."""
 
@@ -165,6 +174,7 @@ class JoinInfo:
     stream: tuple[str, int, str] | None  # token workers: host, port, token of the stream
     kv_endpoint: dict[str, Any] | None  # decode: the receiver's endpoint for P.connect
     metrics: tuple[str, int] | None  # its ``/metrics`` (None in-process)
+    limits: ServingLimits
 
 
 @dataclass

@@ -31,7 +31,15 @@ from pdserve.engine.engine import RequestOutput
 from pdserve.failures import WorkerGone
 from pdserve.kv_transfer import KVLayout, KVReceiver, KVSender
 from pdserve.kv_transfer.sharded import open_channel
-from pdserve.messages import JoinInfo, RequestDelta, Stages, TokenLogprob, WorkerLoad, WorkerMetrics
+from pdserve.messages import (
+    JoinInfo,
+    RequestDelta,
+    ServingLimits,
+    Stages,
+    TokenLogprob,
+    WorkerLoad,
+    WorkerMetrics,
+)
 from pdserve.tensor_parallel import create_engine
 from pdserve.thread_loop import LoopStopped, ThreadLoop
 
@@ -76,7 +84,11 @@ class WorkerLoop(ThreadLoop):
         return self._load
 
     async def join_info(self) -> JoinInfo:
-        return JoinInfo(self.incarnation, None, None, self.metrics_at)
+        return JoinInfo(self.incarnation, None, None, self.metrics_at, self.limits())
+
+    def limits(self) -> ServingLimits:
+        """What the router must agree with (its engine's)."""
+        return ServingLimits(self.engine.block_size, self.engine.max_model_len)
 
     async def abort(self, request_id: str) -> None:
         """Drop a request wherever it is and free its blocks (idempotent). Queued on

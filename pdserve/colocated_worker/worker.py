@@ -34,7 +34,8 @@ class ColocatedWorker(WorkerLoop):
 
     # ------------------------------------------------------------ async API
     async def join_info(self) -> JoinInfo:
-        return JoinInfo(self.incarnation, self.outputs.address, None, self.metrics_at)
+        return JoinInfo(self.incarnation, self.outputs.address, None, self.metrics_at,
+                        self.limits())
 
     async def admit(self, request_id: str, prompt_token_ids: Sequence[int],
                     params: SamplingParams) -> bool:

@@ -58,7 +58,7 @@ class DecodeWorker(WorkerLoop):
     async def join_info(self) -> JoinInfo:
         endpoint = await asyncio.wrap_future(self.transfer.call(self.receiver.endpoint))
         return JoinInfo(self.incarnation, self.outputs.address, endpoint,
-                        self.metrics_at)
+                        self.metrics_at, self.limits())
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
                       params: SamplingParams) -> Reservation | None:

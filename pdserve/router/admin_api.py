@@ -1,7 +1,7 @@
 """The operator's HTTP API under ``/admin/`` (on the router's HTTP port):
 
 * ``GET /admin/workers`` -- every worker: id, pool, state (joining | serving |
-  draining | down), restarts, requests on it, free/total KV blocks, its /metrics;
+  draining | down | refused), restarts, requests on it, free/total KV blocks, its /metrics;
 * ``GET /admin/scale`` -- each pool's target and current size, whether the targets
   are reached, the last scaling error;
 * ``POST /admin/scale`` with ``{"prefill": N, "decode": M, "colocated": K}`` (any

@@ -29,6 +29,7 @@ from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams, request_problem
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.messages import ServingLimits
 from pdserve.router.admission import Admission
 from pdserve.router.fanout import Fanout
 from pdserve.router.orchestrator import RequestRun, Services
@@ -81,7 +82,7 @@ class Router:
         self.fanout = Fanout()
         self.workers = WorkerSet(workers, self.fanout, HealthConfig(
             cfg.stats_interval_s, cfg.probe_timeout_s, cfg.health_timeout_s),
-            on_change=self._worker_changed)
+            ServingLimits(cfg.block_size, max_model_len), on_change=self._worker_changed)
         self.prefix = PrefixIndex()
         self.admission = Admission(self.workers, get_policy(cfg.policy), self.prefix,
                                    cfg.max_waiting, cfg.queue_timeout_s, cfg.block_size)

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pdserve.failures import AttemptFailed, FailReason, WorkerGone
-from pdserve.messages import WorkerLoad
+from pdserve.messages import ServingLimits, WorkerLoad
 from pdserve.output_stream import connect_stream
 from pdserve.router.fanout import Fanout
 
@@ -57,6 +57,8 @@ class WorkerState:
     outstanding_tokens: int = 0  # prefill: prompt tokens dispatched, not yet prefilled
     outstanding_requests: int = 0  # attempts using it
     restarts: int = 0
+    refused: str | None = None  # why its incarnation ``refused_incarnation`` may not join
+    refused_incarnation: str | None = None
     peers: set[str] = field(default_factory=set)  # prefill: decode workers it has channels to
     left: asyncio.Event | None = None  # set when this join's stay in routing ends
 
@@ -67,9 +69,11 @@ class WorkerState:
 
     @property
     def state(self) -> str:
-        """What an operator sees: joining | serving | draining | down."""
+        """What an operator sees: joining | serving | draining | down | refused."""
         if self.alive:
             return "draining" if self.draining else "serving"
+        if self.refused is not None:
+            return "refused"
         return "joining" if self.incarnation is None else "down"
 
 
@@ -83,10 +87,12 @@ class HealthConfig:
 
 class WorkerSet:
     def __init__(self, handles: list[Any], fanout: Fanout, health: HealthConfig,
+                 limits: ServingLimits,
                  on_change: Callable[[WorkerState, str], None] = lambda w, what: None) -> None:
         self.workers = {h.worker_id: WorkerState(h, h.worker_id, h.role) for h in handles}
         self._fanout = fanout
         self._health = health
+        self._limits = limits  # the router's: every worker must agree (at join)
         # (worker, "joined" | "left" | "restarted" | "draining" | "removed")
         self._on_change = on_change
         self._tasks: list[asyncio.Task[None]] = []
@@ -236,7 +242,8 @@ class WorkerSet:
         if w.alive and load.incarnation != w.incarnation:
             self._leave(w, FailReason.WORKER_DIED, "restarted")
         w.load = load
-        if not w.alive and w.worker_id not in self._joins:
+        if (not w.alive and w.worker_id not in self._joins
+                and w.refused_incarnation != load.incarnation):
             task = asyncio.create_task(self._join(w, load), name=f"join-{w.worker_id}")
             self._joins[w.worker_id] = task
             task.add_done_callback(lambda _: self._joins.pop(w.worker_id, None))
@@ -250,6 +257,11 @@ class WorkerSet:
                 info = await w.handle.join_info()
             if info.incarnation != load.incarnation:
                 return  # restarted again meanwhile: the next probe joins the new one
+            problem = self._disagreement(info.limits)
+            if problem is not None:
+                w.refused, w.refused_incarnation = problem, info.incarnation
+                log.error("worker %s (%s) refused: %s", w.worker_id, w.role, problem)
+                return
             if w.role in TOKEN_ROLES:
                 assert info.stream is not None
                 incarnation = info.incarnation
@@ -262,6 +274,7 @@ class WorkerSet:
             log.warning("worker %s could not join: %r", w.worker_id, exc)
             self._close_stream(w)
             return
+        w.refused = w.refused_incarnation = None
         restarted = w.incarnation is not None and w.incarnation != info.incarnation
         w.incarnation, w.kv_endpoint, w.metrics = info.incarnation, info.kv_endpoint, info.metrics
         w.peers.clear()
@@ -274,6 +287,17 @@ class WorkerSet:
         log.info("worker %s (%s) %s", w.worker_id, w.role, "rejoined" if restarted else "joined")
         await self._open_channels(w)
         self._on_change(w, "restarted" if restarted else "joined")
+
+    def _disagreement(self, theirs: ServingLimits) -> str | None:
+        """Why a worker with these limits cannot serve behind this router (None: it can)."""
+        ours = self._limits
+        if theirs.block_size != ours.block_size:
+            return (f"its KV block size is {theirs.block_size} tokens, the router's "
+                    f"{ours.block_size} (block_size must be the same on every pool)")
+        if theirs.max_model_len < ours.max_model_len:
+            return (f"it serves sequences of at most {theirs.max_model_len} tokens, the "
+                    f"router admits {ours.max_model_len} (max_model_len)")
+        return None
 
     async def _open_channels(self, w: WorkerState) -> None:
         """Open the transfer channels of the P x D pairs that involve ``w``."""

@@ -547,3 +547,25 @@ def test_a_retry_after_the_streamed_first_token_continues_after_it(
         assert final.num_retries == 1
 
     run(pair, body)
+
+
+@pytest.mark.parametrize(("engine", "says"), [
+    ({"block_size": 32}, "its KV block size is 32 tokens, the router's 16"),
+    ({"max_model_len": 1024}, "at most 1024 tokens, the router admits 2048"),
+])
+def test_a_worker_that_disagrees_with_the_router_is_refused(
+        pair_factory: Callable[..., Pair], caplog: pytest.LogCaptureFixture,
+        engine: dict[str, object], says: str) -> None:
+    """Block size and sequence limit come from each worker at join: one that disagrees
+    with the router (which counts blocks and hashes prefixes at its block size) stays
+    out of routing, named in the log, instead of being miscounted."""
+    pair = pair_factory(decode_engine=engine)
+
+    async def body(router: Router) -> None:
+        states = {w.worker_id: w.state for w in router.workers.workers.values()}
+        assert states == {"prefill-0": "serving", "decode-0": "refused"}
+        assert "decode-0" not in pair.prefill[0]._peers  # no channel to it either
+
+    run(pair, body)
+    assert any("worker decode-0 (decode) refused" in r.getMessage() and says in r.getMessage()
+               for r in caplog.records)

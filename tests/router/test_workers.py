@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine.config import EngineConfig
-from pdserve.messages import WorkerLoad
+from pdserve.messages import ServingLimits, WorkerLoad
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.fanout import Fanout
 from pdserve.router.workers import HealthConfig, WorkerSet
 from tests.waiting import until_async
+
+LIMITS = ServingLimits(block_size=16, max_model_len=256)  # the tiny model's: 16, 2048
 
 
 def test_stop_ends_a_probe_loop_whose_cancellation_was_lost(
@@ -29,7 +31,7 @@ def test_stop_ends_a_probe_loop_whose_cancellation_was_lost(
     worker = PrefillWorker("prefill-0", tiny_model("llama-gqa"),
                            EngineConfig(role="prefill", num_blocks=16), "local")
     try:
-        ws = WorkerSet([worker], Fanout(), HealthConfig(interval_s=0.02))
+        ws = WorkerSet([worker], Fanout(), HealthConfig(interval_s=0.02), LIMITS)
         stopping: list[asyncio.Task[None]] = []
         answer = worker.load
 
@@ -62,7 +64,7 @@ def test_a_drain_leaves_routing_at_info_a_failure_at_error(
                            EngineConfig(role="prefill", num_blocks=16), "local")
     caplog.set_level(logging.INFO, logger="pdserve.router")
     try:
-        ws = WorkerSet([worker], Fanout(), HealthConfig(interval_s=0.02))
+        ws = WorkerSet([worker], Fanout(), HealthConfig(interval_s=0.02), LIMITS)
 
         async def main() -> None:
             await ws.start()
