@@ -178,15 +178,6 @@ class TPGroup:
         outs = self.gather(t)
         return None if outs is None else torch.cat(outs, dim=-1)
 
-    def broadcast_tensor(self, t: torch.Tensor) -> torch.Tensor:
-        """Rank 0's ``t`` into every rank's ``t`` (contiguous, same shape and dtype)."""
-        opts = dist.BroadcastOptions()
-        opts.rootRank = 0
-        with self._timed():
-            group = self._dev if self.device.type == "cuda" else self._cpu
-            self._wait(group.broadcast([self._wire(t)], opts))
-        return t
-
     def _wire(self, t: torch.Tensor) -> torch.Tensor:
         """gloo moves no 16-bit floats: their bytes instead (NCCL takes them as is)."""
         if self.device.type != "cuda" and t.dtype in (torch.bfloat16, torch.float16):
