@@ -57,6 +57,10 @@ def _add_format_flags(p: argparse.ArgumentParser, per_pool: bool) -> None:
                         "prefill; docs/quantization.md)")
     p.add_argument("--quantization-group-size", type=int, default=None,
                    help="int4 group: 32 (default), 64 or 128")
+    p.add_argument("--kv-cache-dtype", default=None, choices=["auto", "int8"],
+                   help="the KV cache's format: auto (default: as --dtype) or int8 (a scale "
+                        "per token and head: 1.88x the tokens in the same memory; every "
+                        "pool, as the hand-off needs both ends alike; docs/kv_transfer.md)")
     p.add_argument("--speculative-config", type=_json_mapping, default=None, metavar="JSON",
                    help="speculative decoding, as vLLM's flag: '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' "
@@ -246,6 +250,7 @@ def _format_overrides(args: argparse.Namespace, pools: tuple[str, ...]) -> dict[
         out[f"{pool}.engine.quantization_group_size"] = getattr(
             args, "quantization_group_size", None)
         out[f"{pool}.engine.dtype"] = getattr(args, "dtype", None)
+        out[f"{pool}.engine.kv_cache_dtype"] = getattr(args, "kv_cache_dtype", None)
         out[f"{pool}.tensor_parallel_size"] = getattr(args, f"{pool}_tensor_parallel_size", None)
         if pool != "prefill":  # a prefill worker samples one token per request
             out[f"{pool}.engine.speculative_config"] = getattr(args, "speculative_config", None)
@@ -313,6 +318,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             quantization=args.quantization or "none",
             quantization_group_size=args.quantization_group_size or 32,
             tensor_parallel_size=args.tensor_parallel_size or 1,
+            kv_cache_dtype=args.kv_cache_dtype or "auto",
             speculative_config=args.speculative_config), tokenizer=tok)
         try:
             (out,) = engine.generate([prompt_ids], params)

@@ -162,6 +162,13 @@ class ClusterConfig:
             raise ValueError("no workers: give prefill + decode workers, colocated workers, "
                              "or both")
         _ = self.block_size  # the pools agree on one
+        formats = {name: _kv_format(pool.engine) for name, pool in
+                   (("prefill", self.prefill), ("decode", self.decode)) if pool.workers}
+        if len(set(formats.values())) > 1:
+            raise ValueError("the prefill and decode pools must keep their KV caches in one "
+                             "format (a hand-off copies blocks as they are), got " + ", ".join(
+                                 f"{name} {fmt}" for name, fmt in formats.items())
+                             + ": set engine.kv_cache_dtype (and dtype) alike on both")
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -222,6 +229,12 @@ class ClusterConfig:
             if value is not None:  # "decode.engine.quantization" -> nested, merged
                 data = _merged(data, key.split("."), value)
         return cls.from_dict(data)
+
+
+def _kv_format(engine: dict[str, Any]) -> str:
+    """A pool's KV cache format as configured ("auto": as its dtype, itself maybe auto)."""
+    kv = engine.get("kv_cache_dtype", "auto")
+    return str(engine.get("dtype", "auto")) if kv == "auto" else str(kv)
 
 
 def _merged(data: dict[str, Any], path: list[str], value: Any) -> dict[str, Any]:

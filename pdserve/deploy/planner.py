@@ -494,9 +494,10 @@ def _fit_profile(eng: LLMEngine, threads: int, prefill: list[list[float]],
     dc = fit_nonnegative(d_rows, d_y)
     mc = eng.model_config
     cfg = eng.config
-    kv_bytes = (2 * mc.num_layers * mc.num_kv_heads * mc.head_dim
-                * eng.kv_cache.element_size())
-    default_blocks = EngineConfig(dtype=cfg.dtype).resolve_num_blocks(mc)
+    kv_bytes = (2 * mc.num_layers * mc.num_kv_heads * eng.kv_cache.shape[-1]
+                * eng.kv_cache.element_size())  # a row (int8: with its scale)
+    default_blocks = EngineConfig(dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype
+                                  ).resolve_num_blocks(mc)
     return Profile(
         model=mc.name or eng.model_dir.name, device=cfg.device, dtype=cfg.dtype,
         quantization=cfg.quantization, threads=threads,

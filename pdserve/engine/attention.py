@@ -13,7 +13,10 @@ row ``seq_rows[s]`` of ``block_table``.
 
 KV cache (the worker's one block-major tensor)::
 
-    kv_cache[block, layer, 0 = K | 1 = V, kv head, slot in block, head dim]
+    kv_cache[block, layer, 0 = K | 1 = V, kv head, slot in block, row]
+
+(a row: head_dim values, or in an int8 cache head_dim int8 values and their float32
+scale -- kv_cache.py),
 
 (heads outside slots, "HND": a range of KV heads of one block-layer is contiguous,
 so a tensor-parallel hand-off moves it as one region).
@@ -30,7 +33,7 @@ Backends:
 * ``cpu`` -- pdserve's C++ kernels (``csrc/attention.cpp``, ``csrc/pointwise.cpp``):
   one fused rotary + cache-write op, then paged attention that reads K/V in place
   through the block table, for decodes and prefill chunks with a cached prefix
-  alike. Float32 activations; a bfloat16 cache is widened as it is read.
+  alike. Float32 activations; a bfloat16 or int8 cache is widened as it is read.
 
 ``auto`` picks ``cpu`` on a CPU that can run the kernels, else ``torch``.
 """
@@ -45,6 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine import kernels
+from pdserve.engine.kv_cache import is_quantized, read_rows, to_rows
 from pdserve.engine.rope import RotaryEmbedding, apply_rotary
 
 
@@ -96,8 +100,11 @@ class TorchAttention:
         kv_layer = kv_cache[:, layer]
         bs = kv_layer.shape[3]
         blocks, offsets = meta.slot_mapping // bs, meta.slot_mapping % bs
-        kv_layer[blocks, 0, :, offsets] = k.to(kv_layer.dtype)  # [T, KVH, D]
-        kv_layer[blocks, 1, :, offsets] = v.to(kv_layer.dtype)
+        k_rows, v_rows = to_rows(k, kv_layer), to_rows(v, kv_layer)  # [T, KVH, row]
+        kv_layer[blocks, 0, :, offsets] = k_rows
+        kv_layer[blocks, 1, :, offsets] = v_rows
+        if is_quantized(kv_layer):  # fresh K/V as the cache holds them (as the kernels read)
+            k, v = read_rows(k_rows, q.dtype), read_rows(v_rows, q.dtype)
         out = torch.empty_like(q)
         nd = meta.num_decode
         if nd:
@@ -108,7 +115,7 @@ class TorchAttention:
             vc = _gather(kv_layer, table, 1).transpose(1, 2)
             mask = (torch.arange(width * bs, device=q.device)[None, :] < lens[:, None])
             o = F.scaled_dot_product_attention(
-                q[:nd].unsqueeze(2), kc.to(q.dtype), vc.to(q.dtype),
+                q[:nd].unsqueeze(2), read_rows(kc, q.dtype), read_rows(vc, q.dtype),
                 attn_mask=mask[:, None, None, :], scale=self.scale, enable_gqa=True,
             )  # [B, H, 1, D]
             out[:nd] = o.squeeze(2)
@@ -123,8 +130,8 @@ class TorchAttention:
                     qc, kc, vc, is_causal=True, scale=self.scale, enable_gqa=True)
             else:  # prefix in the cache: query i sits at position ctx - n + i
                 table = meta.block_table[meta.seq_rows_list[s], : -(-ctx // bs)].long()
-                kc = _gather(kv_layer, table, 0)[:ctx].to(q.dtype)
-                vc = _gather(kv_layer, table, 1)[:ctx].to(q.dtype)
+                kc = read_rows(_gather(kv_layer, table, 0)[:ctx], q.dtype)
+                vc = read_rows(_gather(kv_layer, table, 1)[:ctx], q.dtype)
                 qpos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
                 mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos  # [n, ctx]
                 o = F.scaled_dot_product_attention(

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import torch
 
+from pdserve.engine.kv_cache import KV_CACHE_DTYPES, row_bytes
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 ROLES = ("colocated", "prefill", "decode")
 Role = Literal["colocated", "prefill", "decode"]
@@ -230,6 +232,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Speculative decoding (a mapping with SpeculativeConfig's keys is accepted); None: off.
     speculative_config: SpeculativeConfig | None = None
+    # The KV cache's format (kv_cache.py): "auto" keeps ``dtype``; "int8" stores each
+    # token's key and value per head as int8 with a float32 scale (1.88x the tokens in
+    # the same memory at head_dim 64). Both ends of a KV hand-off must agree.
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):
@@ -241,6 +247,11 @@ class EngineConfig:
             object.__setattr__(self, "dtype", self._auto_dtype())
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype == "auto":
+            object.__setattr__(self, "kv_cache_dtype", self.dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be auto or one of {tuple(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:
@@ -293,10 +304,8 @@ class EngineConfig:
     def resolve_num_blocks(self, model: ModelConfig) -> int:
         if self.num_blocks is not None:
             return self.num_blocks
-        per_block = (
-            model.num_layers * 2 * self.block_size * model.num_kv_heads * model.head_dim
-            * torch.tensor([], dtype=self.torch_dtype).element_size()
-        )
+        per_block = (model.num_layers * 2 * self.block_size * model.num_kv_heads
+                     * row_bytes(model.head_dim, self.kv_cache_dtype))
         return max(2, self.kv_cache_bytes // per_block)
 
     def resolve_max_model_len(self, model: ModelConfig) -> int:

@@ -40,6 +40,7 @@ from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ModelConfig, ceil_div
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.input_batch import InputBatch
+from pdserve.engine.kv_cache import KV_CACHE_DTYPES, row_width
 from pdserve.engine.linear import int_family, resolve_linear_backend
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.output import OutputProcessor
@@ -153,9 +154,10 @@ class LLMEngine:
         # Block-major cache: one block of every layer is one contiguous region,
         # so the transfer channels move a request with one descriptor per block.
         # (Tensor parallel: this rank's KV heads only.)
+        kv_dtype = self.config.kv_cache_dtype
         self.kv_cache = torch.zeros(
             self.num_blocks, mc.num_layers, 2, local.num_kv_heads, self.block_size,
-            mc.head_dim, dtype=dtype, device=device,
+            row_width(mc.head_dim, kv_dtype), dtype=KV_CACHE_DTYPES[kv_dtype][0], device=device,
         )
         # Every rank's KV heads (tensor parallel: each rank's channel moves its own).
         self.kv_heads = [Shard.of(mc, r, tp.size).kv_heads for r in range(tp.size)] \
@@ -456,7 +458,7 @@ class LLMEngine:
         """The fields of the transfer channels' ``KVLayout`` for this engine's cache."""
         mc = self.model_config
         spec: dict[str, object] = {
-            "model_id": mc.name or self.model_dir.name, "dtype": self.config.dtype,
+            "model_id": mc.name or self.model_dir.name, "dtype": self.config.kv_cache_dtype,
             "num_layers": mc.num_layers, "num_kv_heads": mc.num_kv_heads,
             "head_dim": mc.head_dim, "block_size": self.block_size}
         if self.tp is not None:  # this rank's cache holds its KV heads only

@@ -6,7 +6,10 @@ and `check_tensor` (the KV tensor a channel wraps really has this layout).
 
 Memory layout of the one KV tensor a worker owns (block-major):
 
-    kv: [num_blocks, num_layers, 2 (K,V), num_kv_heads, block_size, head_dim]
+    kv: [num_blocks, num_layers, 2 (K,V), num_kv_heads, block_size, row]
+
+(a row: head_dim values; in an int8 cache head_dim int8 values, then their float32
+scale, so the scales travel with their block)
 
     byte offset of block b = b * block_bytes
     ┌──────────────────────────── block b (block_bytes) ─────────────────────────────┐
@@ -14,7 +17,7 @@ Memory layout of the one KV tensor a worker owns (block-major):
     │ K[H,bs,D]    │ V[H,bs,D]  │ K[H,bs,D]    │ V[H,bs,D]  │     │                  │
     └────────────────────────────────────────────────────────────────────────────────┘
     |<------ layer_bytes ------>|
-    layer_bytes = 2 * block_size * num_kv_heads * head_dim * itemsize
+    layer_bytes = 2 * block_size * num_kv_heads * row * itemsize
     block_bytes = num_layers * layer_bytes
 
 So a whole block is one contiguous region, a layer range [lo, hi) of one block is one
@@ -45,7 +48,11 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
+    "int8": torch.int8,
 }
+# Bytes a row has beyond its head_dim elements: an int8 row ends with its float32
+# scale (the engine's kv_cache.py; check_tensor holds the two to the same shape).
+ROW_EXTRA: dict[str, int] = {"int8": 4}
 
 
 class KVLayoutMismatch(ValueError):
@@ -102,9 +109,14 @@ class KVLayout:
         lo, hi = self.head_range
         return hi - lo
 
+    @property
+    def row_width(self) -> int:
+        """Elements of one token's K (or V) of one head: head_dim, and an int8 row's scale."""
+        return self.head_dim + ROW_EXTRA.get(self.dtype, 0)
+
     def layer_bytes_of(self, num_heads: int) -> int:
         """Bytes of one layer (K and V) of one block, for ``num_heads`` heads."""
-        return 2 * self.block_size * num_heads * self.head_dim * self.itemsize
+        return 2 * self.block_size * num_heads * self.row_width * self.itemsize
 
     @property
     def layer_bytes(self) -> int:
@@ -118,7 +130,7 @@ class KVLayout:
 
     def block_shape(self) -> tuple[int, ...]:
         """Shape of one block: kv[b]."""
-        return (self.num_layers, 2, self.local_heads, self.block_size, self.head_dim)
+        return (self.num_layers, 2, self.local_heads, self.block_size, self.row_width)
 
     def kv_shape(self, num_blocks: int) -> tuple[int, ...]:
         return (num_blocks, *self.block_shape())

@@ -88,7 +88,7 @@ def _head_regions(src: KVLayout, dst: KVLayout, src_ids: list[int], dst_ids: lis
                   layers: tuple[int, int], heads: tuple[int, int]) -> list[tuple[int, int, int]]:
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
-    head = src.block_size * src.head_dim * src.itemsize  # one head of one block-layer K or V
+    head = src.block_size * src.row_width * src.itemsize  # one head of one block-layer K or V
     # Offsets of every (layer, K/V) of a block, then of every block: outer sums.
     layer = np.arange(layers[0], layers[1])[:, None]
     kv = np.arange(2)[None, :]

@@ -141,4 +141,4 @@ def data_shape(layout: KVLayout, n: int, layers: tuple[int, int],
                heads: tuple[int, int] | None) -> tuple[int, ...]:
     """[n, hi-lo, 2, heads moved, bs, D]: a message's block data."""
     width = layout.local_heads if heads is None else heads[1] - heads[0]
-    return (n, layers[1] - layers[0], 2, width, layout.block_size, layout.head_dim)
+    return (n, layers[1] - layers[0], 2, width, layout.block_size, layout.row_width)

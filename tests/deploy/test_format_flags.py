@@ -55,3 +55,16 @@ def test_the_router_counts_blocks_of_the_pools_size() -> None:
     assert c.block_size == 32
     with pytest.raises(ValueError, match=r"one KV block size.*prefill 32, decode 16"):
         ClusterConfig.from_dict({"prefill": big})
+
+
+def test_kv_cache_dtype_reaches_every_pool_and_pools_must_agree(tmp_path: Path) -> None:
+    c = config("--kv-cache-dtype", "int8", "--colocated-workers", "1")
+    for pool in (c.prefill, c.decode, c.colocated):
+        assert pool is not None and pool.engine == {"kv_cache_dtype": "int8"}
+    yaml = tmp_path / "c.yaml"
+    yaml.write_text("prefill: {engine: {kv_cache_dtype: int8}}\n")
+    with pytest.raises(ValueError, match=r"one format .*got prefill int8, decode auto"):
+        config("--config", str(yaml))
+    yaml.write_text("decode: {engine: {kv_cache_dtype: int4}}\n")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto or one of"):
+        config("--config", str(yaml))

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from pdserve.engine import kernels, quant
 from pdserve.engine.attention import AttentionMetadata, CpuPagedAttention, TorchAttention
 from pdserve.engine.config import RopeConfig
+from pdserve.engine.kv_cache import dequantize_rows, quantize_rows
 from pdserve.engine.rope import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(kernels.cpu_supported() is not None,
@@ -94,7 +95,8 @@ def _case(dtype: torch.dtype, head_dim: int, block_size: int, heads: tuple[int, 
     layers = 2
     need = [-(-ctx // block_size) for _, ctx in seqs]
     num_blocks = sum(need) + 3
-    cache = torch.randn(num_blocks, layers, 2, kvh, block_size, head_dim, generator=g).to(dtype)
+    cache = torch.randn(num_blocks, layers, 2, kvh, block_size, head_dim, generator=g)
+    cache = quantize_rows(cache) if dtype == torch.int8 else cache.to(dtype)
     perm = torch.randperm(num_blocks, generator=g).tolist()
     table = torch.zeros(len(seqs) + 2, max(need) + 1, dtype=torch.int32)
     rows = [len(seqs) + 1 - i for i in range(len(seqs))]  # rows out of order too
@@ -123,7 +125,7 @@ def _case(dtype: torch.dtype, head_dim: int, block_size: int, heads: tuple[int, 
     return cache, qkv, meta, rotary
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize(("head_dim", "block_size", "heads"), [
     (64, 16, (9, 3)), (16, 8, (4, 2)), (32, 32, (4, 1)), (128, 16, (8, 8)), (96, 64, (6, 2)),
 ])
@@ -138,10 +140,39 @@ def test_paged_attention_matches_reference(dtype: torch.dtype, head_dim: int, bl
     ref_cache, ref_qkv = cache.clone(), qkv.clone()
     ref = TorchAttention(h, kvh, head_dim, rotary)(ref_qkv, ref_cache, 1, meta)
     out = CpuPagedAttention(h, kvh, head_dim, rotary)(qkv, cache, 1, meta)
-    # K/V stored in the same slots (rotary rounding differs by an ulp: fused FMAs)
-    torch.testing.assert_close(cache, ref_cache, rtol=1e-5, atol=1e-5)
+    if dtype == torch.int8:
+        # V rows are the very bytes of the reference quantizer; K rows went through the
+        # rotary, whose rounding differs by an ulp (fused FMAs), so a value may sit one
+        # step of 127 off
+        torch.testing.assert_close(cache[:, :, 1], ref_cache[:, :, 1], rtol=0, atol=0)
+        torch.testing.assert_close(dequantize_rows(cache), dequantize_rows(ref_cache),
+                                   rtol=0, atol=0.04)
+    else:  # K/V stored in the same slots (rotary rounding differs by an ulp)
+        torch.testing.assert_close(cache, ref_cache, rtol=1e-5, atol=1e-5)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, ref.float(), rtol=tol, atol=tol)
+
+
+def test_int8_cache_rows_are_the_reference_quantizers_bytes(k) -> None:  # type: ignore[no-untyped-def]
+    # V rows (not rotated) with edge cases: all zeros (scale 0), exact halves after
+    # scaling (round half to even: 2.5 -> 2, 3.5 -> 4, -2.5 -> -2), the extremes
+    h, kvh, d, bs = 2, 1, 16, 8
+    cache, qkv, meta, rotary = _case(torch.int8, d, bs, (h, kvh), [(4, 4)])
+    v = qkv[:, (h + kvh) * d:]
+    v[0] = 0
+    v[1] = torch.tensor([127, 2.5, 3.5, -2.5, -127, 0.5, 1.5, -0.5] * 2)
+    v[2, :8], v[2, 8:] = 1e-30, -3e4
+    ref_cache = cache.clone()
+    TorchAttention(h, kvh, d, rotary)(qkv.clone(), ref_cache, 0, meta)
+    CpuPagedAttention(h, kvh, d, rotary)(qkv, cache, 0, meta)
+    assert torch.equal(cache[:, 0, 1], ref_cache[:, 0, 1])
+    blk, off = divmod(int(meta.slot_mapping[1]), bs)
+    assert cache[blk, 0, 1, 0, off, :8].tolist() == [127, 2, 4, -2, -127, 0, 2, 0]
+    blk0, off0 = divmod(int(meta.slot_mapping[0]), bs)
+    assert not cache[blk0, 0, 1, 0, off0].any()  # values and scale all zero
+    x = torch.randn(50, 64) * torch.logspace(-3, 3, 50)[:, None]
+    back = dequantize_rows(quantize_rows(x))
+    assert (back - x).abs().le(x.abs().amax(1, keepdim=True) / 254 * 1.0001).all()
 
 
 def test_paged_attention_rejects_bad_metadata(k) -> None:  # type: ignore[no-untyped-def]

@@ -80,3 +80,18 @@ def test_quantized_decode_pool_behind_a_float_prefill_pool(
     finally:
         pair.close()
     assert got == [handed_off(model, p, {}, int4) for p in ps]
+
+
+def test_int8_kv_pools_equal_the_int8_engine(tiny_model: Callable[[str], Path]) -> None:
+    """Both pools on int8 KV caches: the blocks (values and scales) move through the
+    channel and decode as one engine with an int8 cache computes."""
+    model = tiny_model("llama-gqa")
+    ps = prompts(4)
+    int8 = {"kv_cache_dtype": "int8"}
+    pair = Pair(model, prefill_engine=int8, decode_engine=int8)
+    try:
+        got = served(pair, ps)
+    finally:
+        pair.close()
+    colocated = LLMEngine(model, EngineConfig(num_blocks=256, **int8)).generate(ps, GREEDY)  # type: ignore[arg-type]
+    assert got == [o.token_ids for o in colocated]

@@ -15,6 +15,8 @@ def make_kv(layout: KVLayout, num_blocks: int, seed: int) -> torch.Tensor:
     if seed < 0:
         return torch.full(shape, -1.0, dtype=layout.torch_dtype)
     gen = torch.Generator().manual_seed(seed)
+    if layout.dtype == "int8":  # quantized values and the scales' bytes: any bit pattern
+        return torch.randint(-128, 128, shape, generator=gen, dtype=torch.int8)
     return torch.randn(shape, generator=gen).to(layout.torch_dtype)
 
 

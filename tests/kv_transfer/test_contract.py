@@ -99,7 +99,7 @@ def shuffled_ids(rng: random.Random, pool: int, n: int) -> list[int]:
     return ids[cut:] + ids[:cut] if rng.random() < 0.5 else rng.sample(range(pool), n)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8"])
 def test_roundtrip_bit_exact(hosts: Hosts, dtype: str) -> None:
     layout = KVLayout("test-model", dtype, 3, 2, 8, 16)
     p = Pair(hosts, layout, n_src=32, n_dst=40)

@@ -41,6 +41,21 @@ def test_byte_sizes_match_tensor_layout() -> None:
     assert offset == 3 * TINY.block_bytes + 2 * TINY.layer_bytes
 
 
+def test_int8_rows_carry_their_scale() -> None:
+    """An int8 cache row is head_dim values and a float32 scale: the engine's tensor
+    has that shape and a block is still one region (the scales move with it)."""
+    from pdserve.engine.kv_cache import row_width
+
+    q = dataclasses.replace(SMOL, dtype="int8")
+    assert q.row_width == row_width(64, "int8") == 68
+    assert q.block_shape()[-1] == 68
+    assert q.block_bytes == 30 * 2 * 3 * 16 * 68
+    assert SMOL.block_bytes / 2 / q.block_bytes > 1.8  # against bfloat16: 1.88x
+    assert q.check_tensor(torch.zeros(q.kv_shape(3), dtype=torch.int8)) == 3
+    with pytest.raises(KVLayoutMismatch, match="dtype: local='int8' peer='bfloat16'"):
+        q.check_compatible(dataclasses.replace(SMOL, dtype="bfloat16"))
+
+
 def test_check_tensor_rejects_wrong_tensors() -> None:
     with pytest.raises(ValueError, match="dtype"):
         TINY.check_tensor(torch.zeros(TINY.kv_shape(2)))
@@ -52,7 +67,7 @@ def test_check_tensor_rejects_wrong_tensors() -> None:
 
 def test_invalid_layouts_fail_loudly() -> None:
     with pytest.raises(ValueError, match="dtype"):
-        KVLayout("m", "int8", 1, 1, 1, 1)
+        KVLayout("m", "int4", 1, 1, 1, 1)
     with pytest.raises(ValueError, match="num_layers"):
         KVLayout("m", "float32", 0, 1, 1, 1)
     with pytest.raises(ValueError, match="unknown KVLayout fields"):

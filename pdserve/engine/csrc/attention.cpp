@@ -1,7 +1,9 @@
 // Paged attention that reads K/V in place from the block-major KV cache.
 //
-//   kv_cache[block, layer, 0 = K | 1 = V, kv head, slot (block_size), head dim]
+//   kv_cache[block, layer, 0 = K | 1 = V, kv head, slot (block_size), row]
 //
+// (a row: head_dim float32 / bfloat16 values, or head_dim int8 values and their scale,
+// kv_rows.h; anything but float32 is widened to float32 as it is read).
 // (heads outside slots: one head's keys of a block are contiguous, and so is any range
 // of heads -- what a tensor-parallel KV hand-off moves).
 //
@@ -34,6 +36,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_rows.h"
 #include "vec.h"
 
 namespace pdk {
@@ -139,11 +142,8 @@ void attend_rows(const float* Q, int nr, const int64_t* row_pos, const T* cache,
       const int64_t p = c0 + j;
       const T* kj = cache + static_cast<int64_t>(blocks[p / BS]) * g.block_stride +
                     kvh * g.head_stride + (p % BS) * g.slot_stride;
-      const T* vj = kj + g.kv_stride;
-      for (int d = 0; d < D; d += 8) {
-        store8(Kc + j * D + d, load8(kj + d));
-        store8(Vc + j * D + d, load8(vj + d));
-      }
+      widen_row(kj, Kc + j * D, D);
+      widen_row(kj + g.kv_stride, Vc + j * D, D);
     }
     int j = 0;
     for (; j + 2 <= cs; j += 2) {
@@ -227,7 +227,7 @@ void attend_tile(const float* q, int64_t q_row_stride, float* out, int64_t out_r
   std::vector<float> Qb(static_cast<size_t>(rows) * D), Ob(static_cast<size_t>(rows) * D, 0.f);
   const int CS = std::max(BS, kChunkSlots);  // slots per chunk (a multiple of BS)
   std::vector<float> mrow(rows, kNegInf), lrow(rows, 0.f), Sb(static_cast<size_t>(rows) * CS);
-  std::vector<float> Kb, Vb;  // widened bfloat16 keys / values of a chunk
+  std::vector<float> Kb, Vb;  // widened bfloat16 / int8 keys and values of a chunk
   if constexpr (!std::is_same_v<T, float>) {
     Kb.resize(static_cast<size_t>(CS) * D);
     Vb.resize(static_cast<size_t>(CS) * D);
@@ -277,7 +277,7 @@ void attend_tile(const float* q, int64_t q_row_stride, float* out, int64_t out_r
         float* S = Sb.data() + static_cast<size_t>(kvh) * per_kvh * CS;
         const float* Q = Qb.data() + static_cast<size_t>(kvh) * per_kvh * D;
         // Row pointers of the chunk's keys and values: float32 read in place,
-        // bfloat16 widened once here (each is read by every row of the group).
+        // bfloat16 / int8 widened once here (each is read by every row of the group).
         // A block's slots are taken 8 at a time; slots past the context are masked.
         int padded = 0;
         for (int64_t b = b0; b < b1; ++b) {
@@ -294,10 +294,8 @@ void attend_tile(const float* q, int64_t q_row_stride, float* out, int64_t out_r
             } else {
               float* kd = Kb.data() + (off + j) * D;
               float* vd = Vb.data() + (off + j) * D;
-              for (int d = 0; d < D; d += 8) {
-                store8(kd + d, load8(kj + d));
-                store8(vd + d, load8(kj + g.kv_stride + d));
-              }
+              widen_row(kj, kd, D);
+              widen_row(kj + g.kv_stride, vd, D);
               kp[off + j] = kd;
               vp[off + j] = vd;
             }
@@ -377,10 +375,12 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t la
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == at::kFloat,
               "out must be a contiguous float32 tensor shaped like q");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous(),
-              "kv_cache must be contiguous [blocks, layers, 2, kv_heads, block_size, head_dim]");
+              "kv_cache must be contiguous [blocks, layers, 2, kv_heads, block_size, row]");
   const int64_t H = q.size(1), D = q.size(2);
   const int64_t L = kv_cache.size(1), KVH = kv_cache.size(3), BS = kv_cache.size(4);
-  TORCH_CHECK(kv_cache.size(5) == D, "head_dim of q and kv_cache differ");
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
+  const int64_t row_w = int8 ? D + kKvScaleBytes : D;
+  TORCH_CHECK(kv_cache.size(5) == row_w, "head_dim of q and kv_cache differ");
   TORCH_CHECK(H % KVH == 0, "heads must be a multiple of kv heads");
   TORCH_CHECK(attention_supports_head_dim(D), "head_dim ", D, " is not supported");
   TORCH_CHECK(BS % 8 == 0 && BS <= kMaxBlock, "block_size must be a multiple of 8, at most 64");
@@ -406,8 +406,8 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t la
     for (int32_t t0 = 0; t0 < ql[s]; t0 += kTileQ) tasks.emplace_back(static_cast<int32_t>(s), t0);
   }
   Geometry g;
-  g.slot_stride = D;
-  g.head_stride = BS * D;
+  g.slot_stride = row_w;
+  g.head_stride = BS * row_w;
   g.kv_stride = KVH * g.head_stride;
   g.block_stride = L * 2 * g.kv_stride;
   g.KVH = static_cast<int>(KVH);
@@ -431,8 +431,10 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t la
   };
   if (kv_cache.scalar_type() == at::kFloat) {
     run(kv_cache.data_ptr<float>());
+  } else if (int8) {
+    run(kv_cache.data_ptr<int8_t>());
   } else {
-    TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16, "kv_cache must be float32 or bfloat16");
+    TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16, "kv_cache must be float32, bfloat16 or int8");
     run(reinterpret_cast<const bf16_t*>(kv_cache.data_ptr<at::BFloat16>()));
   }
 }

@@ -33,7 +33,7 @@ at::Tensor attention_step(at::Tensor& qkv, const at::Tensor& positions, const at
                           const at::Tensor& q_len, const at::Tensor& ctx_len, int64_t num_heads,
                           int64_t num_kv_heads, double scale) {
   rope_write_kv(qkv, positions, cos, sin, kv_cache, layer, slots, num_heads, num_kv_heads);
-  const int64_t T = qkv.size(0), D = kv_cache.size(5);
+  const int64_t T = qkv.size(0), D = qkv.size(1) / (num_heads + 2 * num_kv_heads);
   auto q = qkv.view({T, -1, D}).narrow(1, 0, num_heads);
   auto out = at::empty({T, num_heads, D}, qkv.options());
   paged_attention(q, kv_cache, layer, block_table, seq_rows, q_start, q_len, ctx_len, scale, out);

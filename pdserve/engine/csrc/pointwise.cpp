@@ -17,6 +17,7 @@
 #include <cstring>
 #include <limits>
 
+#include "kv_rows.h"
 #include "vec.h"
 
 namespace pdk {
@@ -91,7 +92,8 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
 }
 
 // qkv [T, (H + 2 KVH) * D] float32 (rows contiguous); cos/sin [P, D] float32;
-// positions [T] int64; kv_cache [blocks, layers, 2, KVH, BS, D]; slots [T] int64
+// positions [T] int64; kv_cache [blocks, layers, 2, KVH, BS, row] (row: D values, or for
+// an int8 cache D int8 values and their scale, kv_rows.h); slots [T] int64
 // (block * BS + offset).
 void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos,
                    const at::Tensor& sin, at::Tensor& kv_cache, int64_t layer,
@@ -99,7 +101,10 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == at::kFloat && qkv.is_contiguous(),
               "qkv must be contiguous float32 [T, (H + 2 KVH) * D]");
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous(), "kv_cache must be contiguous");
-  const int64_t T = qkv.size(0), D = kv_cache.size(5), L = kv_cache.size(1);
+  const int64_t T = qkv.size(0), L = kv_cache.size(1);
+  const int64_t row_w = kv_cache.size(5);
+  const bool int8 = kv_cache.scalar_type() == at::kChar;
+  const int64_t D = int8 ? row_w - kKvScaleBytes : row_w;
   const int64_t KVH = kv_cache.size(3), BS = kv_cache.size(4);
   TORCH_CHECK(KVH == num_kv_heads && qkv.size(1) == (num_heads + 2 * KVH) * D,
               "qkv width does not match the heads");
@@ -110,7 +115,7 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
               positions.numel() == T && slots.numel() == T, "positions/slots must be int64 [T]");
   TORCH_CHECK(0 <= layer && layer < L, "layer out of range");
   const int64_t P = cos.size(0), half = D / 2, width = qkv.size(1);
-  const int64_t head_stride = BS * D, kv_stride = KVH * head_stride;
+  const int64_t head_stride = BS * row_w, kv_stride = KVH * head_stride;
   const int64_t block_stride = L * 2 * kv_stride, num_slots = kv_cache.size(0) * BS;
   const int64_t* pos = positions.data_ptr<int64_t>();
   const int64_t* sl = slots.data_ptr<int64_t>();
@@ -136,21 +141,21 @@ void rope_write_kv(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
           }
         }
         const int64_t blk = sl[t] / BS, off = sl[t] % BS;
-        T_* kdst = cache + blk * block_stride + layer * 2 * kv_stride + off * D;
+        T_* kdst = cache + blk * block_stride + layer * 2 * kv_stride + off * row_w;
         T_* vdst = kdst + kv_stride;
         const float* k = row + num_heads * D;
         const float* v = k + KVH * D;
-        for (int64_t h = 0; h < KVH; ++h)
-          for (int64_t i = 0; i < D; i += 8) {
-            store8(kdst + h * head_stride + i, load8(k + h * D + i));
-            store8(vdst + h * head_stride + i, load8(v + h * D + i));
-          }
+        for (int64_t h = 0; h < KVH; ++h) {
+          write_row(kdst + h * head_stride, k + h * D, D);
+          write_row(vdst + h * head_stride, v + h * D, D);
+        }
       }
     });
   };
   if (kv_cache.scalar_type() == at::kFloat) run(kv_cache.data_ptr<float>());
+  else if (int8) run(kv_cache.data_ptr<int8_t>());
   else {
-    TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16, "kv_cache must be float32 or bfloat16");
+    TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16, "kv_cache must be float32, bfloat16 or int8");
     run(reinterpret_cast<bf16_t*>(kv_cache.data_ptr<at::BFloat16>()));
   }
 }
