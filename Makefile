@@ -67,6 +67,7 @@ bench: $(VENV)/.test $(KERNELS) model
 	$(PY) -m pdserve.engine.bench
 	$(PY) -m pdserve.deploy.bench_tp
 	$(PY) -m pdserve.engine.bench_structured
+	$(PY) -m pdserve.engine.bench_kv
 	$(PY) -m pdserve.deploy.bench_spec
 	$(PY) -m pdserve.deploy.bench_conversations
 	$(PY) -m pdserve.kv_transfer.bench --slice

@@ -1,7 +1,8 @@
 """``make bench`` for KV that moves less: multi-turn chat through ``pdserve serve``
 1P+1D, sent as chat clients send it (every turn resends the whole history), with the
 decode worker's prefix reuse on (the default) against it off (every prompt block
-sent, as before), and a colocated worker as the reference for the answers.
+sent, as before), the same with int8 KV caches on both pools, and a colocated worker
+as the reference for the answers.
 
 Per run: KV bytes the prefill worker sent (its ``/metrics``), TTFT p50/p90 (client
 side), output tokens/s; then the bytes ratio, the TTFT ratio and whether every
@@ -88,6 +89,9 @@ def main() -> None:
         "1P+1D, every block sent": {**pair, "decode": {
             "num_cpus": 1, "engine": {"enable_prefix_caching": False}}},
         "1P+1D, decode prefix reuse": pair,
+        "1P+1D, reuse, int8 KV": {
+            "prefill": {"num_cpus": 1, "engine": {"kv_cache_dtype": "int8"}},
+            "decode": {"num_cpus": 1, "engine": {"kv_cache_dtype": "int8"}}},
         "colocated": {"prefill": {"workers": 0}, "decode": {"workers": 0},
                       "colocated": {"workers": 1, "num_cpus": 2}},
     }
@@ -121,6 +125,10 @@ def main() -> None:
     print(f"   KV bytes sent with reuse / without: {ratio:.2f}x; TTFT p50 "
           f"{old['ttft_p50_ms'] / new['ttft_p50_ms']:.2f}x better; output tokens/s "
           f"{new['output_tokens_per_s'] / old['output_tokens_per_s']:.2f}x")
+    q = res["1P+1D, reuse, int8 KV"]
+    print(f"   int8 KV (with reuse) / every block sent: "
+          f"{q['kv_bytes_sent'] / max(1.0, old['kv_bytes_sent']):.2f}x the bytes; TTFT p50 "
+          f"{old['ttft_p50_ms'] / q['ttft_p50_ms']:.2f}x better")
     if args.json:
         Path(args.json).write_text(json.dumps({k: {kk: vv for kk, vv in v.items()
                                                    if kk != "answers"} for k, v in res.items()},

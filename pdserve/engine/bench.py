@@ -16,7 +16,7 @@ Per thread count, and per weight format (float32, bfloat16, int8, int4, w8a8):
 
 Run: ``python -m pdserve.engine.bench [--model DIR] [--threads 1,2]
 [--formats float32,bfloat16,int8,int4] [--concurrency 1,8,32] [--prefill 128,1024,4096]
-[--no-hf] [--json FILE]``.
+[--prompt-len 128] [--kv-cache-dtype auto|int8] [--no-hf] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -217,6 +217,7 @@ def bench_format(model_dir: Path, fmt: str, threads: int, bw: float, peak: float
     def make() -> LLMEngine:
         return LLMEngine(model_dir, EngineConfig(
             dtype=dtype, quantization=quant, device=args.device,
+            kv_cache_dtype=args.kv_cache_dtype,
             num_threads=threads if args.device == "cpu" else None, max_num_seqs=max(conc),
             enable_prefix_caching=False, max_num_batched_tokens=2048,
             max_model_len=max(longest + 64, 2048)))
@@ -228,7 +229,8 @@ def bench_format(model_dir: Path, fmt: str, threads: int, bw: float, peak: float
         peak = kernels.require().w8a8_peak(INT_FAMILIES[family]) * threads
     elif family in FAMILIES:  # MFU against the chosen kernel family's own peak
         peak = kernels.require().family_peak(FAMILIES[family]) * threads
-    print(f"-- {fmt}: linear backend {eng.linear_backend}, kernels {family}, MFU against "
+    print(f"-- {fmt}: KV cache {eng.config.kv_cache_dtype}, linear backend "
+          f"{eng.linear_backend}, kernels {family}, MFU against "
           f"{peak / 1e9:.0f} GFLOP/s (GOP/s for integer kernels)")
     cost = cost_model(eng.model_config, dtype, quant)
     vocab = eng.model_config.vocab_size
@@ -296,6 +298,8 @@ def main() -> None:
     ap.add_argument("--prefill", default="128,1024,4096")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                    help="every format's KV cache (auto: as its dtype)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (scripts/gpu_check.sh)")
