@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -89,6 +89,17 @@ class StepOutput:
 
 
 class LLMEngine:
+    # Under tensor parallelism a follower replays the leader's state-changing calls:
+    # every public method is either ``@replicated`` or named here with why it is not
+    # (tests/engine/test_tensor_parallel.py holds every new method to one or the other).
+    NOT_REPLICATED: ClassVar[dict[str, str]] = {
+        "check_ranks": "the leader's watch over its followers",
+        "close": "the leader stops its followers",
+        "validate": "reads", "block_ids": "reads", "has_unfinished": "reads",
+        "stats": "reads", "kv_layout_spec": "reads", "check_integrity": "reads",
+        "generate": "made of replicated calls (add_request, step)",
+    }
+
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None,
                  tokenizer: Tokenizer | None = None, load_tokenizer: bool = True,
                  tp: TPGroup | None = None) -> None:

@@ -290,9 +290,14 @@ class ShmAllReduce:
         torch.sum(slots[:, :n], dim=0, out=t.view(-1))
 
 
+# The names of the methods ``replicated`` marked: the only calls a follower replays.
+REPLICATED: set[str] = set()
+
+
 def replicated(fn: F) -> F:
     """An ``LLMEngine`` method that changes state: on a TP leader, broadcast the call to
     the followers first (once: calls it makes itself are not broadcast again)."""
+    REPLICATED.add(fn.__name__)
 
     @functools.wraps(fn)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -314,11 +319,15 @@ STOP = "__stop__"
 
 def follow(engine: Any) -> None:
     """A follower's life: replay the leader's calls until it says stop. A call that
-    raised ``ValueError`` on the leader raises it here too (same state): ignored."""
+    raised ``ValueError`` on the leader raises it here too (same state): ignored. A name
+    that is not a replicated method is a leader out of step: ``RuntimeError``."""
     tp: TPGroup = engine.tp
     while True:
         name, args, kwargs = tp.broadcast_object()
         if name == STOP:
             return
+        if name not in REPLICATED:
+            raise RuntimeError(f"tensor-parallel leader sent {name!r}, which is not a "
+                               f"replicated engine method ({', '.join(sorted(REPLICATED))})")
         with contextlib.suppress(ValueError):
             getattr(engine, name)(*args, **kwargs)

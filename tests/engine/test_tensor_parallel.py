@@ -130,3 +130,50 @@ def test_a_dead_rank_fails_the_engine(tiny_model: Callable[[str], Path]) -> None
             engine.generate([PROMPTS[1]], GREEDY)
     finally:
         engine.close()
+
+
+def test_every_engine_method_is_replicated_or_says_why_not() -> None:
+    """A public engine method that changes state and is not ``@replicated`` would leave
+    the followers behind the leader: each is one or the other, never both."""
+    from pdserve.engine.engine import LLMEngine
+    from pdserve.engine.tp import REPLICATED
+
+    public = {n for n, v in vars(LLMEngine).items() if callable(v) and not n.startswith("_")}
+    assert public >= REPLICATED
+    assert not REPLICATED & LLMEngine.NOT_REPLICATED.keys()
+    unclassified = public - REPLICATED - LLMEngine.NOT_REPLICATED.keys()
+    assert not unclassified, f"mark these @replicated or list them in NOT_REPLICATED: " \
+        f"{sorted(unclassified)}"
+    assert {"add_request", "step", "abort", "reserve", "release"} <= REPLICATED
+
+
+def test_a_follower_replays_only_replicated_methods() -> None:
+    """What the leader broadcasts is checked against the replicated names: anything
+    else is a leader out of step, not a method to look up by name."""
+    from pdserve.engine.tp import STOP, follow
+
+    Call = tuple[str, tuple[object, ...], dict[str, object]]
+
+    class Channel:  # what TPGroup.broadcast_object hands a follower, from a list
+        def __init__(self, calls: list[Call]) -> None:
+            self.calls = calls
+
+        def broadcast_object(self) -> Call:
+            return self.calls.pop(0)
+
+    class Follower:
+        def __init__(self, calls: list[Call]) -> None:
+            self.tp = Channel(calls)
+            self.done: list[str] = []
+
+        def release(self, request_id: str) -> None:
+            self.done.append(request_id)
+
+        def close(self) -> None:
+            raise AssertionError("never replayed")
+
+    f = Follower([("release", ("r1",), {}), (STOP, (), {})])
+    follow(f)
+    assert f.done == ["r1"]
+    with pytest.raises(RuntimeError, match="'close', which is not a replicated engine method"):
+        follow(Follower([("close", (), {})]))
