@@ -24,7 +24,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -43,6 +43,7 @@ from pdserve.messages import (
     WorkerLoad,
 )
 from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.router.clients import ColocatedHandle, DecodeHandle, PrefillHandle
 
 MAX_BACKOFF_S = 60.0
 
@@ -225,3 +226,12 @@ class RayWorker:
     async def admit(self, request_id: str, prompt_token_ids: Sequence[int],
                     params: SamplingParams) -> bool:
         return bool(await self._call("admit", request_id, list(prompt_token_ids), params))
+
+
+if TYPE_CHECKING:  # mypy holds every worker class, and the Ray proxy, to what the router calls
+    _P: type[PrefillHandle] = PrefillWorker
+    _D: type[DecodeHandle] = DecodeWorker
+    _C: type[ColocatedHandle] = ColocatedWorker
+    _RP: type[PrefillHandle] = RayWorker
+    _RD: type[DecodeHandle] = RayWorker
+    _RC: type[ColocatedHandle] = RayWorker

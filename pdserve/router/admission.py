@@ -198,10 +198,10 @@ class Admission:
         granted = False
         try:
             if w.role == "decode":
-                got = await self._workers.call(w, w.handle.reserve(attempt_id, ids, params))
+                got = await self._workers.call(w, w.decode.reserve(attempt_id, ids, params))
                 granted = got is not None
                 return Target(w, got) if granted else None
-            granted = bool(await self._workers.call(w, w.handle.admit(attempt_id, ids, params)))
+            granted = bool(await self._workers.call(w, w.colocated.admit(attempt_id, ids, params)))
             return Target(w, None) if granted else None
         except ValueError as exc:  # the worker can never serve it: the request's fault
             raise RouterError(ErrorKind.INVALID, str(exc)) from exc

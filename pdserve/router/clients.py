@@ -30,8 +30,10 @@ from pdserve.messages import (
 
 
 class WorkerHandle(Protocol):
-    worker_id: str
-    role: str  # "prefill" | "decode" | "colocated"
+    @property
+    def worker_id(self) -> str: ...
+    @property
+    def role(self) -> str: ...  # "prefill" | "decode" | "colocated"
 
     async def load(self) -> WorkerLoad: ...
     async def join_info(self) -> JoinInfo: ...

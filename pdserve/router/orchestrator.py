@@ -261,14 +261,14 @@ class RequestRun:
                        hashes: list[int]) -> _PrefillLeg:
         self.s.fanout.attach(task.request_id, p.worker_id)
         self.s.prefix.record(hashes, p.worker_id)
-        fut = asyncio.ensure_future(p.handle.prefill(task))
+        fut = asyncio.ensure_future(p.prefill.prefill(task))
         fut.add_done_callback(inbox.push)  # its completion is an inbox item
         return _PrefillLeg(p, fut, task.request_id, len(task.prompt_token_ids),
                            task.decode_worker)
 
     def _start_handoff(self, leg: _PrefillLeg, inbox: Inbox | None) -> None:
         if leg.handoff is None:
-            leg.handoff = asyncio.ensure_future(leg.worker.handle.handoff(leg.request_id))
+            leg.handoff = asyncio.ensure_future(leg.worker.prefill.handoff(leg.request_id))
             if inbox is not None:
                 leg.handoff.add_done_callback(inbox.push)
 

@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ from pdserve.engine.sampling_params import SamplingParams, request_problem
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.messages import ServingLimits
 from pdserve.router.admission import Admission
+from pdserve.router.clients import WorkerHandle
 from pdserve.router.fanout import Fanout
 from pdserve.router.orchestrator import RequestRun, Services
 from pdserve.router.policies import PrefixIndex, get_policy
@@ -72,7 +73,7 @@ class RouterConfig:
 
 class Router:
     def __init__(self, model_name: str, tokenizer: Tokenizer, max_model_len: int,
-                 workers: list[Any], config: RouterConfig | None = None,
+                 workers: Sequence[WorkerHandle], config: RouterConfig | None = None,
                  metrics: Any = None) -> None:
         """``workers``: handles of every worker, any role (``router/clients.py``)."""
         self.model_name = model_name
@@ -150,7 +151,7 @@ class Router:
             })
         return out
 
-    async def add_worker(self, handle: Any) -> None:
+    async def add_worker(self, handle: WorkerHandle) -> None:
         """A worker started at runtime joins routing (see ``WorkerSet.add``)."""
         await self.workers.add(handle)
 

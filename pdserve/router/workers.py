@@ -27,13 +27,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from pdserve.failures import AttemptFailed, FailReason, WorkerGone
 from pdserve.messages import ServingLimits, WorkerLoad
 from pdserve.output_stream import connect_stream
+from pdserve.router.clients import ColocatedHandle, DecodeHandle, PrefillHandle, WorkerHandle
 from pdserve.router.fanout import Fanout
 
 log = logging.getLogger("pdserve.router")
@@ -43,7 +44,7 @@ TOKEN_ROLES = ("decode", "colocated")
 
 @dataclass
 class WorkerState:
-    handle: Any  # a WorkerHandle (router/clients.py)
+    handle: WorkerHandle  # by role also a Prefill/Decode/ColocatedHandle (clients.py)
     worker_id: str
     role: str
     alive: bool = False  # joined (its stream and channels are up)
@@ -61,6 +62,24 @@ class WorkerState:
     refused_incarnation: str | None = None
     peers: set[str] = field(default_factory=set)  # prefill: decode workers it has channels to
     left: asyncio.Event | None = None  # set when this join's stay in routing ends
+
+    @property
+    def prefill(self) -> PrefillHandle:
+        """The handle as what a prefill worker answers (``TypeError`` on another role)."""
+        return cast(PrefillHandle, self._as("prefill"))
+
+    @property
+    def decode(self) -> DecodeHandle:
+        return cast(DecodeHandle, self._as("decode"))
+
+    @property
+    def colocated(self) -> ColocatedHandle:
+        return cast(ColocatedHandle, self._as("colocated"))
+
+    def _as(self, role: str) -> WorkerHandle:
+        if self.role != role:
+            raise TypeError(f"worker {self.worker_id} is a {self.role} worker, not {role}")
+        return self.handle
 
     @property
     def routable(self) -> bool:
@@ -86,7 +105,7 @@ class HealthConfig:
 
 
 class WorkerSet:
-    def __init__(self, handles: list[Any], fanout: Fanout, health: HealthConfig,
+    def __init__(self, handles: Sequence[WorkerHandle], fanout: Fanout, health: HealthConfig,
                  limits: ServingLimits,
                  on_change: Callable[[WorkerState, str], None] = lambda w, what: None) -> None:
         self.workers = {h.worker_id: WorkerState(h, h.worker_id, h.role) for h in handles}
@@ -120,7 +139,7 @@ class WorkerSet:
             self._close_stream(w)
 
     # ------------------------------------------------------------ runtime changes
-    async def add(self, handle: Any) -> WorkerState:
+    async def add(self, handle: WorkerHandle) -> WorkerState:
         """A worker started at runtime: probe it, join it (bounded by the join
         timeout; a late one joins on a later probe), keep probing it."""
         if handle.worker_id in self.workers:
@@ -308,9 +327,11 @@ class WorkerSet:
         else:
             return
         for p, d in pairs:
+            if d.kv_endpoint is None:  # not joined as a decode worker (its join sets it)
+                continue
             try:
                 async with asyncio.timeout(self._health.join_timeout_s):
-                    await p.handle.connect(d.worker_id, d.kv_endpoint)
+                    await p.prefill.connect(d.worker_id, d.kv_endpoint)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
