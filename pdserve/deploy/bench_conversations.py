@@ -8,8 +8,14 @@ Per run: KV bytes the prefill worker sent (its ``/metrics``), TTFT p50/p90 (clie
 side), output tokens/s; then the bytes ratio, the TTFT ratio and whether every
 greedy answer equals the colocated worker's.
 
+Then (``--mooncake N``, 0 to skip) N requests of the Mooncake conversation trace
+replayed through 1P+1D with and without decode-side reuse, lengths scaled so that one
+of its 512-token hash blocks is one 16-token KV block: the KV bytes saved against the
+window's own prefix reuse (the share of its prompts' blocks an earlier request of the
+window already had).
+
 Run: ``python -m pdserve.deploy.bench_conversations [--conversations 4] [--turns 8]
-[--max-tokens 48] [--json FILE]``.
+[--max-tokens 48] [--mooncake 200] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.client.openai_stream import CHAT_COMPLETIONS, OpenAIStreamClient
+from pdserve.deploy.bench_serving import mooncake_window, trace_run
 from pdserve.deploy.harness import Served, metric
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -65,8 +72,7 @@ def run(config: dict[str, Any], conversations: int, turns: int,
         t0 = time.perf_counter()
         results = asyncio.run(all_of_them())
         wall = time.perf_counter() - t0
-        sent = sum(metric(served.scrape(w), "pdserve_kv_transfer_bytes_total")
-                   for w in served.workers if w.startswith("prefill"))
+        sent = sent_bytes(served)
         reused = sum(metric(served.scrape(w), "pdserve_prefix_cache_hits_total")
                      for w in served.workers if w.startswith("decode"))
     ttfts = sorted(t for conv in results for _, t, _ in conv)
@@ -77,13 +83,55 @@ def run(config: dict[str, Any], conversations: int, turns: int,
             "output_tokens_per_s": sum(n for conv in results for _, _, n in conv) / wall}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--conversations", type=int, default=4)
-    ap.add_argument("--turns", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+def sent_bytes(served: Served) -> float:
+    return sum(metric(served.scrape(w), "pdserve_kv_transfer_bytes_total")
+               for w in served.workers if w.startswith("prefill"))
+
+
+def window_reuse(trace: Path) -> float:
+    """Of the window's prompt blocks (hash ids), the share whose whole prefix chain an
+    earlier request of the window had: what a cache that forgets nothing reuses."""
+    seen: set[tuple[int, ...]] = set()
+    total = hits = 0
+    for line in trace.read_text().splitlines():
+        chain: tuple[int, ...] = ()
+        hitting = True
+        for h in json.loads(line)["hash_ids"]:
+            chain += (h,)
+            hitting = hitting and chain in seen
+            hits += hitting
+            total += 1
+            seen.add(chain)
+    return hits / max(1, total)
+
+
+def mooncake(n: int, block_size: int = 16) -> dict[str, float]:
+    """The trace window through 1P+1D, every block sent against decode-side reuse."""
+    trace = mooncake_window(n, rate=1.0, start=0)
+    scale = block_size / 512  # a hash block = a KV block
+    roomy: dict[str, Any] = {"kv_cache_bytes": 1 << 30}  # D keeps the whole window
+    runs = {"every block sent": {"prefill": {"num_cpus": 1}, "decode": {
+                "num_cpus": 1, "engine": {**roomy, "enable_prefix_caching": False}}},
+            "decode prefix reuse": {"prefill": {"num_cpus": 1},
+                                    "decode": {"num_cpus": 1, "engine": roomy}}}
+    sent: dict[str, float] = {}
+    for name, cfg in runs.items():
+        with Served(cfg) as served:
+            trace_run(served, trace, scale, n, "--max-concurrency", "4")
+            sent[name] = sent_bytes(served)
+    reuse = window_reuse(trace)
+    saved = 1 - sent["decode prefix reuse"] / max(1.0, sent["every block sent"])
+    print(f"\nMooncake conversation trace, first {n} requests, lengths x{scale:g} (a hash "
+          f"block = a {block_size}-token KV block), 1P+1D")
+    for name, b in sent.items():
+        print(f"   {name:20} {b / 1e6:8.1f} MB of KV sent")
+    print(f"   bytes saved {saved:.1%}; the window's own prefix reuse {reuse:.1%}")
+    return {**{f"kv_bytes_sent: {k}": v for k, v in sent.items()},
+            "bytes_saved": saved, "window_reuse": reuse}
+
+
+def chat(conversations: int, turns: int, max_tokens: int) -> dict[str, Any]:
+    """The multi-turn chat runs (module docstring); their figures, answers left out."""
     pair = {"prefill": {"num_cpus": 1}, "decode": {"num_cpus": 1}}
     configs: dict[str, dict[str, Any]] = {
         "1P+1D, every block sent": {**pair, "decode": {
@@ -95,11 +143,11 @@ def main() -> None:
         "colocated": {"prefill": {"workers": 0}, "decode": {"workers": 0},
                       "colocated": {"workers": 1, "num_cpus": 2}},
     }
-    res = {name: run(cfg, args.conversations, args.turns, args.max_tokens)
+    res = {name: run(cfg, conversations, turns, max_tokens)
            for name, cfg in configs.items()}
     new, old = res["1P+1D, decode prefix reuse"], res["1P+1D, every block sent"]
-    print(f"\n{args.conversations} conversations x {args.turns} turns, whole history resent "
-          f"each turn, greedy, max_tokens {args.max_tokens}, default model")
+    print(f"\n{conversations} conversations x {turns} turns, whole history resent "
+          f"each turn, greedy, max_tokens {max_tokens}, default model")
     print(f"   {'run':28} {'KV sent MB':>10} {'blocks reused':>13} {'TTFT p50':>9} "
           f"{'TTFT p90':>9} {'out tok/s':>9}  answers = colocated")
     def same_turns(a: list[list[str]], b: list[list[str]]) -> str:
@@ -129,10 +177,25 @@ def main() -> None:
     print(f"   int8 KV (with reuse) / every block sent: "
           f"{q['kv_bytes_sent'] / max(1.0, old['kv_bytes_sent']):.2f}x the bytes; TTFT p50 "
           f"{old['ttft_p50_ms'] / q['ttft_p50_ms']:.2f}x better")
+    return {k: {kk: vv for kk, vv in v.items() if kk != "answers"} for k, v in res.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--conversations", type=int, default=4, help="0: no chat runs")
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--mooncake", type=int, default=200,
+                    help="requests of the Mooncake conversation trace replayed (0: none)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    out: dict[str, Any] = {}
+    if args.conversations:
+        out = chat(args.conversations, args.turns, args.max_tokens)
+    if args.mooncake:
+        out["mooncake"] = mooncake(args.mooncake)
     if args.json:
-        Path(args.json).write_text(json.dumps({k: {kk: vv for kk, vv in v.items()
-                                                   if kk != "answers"} for k, v in res.items()},
-                                              indent=2))
+        Path(args.json).write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":
