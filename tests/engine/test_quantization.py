@@ -131,20 +131,6 @@ def test_default_model_q4_1_perplexity_equals_the_float_model(default_model_dir:
 
 
 @needs_kernels
-@pytest.mark.slow
-def test_default_model_int8_kv_cache_perplexity_within_1_percent(default_model_dir: Path) -> None:
-    """The int8 KV cache against the bfloat16 one it replaces (measured: 27.074 ->
-    27.146, +0.27%; against a float32 cache +0.17%)."""
-    bf16 = engine(default_model_dir, num_threads=2, dtype="bfloat16")
-    assert bf16.tokenizer is not None
-    ids = bf16.tokenizer.encode(TEXT)
-    base = perplexity(bf16, ids)
-    q = perplexity(engine(default_model_dir, num_threads=2, dtype="bfloat16",
-                          kv_cache_dtype="int8"), ids)
-    assert abs(q / base - 1) < 0.01, (base, q)
-
-
-@needs_kernels
 @pytest.mark.parametrize(("kind", "group", "bound"), [
     # Measured on text the float model itself sampled (base perplexity 7.13): int8
     # +0.4%; int4 g32 +125%, g64 +143%. The tiny presets' weights are drawn with a
@@ -203,13 +189,18 @@ def test_integer_formats_are_batch_invariant_and_the_same_on_every_family(
 
 @needs_kernels
 @pytest.mark.slow
-def test_default_model_w8a8_perplexity_within_1_percent_of_bf16(default_model_dir: Path) -> None:
-    """Measured: bf16 27.07 -> w8a8 27.14 (+0.23%; float32 -0.28%). One activation
-    scale per row instead of per group of 64 cost +3.9% (docs/quantization.md)."""
+@pytest.mark.parametrize("change", [
+    # w8a8: measured bf16 27.07 -> 27.14 (+0.23%; float32 -0.28%). One activation scale
+    # per row instead of per group of 64 cost +3.9% (docs/quantization.md).
+    {"quantization": "w8a8"},
+    # an int8 KV cache: 27.074 -> 27.146 (+0.27%; against a float32 cache +0.17%)
+    {"kv_cache_dtype": "int8"},
+], ids=["w8a8", "int8-kv-cache"])
+def test_default_model_within_1_percent_of_bf16(default_model_dir: Path,
+                                                change: dict[str, str]) -> None:
     bf16 = engine(default_model_dir, num_threads=2, dtype="bfloat16")
     assert bf16.tokenizer is not None
     ids = bf16.tokenizer.encode(TEXT)
     base = perplexity(bf16, ids)
-    w8a8 = perplexity(engine(default_model_dir, num_threads=2, dtype="bfloat16",
-                             quantization="w8a8"), ids)
-    assert abs(w8a8 / base - 1) < 0.01, (base, w8a8)
+    q = perplexity(engine(default_model_dir, num_threads=2, dtype="bfloat16", **change), ids)
+    assert abs(q / base - 1) < 0.01, (base, q)

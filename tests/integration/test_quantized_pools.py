@@ -60,26 +60,29 @@ def handed_off(model: Path, prompt: list[int], prefill: dict[str, object],
     return tokens
 
 
+def through_pair(model: Path, ps: list[list[int]], prefill: dict[str, object],
+                 decode: dict[str, object]) -> list[list[int]]:
+    pair = Pair(model, prefill_engine=prefill, decode_engine=decode)
+    try:
+        return served(pair, ps)
+    finally:
+        pair.close()
+
+
+def colocated(model: Path, ps: list[list[int]], engine: dict[str, object]) -> list[list[int]]:
+    eng = LLMEngine(model, EngineConfig(num_blocks=256, **engine))  # type: ignore[arg-type]
+    return [o.token_ids for o in eng.generate(ps, GREEDY)]
+
+
 def test_quantized_decode_pool_behind_a_float_prefill_pool(
         tiny_model: Callable[[str], Path]) -> None:
     model = tiny_model("llama-gqa")
     ps = prompts(4)
     int4 = {"quantization": "int4"}
     # both pools int4 == one int4 engine doing both phases
-    pair = Pair(model, prefill_engine=int4, decode_engine=int4)
-    try:
-        got = served(pair, ps)
-    finally:
-        pair.close()
-    colocated = LLMEngine(model, EngineConfig(num_blocks=256, **int4)).generate(ps, GREEDY)  # type: ignore[arg-type]
-    assert got == [o.token_ids for o in colocated]
+    assert through_pair(model, ps, int4, int4) == colocated(model, ps, int4)
     # float prefill, int4 decode == the same hand-off done with two engines
-    pair = Pair(model, decode_engine=int4)
-    try:
-        got = served(pair, ps)
-    finally:
-        pair.close()
-    assert got == [handed_off(model, p, {}, int4) for p in ps]
+    assert through_pair(model, ps, {}, int4) == [handed_off(model, p, {}, int4) for p in ps]
 
 
 def test_int8_kv_pools_equal_the_int8_engine(tiny_model: Callable[[str], Path]) -> None:
@@ -88,10 +91,4 @@ def test_int8_kv_pools_equal_the_int8_engine(tiny_model: Callable[[str], Path]) 
     model = tiny_model("llama-gqa")
     ps = prompts(4)
     int8 = {"kv_cache_dtype": "int8"}
-    pair = Pair(model, prefill_engine=int8, decode_engine=int8)
-    try:
-        got = served(pair, ps)
-    finally:
-        pair.close()
-    colocated = LLMEngine(model, EngineConfig(num_blocks=256, **int8)).generate(ps, GREEDY)  # type: ignore[arg-type]
-    assert got == [o.token_ids for o in colocated]
+    assert through_pair(model, ps, int8, int8) == colocated(model, ps, int8)
