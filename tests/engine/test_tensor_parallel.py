@@ -25,10 +25,11 @@ PROMPTS = [[5 + (i * 7 + j) % 200 for j in range(3 + 23 * i)] for i in range(4)]
 
 
 def generate(model: Path, tp: int, dtype: str = "float32", prompts: list[list[int]] = PROMPTS,
-             device: str = "cpu") -> list[list[int]]:
+             device: str = "cpu", kv_cache_dtype: str = "auto") -> list[list[int]]:
     """Greedy outputs of a ``tp``-rank engine on ``device`` (CUDA: rank r on GPU r)."""
     engine = create_engine(model, EngineConfig(num_blocks=128, dtype=dtype, num_threads=1,
-                                                  tensor_parallel_size=tp, device=device))
+                                                  tensor_parallel_size=tp, device=device,
+                                                  kv_cache_dtype=kv_cache_dtype))
     try:
         return [o.token_ids for o in engine.generate(prompts, GREEDY)]
     finally:
@@ -105,6 +106,13 @@ def test_two_ranks_equal_one(tiny_model: Callable[[str], Path], preset: str, dty
         pytest.skip(f"TP=2 on CUDA needs 2 GPUs, this machine has {torch.cuda.device_count()}")
     model = tiny_model(preset)
     assert generate(model, 2, dtype, device=device) == generate(model, 1, dtype, device=device)
+
+
+def test_two_ranks_on_int8_kv_caches_equal_one(tiny_model: Callable[[str], Path]) -> None:
+    """Each rank quantizes its own KV heads' rows (a scale per token and head), so the
+    split changes nothing."""
+    model = tiny_model("llama-gqa")
+    assert generate(model, 2, kv_cache_dtype="int8") == generate(model, 1, kv_cache_dtype="int8")
 
 
 def test_four_ranks_with_replicated_kv_heads(tiny_model: Callable[[str], Path]) -> None:

@@ -72,11 +72,12 @@ class Worker:
     stop: Callable[[], None]
 
 
-def make_worker(role: str, ranks: int, seed: int, remote: bool) -> Worker:
+def make_worker(role: str, ranks: int, seed: int, remote: bool,
+                layout: KVLayout = LAYOUT) -> Worker:
     """A worker of ``ranks`` ranks over the local backend; with ``remote``, ranks 1..
     sit behind pipes served on threads (as the follower processes serve them)."""
-    heads = split(LAYOUT.num_kv_heads, ranks)
-    layouts = [dataclasses.replace(LAYOUT, heads=h) for h in heads]
+    heads = split(layout.num_kv_heads, ranks)
+    layouts = [dataclasses.replace(layout, heads=h) for h in heads]
     kvs = [make_kv(lay, 24, seed + r if seed >= 0 else -1) for r, lay in enumerate(layouts)]
     cls = LocalSender if role == "send" else LocalReceiver
     chans: list[Any] = [cls(kvs[0], layouts[0])]
@@ -93,7 +94,7 @@ def make_worker(role: str, ranks: int, seed: int, remote: bool) -> Worker:
         chans.append(ch)
         conns.append(theirs)
     outer = ShardedSender if role == "send" else ShardedReceiver
-    return Worker(outer(chans, LAYOUT, heads), kvs, lambda: [cut(c) for c in conns])
+    return Worker(outer(chans, layout, heads), kvs, lambda: [cut(c) for c in conns])
 
 
 def cut(conn: Any) -> None:
@@ -140,6 +141,22 @@ def test_every_combination_moves_every_head(workers: Callable[..., Worker], p_ra
     assert p.channel.num_pending == 0 and d.channel.num_pending == 0
     p.channel.send(peer, "r", src, dst, notify={})  # ended: dropped, no second event
     assert p.channel.poll() == []
+
+
+@pytest.mark.parametrize(("p_ranks", "d_ranks"), [(2, 1), (1, 2)])
+def test_int8_rows_move_whole_across_degrees(workers: Callable[..., Worker], p_ranks: int,
+                                            d_ranks: int) -> None:
+    """An int8 cache's rows (values and their scale) are cut by heads like any other."""
+    int8 = dataclasses.replace(LAYOUT, dtype="int8")
+    p, d = workers("send", p_ranks, 1, False, int8), workers("recv", d_ranks, -1, False, int8)
+    peer = p.channel.connect(d.channel.endpoint())
+    src, dst = [3, 4, 9], [20, 0, 5]
+    d.channel.expect("r", dst, WAIT_S)
+    p.channel.send(peer, "r", src, dst, notify={"first_token": 3})
+    (sent,), (got,) = events(p.channel, 1), events(d.channel, 1)
+    assert sent.ok and got.ok, (sent, got)
+    assert torch.equal(torch.cat([kv[dst] for kv in d.kvs], dim=3),
+                       torch.cat([kv[src] for kv in p.kvs], dim=3))
 
 
 @pytest.mark.parametrize("remote", [False, True])
