@@ -1,9 +1,10 @@
 """``pdserve plan``: size the prefill and decode pools for a rate and two SLOs, and
 the ``Autoscaler`` that turns live load into target pool sizes.
 
-This module owns the step-time models the planner runs on, the pool sizing, the
-start-up profile (measured engine step times on the CPU) and the autoscale decision.
-Formulas and their limits are in ``docs/planner.md``; in short:
+This module owns the step-time models the planner runs on (a ``Profile`` is measured
+by ``planner_profile.py``), the pool sizing and the autoscale decision; the command
+line is ``planner_cli.py``. Formulas and their limits are in ``docs/planner.md``; in
+short:
 
 * step times come from an ``AnalyticModel`` (``pdserve.engine.cost`` FLOPs and bytes
   over datasheet peaks x ``tp`` x MFU/MBU) or from a measured ``Profile``::
@@ -21,19 +22,14 @@ Formulas and their limits are in ``docs/planner.md``; in short:
   requests/s (context = N + M/2, the mean over a request's decode);
 * P and D are the smallest counts within the bounds whose capacity covers R.
 
-Nothing here imports torch at module import (``pdserve plan`` stays light); the
-analytic model imports ``pdserve.engine.cost`` on first use, the profile measurement
-imports the engine.
+Nothing here imports torch (``pdserve plan`` stays light); the analytic model imports
+``pdserve.engine.cost`` on first use.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import random
-import statistics
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -47,7 +43,6 @@ from pdserve.deploy.efficiency import lookup_device
 if TYPE_CHECKING:
     from pdserve.engine.config import ModelConfig
     from pdserve.engine.cost import CostModel
-    from pdserve.engine.engine import LLMEngine
 
 PROFILE_FORMAT = "pdserve-planner-profile/1"
 # Step-time clocks of a profile: "cpu" (this process's CPU time: with one engine
@@ -341,8 +336,8 @@ class Profile:
         try:
             return cls(model=str(d["model"]), device=str(d["device"]), dtype=str(d["dtype"]),
                        quantization=str(d["quantization"]), threads=int(d["threads"]),
-                       prefill_coef=_coef3(d["prefill_coef"]),
-                       decode_coef=_coef3(d["decode_coef"]),
+                       prefill_coef=coef3(d["prefill_coef"]),
+                       decode_coef=coef3(d["decode_coef"]),
                        kv_bytes_per_token=int(d["kv_bytes_per_token"]),
                        kv_tokens=int(d["kv_tokens"]), samples=dict(d.get("samples", {})),
                        fit_error_pct=dict(d.get("fit_error_pct", {})),
@@ -352,202 +347,9 @@ class Profile:
             raise ValueError(f"profile {str(p)!r} is malformed: {exc!r}") from exc
 
 
-def _coef3(v: Sequence[float]) -> tuple[float, float, float]:
+def coef3(v: Sequence[float]) -> tuple[float, float, float]:
     a, b, c = (float(x) for x in v)
     return a, b, c
-
-
-# ----------------------------------------------------------------- fitting
-def _solve(a: list[list[float]], y: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting (tiny dense systems)."""
-    n = len(y)
-    m = [row[:] + [y[i]] for i, row in enumerate(a)]
-    for col in range(n):
-        piv = max(range(col, n), key=lambda r: abs(m[r][col]))
-        if abs(m[piv][col]) < 1e-10 * len(y):  # the caller scales columns to max 1
-            raise ValueError("singular fit: too few distinct samples")
-        m[col], m[piv] = m[piv], m[col]
-        for r in range(n):
-            if r != col:
-                k = m[r][col] / m[col][col]
-                m[r] = [x - k * z for x, z in zip(m[r], m[col], strict=True)]
-    return [m[i][n] / m[i][i] for i in range(n)]
-
-
-def fit_nonnegative(rows: Sequence[Sequence[float]], y: Sequence[float]) -> list[float]:
-    """Least squares on relative error (weights 1/y²), with every coefficient >= 0:
-    a term whose coefficient comes out negative is dropped and the rest refit (and the
-    last term, while the samples cannot tell the terms apart)."""
-    k = len(rows[0])
-    active = list(range(k))
-    # Rows divided by y (relative error, target 1), columns by their largest entry
-    # (so the normal equations are well scaled and a tiny pivot means collinear).
-    while active:
-        x = [[r[j] / max(v, 1e-12) for j in active] for r, v in zip(rows, y, strict=True)]
-        scale = [max(abs(row[p]) for row in x) or 1.0 for p in range(len(active))]
-        x = [[row[p] / scale[p] for p in range(len(active))] for row in x]
-        n = len(active)
-        ata = [[sum(row[p] * row[q] for row in x) for q in range(n)] for p in range(n)]
-        aty = [sum(row[p] for row in x) for p in range(n)]
-        try:
-            beta = [b / sc for b, sc in zip(_solve(ata, aty), scale, strict=True)]
-        except ValueError:  # collinear columns (e.g. one decode context): drop the last
-            del active[-1]
-            continue
-        worst = min(range(n), key=lambda p: beta[p])
-        if beta[worst] >= 0 or n == 1:
-            out = [0.0] * k
-            for p, j in enumerate(active):
-                out[j] = max(0.0, beta[p])
-            return out
-        del active[worst]
-    return [0.0] * k
-
-
-def _worst_error_pct(rows: Sequence[Sequence[float]], y: Sequence[float],
-                     coef: Sequence[float]) -> float:
-    return max(abs(sum(c * x for c, x in zip(coef, r, strict=True)) - v) / v * 100
-               for r, v in zip(rows, y, strict=True))
-
-
-# ----------------------------------------------------------- measurement
-def _engine(model_dir: str | Path, dtype: str, quantization: str, threads: int,
-            max_seqs: int, max_tokens: int, num_blocks: int | None) -> LLMEngine:
-    from pdserve.engine.config import EngineConfig
-    from pdserve.engine.engine import LLMEngine
-
-    return LLMEngine(model_dir, EngineConfig(
-        dtype=dtype, quantization=quantization, num_threads=threads,
-        enable_prefix_caching=False, max_num_seqs=max_seqs,
-        max_num_batched_tokens=max(2048, max_tokens), num_blocks=num_blocks),
-        load_tokenizer=False)
-
-
-def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
-    lo = min(100, vocab // 2)
-    return [rng.randrange(lo, vocab) for _ in range(n)]
-
-
-def _measure(eng: LLMEngine, prefill_lens: Sequence[int], decode_batches: Sequence[int],
-             decode_contexts: Sequence[int], decode_steps: int, repeats: int,
-             log: Callable[[str], None], clock: Callable[[], float]
-             ) -> tuple[list[list[float]], list[list[float]]]:
-    """(prefill samples [N, ms], decode samples [B, ctx, ms]) of step times on ``clock``."""
-    from pdserve.engine.sampling_params import SamplingParams
-
-    rng = random.Random(0)
-    vocab = eng.model_config.vocab_size
-    one = SamplingParams(max_tokens=1, ignore_eos=True)
-    eng.add_request("warm", _prompt(rng, min(prefill_lens), vocab), one)
-    while eng.has_unfinished():
-        eng.step()
-    prefill: list[list[float]] = []
-    for n in prefill_lens:
-        times = []
-        for r in range(repeats):
-            eng.add_request(f"p{n}-{r}", _prompt(rng, n, vocab), one)
-            t0 = clock()
-            eng.step()
-            times.append((clock() - t0) * 1e3)
-            while eng.has_unfinished():  # a prompt longer than the step budget
-                t0 = clock()
-                eng.step()
-                times[-1] += (clock() - t0) * 1e3
-        prefill.append([float(n), statistics.median(times)])
-        log(f"  prefill {n:>5} tokens: {prefill[-1][1]:8.2f} ms")
-    decode: list[list[float]] = []
-    params = SamplingParams(max_tokens=decode_steps + 3, ignore_eos=True)
-    for c in decode_contexts:
-        for b in decode_batches:
-            # Reserved blocks + start_decode, as a decode worker does: the KV is not
-            # computed (its values do not change the step's time).
-            rids = [f"d{b}-{c}-{i}" for i in range(b)]
-            for rid in rids:
-                p = _prompt(rng, c, vocab)
-                if eng.reserve(rid, p, params) is None:
-                    raise ValueError(f"decode batch {b} x {c} tokens does not fit the KV cache")
-                eng.start_decode(rid, p[-1])
-            eng.step()  # warm-up
-            times, ctx = [], []
-            for _ in range(decode_steps):
-                t0 = clock()
-                out = eng.step()
-                times.append((clock() - t0) * 1e3)
-                assert out.info is not None and out.info.num_decode == b
-                ctx.append(out.info.context_tokens / b)
-            for rid in rids:
-                eng.abort(rid)
-            decode.append([float(b), statistics.fmean(ctx), statistics.median(times)])
-            log(f"  decode batch {b:>3}, context {c:>5}: {decode[-1][2]:8.2f} ms/step")
-    return prefill, decode
-
-
-def _fit_profile(eng: LLMEngine, threads: int, prefill: list[list[float]],
-                 decode: list[list[float]], seconds: float, clock: str) -> Profile:
-    from pdserve.engine.config import EngineConfig
-
-    p_rows = [[1.0, n, n * n] for n, _ in prefill]
-    p_y = [ms for _, ms in prefill]
-    d_rows = [[1.0, b, b * c] for b, c, _ in decode]
-    d_y = [ms for _, _, ms in decode]
-    pc = fit_nonnegative(p_rows, p_y)
-    dc = fit_nonnegative(d_rows, d_y)
-    mc = eng.model_config
-    cfg = eng.config
-    kv_bytes = (2 * mc.num_layers * mc.num_kv_heads * eng.kv_cache.shape[-1]
-                * eng.kv_cache.element_size())  # a row (int8: with its scale)
-    default_blocks = EngineConfig(dtype=cfg.dtype, kv_cache_dtype=cfg.kv_cache_dtype
-                                  ).resolve_num_blocks(mc)
-    return Profile(
-        model=mc.name or eng.model_dir.name, device=cfg.device, dtype=cfg.dtype,
-        quantization=cfg.quantization, threads=threads,
-        prefill_coef=_coef3(pc), decode_coef=_coef3(dc), kv_bytes_per_token=kv_bytes,
-        kv_tokens=default_blocks * cfg.block_size,
-        samples={"prefill": prefill, "decode": decode},
-        fit_error_pct={"prefill": round(_worst_error_pct(p_rows, p_y, pc), 2),
-                       "decode": round(_worst_error_pct(d_rows, d_y, dc), 2)},
-        measured_s=round(seconds, 2), clock=clock)
-
-
-def _blocks_needed(prefill_lens: Sequence[int], decode_batches: Sequence[int],
-                   decode_contexts: Sequence[int], decode_steps: int, block: int) -> int:
-    per_seq = -(-(max(decode_contexts) + decode_steps + 4) // block)
-    return max(max(decode_batches) * per_seq, -(-max(prefill_lens) // block) + 1) + 8
-
-
-def measure_profile(model_dir: str | Path, *, dtype: str = "auto", quantization: str = "none",
-                    threads: int = 1, prefill_lens: Sequence[int] = (32, 128, 256, 512),
-                    decode_batches: Sequence[int] = (1, 4, 8, 16),
-                    decode_contexts: Sequence[int] = (128, 512), decode_steps: int = 6,
-                    repeats: int = 2, clock: str = "cpu",
-                    log: Callable[[str], None] | None = None) -> Profile:
-    """Measure one CPU worker's engine step times and fit a ``Profile``: prefill steps
-    of each prompt length (``repeats`` times, median), decode steps at each batch and
-    context (``decode_steps`` each, median), timed on ``clock`` (``CLOCKS``). Torch's
-    thread count is restored after.
-    About 15 s (model load included) for the default model on one thread."""
-    import torch
-
-    if threads < 1:
-        raise ValueError(f"threads must be >= 1, got {threads}")
-    if clock not in CLOCKS:
-        raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
-    if len(set(prefill_lens)) < 3 or len(set(decode_batches)) < 2 or not decode_contexts:
-        raise ValueError("a profile needs >= 3 prefill lengths, >= 2 decode batch sizes "
-                         "and a decode context")
-    log = log or (lambda _: None)
-    before = torch.get_num_threads()
-    t0 = time.perf_counter()
-    try:
-        blocks = _blocks_needed(prefill_lens, decode_batches, decode_contexts, decode_steps,
-                                ENGINE_BLOCK_SIZE)
-        eng = _engine(model_dir, dtype, quantization, threads, max(decode_batches),
-                      max(prefill_lens), blocks)
-        prefill, decode = _measure(eng, prefill_lens, decode_batches, decode_contexts,
-                                   decode_steps, repeats, log, CLOCKS[clock])
-        return _fit_profile(eng, threads, prefill, decode, time.perf_counter() - t0, clock)
-    finally:
-        torch.set_num_threads(before)
 
 
 # ------------------------------------------------------------------ sizing
@@ -969,213 +771,3 @@ class Autoscaler:
             out[pool] = target
             self.reasons[pool] = why
         return out
-
-
-# --------------------------------------------------------------------- CLI
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help=f"preset ({', '.join(MODEL_PRESETS)}) or model directory")
-    p.add_argument("--hardware", default=None,
-                   help=f"{', '.join(HARDWARE)} or cpu (peaks measured unless given)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per worker (peaks x tp)")
-    p.add_argument("--rate", type=float, default=None, help="arrival rate, requests/s")
-    p.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per request")
-    p.add_argument("--output-len", type=int, default=None, help="output tokens per request")
-    p.add_argument("--ttft-slo", type=float, default=None, help="TTFT target, ms")
-    p.add_argument("--tpot-slo", type=float, default=None, help="TPOT target, ms")
-    p.add_argument("--dtype", default=None,
-                   help="bfloat16 (default) | float16 | float32; --measure-profile: auto")
-    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
-    p.add_argument("--mfu", type=float, default=DEFAULT_MFU,
-                   help=f"model FLOPs utilisation reached (default {DEFAULT_MFU})")
-    p.add_argument("--mbu", type=float, default=DEFAULT_MBU,
-                   help=f"memory bandwidth utilisation reached (default {DEFAULT_MBU})")
-    p.add_argument("--peak-flops", type=float, default=None, help="device FLOP/s (overrides)")
-    p.add_argument("--peak-bandwidth", type=float, default=None, help="device bytes/s (overrides)")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads per worker (cpu, profile)")
-    p.add_argument("--max-batch", type=int, default=ENGINE_MAX_NUM_SEQS,
-                   help="decode engine's max_num_seqs (default %(default)s)")
-    p.add_argument("--kv-cache-gb", type=float, default=None,
-                   help="KV cache of one decode worker, GB (default: GPU memory left after "
-                        "the weights at 90%%; CPU: the engine's 256 MiB)")
-    p.add_argument("--block-size", type=int, default=ENGINE_BLOCK_SIZE)
-    for pool in ("prefill", "decode"):
-        p.add_argument(f"--min-{pool}", type=int, default=1)
-        p.add_argument(f"--max-{pool}", type=int, default=64)
-    p.add_argument("--profile", default=None,
-                   help="plan on a measured profile (JSON) instead of the analytic model")
-    p.add_argument("--measure-profile", default=None, metavar="FILE",
-                   help="measure this CPU's engine step times for --model DIR, write FILE")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def _missing(args: argparse.Namespace, names: Sequence[str]) -> None:
-    missing = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) is None]
-    if missing:
-        raise ValueError(f"pdserve plan needs {', '.join(missing)}")
-
-
-def times_from_args(args: argparse.Namespace) -> StepTimes:
-    if args.profile:
-        return Profile.load(args.profile)
-    _missing(args, ("model", "hardware"))
-    model = resolve_model_config(args.model)
-    hw = resolve_hardware(args.hardware, peak_flops=args.peak_flops,
-                          peak_bandwidth=args.peak_bandwidth, threads=args.threads)
-    return AnalyticModel(model, hw, tp=args.tp, dtype=args.dtype or "bfloat16",
-                         quantization=args.quantization, mfu=args.mfu, mbu=args.mbu)
-
-
-def run(args: argparse.Namespace) -> int:
-    """``pdserve plan``: 0 when the recommendation meets both SLOs, 1 when no size
-    within the bounds does (the plan says which pool and SLO)."""
-    if args.measure_profile:
-        if not args.model:
-            raise ValueError("--measure-profile needs --model DIR (a local model directory)")
-        from pdserve.engine.gguf_convert import resolve_model
-
-        prof = measure_profile(resolve_model(args.model), dtype=args.dtype or "auto",
-                               quantization=args.quantization, threads=args.threads,
-                               log=lambda s: print(s, file=sys.stderr, flush=True))
-        prof.save(args.measure_profile)
-        if args.json:
-            print(json.dumps(prof.to_dict()))
-        else:
-            a, b, c = prof.prefill_coef
-            d, e, f = prof.decode_coef
-            print(f"profile of {prof.describe()} in {prof.measured_s:.1f} s ({prof.clock} clock) -> "
-                  f"{args.measure_profile}\n"
-                  f"  prefill_ms(N) = {a:.4g} + {b:.4g}·N + {c:.4g}·N²  "
-                  f"(worst fit error {prof.fit_error_pct['prefill']:.1f}%)\n"
-                  f"  decode_ms(B, ctx) = {d:.4g} + {e:.4g}·B + {f:.4g}·B·ctx  "
-                  f"(worst fit error {prof.fit_error_pct['decode']:.1f}%)")
-        return 0
-    _missing(args, ("rate", "prompt_len", "output_len", "ttft_slo", "tpot_slo"))
-    slo = SLO(args.ttft_slo, args.tpot_slo)
-    bounds = Bounds(args.min_prefill, args.max_prefill, args.min_decode, args.max_decode)
-    if not args.rate > 0:  # before anything is measured
-        raise ValueError(f"--rate must be > 0 req/s, got {args.rate}")
-    times = times_from_args(args)
-    kv_tokens = None
-    if args.kv_cache_gb is not None:
-        if not args.kv_cache_gb > 0:
-            raise ValueError(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
-        kv_tokens = int(args.kv_cache_gb * 1e9 // times.kv_bytes_per_token)
-    planner = Planner(times, slo, bounds, max_batch=args.max_batch, kv_tokens=kv_tokens,
-                      block_size=args.block_size)
-    plan = planner.plan(args.rate, args.prompt_len, args.output_len)
-    if args.json:
-        print(json.dumps({**plan.to_dict(), "source": times.source,
-                          "kv_tokens_per_decode_worker": planner.kv_tokens}))
-    else:
-        print(plan.describe())
-    return 0 if plan.feasible else 1
-
-
-# -------------------------------------------------------------- validation
-VALIDATION_CONFIGS = (  # (label, prompt tokens, output tokens, concurrent streams)
-    ("prompt 128 / out 64, 1 stream", 128, 64, 1),
-    ("prompt 512 / out 32, 1 stream", 512, 32, 1),
-    ("prompt 128 / out 64, batch 8", 128, 64, 8),
-)
-
-
-def _measured_run(eng: LLMEngine, n_in: int, n_out: int, streams: int,
-                  seed: int) -> dict[str, tuple[float, float]]:
-    """clock -> (mean TTFT ms, mean TPOT ms) of ``streams`` requests started together,
-    on both ``CLOCKS``."""
-    from pdserve.engine.sampling_params import SamplingParams
-
-    rng = random.Random(seed)
-    vocab = eng.model_config.vocab_size
-    params = SamplingParams(max_tokens=n_out, ignore_eos=True)
-    t0 = {k: c() for k, c in CLOCKS.items()}
-    first: dict[str, dict[str, float]] = {}
-    last: dict[str, dict[str, float]] = {}
-    for i in range(streams):
-        eng.add_request(f"v{seed}-{i}", _prompt(rng, n_in, vocab), params)
-    while eng.has_unfinished():
-        outs = eng.step().outputs
-        now = {k: c() for k, c in CLOCKS.items()}
-        for o in outs:
-            if o.new_token_ids:
-                first.setdefault(o.request_id, now)
-                last[o.request_id] = now
-    return {k: (statistics.fmean((first[r][k] - t0[k]) * 1e3 for r in first),
-                statistics.fmean((last[r][k] - first[r][k]) * 1e3 / (n_out - 1) for r in first))
-            for k in CLOCKS}
-
-
-def validate(model_dir: str | Path | None = None, threads: int = 1, repeats: int = 2,
-             profile_out: str | Path | None = None, clock: str = "cpu") -> list[dict[str, Any]]:
-    """Measure a profile on this CPU, then run each ``VALIDATION_CONFIGS`` entry on the
-    same engine; print the profile's predicted TTFT and TPOT against the measured ones
-    (errors on the profile's ``clock``; the wall-clock figures beside them)."""
-    import torch
-
-    from pdserve.engine.gguf_convert import resolve_model
-
-    path = resolve_model(str(model_dir) if model_dir else None)
-    before = torch.get_num_threads()
-    t0 = time.perf_counter()
-    try:
-        lens, batches, ctxs, steps = (32, 128, 256, 512), (1, 4, 8, 16), (128, 512), 6
-        eng = _engine(path, "auto", "none", threads, max(batches), 2048,
-                      _blocks_needed(lens, batches, ctxs, steps, ENGINE_BLOCK_SIZE))
-        print(f"measuring the profile of {path.name} ({threads} thread(s), {clock} clock) ...",
-              flush=True)
-        prefill, decode = _measure(eng, lens, batches, ctxs, steps, 2,
-                                   lambda s: print(s, flush=True), CLOCKS[clock])
-        prof = _fit_profile(eng, threads, prefill, decode, time.perf_counter() - t0, clock)
-        if profile_out:
-            prof.save(profile_out)
-        rows = []
-        for label, n_in, n_out, streams in VALIDATION_CONFIGS:
-            runs = [_measured_run(eng, n_in, n_out, streams, seed) for seed in range(repeats)]
-            meas = {k: (statistics.median(r[k][0] for r in runs),
-                        statistics.median(r[k][1] for r in runs)) for k in CLOCKS}
-            p_ttft = prof.prefill_step_ms(streams, n_in)
-            p_tpot = prof.decode_ms(streams, n_in + n_out / 2)
-            m_ttft, m_tpot = meas[clock]
-            rows.append({"config": label, "ttft_pred_ms": p_ttft, "ttft_meas_ms": m_ttft,
-                         "ttft_err_pct": (p_ttft - m_ttft) / m_ttft * 100,
-                         "ttft_wall_ms": meas["wall"][0],
-                         "tpot_pred_ms": p_tpot, "tpot_meas_ms": m_tpot,
-                         "tpot_err_pct": (p_tpot - m_tpot) / m_tpot * 100,
-                         "tpot_wall_ms": meas["wall"][1]})
-    finally:
-        torch.set_num_threads(before)
-    print(f"\nprofile measured in {prof.measured_s:.1f} s; validation total "
-          f"{time.perf_counter() - t0:.1f} s ({path.name}, {prof.dtype}, {threads} thread(s); "
-          f"errors on the {clock} clock, wall clock in brackets)")
-    head = (f"{'config':<30} {'TTFT pred':>9} {'measured':>9} {'err':>7} {'(wall)':>9}   "
-            f"{'TPOT pred':>9} {'measured':>9} {'err':>7} {'(wall)':>9}")
-    print(head + "\n" + "-" * len(head))
-    for r in rows:
-        print(f"{r['config']:<30} {r['ttft_pred_ms']:>7.1f}ms {r['ttft_meas_ms']:>7.1f}ms "
-              f"{r['ttft_err_pct']:>+6.1f}% {r['ttft_wall_ms']:>7.1f}ms   "
-              f"{r['tpot_pred_ms']:>7.2f}ms {r['tpot_meas_ms']:>7.2f}ms "
-              f"{r['tpot_err_pct']:>+6.1f}% {r['tpot_wall_ms']:>7.2f}ms")
-    return rows
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pdserve.deploy.planner",
-                                 description="pdserve plan, plus --validate")
-    add_arguments(ap)
-    ap.add_argument("--validate", action="store_true",
-                    help="profile this CPU (default model unless --model), then compare the "
-                         "profile's TTFT/TPOT with measured engine runs")
-    args = ap.parse_args(argv)
-    try:
-        if args.validate:
-            validate(args.model, threads=args.threads, profile_out=args.profile)
-            return 0
-        return run(args)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"pdserve plan: error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,12 +21,11 @@ from pdserve.deploy.planner import (
     Planner,
     PoolLoad,
     Profile,
-    fit_nonnegative,
-    measure_profile,
     resolve_hardware,
     resolve_model_config,
     ttft_mdl,
 )
+from pdserve.deploy.planner_profile import fit_nonnegative, measure_profile
 
 PLAN = ["plan", "--model", "llama-3-70b", "--hardware", "h100", "--tp", "4",
         "--prompt-len", "1024", "--output-len", "256", "--ttft-slo", "500",
@@ -215,7 +214,7 @@ def test_cli_plans_on_a_profile(tiny_profile: Path, capsys: pytest.CaptureFixtur
 def test_cli_measure_profile(tiny_model: Callable[[str], Path], tmp_path: Path,
                              capsys: pytest.CaptureFixture[str],
                              monkeypatch: pytest.MonkeyPatch) -> None:
-    import pdserve.deploy.planner as planner
+    import pdserve.deploy.planner_profile as planner
 
     fast = dict(prefill_lens=(8, 16, 32), decode_batches=(1, 2), decode_contexts=(16,),
                 decode_steps=2, repeats=1)
