@@ -32,7 +32,7 @@ KV_CACHE_DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "float16": (torch.float16, 0),
     "int8": (torch.int8, 4),
 }
-_SCALE_BYTES = 4
+_SCALE_BYTES = KV_CACHE_DTYPES["int8"][1]  # the float32 scale ending an int8 row
 
 
 def row_width(head_dim: int, kv_dtype: str) -> int:
