@@ -89,6 +89,40 @@ def test_chunked_prefill_equals_unchunked(tiny_model: Callable[[str], Path], bac
     chunked_engine.check_integrity()
 
 
+@pytest.mark.parametrize(("dtype", "kv_cache_dtype"), [
+    ("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "int8")])
+@pytest.mark.parametrize("chunk", [2048, 16])
+def test_prefill_kv_is_the_decode_steps_kv(tiny_model: Callable[[str], Path], dtype: str,
+                                           kv_cache_dtype: str, chunk: int) -> None:
+    """What a conversation's next turn relies on (a prefix cache hit on KV that decode
+    steps wrote, a prefill worker recomputing an earlier answer): a prefill of prompt +
+    answer writes, bit for bit, the KV the answer's decode steps wrote -- in one chunk
+    or in many, at every dtype."""
+    if kernels.cpu_supported() is not None:
+        pytest.skip("the cpu kernels run on x86-64 CPUs only")
+    path = tiny_model("llama-gqa")
+    kw = {"dtype": dtype, "kv_cache_dtype": kv_cache_dtype}
+    prompt = prompts(1, [37], 500, seed=13)[0]
+    dec = engine(path, "cpu", **kw)
+    dec.add_request("a", prompt, SamplingParams(max_tokens=64, ignore_eos=True))
+    answer: list[int] = []
+    while len(answer) < 30:  # a prefill step, then decode steps, one token each
+        answer += [t for o in dec.step().outputs for t in o.new_token_ids]
+    # the decode steps wrote the KV of every token but the last sampled one
+    n = len(prompt) + len(answer) - 1
+    pre = engine(path, "cpu", max_num_batched_tokens=chunk, **kw)
+    pre.add_request("b", prompt + answer[:-1], SamplingParams(max_tokens=2, ignore_eos=True))
+    while not pre.step().outputs:
+        pass
+
+    def rows(eng: LLMEngine, rid: str) -> torch.Tensor:
+        bs = eng.config.block_size
+        ids = eng.block_ids(rid)
+        return torch.stack([eng.kv_cache[ids[p // bs], :, :, :, p % bs] for p in range(n)])
+
+    assert torch.equal(rows(pre, "b"), rows(dec, "a"))
+
+
 def test_prefix_cache_hit_equals_miss(tiny_model: Callable[[str], Path], backend: str) -> None:
     path = tiny_model("llama-gqa")
     shared = prompts(1, [40], 500, seed=7)[0]

@@ -187,3 +187,50 @@ def test_paged_attention_rejects_bad_metadata(k) -> None:  # type: ignore[no-unt
     with pytest.raises(RuntimeError, match="metadata"):
         k.paged_attention(q, cache, 0, meta.block_table, meta.seq_rows, meta.query_start,
                           meta.query_len, torch.tensor([0], dtype=torch.int32), 0.125, out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize(("head_dim", "block_size", "heads"), [
+    (64, 16, (9, 3)), (32, 32, (4, 1)), (128, 16, (8, 8)), (16, 64, (6, 2)),
+])
+def test_paged_attention_rows_do_not_depend_on_the_step(  # type: ignore[no-untyped-def]
+        k, dtype: torch.dtype, head_dim: int, block_size: int, heads: tuple[int, int]) -> None:
+    # A query token's output is the same bits whether its sequence's tokens come as one
+    # prefill chunk, in chunks of any size, one at a time (decodes, verification) or
+    # beside other sequences: what makes prefill KV equal decode KV (colocated answers
+    # equal disaggregated ones) and chunked prefill equal unchunked.
+    h, kvh = heads
+    n, ctx = 70, 100  # the sequence's last 70 tokens are computed, after a 30-token prefix
+    g = torch.Generator().manual_seed(1)
+    nb = -(-ctx // block_size)
+    cache = torch.randn(nb + 4, 1, 2, kvh, block_size, head_dim, generator=g)
+    cache = quantize_rows(cache) if dtype == torch.int8 else cache.to(dtype)
+    table = torch.zeros(2, nb + 2, dtype=torch.int32)
+    table[0, :nb] = torch.randperm(nb + 4, generator=g)[:nb].int()
+    table[1, :3] = torch.tensor([nb + 3, nb + 2, nb + 1], dtype=torch.int32)
+    q = torch.randn(n, h, head_dim, generator=g)
+    other = torch.randn(1, h, head_dim, generator=g)  # a decode of another sequence
+
+    def attend(splits: list[int], beside: bool = False) -> torch.Tensor:
+        out, t0 = torch.empty_like(q), 0
+        for m in splits:
+            qq, c = q[t0:t0 + m], ctx - n + t0 + m
+            if beside:  # the other sequence's decode first, as the runner orders a step
+                qq = torch.cat([other, qq])
+            o = torch.empty_like(qq)
+            seqs = [(1, 1, 40)] if beside else []
+            seqs.append((0, m, c))
+            starts = [0, 1] if beside else [0]
+            k.paged_attention(
+                qq, cache, 0, table, torch.tensor([s[0] for s in seqs], dtype=torch.int32),
+                torch.tensor(starts, dtype=torch.int32),
+                torch.tensor([s[1] for s in seqs], dtype=torch.int32),
+                torch.tensor([s[2] for s in seqs], dtype=torch.int32), head_dim ** -0.5, o)
+            out[t0:t0 + m] = o[1:] if beside else o
+            t0 += m
+        return out
+
+    whole = attend([n])
+    for splits in ([1] * n, [17, 30, 23], [5, 65], [8] * 8 + [6], [40, 1, 29]):
+        assert torch.equal(attend(splits), whole), splits
+    assert torch.equal(attend([33, 37], beside=True), whole)

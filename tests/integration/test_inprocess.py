@@ -157,14 +157,17 @@ def test_speculative_serving_equals_the_engine_without_it(
     assert accepted > 0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_conversation_sends_only_the_blocks_decode_lacks(
-        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path], dtype: str) -> None:
     """Each turn resends the whole history, as chat clients do: the decode worker keeps
     the earlier turns' blocks (the prompts it received, the answers it computed) and
     reserves fresh blocks only for the rest, and the prefill worker sends only those.
-    The answers are a colocated engine's (which reuses its prefix cache the same way)."""
-    pair = pair_factory()
-    eng = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=256))
+    The answers are a colocated engine's (which reuses its prefix cache the same way),
+    in bfloat16 too: the prefill worker recomputes an earlier answer's KV in a prefill
+    step, bit for bit what the decode steps that produced it wrote."""
+    pair = pair_factory(prefill_engine={"dtype": dtype}, decode_engine={"dtype": dtype})
+    eng = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=256, dtype=dtype))
     history = [7 + (j * 13) % 400 for j in range(40)]
     expected: list[list[int]] = []
     for turn in range(3):

@@ -22,10 +22,11 @@
 // so nothing is gathered and memory use is O(tile) whatever the context length.
 //
 // Rows of a task: r = (kv head, query token, head in the group), so each kv head's
-// rows are contiguous. Few rows per kv head, or a sequence of at most kDotQueries
-// query tokens (decodes, speculative verification): one dot product per (row, slot),
-// each row on its own, so a query token's result is bit for bit what it would be
-// decoding alone. Many (prefill tiles): scores vectorised over rows (attend_rows).
+// rows are contiguous. Every row goes through the same operations in the same order
+// (attend_tile), whatever step it comes in: a decode, a speculative verification, a
+// prefill tile of any size, beside any other sequences. So a token's output bits are
+// a function of its query, its position and the cache only -- prefill KV equals
+// decode KV, chunked prefill equals unchunked. Rows are paired only to share loads.
 // head_dim is a template parameter so that the per-row accumulators stay in
 // registers.
 #include <ATen/Parallel.h>
@@ -44,8 +45,6 @@ namespace {
 
 constexpr int kTileQ = 8;       // query tokens per task
 constexpr int kMaxBlock = 64;   // slots per KV block the kernel handles
-constexpr int kDotRows = 4;     // rows per kv head up to which scores are dot products
-constexpr int kDotQueries = 17; // query tokens of a sequence up to which they are too
 constexpr int kChunkSlots = 32; // slots per softmax update
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -104,123 +103,110 @@ inline void accumulate_pv(float* orow, const float* P, int limit, const float* c
   }
 }
 
-// Many query rows of one kv head (prefill tiles): scores vectorised over rows.
-// Q is transposed once per group of up to 8 * NV rows (Qt[d][lane]); each slot's
-// key is broadcast against it, so the cache is read in its own layout and the
-// online softmax runs on row vectors. P V goes row by row (a broadcast P[r][j]
-// times 8 vectors of V[j]).
-template <typename T, int D, int NV>
-void attend_rows(const float* Q, int nr, const int64_t* row_pos, const T* cache, const Geometry& g,
-                 int kvh, const int32_t* blocks, int64_t ctx, float* O, float* lsum) {
-  constexpr int W = 8 * NV;  // row lanes
-  constexpr int CS = 64;     // slots per softmax update
-  alignas(32) float Qt[D * W];
-  alignas(32) float St[CS * W];
-  alignas(32) float Kc[CS * D];
-  alignas(32) float Vc[CS * D];
-  alignas(32) float posf[W], corr[W];
-  for (int d = 0; d < D; ++d)
-    for (int r = 0; r < W; ++r) Qt[d * W + r] = r < nr ? Q[r * D + d] : 0.f;
-  int64_t max_pos = 0;
-  for (int r = 0; r < W; ++r) {
-    posf[r] = r < nr ? static_cast<float>(row_pos[r]) : -1.f;  // padded lanes attend nothing
-    if (r < nr) max_pos = std::max(max_pos, row_pos[r]);
-  }
-  __m256 m[NV], l[NV], pv[NV];
-  for (int v = 0; v < NV; ++v) {
-    m[v] = _mm256_set1_ps(kNegInf);
-    l[v] = _mm256_setzero_ps();
-    pv[v] = load8(posf + 8 * v);
-  }
-  for (int r = 0; r < nr; ++r)
-    for (int d = 0; d < D; d += 8) store8(O + r * D + d, _mm256_setzero_ps());
-  const int BS = g.BS;
-  const int64_t end = std::min<int64_t>(ctx, max_pos + 1);  // slots any row attends
-  for (int64_t c0 = 0; c0 < end; c0 += CS) {
-    const int cs = static_cast<int>(std::min<int64_t>(CS, end - c0));
-    for (int j = 0; j < cs; ++j) {  // widen this chunk's K and V rows
-      const int64_t p = c0 + j;
-      const T* kj = cache + static_cast<int64_t>(blocks[p / BS]) * g.block_stride +
-                    kvh * g.head_stride + (p % BS) * g.slot_stride;
-      widen_row(kj, Kc + j * D, D);
-      widen_row(kj + g.kv_stride, Vc + j * D, D);
-    }
-    int j = 0;
-    for (; j + 2 <= cs; j += 2) {
-      __m256 a0[NV], a1[NV];
-      for (int v = 0; v < NV; ++v) a0[v] = a1[v] = _mm256_setzero_ps();
-      const float* k0 = Kc + j * D;
-      const float* k1 = k0 + D;
-      for (int d = 0; d < D; ++d) {
-        const __m256 b0 = _mm256_set1_ps(k0[d]), b1 = _mm256_set1_ps(k1[d]);
-        for (int v = 0; v < NV; ++v) {
-          const __m256 qv = load8(Qt + d * W + 8 * v);
-          a0[v] = _mm256_fmadd_ps(qv, b0, a0[v]);
-          a1[v] = _mm256_fmadd_ps(qv, b1, a1[v]);
-        }
-      }
-      for (int v = 0; v < NV; ++v) {
-        store8(St + j * W + 8 * v, a0[v]);
-        store8(St + (j + 1) * W + 8 * v, a1[v]);
-      }
-    }
-    for (; j < cs; ++j) {
-      __m256 a0[NV];
-      for (int v = 0; v < NV; ++v) a0[v] = _mm256_setzero_ps();
-      for (int d = 0; d < D; ++d) {
-        const __m256 b0 = _mm256_set1_ps(Kc[j * D + d]);
-        for (int v = 0; v < NV; ++v) a0[v] = _mm256_fmadd_ps(load8(Qt + d * W + 8 * v), b0, a0[v]);
-      }
-      for (int v = 0; v < NV; ++v) store8(St + j * W + 8 * v, a0[v]);
-    }
-    // causal mask, online softmax on row vectors
-    const __m256 ninf = _mm256_set1_ps(kNegInf);
-    for (int v = 0; v < NV; ++v) {
-      __m256 mx = ninf;
-      for (int jj = 0; jj < cs; ++jj) {
-        const __m256 future = _mm256_cmp_ps(pv[v], _mm256_set1_ps(static_cast<float>(c0 + jj)), _CMP_LT_OQ);
-        const __m256 sc = _mm256_blendv_ps(load8(St + jj * W + 8 * v), ninf, future);
-        store8(St + jj * W + 8 * v, sc);
-        mx = _mm256_max_ps(mx, sc);
-      }
-      const __m256 m_new = _mm256_max_ps(m[v], mx);
-      const __m256 cv = exp8(_mm256_sub_ps(m[v], m_new));
-      __m256 sum = _mm256_setzero_ps();
-      for (int jj = 0; jj < cs; ++jj) {
-        const __m256 p = exp8(_mm256_sub_ps(load8(St + jj * W + 8 * v), m_new));
-        store8(St + jj * W + 8 * v, p);
-        sum = _mm256_add_ps(sum, p);
-      }
-      l[v] = _mm256_fmadd_ps(l[v], cv, sum);
-      m[v] = m_new;
-      store8(corr + 8 * v, cv);
-    }
-    for (int r = 0; r < nr; ++r) {
-      const float* p = St + r;  // P[r][jj] = St[jj * W + r]
-      float* orow = O + r * D;
-      constexpr int kChunk = pv_chunk(D);
-      const __m256 cvr = _mm256_set1_ps(corr[r]);
-      for (int d0 = 0; d0 < D; d0 += kChunk) {
-        __m256 acc[kChunk / 8];
-        for (int i = 0; i < kChunk / 8; ++i) acc[i] = _mm256_mul_ps(load8(orow + d0 + 8 * i), cvr);
-        for (int jj = 0; jj < cs; ++jj) {
-          const __m256 pj = _mm256_set1_ps(p[jj * W]);
-          const float* vj = Vc + jj * D + d0;
-          for (int i = 0; i < kChunk / 8; ++i) acc[i] = _mm256_fmadd_ps(pj, load8(vj + 8 * i), acc[i]);
-        }
-        for (int i = 0; i < kChunk / 8; ++i) store8(orow + d0 + 8 * i, acc[i]);
-      }
-    }
-  }
-  alignas(32) float lf[W];
-  for (int v = 0; v < NV; ++v) store8(lf + 8 * v, l[v]);
-  for (int r = 0; r < nr; ++r) lsum[r] = lf[r];
+// Scores of two query rows against 4 keys: s0[j], s1[j] in the order of qk8 (each
+// key's 8 lane sums, then the same tree: ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7))), with
+// each key's vector loaded once for both rows.
+inline __m128 reduce4(const __m256 a[4]) {
+  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
 }
 
+template <int D>
+inline void qk4x2(const float* q0, const float* q1, const float* const* k, float* s0, float* s1) {
+  __m256 a0[4], a1[4];
+  for (int j = 0; j < 4; ++j) a0[j] = a1[j] = _mm256_setzero_ps();
+  for (int d = 0; d < D; d += 8) {
+    const __m256 x0 = load8(q0 + d), x1 = load8(q1 + d);
+    for (int j = 0; j < 4; ++j) {
+      const __m256 kv = load8(k[j] + d);
+      a0[j] = _mm256_fmadd_ps(x0, kv, a0[j]);
+      a1[j] = _mm256_fmadd_ps(x1, kv, a1[j]);
+    }
+  }
+  _mm_storeu_ps(s0, reduce4(a0));
+  _mm_storeu_ps(s1, reduce4(a1));
+}
+
+// accumulate_pv for two rows at once (each V vector loaded once for both): the same
+// operations per row, in the same order, so a row's bits do not depend on its partner.
+template <int D>
+inline void accumulate_pv2(float* o0, float* o1, const float* P0, const float* P1, int lim0,
+                           int lim1, const float* const* V, float c0, float c1) {
+  constexpr int kChunk = D % 32 == 0 ? 32 : 16;
+  constexpr int NV = kChunk / 8;
+  const __m256 cv0 = _mm256_set1_ps(c0), cv1 = _mm256_set1_ps(c1);
+  const int both = std::min(lim0, lim1);
+  for (int d0 = 0; d0 < D; d0 += kChunk) {
+    __m256 a0[NV], a1[NV];
+    for (int i = 0; i < NV; ++i) {
+      a0[i] = _mm256_mul_ps(load8(o0 + d0 + 8 * i), cv0);
+      a1[i] = _mm256_mul_ps(load8(o1 + d0 + 8 * i), cv1);
+    }
+    int j = 0;
+    for (; j < both; ++j) {
+      const __m256 p0 = _mm256_set1_ps(P0[j]), p1 = _mm256_set1_ps(P1[j]);
+      const float* vj = V[j] + d0;
+      for (int i = 0; i < NV; ++i) {
+        const __m256 v = load8(vj + 8 * i);
+        a0[i] = _mm256_fmadd_ps(p0, v, a0[i]);
+        a1[i] = _mm256_fmadd_ps(p1, v, a1[i]);
+      }
+    }
+    for (int j0 = j; j0 < lim0; ++j0) {
+      const __m256 p0 = _mm256_set1_ps(P0[j0]);
+      for (int i = 0; i < NV; ++i) a0[i] = _mm256_fmadd_ps(p0, load8(V[j0] + d0 + 8 * i), a0[i]);
+    }
+    for (int j1 = j; j1 < lim1; ++j1) {
+      const __m256 p1 = _mm256_set1_ps(P1[j1]);
+      for (int i = 0; i < NV; ++i) a1[i] = _mm256_fmadd_ps(p1, load8(V[j1] + d0 + 8 * i), a1[i]);
+    }
+    for (int i = 0; i < NV; ++i) {
+      store8(o0 + d0 + 8 * i, a0[i]);
+      store8(o1 + d0 + 8 * i, a1[i]);
+    }
+  }
+}
+
+// One row's online-softmax update over a chunk's scores sr[0 .. limit): sr becomes
+// P (lanes past the limit 0), returns the factor the row's output is scaled by first.
+// Every exp is exp8's, lane by lane, so a value's bits do not depend on its lane.
+inline float softmax_update(float* sr, int limit, float& m, float& l) {
+  const int full = limit / 8 * 8;
+  __m256 mx8 = _mm256_set1_ps(kNegInf);
+  for (int j = 0; j < full; j += 8) mx8 = _mm256_max_ps(mx8, load8(sr + j));
+  float mx = hmax(mx8);  // a max is exact in any order
+  for (int j = full; j < limit; ++j) mx = std::max(mx, sr[j]);
+  const float m_new = std::max(m, mx);
+  alignas(32) float e[8];
+  store8(e, exp8(_mm256_set1_ps(m - m_new)));  // exp(-inf) = 0: a row's first chunk
+  const __m256 mv = _mm256_set1_ps(m_new);
+  __m256 sum8 = _mm256_setzero_ps();
+  for (int j = 0; j < full; j += 8) {
+    const __m256 p = exp8(_mm256_sub_ps(load8(sr + j), mv));
+    store8(sr + j, p);
+    sum8 = _mm256_add_ps(sum8, p);
+  }
+  if (full < limit) {  // the last, partial group: lanes past the limit count as 0
+    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256 live = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(limit - full)), _CMP_LT_OQ);
+    const __m256 p = _mm256_and_ps(live, exp8(_mm256_sub_ps(load8(sr + full), mv)));
+    store8(sr + full, p);
+    sum8 = _mm256_add_ps(sum8, p);
+  }
+  l = l * e[0] + hsum(sum8);
+  m = m_new;
+  return e[0];
+}
+
+// Every query row, whatever step it comes in (a decode, a verification, a prefill
+// tile of any size, beside other sequences), goes through the same operations in the
+// same order: the context in chunks of CS slots from position 0; per chunk, scores as
+// qk8 computes them, one softmax_update, accumulate_pv. Rows are paired only to share
+// loads. So a token's output bits depend on its own query, position and context only.
 template <typename T, int D>
 void attend_tile(const float* q, int64_t q_row_stride, float* out, int64_t out_row_stride,
                  const T* cache, const Geometry& g, const int32_t* blocks, int64_t ctx,
-                 int64_t first_pos, int nq, float scale, bool dot) {
+                 int64_t first_pos, int nq, float scale) {
   const int G = g.G, KVH = g.KVH, BS = g.BS;
   const int per_kvh = nq * G;  // rows of one kv head
   const int rows = per_kvh * KVH;
@@ -243,93 +229,80 @@ void attend_tile(const float* q, int64_t q_row_stride, float* out, int64_t out_r
         float* dst = Qb.data() + ((kvh * nq + qi) * G + gi) * D;
         for (int d = 0; d < D; d += 8) store8(dst + d, _mm256_mul_ps(load8(src + d), sv));
       }
-  if (!dot && per_kvh > kDotRows) {  // prefill tiles: scores vectorised over rows
-    int64_t pos[8 * 3];
-    for (int kvh = 0; kvh < KVH; ++kvh)
-      for (int r0 = 0; r0 < per_kvh; r0 += 24) {
-        const int nr = std::min(24, per_kvh - r0);
-        for (int i = 0; i < nr; ++i) pos[i] = first_pos + (r0 + i) / G;
-        const size_t row = static_cast<size_t>(kvh) * per_kvh + r0;
-        float* o = Ob.data() + row * D;
-        float* l = lrow.data() + row;
-        const float* qr = Qb.data() + row * D;
-        switch ((nr + 7) / 8) {
-          case 1: attend_rows<T, D, 1>(qr, nr, pos, cache, g, kvh, blocks, ctx, o, l); break;
-          case 2: attend_rows<T, D, 2>(qr, nr, pos, cache, g, kvh, blocks, ctx, o, l); break;
-          default: attend_rows<T, D, 3>(qr, nr, pos, cache, g, kvh, blocks, ctx, o, l); break;
-        }
-      }
-  } else {  // decodes: few rows per kv head, dot products
-    const int64_t nblocks = (first_pos + nq - 1) / BS + 1;
-    const int64_t region = g.kv_stride * 2 * static_cast<int64_t>(sizeof(T));  // K + V of a block
-    // Blocks are taken kChunkSlots slots at a time: scores and widened V for the whole
-    // chunk, then one softmax update and one P V pass per row.
-    const int per_chunk = std::max(1, kChunkSlots / BS);
-    for (int64_t b0 = 0; b0 < nblocks; b0 += per_chunk) {
-      const int64_t b1 = std::min<int64_t>(nblocks, b0 + per_chunk);
-      const int64_t c0 = b0 * BS;  // position of the chunk's first slot
-      const int cslots = static_cast<int>(std::min<int64_t>(ctx, b1 * BS) - c0);
+  const int64_t nblocks = (first_pos + nq - 1) / BS + 1;
+  const int64_t region = g.kv_stride * 2 * static_cast<int64_t>(sizeof(T));  // K + V of a block
+  const int per_chunk = std::max(1, kChunkSlots / BS);
+  // A row's slots in a chunk at c0 (its causal limit; <= 0: all in its future).
+  auto row_limit = [&](int rr, int64_t c0, int cslots) {
+    return static_cast<int>(std::min<int64_t>(cslots, first_pos + rr / G - c0 + 1));
+  };
+  for (int64_t b0 = 0; b0 < nblocks; b0 += per_chunk) {
+    const int64_t b1 = std::min<int64_t>(nblocks, b0 + per_chunk);
+    const int64_t c0 = b0 * BS;  // position of the chunk's first slot
+    const int cslots = static_cast<int>(std::min<int64_t>(ctx, b1 * BS) - c0);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t nb = b + per_chunk;
+      if (nb < nblocks) prefetch_region(cache + static_cast<int64_t>(blocks[nb]) * g.block_stride, region);
+    }
+    for (int kvh = 0; kvh < KVH; ++kvh) {
+      float* S = Sb.data() + static_cast<size_t>(kvh) * per_kvh * CS;
+      const float* Q = Qb.data() + static_cast<size_t>(kvh) * per_kvh * D;
+      float* O = Ob.data() + static_cast<size_t>(kvh) * per_kvh * D;
+      // Row pointers of the chunk's keys and values: float32 read in place,
+      // bfloat16 / int8 widened once here (each is read by every row of the group).
+      // A block's slots are taken 8 at a time; slots past the context are masked.
+      int padded = 0;
       for (int64_t b = b0; b < b1; ++b) {
-        const int64_t nb = b + per_chunk;
-        if (nb < nblocks) prefetch_region(cache + static_cast<int64_t>(blocks[nb]) * g.block_stride, region);
-      }
-      for (int kvh = 0; kvh < KVH; ++kvh) {
-        float* S = Sb.data() + static_cast<size_t>(kvh) * per_kvh * CS;
-        const float* Q = Qb.data() + static_cast<size_t>(kvh) * per_kvh * D;
-        // Row pointers of the chunk's keys and values: float32 read in place,
-        // bfloat16 / int8 widened once here (each is read by every row of the group).
-        // A block's slots are taken 8 at a time; slots past the context are masked.
-        int padded = 0;
-        for (int64_t b = b0; b < b1; ++b) {
-          const T* kb = cache + static_cast<int64_t>(blocks[b]) * g.block_stride +
-                        kvh * g.head_stride;
-          const int off = static_cast<int>((b - b0) * BS);
-          const int nslots = static_cast<int>(std::min<int64_t>(BS, ctx - b * BS));
-          const int n8 = (nslots + 7) / 8 * 8;
-          for (int j = 0; j < n8; ++j) {
-            const T* kj = kb + j * g.slot_stride;
-            if constexpr (std::is_same_v<T, float>) {
-              kp[off + j] = kj;
-              vp[off + j] = kj + g.kv_stride;
-            } else {
-              float* kd = Kb.data() + (off + j) * D;
-              float* vd = Vb.data() + (off + j) * D;
-              widen_row(kj, kd, D);
-              widen_row(kj + g.kv_stride, vd, D);
-              kp[off + j] = kd;
-              vp[off + j] = vd;
-            }
+        const T* kb = cache + static_cast<int64_t>(blocks[b]) * g.block_stride +
+                      kvh * g.head_stride;
+        const int off = static_cast<int>((b - b0) * BS);
+        const int nslots = static_cast<int>(std::min<int64_t>(BS, ctx - b * BS));
+        const int n8 = (nslots + 7) / 8 * 8;
+        for (int j = 0; j < n8; ++j) {
+          const T* kj = kb + j * g.slot_stride;
+          if constexpr (std::is_same_v<T, float>) {
+            kp[off + j] = kj;
+            vp[off + j] = kj + g.kv_stride;
+          } else {
+            float* kd = Kb.data() + (off + j) * D;
+            float* vd = Vb.data() + (off + j) * D;
+            widen_row(kj, kd, D);
+            widen_row(kj + g.kv_stride, vd, D);
+            kp[off + j] = kd;
+            vp[off + j] = vd;
           }
-          padded = off + n8;
         }
-        for (int rr = 0; rr < per_kvh; ++rr)
-          for (int j = 0; j < padded; j += 8) store8(S + rr * CS + j, qk8<D>(Q + rr * D, kp + j));
-        // Mask (causal, and slots past the context), online softmax, P V.
-        for (int rr = 0; rr < per_kvh; ++rr) {
-          const int r = kvh * per_kvh + rr;
-          const int64_t pos = first_pos + rr / G;
-          float* sr = S + rr * CS;
-          const int limit = static_cast<int>(std::min<int64_t>(cslots, pos - c0 + 1));
-          if (limit <= 0) continue;  // the whole chunk is in this row's future
-          float mx = kNegInf;
-          for (int j = 0; j < limit; ++j) mx = std::max(mx, sr[j]);
-          const float m_new = std::max(mrow[r], mx);
-          const float corr = mrow[r] == kNegInf ? 0.f : std::exp(mrow[r] - m_new);
-          const __m256 mv = _mm256_set1_ps(m_new);
-          __m256 sum8 = _mm256_setzero_ps();
-          int j = 0;
-          for (; j + 8 <= limit; j += 8) {
-            const __m256 p = exp8(_mm256_sub_ps(load8(sr + j), mv));
-            store8(sr + j, p);
-            sum8 = _mm256_add_ps(sum8, p);
-          }
-          float sum = hsum(sum8);
-          for (; j < limit; ++j) { sr[j] = std::exp(sr[j] - m_new); sum += sr[j]; }
-          lrow[r] = lrow[r] * corr + sum;
-          mrow[r] = m_new;
-          accumulate_pv<D>(Ob.data() + r * D, sr, limit, vp, corr);
+        padded = off + n8;
+      }
+      // Scores, up to each row's limit rounded up to 8 (the rest is never read).
+      int rr = 0;
+      for (; rr + 2 <= per_kvh; rr += 2) {
+        const int lim = std::max(row_limit(rr, c0, cslots), row_limit(rr + 1, c0, cslots));
+        const int n4 = std::min(padded, (lim + 3) / 4 * 4);
+        for (int j = 0; j < n4; j += 4)
+          qk4x2<D>(Q + rr * D, Q + (rr + 1) * D, kp + j, S + rr * CS + j, S + (rr + 1) * CS + j);
+      }
+      for (; rr < per_kvh; ++rr) {
+        const int n8 = std::min(padded, (row_limit(rr, c0, cslots) + 7) / 8 * 8);
+        for (int j = 0; j < n8; j += 8) store8(S + rr * CS + j, qk8<D>(Q + rr * D, kp + j));
+      }
+      // Softmax, then P V (rows in pairs where both attend to some of the chunk).
+      int lims[2], pend = 0, prow[2];
+      float corrs[2];
+      for (rr = 0; rr < per_kvh; ++rr) {
+        const int limit = row_limit(rr, c0, cslots);
+        if (limit <= 0) continue;  // the whole chunk is in this row's future
+        const int r = kvh * per_kvh + rr;
+        corrs[pend] = softmax_update(S + rr * CS, limit, mrow[r], lrow[r]);
+        lims[pend] = limit;
+        prow[pend++] = rr;
+        if (pend == 2) {
+          accumulate_pv2<D>(O + prow[0] * D, O + prow[1] * D, S + prow[0] * CS, S + prow[1] * CS,
+                            lims[0], lims[1], vp, corrs[0], corrs[1]);
+          pend = 0;
         }
       }
+      if (pend == 1) accumulate_pv<D>(O + prow[0] * D, S + prow[0] * CS, lims[0], vp, corrs[0]);
     }
   }
   for (int kvh = 0; kvh < KVH; ++kvh)
@@ -344,7 +317,7 @@ void attend_tile(const float* q, int64_t q_row_stride, float* out, int64_t out_r
 
 template <typename T>
 using TileFn = void (*)(const float*, int64_t, float*, int64_t, const T*, const Geometry&,
-                        const int32_t*, int64_t, int64_t, int, float, bool);
+                        const int32_t*, int64_t, int64_t, int, float);
 
 template <typename T>
 TileFn<T> tile_fn(int64_t D) {
@@ -425,7 +398,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t la
         const int64_t tok = qs[s] + t0;
         fn(qp + tok * q.stride(0), q.stride(0), op + tok * H * D, H * D,
            cache + layer * 2 * g.kv_stride, g, bt + static_cast<int64_t>(rows[s]) * max_blocks,
-           cl[s], cl[s] - ql[s] + t0, nq, static_cast<float>(scale), ql[s] <= kDotQueries);
+           cl[s], cl[s] - ql[s] + t0, nq, static_cast<float>(scale));
       }
     });
   };
