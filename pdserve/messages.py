@@ -63,10 +63,13 @@ class TokenLogprob(NamedTuple):
 class Reservation:
     """Decode worker -> router: the blocks reserved for a prompt's KV, in token order.
     The first ``reused`` already hold the KV of the prompt's first blocks (the decode
-    worker's own prefix cache): nothing is sent into them."""
+    worker's own prefix cache): nothing is sent into them. ``local``: the decode worker
+    computes the rest of the prompt itself (it held all but a short suffix), so no
+    prefill worker takes part and the first token comes on its output stream."""
 
     blocks: list[int]
     reused: int = 0
+    local: bool = False
 
 
 @dataclass
@@ -192,6 +195,7 @@ class WorkerMetrics:
     prefix_queries: int = 0
     prefix_hits: int = 0
     num_preemptions: int = 0
+    local_prefills: int = 0  # decode: reserved prompts whose suffix it computed itself
     # speculative decoding (engine/spec_decode.py), cumulative: drafts verified, their
     # tokens, and the tokens accepted
     spec_drafts: int = 0

@@ -185,6 +185,17 @@ class WorkerLoop(ThreadLoop):
         """Fill role-specific metrics (loop thread)."""
 
 
+def prefill_stages(out: RequestOutput, received: float | None, now: float) -> Stages | None:
+    """The prefill stages of a request this worker prefilled itself (colocated, or a
+    decode worker's local prefill), on its first output: queue time from ``received``
+    (monotonic, when it was queued here) to its first step, then that prefill."""
+    if received is None or out.first_scheduled_time is None:
+        return None
+    return Stages(prefill_queue_s=max(0.0, out.first_scheduled_time - received),
+                  prefill_s=now - out.first_scheduled_time,
+                  num_cached_tokens=out.num_cached_tokens)
+
+
 def delta_of(out: RequestOutput, stages: Stages | None = None,
              logprobs: list[TokenLogprob] | None = None) -> RequestDelta:
     """The router's view of one engine output (decode and colocated workers)."""

@@ -178,6 +178,10 @@ ROWS: list[tuple[str, list[Panel]]] = [
               [(f'{rate("pdserve_prefix_cache_hits_total", D, "worker")} / '
                 f'{rate("pdserve_prefix_cache_queries_total", D, "worker")}', "{{worker}}")],
               "percentunit"),
+        Panel("Local prefills", "Requests per second a decode worker prefilled itself: it held "
+              "all but a short suffix of the prompt (a conversation's next turn), so no "
+              "prefill worker took part and no KV moved (router local_prefill_max_tokens).",
+              [(rate("pdserve_local_prefills_total", D, "worker"), "{{worker}}")], "reqps"),
         Panel("Per-transfer throughput", "Bytes per second while transfers are busy (bytes / summed "
               "transfer seconds): the channel's effective speed.",
               [(f'{rate("pdserve_kv_transfer_bytes_total", P, "worker")} / '

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from pdserve.engine.config import EngineConfig, ceil_div
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.messages import JoinInfo, Stages
+from pdserve.messages import JoinInfo
 from pdserve.output_stream import OutputServer
-from pdserve.worker_loop import WorkerLoop, delta_of
+from pdserve.worker_loop import WorkerLoop, delta_of, prefill_stages
 
 
 class ColocatedWorker(WorkerLoop):
@@ -67,13 +67,6 @@ class ColocatedWorker(WorkerLoop):
     def _run_step(self) -> None:
         outputs = self._step()
         now = time.monotonic()
-        batch = []
-        for out in outputs:
-            received = self._received.pop(out.request_id, None)
-            stages = None
-            if received is not None and out.first_scheduled_time is not None:
-                stages = Stages(prefill_queue_s=max(0.0, out.first_scheduled_time - received),
-                                prefill_s=now - out.first_scheduled_time,
-                                num_cached_tokens=out.num_cached_tokens)
-            batch.append(delta_of(out, stages))
+        batch = [delta_of(out, prefill_stages(out, self._received.pop(out.request_id, None), now))
+                 for out in outputs]
         self.outputs.publish(batch)

@@ -3,7 +3,11 @@
 The router reserves blocks here for a request's prompt (admission control: no
 room -> ``None``), a prefill worker writes the KV into them over the transfer
 channel, and the channel's completion notice (carrying the first token) moves
-the request from WAITING_FOR_KV to running. Every engine step's new tokens, for
+the request from WAITING_FOR_KV to running. When the reservation shared all but a
+short suffix of the prompt from this worker's own prefix cache (a conversation's
+next turn) and the router allows it (``local_prefill_max_tokens``), the worker
+computes that suffix itself instead: no prefill worker, no KV moved, the first token
+from its own next step. Every engine step's new tokens, for
 every request, go out as one batch on the worker's output stream
 (``output_stream``) -- one frame per step, never one call per token.
 
@@ -33,7 +37,7 @@ from pdserve.kv_transfer import KVReceiver, RecvEvent
 from pdserve.kv_transfer.driver import ChannelThread
 from pdserve.messages import JoinInfo, RequestDelta, Reservation, Stages, TokenLogprob
 from pdserve.output_stream import OutputServer
-from pdserve.worker_loop import WorkerLoop, delta_of
+from pdserve.worker_loop import WorkerLoop, delta_of, prefill_stages
 
 log = logging.getLogger("pdserve.decode_worker")
 
@@ -52,6 +56,7 @@ class DecodeWorker(WorkerLoop):
         self._kv_arrived: dict[str, float] = {}  # request id -> when its KV landed
         self._expecting: set[str] = set()  # reserved; the receiver has not reported it
         self._aborted: set[str] = set()  # ... of those, aborted: free on the report
+        self._received: dict[str, float] = {}  # prefilled here: reserved at (until its first token)
         self.start()
 
     # ------------------------------------------------------------ async API
@@ -61,12 +66,16 @@ class DecodeWorker(WorkerLoop):
                         self.metrics_at, self.limits())
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
-                      params: SamplingParams) -> Reservation | None:
+                      params: SamplingParams,
+                      local_prefill_max_tokens: int = 0) -> Reservation | None:
         """Blocks for the prompt's KV (the leading ones from this worker's own prefix
         cache where it holds the prompt's first blocks: only the rest is sent), or
-        ``None`` when there is no room now. Fails with ``ValueError`` for a request
-        this worker can never serve."""
-        return await self._on_loop(lambda: self._reserve(request_id, prompt_token_ids, params))
+        ``None`` when there is no room now. When those shared blocks leave at most
+        ``local_prefill_max_tokens`` of the prompt, this worker computes them itself
+        (``Reservation.local``). Fails with ``ValueError`` for a request this worker
+        can never serve."""
+        return await self._on_loop(lambda: self._reserve(
+            request_id, prompt_token_ids, params, local_prefill_max_tokens))
 
     def close(self) -> None:
         self.stop()
@@ -74,12 +83,20 @@ class DecodeWorker(WorkerLoop):
         self.outputs.close()
 
     # ------------------------------------------------------------- loop side
-    def _reserve(self, rid: str, prompt: Sequence[int],
-                 params: SamplingParams) -> Reservation | None:
+    def _reserve(self, rid: str, prompt: Sequence[int], params: SamplingParams,
+                 local_prefill_max_tokens: int) -> Reservation | None:
         blocks = self.engine.reserve(rid, prompt, params)
         if blocks is None:
             return None
         reused = self.engine.requests[rid].num_cached_tokens // self.engine.block_size
+        # (prompt logprobs need every position computed, which only a prefill worker does)
+        if (reused and params.prompt_logprobs is None
+                and len(prompt) - reused * self.engine.block_size <= local_prefill_max_tokens):
+            self.engine.prefill_reserved(rid)
+            self._received[rid] = time.monotonic()
+            self._metrics.local_prefills += 1
+            self.blocks_granted += len(blocks)
+            return Reservation(blocks, reused, local=True)
         try:
             # only the blocks the KV is written into (reused ones are shared, read-only)
             self.receiver.expect(rid, blocks[reused:], self.kv_timeout_s)  # any thread may
@@ -96,6 +113,7 @@ class DecodeWorker(WorkerLoop):
 
     def _abort(self, rid: str) -> None:
         self._kv_arrived.pop(rid, None)
+        self._received.pop(rid, None)
         if rid in self._expecting:  # KV may still land: keep the blocks until reported
             if rid not in self._aborted:
                 self._aborted.add(rid)
@@ -138,8 +156,11 @@ class DecodeWorker(WorkerLoop):
     def _run_step(self) -> None:
         t0 = time.monotonic()
         batch = []
-        for out in self._step():
+        outputs = self._step()
+        now = time.monotonic()
+        for out in outputs:
             arrived = self._kv_arrived.pop(out.request_id, None)
-            stages = Stages(decode_queue_s=max(0.0, t0 - arrived)) if arrived is not None else None
+            stages = (Stages(decode_queue_s=max(0.0, t0 - arrived)) if arrived is not None
+                      else prefill_stages(out, self._received.pop(out.request_id, None), now))
             batch.append(delta_of(out, stages))
         self.outputs.publish(batch)

@@ -220,8 +220,10 @@ class RayWorker:
         return await self._call("handoff", request_id)
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
-                      params: SamplingParams) -> Reservation | None:
-        return await self._call("reserve", request_id, list(prompt_token_ids), params)
+                      params: SamplingParams,
+                      local_prefill_max_tokens: int = 0) -> Reservation | None:
+        return await self._call("reserve", request_id, list(prompt_token_ids), params,
+                                local_prefill_max_tokens)
 
     async def admit(self, request_id: str, prompt_token_ids: Sequence[int],
                     params: SamplingParams) -> bool:

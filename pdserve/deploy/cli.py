@@ -106,6 +106,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="Ray cluster to join: auto | ray://host:port (default: embedded)")
     p.add_argument("--policy", default=None,
                    help="routing: least_loaded | prefix_affinity | round_robin")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=None, metavar="N",
+                   help="a decode worker holding all but N tokens of a prompt in its prefix "
+                        "cache (a conversation's next turn) computes them itself, no KV "
+                        "moved (default 64; 0: always a prefill worker)")
     p.add_argument("--config", default=None, help="YAML cluster config (flags override it)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on HTTP and gRPC")
@@ -226,6 +230,7 @@ def _load_cluster_config(args: argparse.Namespace, formats: dict[str, Any]) -> C
         "host": getattr(args, "host", None),
         "address": getattr(args, "address", None),
         "router.policy": getattr(args, "policy", None),
+        "router.local_prefill_max_tokens": getattr(args, "local_prefill_max_tokens", None),
         "api_key": getattr(args, "api_key", None),
         "api_key_file": getattr(args, "api_key_file", None),
         "protect_probes": getattr(args, "protect_probes", None),

@@ -70,6 +70,9 @@ COUNTERS: list[tuple[str, str, Getter]] = [
      lambda s: s.prefix_hits),
     ("pdserve_num_preemptions", "Requests preempted for recomputation.",
      lambda s: s.num_preemptions),
+    ("pdserve_local_prefills", "Decode: requests whose prompt this worker finished "
+     "computing itself (it held all but a short suffix; no KV was sent).",
+     lambda s: s.local_prefills),
     ("pdserve_spec_decode_num_drafts", "Speculative drafts verified (engine steps in which "
      "a request checked a draft).", lambda s: s.spec_drafts),
     ("pdserve_spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",

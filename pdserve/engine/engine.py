@@ -9,7 +9,9 @@ Disaggregated use (what the prefill and decode workers call):
   the transfer channel reads from ``kv_cache``, then ``release(rid)``.
 * decode role — ``reserve(...)`` allocates blocks for a prompt whose KV comes from
   outside (a channel writes them into ``kv_cache``);
-  ``start_decode(rid, first_token)`` makes it run; ``step`` decodes.
+  ``start_decode(rid, first_token)`` makes it run; ``step`` decodes. Or, when the
+  reservation shared all but a short suffix from this engine's prefix cache (a
+  conversation's next turn), ``prefill_reserved(rid)`` computes that suffix here.
 
 With ``speculative_config`` (``spec_decode.py``) a decoding request may get several
 tokens from one step: its accepted draft tokens and one more, stop rules applied to
@@ -273,6 +275,17 @@ class LLMEngine:
         if blocks is None:
             self._forget(request_id)
         return blocks
+
+    @replicated
+    def prefill_reserved(self, request_id: str) -> None:
+        """Decode role: compute the rest of a reserved prompt here (the blocks its
+        reservation shared from this engine's prefix cache, then a prefill chunk of
+        what is left) instead of receiving its KV; its first token comes from this
+        engine's next step, sampled here, as a colocated engine's."""
+        req = self.requests[request_id]
+        if req.status is not RequestStatus.WAITING_FOR_KV:
+            raise ValueError(f"request {request_id!r} is {req.status.value}, not waiting for KV")
+        self.scheduler.prefill_reserved(req)
 
     @replicated
     def start_decode(self, request_id: str, first_token: int,

@@ -113,6 +113,16 @@ class Scheduler:
         self._register_full_blocks(req)
         self.running.append(req)
 
+    def prefill_reserved(self, req: Request) -> None:
+        """Decode role: a reserved request computes the rest of its prompt here (after
+        the shared prefix blocks) instead of receiving its KV: it runs from the next
+        step on, its remaining prompt tokens a prefill chunk like any other, in the
+        blocks already reserved for them."""
+        del self.waiting_for_kv[req.request_id]
+        req.num_computed_tokens = req.num_cached_tokens
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)

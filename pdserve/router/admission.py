@@ -98,7 +98,8 @@ class _Ticket:
 
 class Admission:
     def __init__(self, workers: WorkerSet, policy: Policy, prefix: PrefixIndex,
-                 max_waiting: int, queue_timeout_s: float, block_size: int) -> None:
+                 max_waiting: int, queue_timeout_s: float, block_size: int,
+                 local_prefill_max_tokens: int = 0) -> None:
         self._workers = workers
         self._policy = policy
         self._prefix = prefix
@@ -109,6 +110,7 @@ class Admission:
         self.max_waiting = max_waiting
         self.queue_timeout_s = queue_timeout_s
         self._block_size = block_size
+        self._local_prefill_max_tokens = local_prefill_max_tokens
         self.claims = Claims()
         self.num_waiting = 0
         self._capacity = asyncio.Event()  # set whenever room may have appeared
@@ -198,7 +200,8 @@ class Admission:
         granted = False
         try:
             if w.role == "decode":
-                got = await self._workers.call(w, w.decode.reserve(attempt_id, ids, params))
+                got = await self._workers.call(w, w.decode.reserve(
+                    attempt_id, ids, params, self._local_prefill_max_tokens))
                 granted = got is not None
                 return Target(w, got) if granted else None
             granted = bool(await self._workers.call(w, w.colocated.admit(attempt_id, ids, params)))

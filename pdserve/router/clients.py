@@ -48,7 +48,8 @@ class PrefillHandle(WorkerHandle, Protocol):
 
 class DecodeHandle(WorkerHandle, Protocol):
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
-                      params: SamplingParams) -> Reservation | None: ...
+                      params: SamplingParams,
+                      local_prefill_max_tokens: int = 0) -> Reservation | None: ...
 
 
 class ColocatedHandle(WorkerHandle, Protocol):

@@ -5,7 +5,10 @@ its deadline.
 One attempt (``_attempt``)::
 
     admission: reserve on a decode worker (or admit on a colocated one)
-      -> decode: pick a prefill worker connected to it, start P.prefill(task)
+      -> decode: pick a prefill worker connected to it, start P.prefill(task) --
+         unless the decode worker computes the prompt's short uncached suffix
+         itself (``Reservation.local``): then, as on a colocated worker, every token
+         comes from its stream
       -> read the attempt's inbox: token deltas from the worker's stream, P's
          first token (streamed at once, before the KV hand-over ends; the decode
          worker's copy of it is then dropped), P's hand-off ending
@@ -173,13 +176,12 @@ class RequestRun:
         leg: _PrefillLeg | None = None
         done = False  # the engine finished the request (nothing to abort)
         try:
-            if token.role == "decode":
+            r = target.reservation
+            if r is not None and not r.local:  # a decode worker: its KV comes from P
                 p = s.admission.pick_prefill(token.worker_id, route, avoid)
                 if p is None:
                     raise AttemptFailed(FailReason.NOT_CONNECTED,
                                         f"no prefill worker is connected to {token.worker_id}")
-                r = target.reservation
-                assert r is not None
                 leg = self._start_prefill(p, inbox, PrefillTask(
                     aid, ids, params, token.worker_id, r.blocks, r.reused), hashes)
             wants_prompt = params.prompt_logprobs is not None

@@ -59,10 +59,14 @@ class RouterConfig:
     probe_timeout_s: float = 2.0  # a health probe not answered this soon failed
     health_timeout_s: float = 10.0  # probes failing this long: the worker leaves routing
     block_size: int = 16
+    # A decode worker whose own prefix cache holds all but this many tokens of a prompt
+    # (a conversation's next turn) computes them itself: no prefill worker, no KV
+    # moved (docs/kv_transfer.md). 0: every prompt goes through a prefill worker.
+    local_prefill_max_tokens: int = 64
 
     def __post_init__(self) -> None:
         get_policy(self.policy)
-        for name in ("max_waiting", "max_retries"):
+        for name in ("max_waiting", "max_retries", "local_prefill_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"router {name} must be >= 0")
         for name in ("queue_timeout_s", "default_timeout_s", "stats_interval_s",
@@ -86,7 +90,8 @@ class Router:
             ServingLimits(cfg.block_size, max_model_len), on_change=self._worker_changed)
         self.prefix = PrefixIndex()
         self.admission = Admission(self.workers, get_policy(cfg.policy), self.prefix,
-                                   cfg.max_waiting, cfg.queue_timeout_s, cfg.block_size)
+                                   cfg.max_waiting, cfg.queue_timeout_s, cfg.block_size,
+                                   cfg.local_prefill_max_tokens)
         self._services = Services(self.workers, self.admission, self.fanout, self.prefix,
                                   tokenizer, cfg.block_size, cfg.max_retries, metrics)
         self._active: set[str] = set()  # request ids in flight (client ids are unique)

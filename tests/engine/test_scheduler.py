@@ -123,6 +123,29 @@ def test_decode_role_reserve_then_start() -> None:
     s.pool.check_integrity()
 
 
+def test_decode_role_prefills_a_reserved_suffix_itself() -> None:
+    """``prefill_reserved``: a reservation that shared a prefix computes the rest of the
+    prompt here, as one chunk of the next step, in the blocks already reserved."""
+    s = make(num_blocks=6, max_seqs=4)
+    a = req("a", 9)
+    assert s.reserve(a) is not None
+    a.token_ids.append(9)  # first token, sampled by the prefill worker
+    s.start_decode(a)  # its full blocks [0..3], [4..7] join the prefix cache
+    b = req("b", 11)  # shares those two; tokens 8..10 are left
+    got = s.reserve(b)
+    assert got is not None and b.num_cached_tokens == 8
+    used = s.pool.num_used
+    s.prefill_reserved(b)
+    assert b.status is RequestStatus.RUNNING and b.num_computed_tokens == 8
+    assert sorted(run_step(s)) == [("a", 1), ("b", 3)]  # the suffix beside a's decode
+    assert s.pool.num_used == used and b.block_ids == got  # nothing more allocated
+    assert run_step(s) == [("a", 1), ("b", 1)]  # b decodes from here
+    s.finish(a)
+    s.finish(b)
+    assert s.pool.num_used == 0
+    s.pool.check_integrity()
+
+
 def test_decode_role_reserve_shares_the_blocks_it_holds() -> None:
     """A prompt that starts with blocks this decode pool holds (an earlier turn) shares
     them; only the rest is fresh, and the block of its last token always is."""

@@ -166,7 +166,8 @@ def test_conversation_sends_only_the_blocks_decode_lacks(
     The answers are a colocated engine's (which reuses its prefix cache the same way),
     in bfloat16 too: the prefill worker recomputes an earlier answer's KV in a prefill
     step, bit for bit what the decode steps that produced it wrote."""
-    pair = pair_factory(prefill_engine={"dtype": dtype}, decode_engine={"dtype": dtype})
+    pair = pair_factory(prefill_engine={"dtype": dtype}, decode_engine={"dtype": dtype},
+                        local_prefill_max_tokens=0)  # every turn through the prefill worker
     eng = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=256, dtype=dtype))
     history = [7 + (j * 13) % 400 for j in range(40)]
     expected: list[list[int]] = []
@@ -198,12 +199,63 @@ def test_conversation_sends_only_the_blocks_decode_lacks(
     run(pair, body)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_short_new_turn_is_prefilled_on_the_decode_worker(
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path], dtype: str) -> None:
+    """A conversation's next turn whose uncached part (on the decode worker that holds
+    the earlier turns) is at most ``local_prefill_max_tokens`` is computed there: the
+    prefill worker never sees it, no KV moves, the first token comes from the decode
+    worker with its prefill stages. Answers are a colocated engine's; a prompt asking
+    for prompt logprobs, or a longer suffix, still goes through the prefill worker."""
+    pair = pair_factory(prefill_engine={"dtype": dtype}, decode_engine={"dtype": dtype},
+                        local_prefill_max_tokens=40)
+    eng = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=256, dtype=dtype))
+    p, d = pair.prefill[0], pair.decode[0]
+
+    def turns(n: int, reply: Callable[[list[int]], list[int]]) -> list[list[int]]:
+        history, prompts = [7 + (j * 13) % 400 for j in range(40)], []
+        for turn in range(n):
+            prompts.append(history)
+            history = history + reply(history) + [11 + turn + (j * 7) % 300 for j in range(10)]
+        return prompts
+
+    expected: dict[int, list[int]] = {}
+
+    def colocated(history: list[int]) -> list[int]:
+        expected[len(expected)] = eng.generate([history], GREEDY)[0].token_ids
+        return expected[len(expected) - 1]
+
+    prompts = turns(3, colocated)
+
+    async def body(router: Router) -> None:
+        for turn, prompt in enumerate(prompts):
+            tokens, _, final = await collect(router.generate(GenerateRequest(
+                f"t{turn}", GREEDY, prompt_token_ids=prompt)))
+            assert tokens == expected[turn]
+            assert final.timings.prefill is not None and final.timings.ttft is not None
+            if turn:  # D held the earlier turns: a 26-token suffix, computed there
+                assert final.timings.kv_bytes is None and final.usage.cached_tokens >= 48
+        await until_async("D's counters", lambda: d.metrics().local_prefills == 2)
+        assert p.metrics().kv_transfers == 1  # turns 1 and 2 never reached P
+        # prompt logprobs need every position computed: the prefill worker's
+        longer = prompts[2] + expected[2] + list(range(30, 90))  # a 60+-token suffix
+        for rid, params, prompt in (
+                ("lp", SamplingParams(max_tokens=4, prompt_logprobs=0), prompts[2]),
+                ("long", GREEDY, longer)):
+            await collect(router.generate(GenerateRequest(rid, params, prompt_token_ids=prompt)))
+        await until_async("P's counters", lambda: p.metrics().kv_transfers == 3)
+        assert d.metrics().local_prefills == 2
+        await d.check_integrity()
+
+    run(pair, body)
+
+
 def test_prefix_affinity_keeps_a_conversation_on_its_decode_worker(
         pair_factory: Callable[..., Pair]) -> None:
     """Two decode workers, the one that served the first turn now the fuller: with
     prefix_affinity the next turn still goes there (it holds the earlier turn) and
     only the new blocks are sent."""
-    pair = pair_factory(n_decode=2, policy="prefix_affinity")
+    pair = pair_factory(n_decode=2, policy="prefix_affinity", local_prefill_max_tokens=0)
     p = pair.prefill[0]
     first = [7 + (j * 13) % 400 for j in range(40)]
 

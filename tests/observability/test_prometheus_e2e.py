@@ -137,7 +137,8 @@ def test_prometheus_scrapes_a_cluster_under_load(
         "model": str(model), "transfer": "torch",
         "prefill": {"workers": 1, "num_cpus": 1, "engine": {"num_blocks": 256}},
         "decode": {"workers": 1, "num_cpus": 1, "engine": {"num_blocks": 512}},
-        "router": {"queue_timeout_s": 60}, "kv_timeout_s": 30,
+        # every request through the prefill worker (the KV counts below are per request)
+        "router": {"queue_timeout_s": 60, "local_prefill_max_tokens": 0}, "kv_timeout_s": 30,
     })
     cluster = Cluster(cfg)
     prom = Prometheus(prometheus_bins[1], tmp_path)
