@@ -146,6 +146,32 @@ def test_decode_role_prefills_a_reserved_suffix_itself() -> None:
     s.pool.check_integrity()
 
 
+def test_decode_role_reserve_takes_its_hits_before_evicting() -> None:
+    """A reservation whose fresh blocks must come from evicting cached ones never
+    evicts its own hits: it takes references on them first, then evicts others, or,
+    with nothing else to evict, gets no room and leaves the cache as it was."""
+    s = make(num_blocks=4, max_seqs=4)
+    a = req("a", 9)  # [0..3], [4..7] cached once it ends; [8] is not a full block
+    z = req("z", 4, first=100)  # [100..103] cached
+    for r in (a, z):
+        assert s.reserve(r) is not None
+        r.token_ids.append(9)
+        s.start_decode(r)
+        s.finish(r)
+    assert s.pool.num_cached == 3 and s.pool.num_free == 4
+    b = req("b", 16)  # a's two blocks, then two fresh: the one free block and z's
+    got = s.reserve(b)
+    assert got is not None and b.num_cached_tokens == 8
+    assert s.pool.lookup(s._block_hashes(req("zz", 4, first=100), 1)) == []  # z's evicted
+    s.finish(b)
+    # b never got its KV, so only a's blocks are cached: c hits them and needs three
+    # fresh ones, and the other two blocks are all there is besides its own hits
+    c = req("c", 20)
+    assert s.reserve(c) is None
+    assert len(s.pool.lookup(s._block_hashes(c, 2))) == 2  # a's blocks stayed cached
+    s.pool.check_integrity()
+
+
 def test_decode_role_reserve_shares_the_blocks_it_holds() -> None:
     """A prompt that starts with blocks this decode pool holds (an earlier turn) shares
     them; only the rest is fresh, and the block of its last token always is."""

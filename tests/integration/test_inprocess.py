@@ -250,6 +250,91 @@ def test_a_short_new_turn_is_prefilled_on_the_decode_worker(
     run(pair, body)
 
 
+def _two_turns(eng: LLMEngine) -> tuple[list[int], list[int], list[int]]:
+    """A first turn, the second turn's prompt (first + answer + 10 new tokens), and
+    the second turn's answer, as a colocated engine gives them."""
+    first = [7 + (j * 13) % 400 for j in range(40)]
+    (a1,) = eng.generate([first], GREEDY)
+    second = first + a1.token_ids + [11 + (j * 7) % 300 for j in range(10)]
+    (a2,) = eng.generate([second], GREEDY)
+    return first, second, a2.token_ids
+
+
+def test_an_abort_mid_transfer_keeps_the_shared_blocks_exact(
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:
+    """A second turn shares the first turn's blocks on the decode worker; the client
+    gives up after P's first token, with the KV still held in P. Its fresh blocks
+    are freed once the receiver reports it, the shared ones keep only the cache's
+    claim on them, and the same turn sent again shares them once more."""
+    pair = pair_factory(local_prefill_max_tokens=0)
+    eng = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=256))
+    first, second, want = _two_turns(eng)
+    p, d = pair.prefill[0], pair.decode[0]
+
+    async def body(router: Router) -> None:
+        await collect(router.generate(GenerateRequest("t0", GREEDY, prompt_token_ids=first)))
+        hits = d.engine.pool.prefix_hits
+        gate = threading.Event()
+        p.transfer.post(gate.wait)  # no KV send goes out until set
+        stream = router.generate(GenerateRequest("t1", GREEDY, prompt_token_ids=second))
+        try:
+            got = await asyncio.wait_for(anext(stream), timeout=30)
+            assert isinstance(got, StreamChunk) and got.token_ids == want[:1]
+            assert d.engine.pool.prefix_hits == hits + 3  # the first turn's full blocks
+            await stream.aclose()  # type: ignore[attr-defined]
+        finally:
+            gate.set()
+        await until_async("blocks freed on both workers",
+                          lambda: not any(pair.used_blocks().values()))
+        await d.check_integrity()
+        await p.check_integrity()
+        tokens, _, _ = await collect(router.generate(GenerateRequest(
+            "t1-again", GREEDY, prompt_token_ids=second)))
+        assert tokens == want and d.engine.pool.prefix_hits >= hits + 6
+
+    run(pair, body)
+
+
+def test_a_retry_onto_a_decode_worker_without_the_prefix_sends_it_all(
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:
+    """The decode worker holding a conversation's first turn fails during the second
+    turn's hand-over: the retry goes to the other decode worker, whose cache has none
+    of it, so P sends every block there; the answer is still the colocated one."""
+    pair = pair_factory(n_decode=2, policy="prefix_affinity", local_prefill_max_tokens=0)
+    eng = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=256))
+    first, second, want = _two_turns(eng)
+    p = pair.prefill[0]
+
+    async def body(router: Router) -> None:
+        await collect(router.generate(GenerateRequest("t0", GREEDY, prompt_token_ids=first)))
+        held = next(d for d in pair.decode if d.engine.pool.num_cached > 0)
+        other = next(d for d in pair.decode if d is not held)
+        await until_async("P's counters", lambda: p.metrics().kv_transfers == 1)
+        sent_before = p.metrics().kv_transfer_bytes
+        gate = threading.Event()
+        p.transfer.post(gate.wait)
+        stream = router.generate(GenerateRequest("t1", GREEDY, prompt_token_ids=second))
+        try:
+            got = await asyncio.wait_for(anext(stream), timeout=30)
+            assert isinstance(got, StreamChunk) and got.token_ids == want[:1]
+            assert set(router.fanout.workers_of("t1")) >= {held.worker_id}
+            router.fanout.fail_worker(held.worker_id, FailReason.WORKER_DIED,
+                                      "test: decode worker lost")
+        finally:
+            gate.set()
+        tokens, _, final = await collect(stream)
+        assert got.token_ids + tokens == want and final.num_retries == 1
+        await until_async("P's counters", lambda: p.metrics().kv_transfers >= 2)
+        # the retry's prompt is the second turn plus the streamed token: every block of
+        # it went to `other` (what `held` shared is not there)
+        full = -(-(len(second) + 1) // 16)
+        sent = (p.metrics().kv_transfer_bytes - sent_before) // p.layout.block_bytes
+        assert sent >= full and other.engine.pool.prefix_hits == 0
+        await other.check_integrity()
+
+    run(pair, body)
+
+
 def test_prefix_affinity_keeps_a_conversation_on_its_decode_worker(
         pair_factory: Callable[..., Pair]) -> None:
     """Two decode workers, the one that served the first turn now the fuller: with
