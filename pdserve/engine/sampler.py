@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine import kernels
 from pdserve.engine.grammar import apply_bitmask
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -138,6 +139,16 @@ def is_plain_greedy(row: SamplingRow) -> bool:
     )
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of float32 [B, V] logits, the same answer (first index
+    of the largest value, a NaN first): the C++ kernel where it runs (~0.3 ms for 32 rows
+    of 49152 against torch's ~4 ms on one thread)."""
+    k = kernels.load()
+    if k is not None and logits.device.type == "cpu" and logits.is_contiguous():
+        return k.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
     """Stateless batched sampler; see the module docstring for the pipeline."""
 
@@ -153,7 +164,7 @@ class Sampler:
         if logits.dtype != torch.float32:
             logits = logits.float()
         if self.fast and all(is_plain_greedy(r) for r in rows):
-            return SampleOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+            return SampleOutput(argmax(logits).tolist(), [None] * len(rows))
 
         processed = logits.clone(memory_format=torch.contiguous_format)
         _apply_logit_bias(processed, rows)
@@ -164,7 +175,7 @@ class Sampler:
                           torch.stack([rows[i].allowed for i in constrained]))  # type: ignore[misc]
         _mask_min_tokens(processed, rows)
         # Greedy rows keep this argmax; random rows are overwritten below.
-        tokens = processed.argmax(dim=-1)
+        tokens = argmax(processed)
         random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
         if random_idx:
             chosen = _sample_random(processed[random_idx], [rows[i] for i in random_idx], self.fast)

@@ -234,3 +234,21 @@ def test_paged_attention_rows_do_not_depend_on_the_step(  # type: ignore[no-unty
     for splits in ([1] * n, [17, 30, 23], [5, 65], [8] * 8 + [6], [40, 1, 29]):
         assert torch.equal(attend(splits), whole), splits
     assert torch.equal(attend([33, 37], beside=True), whole)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 16, 37, 49152])
+def test_argmax_rows_answers_as_torch(k, vocab: int) -> None:  # type: ignore[no-untyped-def]
+    # random rows, ties (the first index wins), all -inf, a NaN (its first index wins),
+    # the maximum in the tail past the last whole vector
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(8, vocab, generator=g)
+    x[1] = 0.5  # every value tied
+    x[2] = float("-inf")
+    x[3, vocab // 2] = float("nan")
+    x[3, vocab - 1] = float("nan")
+    x[4, -1] = 1e9  # the last element
+    x[5, : vocab // 2 + 1] = 7.0  # a run of tied maxima
+    assert torch.equal(k.argmax_rows(x), x.argmax(dim=-1))
+    assert k.argmax_rows(torch.empty(0, vocab)).shape == (0,)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        k.argmax_rows(x.double())
