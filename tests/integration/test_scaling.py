@@ -52,7 +52,9 @@ def test_scale_out_and_in_under_load(tiny_model: Callable[[str], Path],
     model = tiny_model("llama-gqa")
     want = [o.token_ids for o in LLMEngine(model, EngineConfig(num_blocks=256, dtype="auto")).generate(
         PROMPTS, PARAMS)]
-    cluster = start(model, "nixl")
+    # every request through a prefill worker (the prompts repeat: a decode worker that
+    # holds one would prefill it itself, and the new prefill worker would see few)
+    cluster = start(model, "nixl", local_prefill_max_tokens=0)
     figures: list[str] = []
 
     async def body() -> None:
