@@ -135,6 +135,15 @@ class WorkerLoop(ThreadLoop):
     def _abort(self, request_id: str) -> None:
         raise NotImplementedError
 
+    def _abort_orphans(self, request_ids: list[str]) -> None:
+        """Their router's output stream ended (it stopped or died): nobody will read
+        them, so they are aborted on the loop and their blocks freed now."""
+        def abort_all() -> None:
+            for rid in request_ids:
+                self._abort(rid)
+
+        self.post(abort_all)
+
     def busy(self) -> bool:
         return self.engine.has_unfinished()
 

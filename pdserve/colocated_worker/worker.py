@@ -28,7 +28,7 @@ class ColocatedWorker(WorkerLoop):
     def __init__(self, worker_id: str, model_dir: str | Path, config: EngineConfig,
                  host: str = "127.0.0.1") -> None:
         super().__init__("colocated", worker_id, model_dir, config)
-        self.outputs = OutputServer(host, f"outputs-{worker_id}")
+        self.outputs = OutputServer(host, f"outputs-{worker_id}", self._abort_orphans)
         self._received: dict[str, float] = {}  # request id -> admitted at (until its first token)
         self.start()
 
@@ -38,17 +38,20 @@ class ColocatedWorker(WorkerLoop):
                         self.limits())
 
     async def admit(self, request_id: str, prompt_token_ids: Sequence[int],
-                    params: SamplingParams) -> bool:
-        """Queue the request if its prompt fits now (False: no room). Fails with
-        ``ValueError`` for a request this worker can never serve."""
-        return await self._on_loop(lambda: self._admit(request_id, prompt_token_ids, params))
+                    params: SamplingParams, router_id: str = "") -> bool:
+        """Queue the request if its prompt fits now (False: no room); its tokens go to
+        ``router_id``'s output stream. Fails with ``ValueError`` for a request this
+        worker can never serve."""
+        return await self._on_loop(lambda: self._admit(request_id, prompt_token_ids, params,
+                                                       router_id))
 
     def close(self) -> None:
         self.stop()
         self.outputs.close()
 
     # ------------------------------------------------------------- loop side
-    def _admit(self, rid: str, prompt: Sequence[int], params: SamplingParams) -> bool:
+    def _admit(self, rid: str, prompt: Sequence[int], params: SamplingParams,
+               router_id: str) -> bool:
         self.engine.validate(prompt, params)
         bs = self.engine.block_size
         queued = sum(ceil_div(r.num_tokens, bs) - len(r.block_ids)
@@ -56,11 +59,13 @@ class ColocatedWorker(WorkerLoop):
         if ceil_div(len(prompt), bs) + queued > self.engine.pool.num_free:
             return False
         self.engine.add_request(rid, prompt, params)
+        self.outputs.assign(rid, router_id)
         self.blocks_granted += ceil_div(len(prompt), bs)
         self._received[rid] = time.monotonic()
         return True
 
     def _abort(self, rid: str) -> None:
+        self.outputs.forget(rid)
         self._received.pop(rid, None)
         self.engine.abort(rid)
 

@@ -52,7 +52,7 @@ class DecodeWorker(WorkerLoop):
                                                             transfer_options))
         self.transfer = ChannelThread(self.receiver, self._on_recv_events,
                                       f"kv-recv-{worker_id}")
-        self.outputs = OutputServer(host, f"outputs-{worker_id}")
+        self.outputs = OutputServer(host, f"outputs-{worker_id}", self._abort_orphans)
         self._kv_arrived: dict[str, float] = {}  # request id -> when its KV landed
         self._expecting: set[str] = set()  # reserved; the receiver has not reported it
         self._aborted: set[str] = set()  # ... of those, aborted: free on the report
@@ -66,16 +66,16 @@ class DecodeWorker(WorkerLoop):
                         self.metrics_at, self.limits())
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
-                      params: SamplingParams,
-                      local_prefill_max_tokens: int = 0) -> Reservation | None:
+                      params: SamplingParams, local_prefill_max_tokens: int = 0,
+                      router_id: str = "") -> Reservation | None:
         """Blocks for the prompt's KV (the leading ones from this worker's own prefix
         cache where it holds the prompt's first blocks: only the rest is sent), or
         ``None`` when there is no room now. When those shared blocks leave at most
         ``local_prefill_max_tokens`` of the prompt, this worker computes them itself
         (``Reservation.local``). Fails with ``ValueError`` for a request this worker
-        can never serve."""
+        can never serve. Its tokens go to ``router_id``'s output stream."""
         return await self._on_loop(lambda: self._reserve(
-            request_id, prompt_token_ids, params, local_prefill_max_tokens))
+            request_id, prompt_token_ids, params, local_prefill_max_tokens, router_id))
 
     def close(self) -> None:
         self.stop()
@@ -84,10 +84,11 @@ class DecodeWorker(WorkerLoop):
 
     # ------------------------------------------------------------- loop side
     def _reserve(self, rid: str, prompt: Sequence[int], params: SamplingParams,
-                 local_prefill_max_tokens: int) -> Reservation | None:
+                 local_prefill_max_tokens: int, router_id: str) -> Reservation | None:
         blocks = self.engine.reserve(rid, prompt, params)
         if blocks is None:
             return None
+        self.outputs.assign(rid, router_id)
         reused = self.engine.requests[rid].num_cached_tokens // self.engine.block_size
         # (prompt logprobs need every position computed, which only a prefill worker does)
         if (reused and params.prompt_logprobs is None
@@ -104,6 +105,7 @@ class DecodeWorker(WorkerLoop):
             # The engine handed out blocks the receiver still expects KV in: ownership
             # is checked, not trusted. Never give them to this request; no room now.
             self.engine.abort(rid)
+            self.outputs.forget(rid)
             log.error("decode worker %s: reservation %s refused: %s", self.worker_id, rid, exc)
             return None
         self.transfer.wake()  # poll soon: it may be asleep with nothing pending
@@ -112,6 +114,7 @@ class DecodeWorker(WorkerLoop):
         return Reservation(blocks, reused)
 
     def _abort(self, rid: str) -> None:
+        self.outputs.forget(rid)
         self._kv_arrived.pop(rid, None)
         self._received.pop(rid, None)
         if rid in self._expecting:  # KV may still land: keep the blocks until reported

@@ -225,14 +225,15 @@ class RayWorker:
         return await self._call("handoff", request_id)
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
-                      params: SamplingParams,
-                      local_prefill_max_tokens: int = 0) -> Reservation | None:
+                      params: SamplingParams, local_prefill_max_tokens: int = 0,
+                      router_id: str = "") -> Reservation | None:
         return await self._call("reserve", request_id, list(prompt_token_ids), params,
-                                local_prefill_max_tokens)
+                                local_prefill_max_tokens, router_id)
 
     async def admit(self, request_id: str, prompt_token_ids: Sequence[int],
-                    params: SamplingParams) -> bool:
-        return bool(await self._call("admit", request_id, list(prompt_token_ids), params))
+                    params: SamplingParams, router_id: str = "") -> bool:
+        return bool(await self._call("admit", request_id, list(prompt_token_ids), params,
+                                     router_id))
 
 
 if TYPE_CHECKING:  # mypy holds every worker class, and the Ray proxy, to what the router calls

@@ -201,10 +201,12 @@ class Admission:
         try:
             if w.role == "decode":
                 got = await self._workers.call(w, w.decode.reserve(
-                    attempt_id, ids, params, self._local_prefill_max_tokens))
+                    attempt_id, ids, params, self._local_prefill_max_tokens,
+                    self._workers.router_id))
                 granted = got is not None
                 return Target(w, got) if granted else None
-            granted = bool(await self._workers.call(w, w.colocated.admit(attempt_id, ids, params)))
+            granted = bool(await self._workers.call(w, w.colocated.admit(
+                attempt_id, ids, params, self._workers.router_id)))
             return Target(w, None) if granted else None
         except ValueError as exc:  # the worker can never serve it: the request's fault
             raise RouterError(ErrorKind.INVALID, str(exc)) from exc

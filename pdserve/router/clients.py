@@ -48,10 +48,10 @@ class PrefillHandle(WorkerHandle, Protocol):
 
 class DecodeHandle(WorkerHandle, Protocol):
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
-                      params: SamplingParams,
-                      local_prefill_max_tokens: int = 0) -> Reservation | None: ...
+                      params: SamplingParams, local_prefill_max_tokens: int = 0,
+                      router_id: str = "") -> Reservation | None: ...
 
 
 class ColocatedHandle(WorkerHandle, Protocol):
     async def admit(self, request_id: str, prompt_token_ids: Sequence[int],
-                    params: SamplingParams) -> bool: ...
+                    params: SamplingParams, router_id: str = "") -> bool: ...

@@ -154,7 +154,8 @@ class RequestRun:
     # ------------------------------------------------------------ one attempt
     async def _attempt(self) -> AsyncGenerator[RequestDelta, None]:
         s = self.s
-        aid = f"{self.req.request_id}#{next(s.attempt_ids)}"  # unique per attempt
+        # unique per attempt, and among routers serving the same workers
+        aid = f"{self.req.request_id}#{next(s.attempt_ids)}@{s.workers.router_id}"
         ids, params = self.prompt + self.emitted, self._params_left()
         hashes = prefix_block_hashes(ids, s.block_size)
         route = RouteInput(len(ids), hashes, self.req.share_prefix, s.block_size)

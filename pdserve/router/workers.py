@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
@@ -109,6 +110,9 @@ class WorkerSet:
                  limits: ServingLimits,
                  on_change: Callable[[WorkerState, str], None] = lambda w, what: None) -> None:
         self.workers = {h.worker_id: WorkerState(h, h.worker_id, h.role) for h in handles}
+        # This router among any others serving the same workers: its requests' tokens
+        # come on its own connection of each worker's output stream.
+        self.router_id = uuid.uuid4().hex[:12]
         self._fanout = fanout
         self._health = health
         self._limits = limits  # the router's: every worker must agree (at join)
@@ -286,7 +290,8 @@ class WorkerSet:
                 incarnation = info.incarnation
                 w.stream = await connect_stream(
                     info.stream, self._fanout.deliver,
-                    lambda why: self._stream_lost(w, incarnation, why), timeout)
+                    lambda why: self._stream_lost(w, incarnation, why), timeout,
+                    router_id=self.router_id)
         except asyncio.CancelledError:
             raise
         except Exception as exc:

@@ -20,7 +20,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.failures import FailReason
-from pdserve.messages import PrefillResult, PrefillTask
+from pdserve.messages import PrefillResult, PrefillTask, RequestDelta
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.router import Router, RouterConfig
 from pdserve.router.types import ErrorKind, FinalChunk, GenerateRequest, RouterError, StreamChunk
@@ -646,7 +646,7 @@ def test_first_token_streams_before_the_kv_hand_over(pair_factory: Callable[...,
         try:
             first = await asyncio.wait_for(anext(stream), timeout=30)
             assert isinstance(first, StreamChunk) and first.token_ids == want.token_ids[:1]
-            assert p._inflight["r#0"].final_sent is not None  # the last send: still queued
+            assert p._inflight[f"r#0@{router.workers.router_id}"].final_sent is not None  # the last send: still queued
         finally:
             gate.set()
         tokens, _, final = await collect(stream)
@@ -709,3 +709,57 @@ def test_a_worker_that_disagrees_with_the_router_is_refused(
     run(pair, body)
     assert any("worker decode-0 (decode) refused" in r.getMessage() and says in r.getMessage()
                for r in caplog.records)
+
+
+@pytest.mark.parametrize("mode", ["pair", "colocated"])
+def test_two_routers_serve_the_same_workers_and_a_lost_routers_requests_end(
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path], mode: str) -> None:
+    """Two routers over one set of workers (``pdserve serve --deployment`` twice): each
+    gets its own requests' tokens, even under the same request id; when one router's
+    streams end without it aborting anything (it died), the workers abort its requests
+    at once and free their blocks, and the other router's requests go on."""
+    pair = (pair_factory() if mode == "pair"
+            else pair_factory(n_prefill=0, n_decode=0, n_colocated=1))
+    tok = pair.workers[0].engine.tokenizer
+    assert tok is not None
+    other = Router("tiny", tok, 2048, pair.workers, RouterConfig())
+    eng = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=256))
+    prompt_a, prompt_b = [5] * 40, list(range(7, 37))
+    expected_b = eng.generate([prompt_b], GREEDY)[0].token_ids
+    token_worker = pair.workers[-1]
+    published: list[RequestDelta] = []
+    publish = token_worker.outputs.publish
+
+    def recording(batch: list[RequestDelta]) -> None:
+        published.extend(batch)
+        publish(batch)
+
+    token_worker.outputs.publish = recording  # type: ignore[method-assign]
+
+    async def main() -> None:
+        await pair.router.start()
+        await other.start()
+        try:
+            stream_a = pair.router.generate(GenerateRequest(
+                "same-id", SamplingParams(max_tokens=2000, ignore_eos=True),
+                prompt_token_ids=prompt_a))
+            first = await anext(aiter(stream_a))
+            assert isinstance(first, StreamChunk)
+            task_b = asyncio.create_task(collect(other.generate(
+                GenerateRequest("same-id", GREEDY, prompt_token_ids=prompt_b))))
+            await until_async("both requests running on the token worker",
+                              lambda: token_worker.engine.stats().num_running == 2)
+            await pair.router.stop()  # its streams end; it aborts nothing
+            await until_async("the lost router's request to be aborted",
+                              lambda: token_worker.engine.stats().num_running <= 1)
+            tokens, _, final = await task_b
+            assert tokens == expected_b and final.finish_reason == "length"
+            await until_async("every block free", lambda: not any(pair.used_blocks().values()))
+            assert token_worker.outputs.num_assigned == 0
+        finally:
+            await other.stop()
+
+    asyncio.run(main())
+    lost = [d for d in published if d.request_id.endswith(f"@{pair.router.workers.router_id}")]
+    assert lost and not any(d.finish_reason for d in lost)  # aborted, never finished
+    assert sum(len(d.token_ids) for d in lost) < 2000

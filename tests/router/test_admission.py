@@ -35,7 +35,8 @@ class ScriptedWorker:
         self.in_flight = 0
         self.hold: asyncio.Event | None = None  # set: every admit call waits for it
 
-    async def admit(self, attempt_id: str, ids: list[int], params: SamplingParams) -> bool:
+    async def admit(self, attempt_id: str, ids: list[int], params: SamplingParams,
+                    router_id: str = "") -> bool:
         self.calls += 1
         self.in_flight += 1
         try:
@@ -55,6 +56,8 @@ class ScriptedWorker:
 
 class FakeWorkers:
     """The part of ``WorkerSet`` that admission uses, with one live colocated worker."""
+
+    router_id = "r1"
 
     def __init__(self, handle: ScriptedWorker) -> None:
         self.state = WorkerState(handle, handle.worker_id, handle.role, alive=True)
