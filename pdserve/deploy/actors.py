@@ -46,6 +46,7 @@ from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.clients import ColocatedHandle, DecodeHandle, PrefillHandle
 
 MAX_BACKOFF_S = 60.0
+NAMESPACE = "pdserve"  # where a deployment's (detached, named) worker actors live
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ class _InActor:
 
     metrics_at: tuple[str, int] | None
     on_crash: Callable[[BaseException], None] | None
+    model_dir: str  # what it was built from (a router re-attaching checks it)
 
     def _exit_on_crash(self) -> None:
         """A worker whose engine loop died (a tensor-parallel rank lost, an engine
@@ -117,6 +119,7 @@ class _InActor:
     def _serve_metrics(self, model_dir: str, host: str) -> None:
         from pdserve.deploy.worker_metrics import serve_worker_metrics
 
+        self.model_dir = model_dir
         # MFU/MBU against all the worker's ranks' peaks (the step costs are the whole model's).
         tp = self.engine.config.tensor_parallel_size  # type: ignore[attr-defined]
         port = serve_worker_metrics(os.path.basename(model_dir), self.metrics,  # type: ignore[attr-defined]
@@ -125,6 +128,10 @@ class _InActor:
 
     def process_id(self) -> int:
         return os.getpid()
+
+    def built_from(self) -> str:
+        """The model directory this worker serves."""
+        return self.model_dir
 
 
 class PrefillActor(_InActor, PrefillWorker):
@@ -165,11 +172,16 @@ REMOTE: dict[str, Any] = {"prefill": ray.remote(PrefillActor), "decode": ray.rem
 
 
 def actor_options(pool: PoolConfig, cluster_has_gpus: bool, name: str,
-                  max_restarts: int) -> dict[str, Any]:
+                  max_restarts: int, detached: bool = False) -> dict[str, Any]:
+    """Ray options of one worker actor; ``detached``: it outlives the router that
+    started it, under ``name`` in ``NAMESPACE`` (a deployment's worker)."""
     bundle = pool.bundle(cluster_has_gpus)
     placement = {"label_selector": dict(pool.labels)} if pool.labels else {}
+    lifetime = ({"lifetime": "detached", "namespace": NAMESPACE, "get_if_exists": True}
+                if detached else {})
     return {
         **placement,
+        **lifetime,
         "num_cpus": bundle.get("CPU", 0),
         "num_gpus": bundle.get("GPU", 0),
         "resources": dict(pool.resources),

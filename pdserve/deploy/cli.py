@@ -104,6 +104,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
     p.add_argument("--address", default=None,
                    help="Ray cluster to join: auto | ray://host:port (default: embedded)")
+    p.add_argument("--deployment", default=None, metavar="NAME",
+                   help="with --address: the workers outlive this router (named, detached "
+                        "actors); a router started with the same NAME re-attaches to them, "
+                        "and several may serve them at once (pdserve down stops them)")
     p.add_argument("--policy", default=None,
                    help="routing: least_loaded | prefix_affinity | round_robin")
     p.add_argument("--local-prefill-max-tokens", type=int, default=None, metavar="N",
@@ -193,6 +197,10 @@ def _add_admin(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("workers", help="list a running server's workers")
     admin_cli.add_workers_arguments(p)
     p.set_defaults(func=cmd_workers)
+    p = sub.add_parser("down", help="stop the workers of a deployment (serve --deployment)")
+    p.add_argument("--address", required=True, help="the Ray cluster: auto | ray://host:port")
+    p.add_argument("--deployment", required=True, metavar="NAME")
+    p.set_defaults(func=cmd_down)
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
@@ -205,6 +213,15 @@ def cmd_workers(args: argparse.Namespace) -> int:
     from pdserve.deploy.admin_cli import run_workers
 
     return run_workers(args)
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from pdserve.deploy.cluster import stop_deployment
+
+    stopped = stop_deployment(args.address, args.deployment)
+    print(f"stopped {len(stopped)} worker(s) of deployment {args.deployment!r}"
+          + (f": {', '.join(stopped)}" if stopped else ""))
+    return 0
 
 
 def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
@@ -229,6 +246,7 @@ def _load_cluster_config(args: argparse.Namespace, formats: dict[str, Any]) -> C
         "http_port": getattr(args, "http_port", None),
         "host": getattr(args, "host", None),
         "address": getattr(args, "address", None),
+        "deployment": getattr(args, "deployment", None),
         "router.policy": getattr(args, "policy", None),
         "router.local_prefill_max_tokens": getattr(args, "local_prefill_max_tokens", None),
         "api_key": getattr(args, "api_key", None),

@@ -26,7 +26,7 @@ from typing import Any
 
 import ray
 
-from pdserve.deploy.actors import REMOTE, ActorSettings, RayWorker, actor_options
+from pdserve.deploy.actors import NAMESPACE, REMOTE, ActorSettings, RayWorker, actor_options
 from pdserve.deploy.config import ClusterConfig, PoolConfig
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.gguf_convert import resolve_model
@@ -94,12 +94,40 @@ class Cluster:
             self._owns_ray = cfg.address is None
         self._has_gpus = ray.cluster_resources().get("GPU", 0) > 0
         self._check_resources()
-        for role, pool in self.pools().items():
-            for _ in range(pool.workers):
-                self._create(role)
-        counts = ", ".join(f"{p.workers} {r}" for r, p in self.pools().items() if p.workers)
-        self.progress(f"loading the model on {counts} worker(s)")
-        self._wait_built(list(self.handles))
+        if cfg.deployment is not None:
+            self._attach(cfg.deployment)
+        new = [self._create(role) for role, pool in self.pools().items()
+               for _ in range(pool.workers - list(self.roles.values()).count(role))]
+        if new:
+            counts = ", ".join(f"{n} {r}" for r in self.pools()
+                               if (n := sum(self.roles[w] == r for w in new)))
+            self.progress(f"loading the model on {counts} worker(s)")
+            self._wait_built(new)
+
+    def _attach(self, deployment: str) -> None:
+        """Take over the live workers of ``deployment`` (this router restarted, or
+        another serves them too): they keep their model, caches and requests."""
+        found = deployment_workers(deployment)
+        if not found:
+            return
+        assert self.model_dir is not None
+        for wid, name in found.items():
+            role, _, index = wid.rpartition("-")
+            self.handles[wid] = ray.get_actor(name, namespace=NAMESPACE)
+            self.roles[wid] = role
+            self._next_index[role] = max(self._next_index[role], int(index) + 1)
+        self.progress(f"attaching to the {len(found)} live worker(s) of deployment "
+                      f"{deployment!r}: {', '.join(sorted(found))}")
+        self._wait_built(list(found))
+        models = ray.get([self.handles[wid].built_from.remote() for wid in found], timeout=60)
+        other = {wid: m for wid, m in zip(found, models, strict=True)
+                 if m != str(self.model_dir)}
+        if other:
+            wid, model = next(iter(other.items()))
+            raise StartupError(f"deployment {deployment!r} serves another model ({wid}: "
+                               f"{model}; this router's is {self.model_dir}): start it "
+                               f"with that --model, "
+                               f"or name another --deployment")
 
     def add_worker(self, role: str) -> RayWorker:
         """One more worker in ``role``'s pool, its model loaded (blocks; run it on a
@@ -127,8 +155,10 @@ class Cluster:
         cfg = self.config
         settings = ActorSettings(cfg.transfer, cfg.transfer_options, cfg.kv_timeout_s,
                                  self.loopback, cfg.restart_backoff_s)
-        opts = actor_options(self.pools()[role], self._has_gpus,
-                             f"pdserve-{wid}-{time.time_ns()}", cfg.max_restarts)
+        name = (f"pdserve-{wid}-{time.time_ns()}" if cfg.deployment is None
+                else f"{cfg.deployment}:{wid}")
+        opts = actor_options(self.pools()[role], self._has_gpus, name, cfg.max_restarts,
+                             detached=cfg.deployment is not None)
         assert self.model_dir is not None
         self.handles[wid] = REMOTE[role].options(**opts).remote(
             wid, str(self.model_dir), self.pools()[role], settings)
@@ -260,12 +290,47 @@ class Cluster:
         return out
 
     def shutdown(self) -> None:
-        for h in self.handles.values():
-            try:
-                ray.kill(h, no_restart=True)
-            except Exception as exc:  # already dead
-                log.debug("kill failed: %r", exc)
+        """Stop the workers (a deployment's keep running: ``pdserve down`` stops
+        them) and the embedded Ray cluster."""
+        if self.config.deployment is not None and self.handles:
+            self.progress(f"the {len(self.handles)} worker(s) of deployment "
+                          f"{self.config.deployment!r} keep running (pdserve down "
+                          f"--address {self.config.address} --deployment "
+                          f"{self.config.deployment} stops them)")
+        else:
+            for h in self.handles.values():
+                try:
+                    ray.kill(h, no_restart=True)
+                except Exception as exc:  # already dead
+                    log.debug("kill failed: %r", exc)
         self.handles.clear()
         self.roles.clear()
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
+
+
+def deployment_workers(deployment: str) -> dict[str, str]:
+    """worker id -> actor name of the live workers of ``deployment`` (Ray connected)."""
+    prefix = f"{deployment}:"
+    found = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        name = entry["name"]
+        if entry["namespace"] != NAMESPACE or not name.startswith(prefix):
+            continue
+        role, _, index = name[len(prefix):].rpartition("-")
+        if role in REMOTE and index.isdigit():
+            found[name[len(prefix):]] = name
+    return found
+
+
+def stop_deployment(address: str, deployment: str) -> list[str]:
+    """``pdserve down``: kill every worker of ``deployment``; their ids."""
+    ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        found = deployment_workers(deployment)
+        for name in found.values():
+            with contextlib.suppress(ValueError):  # gone meanwhile
+                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        return sorted(found)
+    finally:
+        ray.shutdown()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from pdserve.router.router import RouterConfig
 log = logging.getLogger(__name__)
 
 TRANSFER_BACKENDS = ("nixl", "torch", "ray", "local")
+DEPLOYMENT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -103,6 +105,9 @@ class ClusterConfig:
     transfer: str = "nixl"
     transfer_options: dict[str, Any] = field(default_factory=dict)
     address: str | None = None  # None: embedded local Ray cluster; "auto" / "ray://..."
+    # Workers that outlive the router (named, detached actors): a router started with
+    # the same name re-attaches to them; several routers may serve them at once.
+    deployment: str | None = None
     host: str = "127.0.0.1"
     grpc_port: int = 50051
     http_port: int = 8000
@@ -149,6 +154,14 @@ class ClusterConfig:
             port = getattr(self, name)
             if not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {port}")
+        if self.deployment is not None:
+            if not DEPLOYMENT_NAME.fullmatch(self.deployment):
+                raise ValueError(f"deployment must be 1-64 letters, digits, '.', '_' or '-', "
+                                 f"got {self.deployment!r}")
+            if self.address is None:
+                raise ValueError("a deployment's workers outlive the router, and an embedded "
+                                 "Ray cluster ends with it: give --address of a Ray cluster "
+                                 "(ray start --head) with --deployment")
         if self.kv_timeout_s <= 0:
             raise ValueError("kv_timeout_s must be > 0")
         if not self.shutdown_timeout_s >= 0:

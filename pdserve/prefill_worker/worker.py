@@ -45,6 +45,9 @@ from pdserve.kv_transfer.driver import ChannelThread
 from pdserve.messages import FirstToken, PrefillResult, PrefillTask, TokenLogprob, WorkerMetrics
 from pdserve.worker_loop import WorkerLoop, prompt_logprobs_of
 
+# A hand-off answer resolved this long ago and not taken was its router's, which died.
+HANDOFF_KEEP_S = 60.0
+
 
 @dataclass
 class _InFlight:
@@ -73,8 +76,10 @@ class PrefillWorker(WorkerLoop):
         self._peers: dict[str, tuple[str, dict[str, Any]]] = {}  # decode id -> (peer, endpoint)
         self._broken: set[str] = set()  # decode ids whose channel died: reconnect on connect()
         self._inflight: dict[str, _InFlight] = {}
-        # handoff()'s answers, from prefill() until handoff() takes them (or an abort)
+        # handoff()'s answers, from prefill() until handoff() takes them (or an abort);
+        # a router that died never takes its own: ``_sweep_handoffs`` drops them
         self._handoffs: dict[str, Future[PrefillResult]] = {}
+        self._handoff_done_at: dict[str, float] = {}  # request id -> when seen resolved
         self.start()
 
     # ------------------------------------------------------------ async API
@@ -110,6 +115,7 @@ class PrefillWorker(WorkerLoop):
             self._inflight[task.request_id] = _InFlight(task, first, done, now, known[0],
                                                         sent_blocks=task.dst_reused)
             self._handoffs[task.request_id] = done
+            self._sweep_handoffs(now)
 
         await self._on_loop(add)
         return await asyncio.wrap_future(first)
@@ -128,6 +134,18 @@ class PrefillWorker(WorkerLoop):
     def close(self) -> None:
         self.stop()
         self.transfer.close()
+
+    def _sweep_handoffs(self, now: float) -> None:
+        """Drop the answers nobody took ``HANDOFF_KEEP_S`` after they resolved (their
+        router died between ``prefill`` and ``handoff``); on the loop, per new request."""
+        for rid, fut in list(self._handoffs.items()):
+            if not fut.done():
+                continue
+            seen = self._handoff_done_at.setdefault(rid, now)
+            if now - seen >= HANDOFF_KEEP_S:
+                self._handoffs.pop(rid, None)
+        for rid in [r for r in self._handoff_done_at if r not in self._handoffs]:
+            del self._handoff_done_at[rid]
 
 
     # ------------------------------------------------------------- loop side

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import ray
 
 from pdserve.deploy.actors import actor_options
@@ -25,3 +26,23 @@ def test_worker_actor_calls_leave_no_task_events(ray_address: str) -> None:
         assert handle.load._enable_task_events is False  # what each call carries
     finally:
         ray.kill(handle)
+
+
+def test_a_deployment_needs_a_ray_cluster_that_outlives_the_router() -> None:
+    """``--deployment`` workers outlive the router; an embedded Ray cluster ends with
+    it, so the pair is refused up front, as is a name Ray's actor names cannot carry."""
+    from pdserve.deploy.config import ClusterConfig
+
+    with pytest.raises(ValueError, match="give --address of a Ray cluster"):
+        ClusterConfig(transfer="local", deployment="prod")
+    with pytest.raises(ValueError, match="deployment must be 1-64 letters"):
+        ClusterConfig(transfer="local", address="auto", deployment="a:b")
+    assert ClusterConfig(transfer="local", address="auto", deployment="prod-1").deployment
+
+
+def test_deployment_workers_are_detached_and_named() -> None:
+    opts = actor_options(PoolConfig(), False, "dep:prefill-0", 0, detached=True)
+    assert (opts["lifetime"], opts["namespace"], opts["name"]) == ("detached", "pdserve",
+                                                                   "dep:prefill-0")
+    assert opts["get_if_exists"]  # two routers starting at once share the one worker
+    assert "lifetime" not in actor_options(PoolConfig(), False, "p", 0)

@@ -763,3 +763,35 @@ def test_two_routers_serve_the_same_workers_and_a_lost_routers_requests_end(
     lost = [d for d in published if d.request_id.endswith(f"@{pair.router.workers.router_id}")]
     assert lost and not any(d.finish_reason for d in lost)  # aborted, never finished
     assert sum(len(d.token_ids) for d in lost) < 2000
+
+
+def test_hand_off_answers_nobody_takes_are_dropped(pair_factory: Callable[..., Pair],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router that died between ``prefill`` and ``handoff`` never takes its answer:
+    the prefill worker drops it ``HANDOFF_KEEP_S`` after it resolved (not before, and
+    never one still pending), so a router's death leaks nothing on the prefill side."""
+    from pdserve.prefill_worker import worker as prefill_module
+
+    pair = pair_factory()
+    p, d = pair.prefill[0], pair.decode[0]
+
+    async def prefill(rid: str, prompt: list[int]) -> None:
+        got = await d.reserve(rid, prompt, GREEDY)
+        assert got is not None
+        await p.prefill(PrefillTask(rid, prompt, GREEDY, "decode-0", got.blocks))
+
+    async def main() -> None:
+        await p.connect("decode-0", (await d.join_info()).kv_endpoint)
+        await prefill("orphan", list(range(5, 45)))  # nobody calls handoff("orphan")
+        await until_async("its hand-off to resolve", lambda: p._handoffs["orphan"].done())
+        await prefill("next", list(range(6, 46)))
+        assert "orphan" in p._handoffs  # resolved just now: kept for its router
+        monkeypatch.setattr(prefill_module, "HANDOFF_KEEP_S", 0.0)
+        await prefill("third", list(range(7, 47)))
+        assert "orphan" not in p._handoffs
+        assert isinstance(await p.handoff("third"), PrefillResult)  # its own is taken
+        for rid in ("orphan", "next", "third"):
+            await d.abort(rid)
+        await until_async("every block free", lambda: not any(pair.used_blocks().values()))
+
+    asyncio.run(main())

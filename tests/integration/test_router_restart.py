@@ -1,0 +1,260 @@
+"""The router is not a single point of failure (``pdserve serve --deployment``): on a
+Ray cluster started with ``ray start --head`` (127.0.0.5), a router's workers are
+named, detached actors that outlive it. The router is killed -9 under load; its
+clients' requests end (a refused or reset connection: retryable); a new router
+started with the same deployment re-attaches to the live workers -- no worker
+restarted, no model reloaded, no block leaked -- and serves the engine's greedy
+output. A second router serves the same workers at the same time, and
+``pdserve down`` stops them."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from tests.integration.procs import free_port, kill_marked, marked_env, start_serve
+from tests.integration.test_two_node import CLUSTER_ENV, RayNode
+from tests.waiting import until
+
+HEAD_IP = "127.0.0.5"
+DEPLOYMENT = "restart-test"
+PROMPTS = [[5 + (i * 17 + j) % 400 for j in range(6 + 9 * i)] for i in range(4)]
+MAX_TOKENS = 12
+
+
+class Head:
+    """A one-node Ray cluster of its own (``ray start --head --block``)."""
+
+    def __init__(self, tmp: Path) -> None:
+        port = free_port(HEAD_IP)
+        self.address = f"{HEAD_IP}:{port}"
+        self.node = RayNode([
+            "--head", "--node-ip-address", HEAD_IP, "--port", str(port),
+            "--ray-client-server-port", str(free_port(HEAD_IP)), "--include-dashboard", "false",
+            "--num-cpus", "3", "--temp-dir", str(tmp)], tmp / "head.log")
+
+    def stop(self) -> None:
+        kill_marked(self.node.mark)
+        if self.node.proc is not None and self.node.proc.poll() is None:
+            self.node.proc.kill()
+            self.node.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def head() -> Iterator[Head]:
+    tmp = Path(tempfile.mkdtemp(prefix="pdrr-", dir="/tmp"))  # Ray's socket paths: short
+    try:
+        h = Head(tmp)
+        try:
+            yield h
+        finally:
+            h.stop()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+class Router:
+    """One ``pdserve serve --address A --deployment D`` process."""
+
+    def __init__(self, config: Path, log: Path, model: str) -> None:
+        self.model = model  # served as its folder's name
+        self.mark, env = marked_env()
+        env.update(CLUSTER_ENV)
+        self.log = log
+        self.proc, text = start_serve(["--config", str(config)], log, env)
+        found = re.search(r"HTTP\s+(http://127\.0\.0\.1:\d+)/v1", text)
+        assert found, text[-3000:]
+        self.url = found[1]
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def get(self, path: str) -> tuple[int, object]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def complete(self, prompt: list[int], timeout_s: float = 60) -> tuple[int, dict[str, object]]:
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                           "temperature": 0, "ignore_eos": True}).encode()
+        req = urllib.request.Request(self.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def workers(self) -> dict[str, dict[str, object]]:
+        status, body = self.get("/admin/workers")
+        assert status == 200, body
+        return {str(w["id"]): w for w in body["workers"]}  # type: ignore[index]
+
+    def kill(self) -> None:
+        """kill -9 of the router process (the workers are not its children)."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        kill_marked(self.mark)
+
+
+def pdserve_down(head: Head) -> str:
+    env = {**marked_env()[1], **CLUSTER_ENV}
+    done = subprocess.run([sys.executable, "-m", "pdserve.deploy.cli", "down", "--address",
+                           head.address, "--deployment", DEPLOYMENT], env=env, timeout=120,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.fixture
+def routers(head: Head, tiny_model: Callable[[str], Path], tmp_path: Path,
+            ) -> Iterator[Callable[[], Router]]:
+    config = tmp_path / "config.yaml"
+    model = tiny_model("llama-gqa")
+    config.write_text(yaml.safe_dump({
+        "model": str(model), "address": head.address,
+        "deployment": DEPLOYMENT, "http_port": 0, "grpc_port": 0, "kv_timeout_s": 10,
+        "prefill": {"workers": 1, "num_cpus": 1, "engine": {"num_blocks": 128}},
+        "decode": {"workers": 1, "num_cpus": 1, "engine": {"num_blocks": 256}},
+        "router": {"health_timeout_s": 3, "queue_timeout_s": 5, "max_retries": 1},
+    }))
+    made: list[Router] = []
+
+    def start() -> Router:
+        made.append(Router(config, tmp_path / f"serve-{len(made)}.log", model.name))
+        return made[-1]
+
+    try:
+        yield start
+    finally:
+        for r in made:
+            r.stop()
+        pdserve_down(head)
+
+
+def golden(model: Path) -> list[str]:
+    engine = LLMEngine(model, EngineConfig(num_blocks=256, dtype="auto"))
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [o.text for o in engine.generate(PROMPTS, params)]
+
+
+def check_golden(r: Router, want: list[str]) -> None:
+    for prompt, text in zip(PROMPTS, want, strict=True):
+        status, body = r.complete(prompt)
+        assert status == 200, body
+        assert body["choices"][0]["text"] == text  # type: ignore[index]
+
+
+def all_blocks_free(r: Router) -> bool:
+    return all(w["free_blocks"] == w["blocks"] for w in r.workers().values())
+
+
+def test_router_killed_under_load_restarts_onto_the_live_workers(
+        routers: Callable[[], Router], head: Head, tiny_model: Callable[[str], Path]) -> None:
+    want = golden(tiny_model("llama-gqa"))
+    first = routers()
+    assert "loading the model on 1 prefill, 1 decode worker(s)" in first.text()
+    check_golden(first, want)
+    before = {wid: w["metrics"] for wid, w in first.workers().items()}
+
+    # Load on the first router, then kill -9 it mid-load.
+    outcomes: list[str] = []
+    stop = threading.Event()
+
+    def client(i: int) -> None:
+        for n in range(500):  # bounded
+            if stop.is_set():
+                return
+            try:
+                status, _ = first.complete(PROMPTS[(i + n) % len(PROMPTS)], timeout_s=30)
+                outcomes.append(str(status))
+            except (OSError, http.client.HTTPException) as exc:  # the router is gone
+                outcomes.append(type(exc).__name__)
+                return
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    until("requests served under load", lambda: len(outcomes) >= 6, 120)
+    first.kill()
+    killed_at = time.monotonic()
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive(), "a client hung on the dead router"
+    stop.set()
+    assert outcomes.count("200") >= 6 and set(outcomes) - {"200"} <= {
+        "URLError", "ConnectionResetError", "RemoteDisconnected", "ConnectionRefusedError",
+        "IncompleteRead", "BadStatusLine"}, outcomes
+
+    # A new router re-attaches: same worker processes (same /metrics), no model load.
+    second = routers()
+    back_s = time.monotonic() - killed_at
+    text = second.text()
+    assert "attaching to the 2 live worker(s) of deployment" in text
+    assert "loading the model" not in text
+    after = second.workers()
+    assert {wid: w["metrics"] for wid, w in after.items()} == before
+    assert all(w["state"] == "serving" and w["restarts"] == 0 for w in after.values())
+    until("the dead router's requests to free their blocks",
+          lambda: all_blocks_free(second), 60)
+    check_golden(second, want)
+    print(f"router killed -9 under load: serving again {back_s:.1f} s later "
+          f"(outcomes seen by its clients: {sorted(set(outcomes))})")
+
+    # A second router on the same workers at once: both serve, both correct.
+    third = routers()
+    results: list[bool] = []
+
+    def check(r: Router) -> None:
+        for _ in range(2):
+            for prompt, text in zip(PROMPTS, want, strict=True):
+                status, body = r.complete(prompt)
+                results.append(status == 200 and body["choices"][0]["text"] == text)  # type: ignore[index]
+
+    pair = [threading.Thread(target=check, args=(r,)) for r in (second, third)]
+    for t in pair:
+        t.start()
+    for t in pair:
+        t.join(timeout=180)
+        assert not t.is_alive()
+    assert results == [True] * 2 * 2 * len(PROMPTS)
+    until("every block free", lambda: all_blocks_free(second) and all_blocks_free(third), 60)
+
+    # Stopping a router leaves the workers; pdserve down stops them.
+    third.stop()
+    assert "keep running (pdserve down" in third.text()
+    check_golden(second, want)
+    out = pdserve_down(head)
+    assert "stopped 2 worker(s)" in out and "decode-0, prefill-0" in out, out
+    until("the workers to leave the second router's routing", lambda: all(
+        w["state"] != "serving" for w in second.workers().values()), 60)
