@@ -1,4 +1,5 @@
-"""The ``pdserve`` command line: ``generate``, ``model prepare``, ``model make-tiny``.
+"""The ``pdserve`` command line: ``generate``, ``serve``, ``bench``, ``top``, ``plan``,
+``scale``, ``workers``, ``down``, ``model prepare``, ``model make-tiny``.
 
 Each subcommand parses its flags here and calls into the package that owns the
 work; errors in user input print one clear line and exit with status 2.
