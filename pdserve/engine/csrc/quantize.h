@@ -15,9 +15,8 @@
 namespace pdk {
 
 enum class QxForm {
-  kInt16,     // int16 q (vpmaddwd against int16 weights)
   kU8Offset,  // uint8 q + 128 (vpdpbusd's unsigned operand, against int8 weights)
-  kS8,        // int8 q (vpdpbusd / vpmaddubsw's signed operand, against unsigned nibbles)
+  kS8,        // int8 q (the signed operand of vpdpbusd / vpmaddubsw: against nibbles or |qw|)
 };
 
 inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, QxForm form,
@@ -42,10 +41,6 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, QxFor
             _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_mul_ps(load8(r + k + 8), inv))));
         // 16 x int16 in order (packs works per 128-bit lane; the permute restores it)
         const __m256i p16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
-        if (form == QxForm::kInt16) {
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<int16_t*>(q) + i0 + k), p16);
-          continue;
-        }
         const __m256i p8 = form == QxForm::kS8
             ? _mm256_permute4x64_epi64(_mm256_packs_epi16(p16, p16), 0x08)
             : _mm256_permute4x64_epi64(_mm256_packus_epi16(_mm256_add_epi16(p16, offset),

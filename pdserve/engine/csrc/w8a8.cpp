@@ -17,9 +17,9 @@
 // Two families, weights packed at load by pack_w8 into groups of outputs, a group
 // one contiguous stream (as gemm.cpp):
 //
-//   avx2        group [K/2][32][2]: 8 outputs x a pair of k widened to int16
-//               (16 bytes -> one register) against x's int16 pair broadcast,
-//               vpmaddwd -> 8 int32 (16 multiply-adds per instruction).
+//   avx2        group [K/4][32][4]: 8 outputs x 4 k (32 bytes) against x's 4 bytes
+//               broadcast (int8), vpmaddubsw on |qw| and qx signed by qw, then
+//               vpmaddwd by 1 -> 8 int32 (32 multiply-adds per 3 instructions).
 //   avx512vnni  group [K/4][64][4]: 16 outputs x 4 k (64 bytes) against x's 4
 //               bytes broadcast as unsigned (qx + 128), vpdpbusd -> 16 int32 (64
 //               multiply-adds per instruction); 128 * sum over the group of qw
@@ -44,43 +44,51 @@ enum W8Family : int64_t { kW8Avx2 = 0, kW8Vnni = 1 };
 constexpr int64_t kAvx2Group = 32, kVnniGroup = 64;
 constexpr int64_t kChunkM = 128;  // rows of x per cache chunk
 
-// MR rows x NB blocks of 8 outputs; P: the group's first pair, ldp bytes per pair.
+// MR rows x NB blocks of 8 outputs; P: the tile's first step of 4 k, ldp bytes per
+// step. Per step and block: 8 outputs x 4 k of weights (32 bytes) against the row's
+// 4 bytes of qx broadcast: vpmaddubsw(|qw|, qx with qw's sign) -> 16 int16 pair sums
+// (each |qw| * |qx| <= 128 * 127: a pair cannot saturate), vpmaddwd by 1 -> 8 int32.
+// Only the int32 accumulators live in registers; each group's scaled sum goes into
+// ``accf`` (L1) once per G inputs, in group order.
 template <int MR, int NB>
-void avx2_tile(const int16_t* x, int64_t K, int64_t G, const int8_t* P, int64_t ldp,
+void avx2_tile(const int8_t* x, int64_t K, int64_t G, const int8_t* P, int64_t ldp,
                const float* sx, const float* sw, const float* bias, float* y, int64_t N,
                int64_t n0) {
-  __m256 accf[MR][NB];
-#pragma GCC unroll 8
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int b = 0; b < NB; ++b) accf[m][b] = _mm256_setzero_ps();
-  const auto* x2 = reinterpret_cast<const int32_t*>(x);  // pairs of int16
-  const int64_t K2 = K / 2, ng = K / G;
+  alignas(32) float accf[MR][NB * 8] = {};
+  const __m256i ones = _mm256_set1_epi16(1);
+  const auto* x4 = reinterpret_cast<const int32_t*>(x);  // 4 x int8 each
+  const int64_t K4 = K / 4, ng = K / G;
   for (int64_t g = 0; g < ng; ++g) {
     __m256i acc[MR][NB];
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
       for (int b = 0; b < NB; ++b) acc[m][b] = _mm256_setzero_si256();
-    for (int64_t j = g * G / 2; j < (g + 1) * G / 2; ++j) {
-      __m256i xb[MR];
-#pragma GCC unroll 8
-      for (int m = 0; m < MR; ++m) xb[m] = _mm256_set1_epi32(x2[m * K2 + j]);
+    for (int64_t j = g * G / 4; j < (g + 1) * G / 4; ++j) {
+      __m256i w[NB], mag[NB];
 #pragma GCC unroll 4
       for (int b = 0; b < NB; ++b) {
-        const __m256i w = _mm256_cvtepi8_epi16(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(P + j * ldp + b * 16)));
+        w[b] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(P + j * ldp + b * 32));
+        mag[b] = _mm256_abs_epi8(w[b]);  // |qw| as unsigned
+      }
 #pragma GCC unroll 8
-        for (int m = 0; m < MR; ++m)
-          acc[m][b] = _mm256_add_epi32(acc[m][b], _mm256_madd_epi16(w, xb[m]));
+      for (int m = 0; m < MR; ++m) {
+        const __m256i xb = _mm256_set1_epi32(x4[m * K4 + j]);
+#pragma GCC unroll 4
+        for (int b = 0; b < NB; ++b)
+          acc[m][b] = _mm256_add_epi32(acc[m][b], _mm256_madd_epi16(
+              _mm256_maddubs_epi16(mag[b], _mm256_sign_epi8(xb, w[b])), ones));
       }
     }
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const __m256 s = _mm256_set1_ps(sx[m * ng + g]);
 #pragma GCC unroll 4
-      for (int b = 0; b < NB; ++b)
-        accf[m][b] = _mm256_add_ps(accf[m][b], _mm256_mul_ps(_mm256_cvtepi32_ps(acc[m][b]), s));
+      for (int b = 0; b < NB; ++b) {
+        float* f = accf[m] + b * 8;
+        _mm256_store_ps(f, _mm256_add_ps(_mm256_load_ps(f),
+                                         _mm256_mul_ps(_mm256_cvtepi32_ps(acc[m][b]), s)));
+      }
     }
   }
 #pragma GCC unroll 8
@@ -89,25 +97,33 @@ void avx2_tile(const int16_t* x, int64_t K, int64_t G, const int8_t* P, int64_t 
     for (int b = 0; b < NB; ++b) {
       const int64_t n = n0 + b * 8;
       if (n >= N) continue;
-      alignas(32) float out[8];
-      store8(out, accf[m][b]);
-      for (int64_t i = 0; i < std::min<int64_t>(8, N - n); ++i)
-        y[m * N + n + i] = bias ? out[i] * sw[n + i] + bias[n + i] : out[i] * sw[n + i];
+      for (int64_t i = 0; i < std::min<int64_t>(8, N - n); ++i) {
+        const float out = accf[m][b * 8 + i];
+        y[m * N + n + i] = bias ? out * sw[n + i] + bias[n + i] : out * sw[n + i];
+      }
     }
 }
 
-template <int NB>
-void avx2_group(const int16_t* x, int64_t M, int64_t K, int64_t G, const int8_t* P,
-                const float* sx, const float* sw, const float* bias, float* y, int64_t N,
-                int64_t n0) {
-  constexpr int MR = 2;  // 2 x 4 blocks: 8 int32 + 8 float accumulators
-  constexpr int64_t ldp = NB * 16;
+// One group of ``width`` (32 or 16) outputs for M rows: tiles of MR rows x 16 outputs.
+template <int MR>
+void avx2_rows(const int8_t* x, int64_t K, int64_t G, const int8_t* P, int64_t width,
+               const float* sx, const float* sw, const float* bias, float* y, int64_t N,
+               int64_t n0) {
+  for (int64_t h = 0; h < width; h += 16)
+    avx2_tile<MR, 2>(x, K, G, P + h * 4, width * 4, sx, sw, bias, y, N, n0 + h);
+}
+
+void avx2_group(const int8_t* x, int64_t M, int64_t K, int64_t G, const int8_t* P,
+                int64_t width, const float* sx, const float* sw, const float* bias, float* y,
+                int64_t N, int64_t n0) {
+  constexpr int MR = 4;  // 4 x 2 blocks: 8 int32 accumulators, 2 weights, 2 magnitudes
   const int64_t ng = K / G;
   int64_t m = 0;
   for (; m + MR <= M; m += MR)
-    avx2_tile<MR, NB>(x + m * K, K, G, P, ldp, sx + m * ng, sw, bias, y + m * N, N, n0);
-  if (M - m == 1)
-    avx2_tile<1, NB>(x + m * K, K, G, P, ldp, sx + m * ng, sw, bias, y + m * N, N, n0);
+    avx2_rows<MR>(x + m * K, K, G, P, width, sx + m * ng, sw, bias, y + m * N, N, n0);
+  for (; m + 2 <= M; m += 2)
+    avx2_rows<2>(x + m * K, K, G, P, width, sx + m * ng, sw, bias, y + m * N, N, n0);
+  if (m < M) avx2_rows<1>(x + m * K, K, G, P, width, sx + m * ng, sw, bias, y + m * N, N, n0);
 }
 
 }  // namespace
@@ -264,7 +280,7 @@ at::Tensor pack_w8(const at::Tensor& qw, int64_t family) {
   TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kChar && qw.size(0) >= 1,
               "W8A8: the weight must be int8 [N, K]");
   const int64_t N = qw.size(0), K = qw.size(1), n_pad = padded16(N), group = group_of(family);
-  const int64_t step = family == kW8Avx2 ? 2 : 4;  // k per packed step
+  const int64_t step = 4;  // k per packed step
   TORCH_CHECK(K % step == 0 && K >= step, "W8A8: K must be a multiple of ", step, ", got ", K);
   at::Tensor padded = at::zeros({n_pad, K}, qw.options());
   padded.narrow(0, 0, N).copy_(qw);
@@ -307,12 +323,9 @@ at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   std::vector<float> sx(M * ng);
-  std::vector<int16_t> q16(family == kW8Avx2 ? M * K : 0);
-  std::vector<uint8_t> q8(family == kW8Vnni ? M * K : 0);
-  if (family == kW8Avx2)
-    quantize_rows(x.data_ptr<float>(), M, K, G, QxForm::kInt16, q16.data(), sx.data());
-  else
-    quantize_rows(x.data_ptr<float>(), M, K, G, QxForm::kU8Offset, q8.data(), sx.data());
+  std::vector<uint8_t> q8(M * K);  // avx2: int8 qx; avx512vnni: qx + 128
+  quantize_rows(x.data_ptr<float>(), M, K, G,
+                family == kW8Avx2 ? QxForm::kS8 : QxForm::kU8Offset, q8.data(), sx.data());
   const int8_t* P = packed.data_ptr<int8_t>();
   const float* swp = sw.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -328,11 +341,8 @@ at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
       }
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t n0 = g * kAvx2Group, width = std::min(kAvx2Group, n_pad - n0);
-        const int16_t* xr = q16.data() + m0 * K;
-        if (width == kAvx2Group)
-          avx2_group<4>(xr, mm, K, G, P + n0 * K, sxm, swp, b, yp + m0 * N, N, n0);
-        else
-          avx2_group<2>(xr, mm, K, G, P + n0 * K, sxm, swp, b, yp + m0 * N, N, n0);
+        const auto* xr = reinterpret_cast<const int8_t*>(q8.data() + m0 * K);
+        avx2_group(xr, mm, K, G, P + n0 * K, width, sxm, swp, b, yp + m0 * N, N, n0);
       }
     }
   });
