@@ -123,7 +123,11 @@ void avx2_group(const int8_t* x, int64_t M, int64_t K, int64_t G, const int8_t* 
     avx2_rows<MR>(x + m * K, K, G, P, width, sx + m * ng, sw, bias, y + m * N, N, n0);
   for (; m + 2 <= M; m += 2)
     avx2_rows<2>(x + m * K, K, G, P, width, sx + m * ng, sw, bias, y + m * N, N, n0);
-  if (m < M) avx2_rows<1>(x + m * K, K, G, P, width, sx + m * ng, sw, bias, y + m * N, N, n0);
+  if (m == M) return;
+  if (width == 32)  // one row: the whole group per step (4 weights, 4 accumulators)
+    avx2_tile<1, 4>(x + m * K, K, G, P, width * 4, sx + m * ng, sw, bias, y + m * N, N, n0);
+  else
+    avx2_rows<1>(x + m * K, K, G, P, width, sx + m * ng, sw, bias, y + m * N, N, n0);
 }
 
 }  // namespace
