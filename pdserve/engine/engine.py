@@ -214,7 +214,7 @@ class LLMEngine:
             link.close()
         if procs and self.tp is not None:
             with contextlib.suppress(Exception):  # a follower already gone
-                self.tp.broadcast_object((STOP, (), {}))
+                self.tp.broadcast_object((STOP, (), {}, self.tp.last_error))
         for p in procs:
             p.join(10)
             if p.is_alive():

@@ -135,6 +135,9 @@ class TPGroup:
         # Why another rank is gone (None: not known to be); set by the process that can
         # tell (the leader watches its followers, a follower its leader).
         self.peer_gone: Callable[[], str | None] = lambda: None
+        # The leader: how its last replicated call ended (a ValueError's text, or None);
+        # sent with the next call so that each follower checks its own against it.
+        self.last_error: str | None = None
 
     @classmethod
     def host_store(cls, size: int, host: str = "127.0.0.1") -> dist.TCPStore:
@@ -304,12 +307,17 @@ def replicated(fn: F) -> F:
         tp: TPGroup | None = self.tp
         if tp is None or tp.rank != 0 or self._in_call:
             return fn(self, *args, **kwargs)
-        tp.broadcast_object((fn.__name__, args, kwargs))
+        tp.broadcast_object((fn.__name__, args, kwargs, tp.last_error))
         self._in_call = True
         try:
-            return fn(self, *args, **kwargs)
+            result = fn(self, *args, **kwargs)
+        except ValueError as exc:  # bad input: the followers must have refused it too
+            tp.last_error = str(exc)
+            raise
         finally:
             self._in_call = False
+        tp.last_error = None
+        return result
 
     return wrapper  # type: ignore[return-value]
 
@@ -318,16 +326,29 @@ STOP = "__stop__"
 
 
 def follow(engine: Any) -> None:
-    """A follower's life: replay the leader's calls until it says stop. A call that
-    raised ``ValueError`` on the leader raises it here too (same state): ignored. A name
-    that is not a replicated method is a leader out of step: ``RuntimeError``."""
+    """A follower's life: replay the leader's calls until it says stop. Every message
+    carries how the leader's previous call ended (the ``ValueError`` it raised, or
+    None); a follower whose own call ended otherwise is out of step: ``RuntimeError``
+    (its process ends, the worker restarts), as is a name that is not a replicated
+    method. Bad input refused by every rank alike is no desync."""
     tp: TPGroup = engine.tp
+    mine: str | None = None  # how this rank's previous call ended
     while True:
-        name, args, kwargs = tp.broadcast_object()
+        name, args, kwargs, theirs = tp.broadcast_object()
+        if theirs != mine:
+            def ended(e: str | None) -> str:
+                return "succeeded" if e is None else f"raised ValueError({e!r})"
+
+            raise RuntimeError(f"tensor-parallel rank {tp.rank} is out of step with the "
+                               f"leader: its last call {ended(mine)}, the leader's "
+                               f"{ended(theirs)}")
         if name == STOP:
             return
         if name not in REPLICATED:
             raise RuntimeError(f"tensor-parallel leader sent {name!r}, which is not a "
                                f"replicated engine method ({', '.join(sorted(REPLICATED))})")
-        with contextlib.suppress(ValueError):
+        try:
             getattr(engine, name)(*args, **kwargs)
+            mine = None
+        except ValueError as exc:
+            mine = str(exc)

@@ -157,12 +157,16 @@ def test_every_engine_method_is_replicated_or_says_why_not() -> None:
 
 def test_a_follower_replays_only_replicated_methods() -> None:
     """What the leader broadcasts is checked against the replicated names: anything
-    else is a leader out of step, not a method to look up by name."""
+    else is a leader out of step, not a method to look up by name. Each message says
+    how the leader's previous call ended: bad input refused on every rank is replayed
+    as refused; a rank whose call ended otherwise than the leader's stops, loudly."""
     from pdserve.engine.tp import STOP, follow
 
-    Call = tuple[str, tuple[object, ...], dict[str, object]]
+    Call = tuple[str, tuple[object, ...], dict[str, object], str | None]
 
     class Channel:  # what TPGroup.broadcast_object hands a follower, from a list
+        rank = 1
+
         def __init__(self, calls: list[Call]) -> None:
             self.calls = calls
 
@@ -175,13 +179,41 @@ def test_a_follower_replays_only_replicated_methods() -> None:
             self.done: list[str] = []
 
         def release(self, request_id: str) -> None:
+            if request_id == "bad":
+                raise ValueError("no request 'bad'")
             self.done.append(request_id)
 
         def close(self) -> None:
             raise AssertionError("never replayed")
 
-    f = Follower([("release", ("r1",), {}), (STOP, (), {})])
+    f = Follower([("release", ("r1",), {}, None), ("release", ("bad",), {}, None),
+                  ("release", ("r2",), {}, "no request 'bad'"), (STOP, (), {}, None)])
     follow(f)
-    assert f.done == ["r1"]
+    assert f.done == ["r1", "r2"]
     with pytest.raises(RuntimeError, match="'close', which is not a replicated engine method"):
-        follow(Follower([("close", (), {})]))
+        follow(Follower([("close", (), {}, None)]))
+    with pytest.raises(RuntimeError, match=r"rank 1 is out of step with the leader: its last "
+                       r"call raised ValueError\(\"no request 'bad'\"\), the leader's succeeded"):
+        follow(Follower([("release", ("bad",), {}, None), (STOP, (), {}, None)]))
+    with pytest.raises(RuntimeError, match="its last call succeeded, the leader's raised"):
+        follow(Follower([("release", ("r1",), {}, None), (STOP, (), {}, "boom")]))
+
+
+def test_bad_input_is_refused_on_every_rank_and_serving_goes_on(
+        tiny_model: Callable[[str], Path]) -> None:
+    """A replicated call that the leader refuses (``ValueError``: a request id in use)
+    is refused by the follower too, which checks that against the leader's outcome;
+    the ranks stay in step and later requests are exact."""
+    model = tiny_model("llama-gqa")
+    want = generate(model, 1, prompts=PROMPTS[:2])
+    engine = create_engine(model, EngineConfig(num_blocks=64, num_threads=1,
+                                               tensor_parallel_size=2))
+    try:
+        engine.add_request("dup", PROMPTS[0], GREEDY)
+        with pytest.raises(ValueError, match="already in use"):
+            engine.add_request("dup", PROMPTS[1], GREEDY)
+        engine.abort("dup")
+        assert [o.token_ids for o in engine.generate(PROMPTS[:2], GREEDY)] == want
+        assert all(p.is_alive() for p in engine._followers)
+    finally:
+        engine.close()
