@@ -167,6 +167,7 @@ class ServingLimits:
 
     block_size: int  # tokens per KV block: the router counts blocks and hashes prefixes
     max_model_len: int  # the longest sequence the worker serves (>= the router's limit)
+    model: str  # the model it serves (its directory's name: what the router serves as)
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ class WorkerLoop(ThreadLoop):
         super().__init__(name=f"{role}-{worker_id}", idle_wait_s=IDLE_WAIT_S)
         self.worker_id = worker_id
         self.role = role
+        self.model = Path(model_dir).name
         self.incarnation = uuid.uuid4().hex  # new for every process that builds a worker
         self.engine = create_engine(model_dir, config)  # tensor parallel: its ranks too
         threading.Thread(target=self.engine.grammars.warm, name="pdserve-grammar-warm",
@@ -88,7 +89,7 @@ class WorkerLoop(ThreadLoop):
 
     def limits(self) -> ServingLimits:
         """What the router must agree with (its engine's)."""
-        return ServingLimits(self.engine.block_size, self.engine.max_model_len)
+        return ServingLimits(self.engine.block_size, self.engine.max_model_len, self.model)
 
     async def abort(self, request_id: str) -> None:
         """Drop a request wherever it is and free its blocks (idempotent). Queued on

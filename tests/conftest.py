@@ -20,14 +20,16 @@ def device(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """``tiny_model(preset)`` -> directory of a tiny checkpoint (made on first use)."""
+    """``tiny_model(preset)`` -> directory of a tiny checkpoint (made on first use),
+    named ``tiny``: the model's served name (a router refuses workers of another)."""
     from pdserve.engine.tiny import make_tiny
 
     made: dict[str, Path] = {}
 
     def get(preset: str = "llama-gqa") -> Path:
         if preset not in made:
-            made[preset] = make_tiny(tmp_path_factory.mktemp(preset), preset=preset, seed=0)
+            made[preset] = make_tiny(tmp_path_factory.mktemp(preset) / "tiny", preset=preset,
+                                     seed=0)
         return made[preset]
 
     return get

@@ -87,7 +87,8 @@ class Router:
         self.fanout = Fanout()
         self.workers = WorkerSet(workers, self.fanout, HealthConfig(
             cfg.stats_interval_s, cfg.probe_timeout_s, cfg.health_timeout_s),
-            ServingLimits(cfg.block_size, max_model_len), on_change=self._worker_changed)
+            ServingLimits(cfg.block_size, max_model_len, model_name),
+            on_change=self._worker_changed)
         self.prefix = PrefixIndex()
         self.admission = Admission(self.workers, get_policy(cfg.policy), self.prefix,
                                    cfg.max_waiting, cfg.queue_timeout_s, cfg.block_size,

@@ -315,6 +315,8 @@ class WorkerSet:
     def _disagreement(self, theirs: ServingLimits) -> str | None:
         """Why a worker with these limits cannot serve behind this router (None: it can)."""
         ours = self._limits
+        if theirs.model != ours.model:
+            return f"it serves model {theirs.model!r}, the router {ours.model!r}"
         if theirs.block_size != ours.block_size:
             return (f"its KV block size is {theirs.block_size} tokens, the router's "
                     f"{ours.block_size} (block_size must be the same on every pool)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import shutil
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -49,7 +50,7 @@ class Pair:
             for i in range(n_colocated)]
         tok = self.workers[0].engine.tokenizer
         assert tok is not None
-        self.router = Router("tiny", tok, 2048, self.workers,
+        self.router = Router(Path(model).name, tok, 2048, self.workers,
                              RouterConfig(**router_kw))  # type: ignore[arg-type]
 
     @property
@@ -722,7 +723,7 @@ def test_two_routers_serve_the_same_workers_and_a_lost_routers_requests_end(
             else pair_factory(n_prefill=0, n_decode=0, n_colocated=1))
     tok = pair.workers[0].engine.tokenizer
     assert tok is not None
-    other = Router("tiny", tok, 2048, pair.workers, RouterConfig())
+    other = Router(pair.router.model_name, tok, 2048, pair.workers, RouterConfig())
     eng = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=256))
     prompt_a, prompt_b = [5] * 40, list(range(7, 37))
     expected_b = eng.generate([prompt_b], GREEDY)[0].token_ids
@@ -795,3 +796,40 @@ def test_hand_off_answers_nobody_takes_are_dropped(pair_factory: Callable[..., P
         await until_async("every block free", lambda: not any(pair.used_blocks().values()))
 
     asyncio.run(main())
+
+
+def test_a_worker_of_another_model_is_refused(pair_factory: Callable[..., Pair],
+                                              tiny_model: Callable[[str], Path],
+                                              caplog: pytest.LogCaptureFixture,
+                                              tmp_path: Path) -> None:
+    """The model is part of what a worker reports at join: one serving another model
+    (a stale deployment, a wrong --model) stays out of routing, named in the log,
+    and the pair of the router's own model serves on."""
+    pair = pair_factory()
+    other = tmp_path / "another-model"
+    shutil.copytree(tiny_model("llama-mha"), other)
+    stranger = ColocatedWorker("colocated-0", other, EngineConfig(role="colocated",
+                                                                  num_blocks=64))
+    tok = pair.workers[0].engine.tokenizer
+    assert tok is not None
+    router = Router(pair.router.model_name, tok, 2048, [*pair.workers, stranger],
+                    RouterConfig())
+
+    async def main() -> None:
+        await router.start()
+        try:
+            states = {w.worker_id: w.state for w in router.workers.workers.values()}
+            assert states == {"prefill-0": "serving", "decode-0": "serving",
+                              "colocated-0": "refused"}
+            tokens, _, final = await collect(router.generate(
+                GenerateRequest("r", GREEDY, prompt_token_ids=list(range(5, 25)))))
+            assert len(tokens) == 24 and final.finish_reason == "length"
+        finally:
+            await router.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        stranger.close()
+    assert any("worker colocated-0 (colocated) refused: it serves model 'another-model', "
+               "the router 'tiny'" in r.getMessage() for r in caplog.records)

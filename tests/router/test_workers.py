@@ -17,7 +17,10 @@ from pdserve.router.fanout import Fanout
 from pdserve.router.workers import HealthConfig, WorkerSet
 from tests.waiting import until_async
 
-LIMITS = ServingLimits(block_size=16, max_model_len=256)  # the tiny model's: 16, 2048
+
+def limits(model: Path) -> ServingLimits:
+    """A router's limits that the tiny model's workers (16, 2048) agree with."""
+    return ServingLimits(block_size=16, max_model_len=256, model=model.name)
 
 
 def test_stop_ends_a_probe_loop_whose_cancellation_was_lost(
@@ -28,10 +31,11 @@ def test_stop_ends_a_probe_loop_whose_cancellation_was_lost(
     it forever (a router hung on shutdown). Here the answer and the stop land together,
     every time: the probe's timeout must not lose the cancellation (asyncio.timeout),
     and the loop must end on stop() anyway."""
-    worker = PrefillWorker("prefill-0", tiny_model("llama-gqa"),
+    model = tiny_model("llama-gqa")
+    worker = PrefillWorker("prefill-0", model,
                            EngineConfig(role="prefill", num_blocks=16), "local")
     try:
-        ws = WorkerSet([worker], Fanout(), HealthConfig(interval_s=0.02), LIMITS)
+        ws = WorkerSet([worker], Fanout(), HealthConfig(interval_s=0.02), limits(model))
         stopping: list[asyncio.Task[None]] = []
         answer = worker.load
 
@@ -60,11 +64,12 @@ def test_stop_ends_a_probe_loop_whose_cancellation_was_lost(
 
 def test_a_drain_leaves_routing_at_info_a_failure_at_error(
         tiny_model: Callable[[str], Path], caplog: pytest.LogCaptureFixture) -> None:
-    worker = PrefillWorker("prefill-0", tiny_model("llama-gqa"),
+    model = tiny_model("llama-gqa")
+    worker = PrefillWorker("prefill-0", model,
                            EngineConfig(role="prefill", num_blocks=16), "local")
     caplog.set_level(logging.INFO, logger="pdserve.router")
     try:
-        ws = WorkerSet([worker], Fanout(), HealthConfig(interval_s=0.02), LIMITS)
+        ws = WorkerSet([worker], Fanout(), HealthConfig(interval_s=0.02), limits(model))
 
         async def main() -> None:
             await ws.start()
