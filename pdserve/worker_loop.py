@@ -56,7 +56,7 @@ class WorkerLoop(ThreadLoop):
         super().__init__(name=f"{role}-{worker_id}", idle_wait_s=IDLE_WAIT_S)
         self.worker_id = worker_id
         self.role = role
-        self.model = Path(model_dir).name
+        self.model_dir = str(model_dir)  # what it serves (a re-attaching router checks it)
         self.incarnation = uuid.uuid4().hex  # new for every process that builds a worker
         self.engine = create_engine(model_dir, config)  # tensor parallel: its ranks too
         threading.Thread(target=self.engine.grammars.warm, name="pdserve-grammar-warm",
@@ -89,7 +89,8 @@ class WorkerLoop(ThreadLoop):
 
     def limits(self) -> ServingLimits:
         """What the router must agree with (its engine's)."""
-        return ServingLimits(self.engine.block_size, self.engine.max_model_len, self.model)
+        return ServingLimits(self.engine.block_size, self.engine.max_model_len,
+                             Path(self.model_dir).name)
 
     async def abort(self, request_id: str) -> None:
         """Drop a request wherever it is and free its blocks (idempotent). Queued on

@@ -103,7 +103,7 @@ class _InActor:
 
     metrics_at: tuple[str, int] | None
     on_crash: Callable[[BaseException], None] | None
-    model_dir: str  # what it was built from (a router re-attaching checks it)
+    model_dir: str  # the worker's (WorkerLoop)
 
     def _exit_on_crash(self) -> None:
         """A worker whose engine loop died (a tensor-parallel rank lost, an engine
@@ -119,7 +119,6 @@ class _InActor:
     def _serve_metrics(self, model_dir: str, host: str) -> None:
         from pdserve.deploy.worker_metrics import serve_worker_metrics
 
-        self.model_dir = model_dir
         # MFU/MBU against all the worker's ranks' peaks (the step costs are the whole model's).
         tp = self.engine.config.tensor_parallel_size  # type: ignore[attr-defined]
         port = serve_worker_metrics(os.path.basename(model_dir), self.metrics,  # type: ignore[attr-defined]

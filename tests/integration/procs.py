@@ -72,3 +72,41 @@ def start_serve(args: list[str], log: Path, env: dict[str, str],
             raise AssertionError(f"serve did not come up:\n{text[-3000:]}")
         time.sleep(0.2)
     return proc, text
+
+
+def listening_sockets() -> dict[int, tuple[str, int]]:
+    """socket inode -> (ip, port) of every listening TCP socket on this machine (from
+    /proc/net; "::" for every IPv6 interface, IPv4-mapped addresses as IPv4)."""
+    out = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] != "0A":  # LISTEN
+                continue
+            hex_ip, hex_port = f[1].split(":")
+            if hex_ip.startswith("0000000000000000FFFF0000"):  # ::ffff:a.b.c.d
+                hex_ip = hex_ip[24:]
+            if len(hex_ip) == 8:
+                ip = ".".join(str(int(hex_ip[i:i + 2], 16)) for i in (6, 4, 2, 0))
+            elif hex_ip == "00000000000000000000000001000000":
+                ip = "::1"
+            else:
+                ip = "::" if set(hex_ip) == {"0"} else hex_ip
+            out[int(f[9])] = (ip, int(hex_port, 16))
+    return out
+
+
+def sockets_of(pid: int | str) -> set[int]:
+    """The socket inodes process ``pid`` ("self": this one) holds open."""
+    found = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                found.add(int(target[8:-1]))
+    except OSError:  # gone meanwhile
+        pass
+    return found

@@ -9,7 +9,6 @@ Ray's fixed autoscaler-metrics port 44217."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import urllib.request
@@ -18,44 +17,16 @@ from pathlib import Path
 
 import yaml
 
-from tests.integration.procs import kill_marked, marked_env, processes_with, start_serve
+from tests.integration.procs import (
+    kill_marked,
+    listening_sockets,
+    marked_env,
+    processes_with,
+    sockets_of,
+    start_serve,
+)
 
 RAY_MONITOR_PORT = 44217
-
-
-def listeners() -> dict[int, tuple[str, int]]:
-    """socket inode -> (ip, port) of every listening TCP socket on this machine."""
-    out = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            f = line.split()
-            if f[3] != "0A":  # LISTEN
-                continue
-            hex_ip, hex_port = f[1].split(":")
-            if len(hex_ip) == 8:
-                ip = ".".join(str(int(hex_ip[i:i + 2], 16)) for i in (6, 4, 2, 0))
-            elif hex_ip.startswith("0000000000000000FFFF0000"):  # ::ffff:a.b.c.d
-                ip = ".".join(str(int(hex_ip[24:][i:i + 2], 16)) for i in (6, 4, 2, 0))
-            else:
-                ip = "::1" if hex_ip == "00000000000000000000000001000000" else \
-                    ("::" if set(hex_ip) == {"0"} else hex_ip)
-            out[int(f[9])] = (ip, int(hex_port, 16))
-    return out
-
-
-def sockets_of(pid: int) -> set[int]:
-    found = set()
-    try:
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                found.add(int(target[8:-1]))
-    except OSError:  # gone meanwhile
-        pass
-    return found
 
 
 def loopback(ip: str) -> bool:
@@ -92,7 +63,7 @@ def test_every_listener_is_in_the_port_table(tiny_model: Callable[[str], Path],
                                     timeout=30) as r:
             metrics = {int(w["metrics"].rsplit(":", 1)[1]) for w in json.loads(r.read())["workers"]}
 
-        table = listeners()
+        table = listening_sockets()
         seen: dict[str, list[tuple[str, int]]] = {}
         for pid in processes_with(mark):
             try:
