@@ -27,7 +27,8 @@ Failure and abort rules (both sides):
 Usage rules: call one sender/receiver from one thread (``driver.ChannelThread``) and
 poll it regularly -- some backends make progress only inside poll() (nixl: D's poll
 also lets P's writes complete). ``KVReceiver.expect`` is the exception: every backend
-only records it under its tracker's lock, so it may be called from any thread. A request id names one attempt: once it has ended, sends for it are
+only records it under its tracker's lock, so it may be called from any thread, and so
+may ``KVSender.dial`` (connect = ``attach(dial(ep))``). A request id names one attempt: once it has ended, sends for it are
 dropped, so a retry uses a new id. The KV tensor must outlive the object wrapping it.
 """
 
@@ -117,6 +118,18 @@ class KVSender(ABC):
         """Open a channel to a receiver; return its peer id.
 
         Raises KVLayoutMismatch (naming the field) when the layouts differ."""
+
+    def dial(self, endpoint: dict[str, Any]) -> Any:
+        """The part of ``connect`` that waits on the receiver, for any thread but the
+        channel's: a handshake with a stalled receiver can take the whole connect
+        timeout, and on the channel's thread it would hold every other peer's transfers
+        that long. Touches nothing that thread uses; ``attach`` finishes the connect
+        there. Default: nothing to wait for."""
+        return endpoint
+
+    def attach(self, dialed: Any) -> str:
+        """Finish ``connect`` with what ``dial`` returned; returns the peer id."""
+        return self.connect(dialed)
 
     @abstractmethod
     def send(

@@ -9,7 +9,8 @@ of 128/32 tokens: the ``kv_transfer`` stage had p50 17 ms, mean 246 ms, p99 1,42
 The thread is the channel's one caller (the backends' usage rule): the worker hands it
 work with ``call(fn)`` (``ThreadLoop.call``: ``fn`` runs on the thread between polls,
 its result resolves the returned future) -- except ``KVReceiver.expect``, which only records an expectation
-under the tracker's lock and may be called from the engine loop directly. Events go to
+under the tracker's lock and may be called from the engine loop directly, and a sender's
+``dial`` (``connect`` here runs it on a thread of its own). Events go to
 ``on_events(events, when)`` on this thread, with the monotonic time of the poll that
 found them; the worker forwards them to its engine loop.
 
@@ -21,8 +22,10 @@ call arrives.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
 
 from pdserve.thread_loop import ThreadLoop
@@ -53,6 +56,24 @@ class ChannelThread(ThreadLoop, Generic[C]):
         """Stop the thread, then close the channel (pending requests fail CLOSED)."""
         self.stop(timeout_s)
         self.channel.close()
+
+    def connect(self: ChannelThread[KVSender], endpoint: dict[str, Any]) -> Future[str]:
+        """The sender's ``connect``, its handshake (``dial``) on a thread of its own:
+        against a stalled receiver that waits its whole timeout, and this thread keeps
+        carrying the other peers' transfers meanwhile. ``attach`` runs here. Resolves
+        to the peer id."""
+        done: Future[str] = Future()
+        sender = self.channel
+
+        def dial() -> None:
+            try:
+                dialed = sender.dial(endpoint)
+                done.set_result(self.call(lambda: sender.attach(dialed)).result())
+            except Exception as exc:
+                done.set_exception(exc)
+
+        threading.Thread(target=dial, name="kv-dial", daemon=True).start()
+        return done
 
     def busy(self) -> bool:
         return False  # the next poll waits ``_idle_wait_s`` (set by iterate) or a call

@@ -105,8 +105,13 @@ class RankChannel:
         result: dict[str, Any] = self._call("endpoint")
         return result
 
-    def connect(self, endpoint: dict[str, Any]) -> str:
+    def dial(self, endpoint: dict[str, Any]) -> str:
+        """The follower's whole connect (the caller waits; the follower dials off its
+        channel's thread); its peer id."""
         return str(self._call("connect", endpoint))
+
+    def attach(self, peer_id: str) -> str:
+        return peer_id
 
     def expect(self, request_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> None:
         self._call("expect", request_id, list(dst_block_ids), timeout_s)
@@ -225,6 +230,8 @@ def serve_rank(conn: Any, kv: torch.Tensor, layout: KVLayout, name: str) -> None
                 thread.channel.expect(*args)
                 thread.wake()
                 done.set_result(None)
+            elif op == "connect":  # the handshake may wait on a stalled peer: not there
+                done = thread.connect(args[0])
             elif op == "close":
                 thread.close()
                 thread = None
@@ -359,13 +366,20 @@ class ShardedSender(_Fanout, KVSender):
         self._peer_ids = itertools.count()
 
     def connect(self, endpoint: dict[str, Any]) -> str:
+        return self.attach(self.dial(endpoint))
+
+    def dial(self, endpoint: dict[str, Any]) -> list[tuple[int, Any, str]]:
+        """Every pair's handshake (a follower rank's whole connect: it dials off its
+        own channel's thread too)."""
         ranks = endpoint.get("ranks") or [endpoint]
         self.layout.check_compatible(KVLayout.from_dict(endpoint["layout"]))
         theirs = [KVLayout.from_dict(ep["layout"]).head_range for ep in ranks]
-        subs = []
-        for i, j, cut in plan_pairs(self._heads, theirs):
-            sub = self._ranks[i].connect({**ranks[j], "slice": cut.to_dict()})
-            subs.append((i, sub, wire_id("", j, len(ranks))))
+        return [(i, self._ranks[i].dial({**ranks[j], "slice": cut.to_dict()}),
+                 wire_id("", j, len(ranks)))
+                for i, j, cut in plan_pairs(self._heads, theirs)]
+
+    def attach(self, dialed: list[tuple[int, Any, str]]) -> str:
+        subs = [(i, self._ranks[i].attach(d), suffix) for i, d, suffix in dialed]
         peer_id = f"tp-{next(self._peer_ids)}"
         self._peers[peer_id] = subs
         return peer_id

@@ -1,6 +1,6 @@
 """Prefill side of the `torch` backend.
 
-connect() joins D's TCPStore, takes a pair number, says hello with its layout (D answers
+connect() (its dial half, off the channel's thread) joins D's TCPStore, takes a pair number, says hello with its layout (D answers
 ok or the mismatch) and builds the pair's process groups (torch_group). Each peer gets
 a PeerWorker thread; send() only numbers the request's messages and queues them. The
 thread gathers each message's blocks into one staging buffer (messages are cut at
@@ -14,13 +14,14 @@ from __future__ import annotations
 import datetime
 import json
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .base import FailReason, SendEvent
-from .layout import KVLayout, KVLayoutMismatch
+from .layout import KVLayout, KVLayoutMismatch, Slice
 from .regions import Staging
 from .send_state import Numbered
 from .send_worker import Job, PeerWorker
@@ -77,6 +78,13 @@ class _Pair:
         self.transmit(Job(Message(Kind.PING)))
 
 
+@dataclass(frozen=True)
+class _Dialed:
+    peer_id: str
+    cut: Slice
+    pair: _Pair
+
+
 class TorchSender(BaseSender):
     def __init__(
         self,
@@ -94,10 +102,18 @@ class TorchSender(BaseSender):
         self._pairs: dict[str, _Pair] = {}
 
     def connect(self, endpoint: dict[str, Any]) -> str:
+        return self.attach(self.dial(endpoint))
+
+    def dial(self, endpoint: dict[str, Any]) -> _Dialed:
+        """The rendezvous on D's store and the pair's groups: each waits on D (up to
+        connect_timeout_s / peer_timeout_s when D is stalled)."""
         cut = self._plan(endpoint)
         peer_id = f"torch-{endpoint['host']}:{endpoint['port']}-{uuid.uuid4().hex[:8]}"
-        self._pairs[peer_id] = _Pair(self, endpoint, f"kv-send-{peer_id}")
-        return self._bind(peer_id, cut)
+        return _Dialed(peer_id, cut, _Pair(self, endpoint, f"kv-send-{peer_id}"))
+
+    def attach(self, dialed: _Dialed) -> str:
+        self._pairs[dialed.peer_id] = dialed.pair
+        return self._bind(dialed.peer_id, dialed.cut)
 
     def poll(self) -> list[SendEvent]:
         for peer_id, pair in self._pairs.items():

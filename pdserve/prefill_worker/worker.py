@@ -89,7 +89,7 @@ class PrefillWorker(WorkerLoop):
         known = self._peers.get(decode_worker)
         if known is not None and known[1] == endpoint and decode_worker not in self._broken:
             return
-        peer = await asyncio.wrap_future(self.transfer.call(lambda: self.sender.connect(endpoint)))
+        peer = await asyncio.wrap_future(self.transfer.connect(endpoint))
         self._peers[decode_worker] = (peer, endpoint)  # one dict store: the loop reads it
         self._broken.discard(decode_worker)
 
