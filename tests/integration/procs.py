@@ -3,14 +3,23 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
 
 MARK_VAR = "PDSERVE_TEST_MARK"
 
@@ -72,6 +81,80 @@ def start_serve(args: list[str], log: Path, env: dict[str, str],
             raise AssertionError(f"serve did not come up:\n{text[-3000:]}")
         time.sleep(0.2)
     return proc, text
+
+
+class ServeProcess:
+    """One ``pdserve serve ARGS`` process (``start_serve``) serving ``model`` (its
+    folder's name), and the HTTP calls the tests make on it."""
+
+    def __init__(self, args: list[str], log: Path, env: dict[str, str], model: str) -> None:
+        self.model = model
+        self.mark = env[MARK_VAR]
+        self.log = log
+        self.proc, text = start_serve(args, log, env)
+        found = re.search(r"HTTP\s+(http://127\.0\.0\.1:\d+)/v1", text)
+        assert found, text[-3000:]
+        self.url = found[1]
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def get(self, path: str) -> tuple[int, dict[str, object]]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def complete(self, prompt: list[int], max_tokens: int,
+                 timeout_s: float = 60) -> tuple[int, dict[str, object]]:
+        """A greedy ``/v1/completions`` of exactly ``max_tokens`` tokens."""
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                           "temperature": 0, "ignore_eos": True}).encode()
+        req = urllib.request.Request(self.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def workers(self) -> dict[str, dict[str, object]]:
+        status, body = self.get("/admin/workers")
+        assert status == 200, body
+        return {str(w["id"]): w for w in body["workers"]}  # type: ignore[attr-defined]
+
+    def kill(self) -> None:
+        """kill -9 of the serve process and its session (Ray's detached actors are not
+        in it)."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        kill_marked(self.mark)
+
+
+def golden(model: Path, prompts: Sequence[list[int]], max_tokens: int) -> list[str]:
+    """The engine's own greedy texts (dtype auto, as served)."""
+    engine = LLMEngine(model, EngineConfig(num_blocks=256, dtype="auto"))
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return [o.text for o in engine.generate(list(prompts), params)]
+
+
+def check_golden(server: ServeProcess, prompts: Sequence[list[int]], want: list[str],
+                 max_tokens: int) -> None:
+    """``server`` serves exactly the texts ``golden`` computed."""
+    for prompt, text in zip(prompts, want, strict=True):
+        status, body = server.complete(prompt, max_tokens)
+        assert status == 200, body
+        assert body["choices"][0]["text"] == text  # type: ignore[index]
 
 
 def listening_sockets() -> dict[int, tuple[str, int]]:

@@ -10,28 +10,26 @@ output. A second router serves the same workers at the same time, and
 from __future__ import annotations
 
 import http.client
-import json
-import os
-import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
-from tests.integration.procs import free_port, kill_marked, marked_env, start_serve
+from tests.integration.procs import (
+    ServeProcess,
+    check_golden,
+    free_port,
+    golden,
+    kill_marked,
+    marked_env,
+)
 from tests.integration.test_two_node import CLUSTER_ENV, RayNode
 from tests.waiting import until
 
@@ -72,59 +70,13 @@ def head() -> Iterator[Head]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-class Router:
+class Router(ServeProcess):
     """One ``pdserve serve --address A --deployment D`` process."""
 
     def __init__(self, config: Path, log: Path, model: str) -> None:
-        self.model = model  # served as its folder's name
-        self.mark, env = marked_env()
+        _, env = marked_env()
         env.update(CLUSTER_ENV)
-        self.log = log
-        self.proc, text = start_serve(["--config", str(config)], log, env)
-        found = re.search(r"HTTP\s+(http://127\.0\.0\.1:\d+)/v1", text)
-        assert found, text[-3000:]
-        self.url = found[1]
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def get(self, path: str) -> tuple[int, object]:
-        try:
-            with urllib.request.urlopen(self.url + path, timeout=30) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
-
-    def complete(self, prompt: list[int], timeout_s: float = 60) -> tuple[int, dict[str, object]]:
-        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
-                           "temperature": 0, "ignore_eos": True}).encode()
-        req = urllib.request.Request(self.url + "/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
-
-    def workers(self) -> dict[str, dict[str, object]]:
-        status, body = self.get("/admin/workers")
-        assert status == 200, body
-        return {str(w["id"]): w for w in body["workers"]}  # type: ignore[index]
-
-    def kill(self) -> None:
-        """kill -9 of the router process (the workers are not its children)."""
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        kill_marked(self.mark)
+        super().__init__(["--config", str(config)], log, env, model)
 
 
 def pdserve_down(head: Head) -> str:
@@ -162,29 +114,16 @@ def routers(head: Head, tiny_model: Callable[[str], Path], tmp_path: Path,
         pdserve_down(head)
 
 
-def golden(model: Path) -> list[str]:
-    engine = LLMEngine(model, EngineConfig(num_blocks=256, dtype="auto"))
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [o.text for o in engine.generate(PROMPTS, params)]
-
-
-def check_golden(r: Router, want: list[str]) -> None:
-    for prompt, text in zip(PROMPTS, want, strict=True):
-        status, body = r.complete(prompt)
-        assert status == 200, body
-        assert body["choices"][0]["text"] == text  # type: ignore[index]
-
-
 def all_blocks_free(r: Router) -> bool:
     return all(w["free_blocks"] == w["blocks"] for w in r.workers().values())
 
 
 def test_router_killed_under_load_restarts_onto_the_live_workers(
         routers: Callable[[], Router], head: Head, tiny_model: Callable[[str], Path]) -> None:
-    want = golden(tiny_model("llama-gqa"))
+    want = golden(tiny_model("llama-gqa"), PROMPTS, MAX_TOKENS)
     first = routers()
     assert "loading the model on 1 prefill, 1 decode worker(s)" in first.text()
-    check_golden(first, want)
+    check_golden(first, PROMPTS, want, MAX_TOKENS)
     before = {wid: w["metrics"] for wid, w in first.workers().items()}
 
     # Load on the first router, then kill -9 it mid-load.
@@ -196,7 +135,7 @@ def test_router_killed_under_load_restarts_onto_the_live_workers(
             if stop.is_set():
                 return
             try:
-                status, _ = first.complete(PROMPTS[(i + n) % len(PROMPTS)], timeout_s=30)
+                status, _ = first.complete(PROMPTS[(i + n) % len(PROMPTS)], MAX_TOKENS, timeout_s=30)
                 outcomes.append(str(status))
             except (OSError, http.client.HTTPException) as exc:  # the router is gone
                 outcomes.append(type(exc).__name__)
@@ -227,7 +166,7 @@ def test_router_killed_under_load_restarts_onto_the_live_workers(
     assert all(w["state"] == "serving" and w["restarts"] == 0 for w in after.values())
     until("the dead router's requests to free their blocks",
           lambda: all_blocks_free(second), 60)
-    check_golden(second, want)
+    check_golden(second, PROMPTS, want, MAX_TOKENS)
     print(f"router killed -9 under load: serving again {back_s:.1f} s later "
           f"(outcomes seen by its clients: {sorted(set(outcomes))})")
 
@@ -238,7 +177,7 @@ def test_router_killed_under_load_restarts_onto_the_live_workers(
     def check(r: Router) -> None:
         for _ in range(2):
             for prompt, text in zip(PROMPTS, want, strict=True):
-                status, body = r.complete(prompt)
+                status, body = r.complete(prompt, MAX_TOKENS)
                 results.append(status == 200 and body["choices"][0]["text"] == text)  # type: ignore[index]
 
     pair = [threading.Thread(target=check, args=(r,)) for r in (second, third)]
@@ -253,7 +192,7 @@ def test_router_killed_under_load_restarts_onto_the_live_workers(
     # Stopping a router leaves the workers; pdserve down stops them.
     third.stop()
     assert "keep running (pdserve down" in third.text()
-    check_golden(second, want)
+    check_golden(second, PROMPTS, want, MAX_TOKENS)
     out = pdserve_down(head)
     assert "stopped 2 worker(s)" in out and "decode-0, prefill-0" in out, out
     until("the workers to leave the second router's routing", lambda: all(

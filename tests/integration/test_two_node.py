@@ -10,26 +10,26 @@ targets drop it; when the node comes back the worker returns and serves again.""
 from __future__ import annotations
 
 import json
-import os
-import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
-from tests.integration.procs import free_port, kill_marked, marked_env, processes_with
+from tests.integration.procs import (
+    ServeProcess,
+    check_golden,
+    free_port,
+    golden,
+    kill_marked,
+    marked_env,
+    processes_with,
+)
 from tests.waiting import until
 
 HEAD_IP, NODE_IP = "127.0.0.3", "127.0.0.4"
@@ -125,12 +125,11 @@ def cluster() -> Iterator[TwoNodes]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-class Served:
+class Served(ServeProcess):
     """``pdserve serve --address`` on the two-node cluster."""
 
     def __init__(self, cluster: TwoNodes, model: Path, transfer: str, tmp: Path) -> None:
         self.targets = tmp / "targets.json"
-        self.model = model.name  # served as its folder's name
         config = {
             "model": str(model), "transfer": transfer, "address": cluster.address,
             "http_port": 0, "grpc_port": 0, "file_sd_path": str(self.targets),
@@ -142,56 +141,10 @@ class Served:
             "router": {"health_timeout_s": 3, "queue_timeout_s": 5, "max_retries": 1},
         }
         (tmp / "config.yaml").write_text(yaml.safe_dump(config))
-        self.mark, env = marked_env()
+        _, env = marked_env()
         env.update(CLUSTER_ENV)
-        self.log = tmp / "serve.log"
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pdserve.deploy.cli", "serve", "--config",
-                 str(tmp / "config.yaml")], stdout=out, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True)
-        until("serve to come up", lambda: self._up(), 180)
-        found = re.search(r"HTTP\s+(http://127\.0\.0\.1:\d+)/v1", self.text())
-        assert found, self.text()[-3000:]
-        self.url = found[1]
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def _up(self) -> bool:
-        assert self.proc.poll() is None, f"serve exited:\n{self.text()[-3000:]}"
-        return "] serving " in self.text()
-
-    def get(self, path: str) -> tuple[int, dict[str, object]]:
-        try:
-            with urllib.request.urlopen(self.url + path, timeout=30) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
-
-    def complete(self, prompt: list[int], timeout_s: float = 60) -> tuple[int, dict[str, object]]:
-        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": MAX_TOKENS,
-                           "temperature": 0, "ignore_eos": True}).encode()
-        req = urllib.request.Request(self.url + "/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as r:
-                return r.status, json.loads(r.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
-
-    def workers(self) -> dict[str, dict[str, object]]:
-        return {str(w["id"]): w for w in self.get("/admin/workers")[1]["workers"]}  # type: ignore[union-attr]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        kill_marked(self.mark)
+        super().__init__(["--config", str(tmp / "config.yaml")], tmp / "serve.log", env,
+                         model.name)
 
 
 @pytest.fixture
@@ -208,19 +161,6 @@ def serve(cluster: TwoNodes, tiny_model: Callable[[str], Path], tmp_path: Path,
         s.stop()
 
 
-def golden(model: Path) -> list[str]:
-    engine = LLMEngine(model, EngineConfig(num_blocks=256, dtype="auto"))
-    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [o.text for o in engine.generate(PROMPTS, params)]
-
-
-def check_golden(s: Served, want: list[str]) -> None:
-    for prompt, text in zip(PROMPTS, want, strict=True):
-        status, body = s.complete(prompt)
-        assert status == 200, body
-        assert body["choices"][0]["text"] == text  # type: ignore[index]
-
-
 def test_pools_on_two_nodes_match_the_engine_over_gloo(
         serve: Callable[[str], Served], tiny_model: Callable[[str], Path]) -> None:
     s = serve("torch")
@@ -228,14 +168,14 @@ def test_pools_on_two_nodes_match_the_engine_over_gloo(
     # Placement: each pool on its own node (the workers' /metrics bind the node's IP).
     assert str(workers["prefill-0"]["metrics"]).startswith(HEAD_IP + ":")
     assert str(workers["decode-0"]["metrics"]).startswith(NODE_IP + ":")
-    check_golden(s, golden(tiny_model("llama-gqa")))
+    check_golden(s, PROMPTS, golden(tiny_model("llama-gqa"), PROMPTS, MAX_TOKENS), MAX_TOKENS)
 
 
 def test_node_loss_and_return_over_nixl(serve: Callable[[str], Served], cluster: TwoNodes,
                                         tiny_model: Callable[[str], Path]) -> None:
     s = serve("nixl")
-    want = golden(tiny_model("llama-gqa"))
-    check_golden(s, want)
+    want = golden(tiny_model("llama-gqa"), PROMPTS, MAX_TOKENS)
+    check_golden(s, PROMPTS, want, MAX_TOKENS)
     assert str(s.workers()["decode-0"]["metrics"]).startswith(NODE_IP + ":")
 
     # Load while the decode node dies: every request ends (tokens or a clear error).
@@ -246,7 +186,7 @@ def test_node_loss_and_return_over_nixl(serve: Callable[[str], Served], cluster:
         for n in range(200):  # bounded
             if stop.is_set():
                 return
-            status, body = s.complete(PROMPTS[(i + n) % len(PROMPTS)])
+            status, body = s.complete(PROMPTS[(i + n) % len(PROMPTS)], MAX_TOKENS)
             if status != 200:
                 assert "error" in body and body["error"]["message"], body  # type: ignore[index]
             outcomes.append(status)
@@ -274,4 +214,4 @@ def test_node_loss_and_return_over_nixl(serve: Callable[[str], Served], cluster:
           and s.workers()["decode-0"]["state"] == "serving", 180)
     assert int(s.workers()["decode-0"]["restarts"]) >= 1  # type: ignore[call-overload]
     until("file-SD to list it again", lambda: "decode-0" in s.targets.read_text(), 30)
-    check_golden(s, want)
+    check_golden(s, PROMPTS, want, MAX_TOKENS)
