@@ -7,6 +7,7 @@ others."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -64,6 +65,33 @@ def test_slow_clients_are_cut_off_and_others_served(tiny_model: Callable[[str], 
                 assert r.status_code == 200
             for _, w in [*slow, *trickle]:
                 w.close()
+        finally:
+            await server.stop()
+
+    asyncio.run(main())
+
+
+def test_connections_send_small_writes_at_once(tiny_model: Callable[[str], Path]) -> None:
+    """Nagle's algorithm is off on every accepted connection. With it on, a stream's
+    first SSE event (a small write right after the response head) waited for the
+    client's delayed ACK on a keep-alive connection: +40 ms on the TTFT of every
+    request but a connection's first, as `vllm bench serve` measured it. asyncio turns
+    it off only for sockets whose protocol is TCP, which a listener made with
+    ``socket(AF_INET, SOCK_STREAM)`` (protocol 0) was not."""
+    router = ScriptedRouter(Tokenizer.from_dir(tiny_model("llama-gqa")))
+    router.script = [FinalChunk("stop", Usage(1, 0))]
+
+    async def main() -> None:
+        app = build_app(router, "tiny", CollectorRegistry())
+        server, port = await start_http_server(app, "127.0.0.1", 0)
+        try:
+            async with Client(base_url=f"http://127.0.0.1:{port}", timeout=DEADLINE_S) as c:
+                r = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+                assert r.status_code == 200, r.text
+                conns = server.connections()  # the client's, kept alive
+                assert conns
+                for sock in conns:
+                    assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY), sock
         finally:
             await server.stop()
 
