@@ -27,10 +27,10 @@ runtime.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from dataclasses import fields as fields_of
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +57,20 @@ class PoolConfig:
     # whole worker's (num_cpus // ranks threads per rank), num_gpus defaults to one per rank.
     tensor_parallel_size: int = 1
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig overrides
+    # CPU: engine threads beyond num_cpus, on cores that another pool on the same node
+    # reserved in Ray. Prefill is bursty and compute-bound, decode continuous and
+    # memory-bound: while a prefill runs, the decode workers' cores are often idle, and
+    # where they are not the OS shares them. None: the embedded cluster's prefill pool
+    # (one machine) takes the decode pool's CPUs, split among its workers; else 0.
+    shared_cpus: float | None = None
 
     def __post_init__(self) -> None:
         if self.workers < 0:
             raise ValueError(f"pool workers must be >= 0, got {self.workers}")
         if self.num_cpus <= 0:
             raise ValueError(f"num_cpus must be > 0, got {self.num_cpus}")
+        if self.shared_cpus is not None and self.shared_cpus < 0:
+            raise ValueError(f"shared_cpus must be >= 0, got {self.shared_cpus}")
         if self.num_gpus is not None and self.num_gpus < 0:
             raise ValueError(f"num_gpus must be >= 0, got {self.num_gpus}")
         if not isinstance(self.resources, dict) or any(
@@ -89,7 +97,8 @@ class PoolConfig:
 
     def engine_config(self, role: str, device: str) -> EngineConfig:
         tp = self.tensor_parallel_size
-        threads = max(1, int(self.num_cpus) // tp) if device == "cpu" else None
+        own = int(self.num_cpus + (self.shared_cpus or 0))
+        threads = max(1, own // tp) if device == "cpu" else None
         if device == "cpu" and self.num_cpus < tp:
             log.warning("the %s pool's workers have %g Ray CPU(s) for %d tensor-parallel ranks: "
                         "the ranks share cores (set num_cpus to ranks x threads)",
@@ -218,6 +227,16 @@ class ClusterConfig:
         return next(iter(sizes.values()), EngineConfig().block_size)
 
     @property
+    def prefill_pool(self) -> PoolConfig:
+        """The prefill pool with ``shared_cpus`` resolved (see PoolConfig)."""
+        p = self.prefill
+        if p.shared_cpus is not None:
+            return p
+        shared = (int(self.decode.num_cpus) * self.decode.workers // p.workers
+                  if self.address is None and p.workers else 0)
+        return replace(p, shared_cpus=shared)
+
+    @property
     def colocated_pool(self) -> PoolConfig:
         """The colocated pool with its defaults filled in."""
         c = self.colocated
@@ -264,7 +283,7 @@ def _merged(data: dict[str, Any], path: list[str], value: Any) -> dict[str, Any]
 def _build(cls: type, d: dict[str, Any], where: str) -> Any:
     if not isinstance(d, dict):
         raise ValueError(f"{where} must be a mapping, got {type(d).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in fields_of(cls)}
     unknown = sorted(set(d) - set(fields))
     if unknown:
         raise ValueError(f"unknown key(s) in {where}: {unknown}; known: {sorted(fields)}")
@@ -277,5 +296,5 @@ def _build(cls: type, d: dict[str, Any], where: str) -> Any:
             and "num_cpus" not in d["colocated"]:
         # A colocated worker does both phases: by default it gets both workers' CPUs.
         cpus = sum(kwargs.get(pool, PoolConfig()).num_cpus for pool in ("prefill", "decode"))
-        kwargs["colocated"] = dataclasses.replace(kwargs["colocated"], num_cpus=cpus)
+        kwargs["colocated"] = replace(kwargs["colocated"], num_cpus=cpus)
     return cls(**kwargs)

@@ -1,0 +1,42 @@
+"""How many engine threads a CPU worker runs (deploy/config.py ``PoolConfig``):
+``num_cpus`` of its own plus ``shared_cpus``, which on the embedded cluster (one
+machine) lets the prefill pool run on the decode pool's cores too."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.deploy.config import ClusterConfig, PoolConfig
+
+
+def threads(cfg: ClusterConfig, role: str) -> int | None:
+    pool = {"prefill": cfg.prefill_pool, "decode": cfg.decode}[role]
+    return pool.engine_config(role, "cpu").num_threads
+
+
+def test_the_embedded_prefill_pool_shares_the_decode_pools_cores() -> None:
+    cfg = ClusterConfig()  # embedded, 1P + 1D of one CPU each
+    assert (threads(cfg, "prefill"), threads(cfg, "decode")) == (2, 1)
+    big = ClusterConfig.from_dict({"prefill": {"workers": 2, "num_cpus": 2},
+                                   "decode": {"workers": 2, "num_cpus": 3}})
+    assert (threads(big, "prefill"), threads(big, "decode")) == (5, 3)  # 2 + 6 // 2
+    assert big.prefill_pool.bundle(False) == {"CPU": 2}  # nothing more reserved in Ray
+
+
+def test_a_cluster_shares_only_what_it_is_told() -> None:
+    joined = ClusterConfig.from_dict({"address": "auto"})  # pools may be on other nodes
+    assert threads(joined, "prefill") == 1
+    told = ClusterConfig.from_dict({"address": "auto", "prefill": {"shared_cpus": 3}})
+    assert threads(told, "prefill") == 4
+    off = ClusterConfig.from_dict({"prefill": {"shared_cpus": 0}})
+    assert threads(off, "prefill") == 1
+    explicit = ClusterConfig.from_dict({"prefill": {"engine": {"num_threads": 7}}})
+    assert threads(explicit, "prefill") == 7  # the engine key wins
+    tp = ClusterConfig.from_dict({"prefill": {"tensor_parallel_size": 2, "num_cpus": 2},
+                                  "decode": {"num_cpus": 2}})
+    assert threads(tp, "prefill") == 2  # (2 + 2) // 2 ranks
+
+
+def test_shared_cpus_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="shared_cpus must be >= 0"):
+        PoolConfig(shared_cpus=-1)
