@@ -22,17 +22,13 @@ import pytest
 
 from pdserve.deploy.cluster import Cluster
 from pdserve.deploy.config import ClusterConfig
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.router import Router
-from pdserve.router.types import ErrorKind, GenerateRequest, RouterError, StreamChunk
+from pdserve.router.types import RouterError
+from tests.integration.chaos import BOUND_S, check_outcomes, prompt, recovered, request, with_router
 from tests.integration.chaos_summary import SUMMARY, Case
 from tests.waiting import until_async
 
 pytestmark = pytest.mark.usefixtures("ray_address")
-
-LONG_PROMPT = 1200  # tokens: 38 chunks of 32 on the prefill side, KV sent as they go
-BOUND_S = 120.0  # every request of a case must end within this
-CLEAR = {ErrorKind.INTERNAL, ErrorKind.OVERLOADED, ErrorKind.NOT_READY, ErrorKind.DEADLINE}
 
 
 @pytest.fixture(scope="module")
@@ -56,35 +52,6 @@ def cluster(tiny_model: Callable[[str], Path]) -> Iterator[Cluster]:
         c.shutdown()
 
 
-def prompt(i: int, n: int = LONG_PROMPT) -> list[int]:
-    return [5 + (i * 31 + j) % 400 for j in range(n)]
-
-
-async def request(router: Router, rid: str, ids: list[int], max_tokens: int) -> Any:
-    """All the request's tokens, or the RouterError it ended with."""
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    tokens: list[int] = []
-    try:
-        async for item in router.generate(GenerateRequest(rid, params, prompt_token_ids=ids)):
-            if isinstance(item, StreamChunk):
-                tokens += item.token_ids
-    except RouterError as exc:
-        return exc
-    return tokens
-
-
-def check_outcomes(results: list[Any], max_tokens: int) -> int:
-    """Each request finished with every token or a clear error; returns how many finished."""
-    ok = 0
-    for r in results:
-        if isinstance(r, RouterError):
-            assert r.kind in CLEAR and r.message, r
-        else:
-            assert len(r) == max_tokens, f"{len(r)} of {max_tokens} tokens"
-            ok += 1
-    return ok
-
-
 def record(case: str, results: list[Any], max_tokens: int, recovered_workers: int,
            fault_at: float) -> int:
     """Check the outcomes (hung requests fail the test before: every wait is bounded)
@@ -97,41 +64,6 @@ def record(case: str, results: list[Any], max_tokens: int, recovered_workers: in
 def busy_worker(router: Router, role: str) -> str | None:
     busy = [w.worker_id for w in router.workers.live(role) if w.outstanding_requests]
     return busy[0] if busy else None
-
-
-async def recovered(router: Router, cluster: Cluster, incarnations: dict[str, str]) -> None:
-    """Every worker in routing again (killed ones with a new incarnation), every block
-    free on every worker, and every block pool consistent."""
-    await until_async("every worker back in routing",
-                      lambda: all(router.worker_states().values()), 90)
-    for wid, before in incarnations.items():
-        w = router.workers.workers[wid]
-        assert w.incarnation is not None and w.incarnation != before, f"{wid} not restarted"
-
-    def used() -> dict[str, int]:  # from the workers' loads, as the probes see them
-        loads = {wid: w.load for wid, w in router.workers.workers.items()}
-        return {wid: (load.num_blocks - load.num_free_blocks) if load else -1
-                for wid, load in loads.items() if load is None or load.num_free_blocks
-                != load.num_blocks or load.num_running or load.num_waiting_for_kv}
-
-    try:
-        await until_async("every block free on every worker", lambda: not used(), 60)
-    except AssertionError as exc:
-        raise AssertionError(f"{exc}; blocks in use: {used()}") from None
-    await asyncio.to_thread(cluster.check_integrity)  # blocking Ray calls: off the loop
-
-
-def with_router(cluster: Cluster, body: Callable[[Router], Any]) -> Any:
-    async def main() -> Any:
-        router = cluster.make_router()
-        await router.start()
-        try:
-            await until_async("all workers joined", lambda: all(router.worker_states().values()))
-            return await body(router)
-        finally:
-            await router.stop()
-
-    return asyncio.run(main())
 
 
 async def kill9(cluster: Cluster, router: Router, wid: str) -> dict[str, str]:
@@ -253,57 +185,3 @@ def test_clients_give_up_at_every_stage(cluster: Cluster) -> None:
             cancelled=6, recovery_s=time.monotonic() - fault_at)
 
     with_router(cluster, body)
-
-
-@pytest.mark.parametrize("transfer", ["nixl", "torch"])
-def test_a_stall_frees_its_blocks_once_known_not_at_the_kv_timeout(
-        tiny_model: Callable[[str], Path], transfer: str) -> None:
-    """Issue 23 item 6: a decode worker is stopped with KV on the way to it and requests
-    decoding there; the router gives up on them and they finish on the other pair. Once
-    the worker resumes and learns that (the router's aborts, its lost output stream, the
-    sender's answers), every block it reserved is free again -- with ``kv_timeout_s``
-    far beyond every bound here, only the abandonment itself can free them."""
-    cfg = ClusterConfig.from_dict({
-        "model": str(tiny_model("llama-gqa")), "transfer": transfer,
-        "transfer_options": {"peer_timeout_s": 2} if transfer == "torch" else {},
-        "prefill": {"workers": 1, "num_cpus": 1,
-                    "engine": {"num_blocks": 512, "max_num_batched_tokens": 32}},
-        "decode": {"workers": 2, "num_cpus": 1, "engine": {"num_blocks": 512}},
-        "router": {"queue_timeout_s": 20, "max_retries": 3, "stats_interval_s": 0.1,
-                   "probe_timeout_s": 0.5, "health_timeout_s": 2},
-        "kv_timeout_s": 600, "max_restarts": 0,
-    })
-
-    async def body(router: Router) -> None:
-        decoding = [asyncio.create_task(request(router, f"sd-{i}", prompt(i, 40), 300))
-                    for i in range(4)]
-        victim: list[str] = []
-
-        def busy() -> bool:
-            victim[:] = [w.worker_id for w in router.workers.live("decode")
-                         if w.load and w.load.num_running][:1]
-            return bool(victim)
-
-        await until_async("a decode worker decoding", busy)
-        moving = [asyncio.create_task(request(router, f"sm-{i}", prompt(10 + i), 8))
-                  for i in range(4)]
-        await until_async("KV on the way to it", lambda: any(
-            w.load and w.load.num_waiting_for_kv for w in router.workers.live("decode")))
-        pid = await asyncio.to_thread(cluster.pid, victim[0])
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            await until_async("the stalled worker out of routing",
-                              lambda: not router.worker_states()[victim[0]], 30)
-            results = await asyncio.wait_for(asyncio.gather(*decoding, *moving), BOUND_S)
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        assert check_outcomes(results[:4], 300) == 4
-        assert check_outcomes(results[4:], 8) == 4
-        await recovered(router, cluster, {})
-
-    cluster = Cluster(cfg)
-    cluster.start()
-    try:
-        with_router(cluster, body)
-    finally:
-        cluster.shutdown()

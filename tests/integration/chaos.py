@@ -1,0 +1,83 @@
+"""What the chaos tests share: their prompts, a request that returns its tokens or its
+error, the outcome check and the recovery check (every worker in routing, every block
+free, every pool consistent)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from pdserve.deploy.cluster import Cluster
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.router import Router
+from pdserve.router.types import ErrorKind, GenerateRequest, RouterError, StreamChunk
+from tests.waiting import until_async
+
+LONG_PROMPT = 1200  # tokens: 38 chunks of 32 on the prefill side, KV sent as they go
+BOUND_S = 120.0  # every request of a case must end within this
+CLEAR = {ErrorKind.INTERNAL, ErrorKind.OVERLOADED, ErrorKind.NOT_READY, ErrorKind.DEADLINE}
+
+
+def prompt(i: int, n: int = LONG_PROMPT) -> list[int]:
+    return [5 + (i * 31 + j) % 400 for j in range(n)]
+
+
+async def request(router: Router, rid: str, ids: list[int], max_tokens: int) -> Any:
+    """All the request's tokens, or the RouterError it ended with."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    tokens: list[int] = []
+    try:
+        async for item in router.generate(GenerateRequest(rid, params, prompt_token_ids=ids)):
+            if isinstance(item, StreamChunk):
+                tokens += item.token_ids
+    except RouterError as exc:
+        return exc
+    return tokens
+
+
+def check_outcomes(results: list[Any], max_tokens: int) -> int:
+    """Each request finished with every token or a clear error; returns how many finished."""
+    ok = 0
+    for r in results:
+        if isinstance(r, RouterError):
+            assert r.kind in CLEAR and r.message, r
+        else:
+            assert len(r) == max_tokens, f"{len(r)} of {max_tokens} tokens"
+            ok += 1
+    return ok
+
+
+async def recovered(router: Router, cluster: Cluster, incarnations: dict[str, str]) -> None:
+    """Every worker in routing again (killed ones with a new incarnation), every block
+    free on every worker, and every block pool consistent."""
+    await until_async("every worker back in routing",
+                      lambda: all(router.worker_states().values()), 90)
+    for wid, before in incarnations.items():
+        w = router.workers.workers[wid]
+        assert w.incarnation is not None and w.incarnation != before, f"{wid} not restarted"
+
+    def used() -> dict[str, int]:  # from the workers' loads, as the probes see them
+        loads = {wid: w.load for wid, w in router.workers.workers.items()}
+        return {wid: (load.num_blocks - load.num_free_blocks) if load else -1
+                for wid, load in loads.items() if load is None or load.num_free_blocks
+                != load.num_blocks or load.num_running or load.num_waiting_for_kv}
+
+    try:
+        await until_async("every block free on every worker", lambda: not used(), 60)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; blocks in use: {used()}") from None
+    await asyncio.to_thread(cluster.check_integrity)  # blocking Ray calls: off the loop
+
+
+def with_router(cluster: Cluster, body: Callable[[Router], Any]) -> Any:
+    async def main() -> Any:
+        router = cluster.make_router()
+        await router.start()
+        try:
+            await until_async("all workers joined", lambda: all(router.worker_states().values()))
+            return await body(router)
+        finally:
+            await router.stop()
+
+    return asyncio.run(main())
