@@ -1,5 +1,5 @@
 """``AutoscaleLoop``: ``pdserve serve --autoscale`` -- the planner's ``Autoscaler``
-(``planner.py``) driving the runtime ``Scaler`` (``scaler.py``).
+(``autoscaler.py``) driving the runtime ``Scaler`` (``scaler.py``).
 
 Every ``interval_s`` the loop reads the live router and scaler into a
 ``LoadSnapshot``, asks ``Autoscaler.decide`` for the prefill and decode pools' sizes,
@@ -43,22 +43,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from pdserve.deploy.autoscaler import POOLS, Autoscaler, LoadSnapshot, PoolLoad
 from pdserve.deploy.config import ClusterConfig
-from pdserve.deploy.planner import (
-    POOLS,
-    SLO,
+from pdserve.deploy.planner import SLO, Bounds, Planner
+from pdserve.deploy.scaler import Scaler
+from pdserve.deploy.step_times import (
     AnalyticModel,
-    Autoscaler,
-    Bounds,
-    LoadSnapshot,
-    Planner,
-    PoolLoad,
     Profile,
     StepTimes,
     resolve_hardware,
     resolve_model_config,
 )
-from pdserve.deploy.scaler import Scaler
 from pdserve.router.router import Router
 from pdserve.router.types import ErrorKind, FinalChunk
 

@@ -10,17 +10,15 @@ import json
 import sys
 from collections.abc import Sequence
 
-from pdserve.deploy.planner import (
+from pdserve.deploy.planner import SLO, Bounds, Planner
+from pdserve.deploy.step_times import (
     DEFAULT_MBU,
     DEFAULT_MFU,
     ENGINE_BLOCK_SIZE,
     ENGINE_MAX_NUM_SEQS,
     HARDWARE,
     MODEL_PRESETS,
-    SLO,
     AnalyticModel,
-    Bounds,
-    Planner,
     Profile,
     StepTimes,
     resolve_hardware,

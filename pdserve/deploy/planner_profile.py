@@ -3,7 +3,7 @@ CPU (prefill steps over prompt lengths, decode steps over batch sizes and contex
 and fits a ``planner.Profile`` to them (least squares with non-negative coefficients);
 ``validate`` compares that profile's predicted TTFT/TPOT with measured engine runs.
 
-Split from ``planner.py`` so that sizing and the autoscale decision import no engine
+Apart from ``step_times.py`` so that sizing and the autoscale decision import no engine
 (``pdserve plan`` on an analytic model stays light); this module imports the engine
 on first use.
 """
@@ -17,12 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.deploy.planner import (
-    CLOCKS,
-    ENGINE_BLOCK_SIZE,
-    Profile,
-    coef3,
-)
+from pdserve.deploy.step_times import CLOCKS, ENGINE_BLOCK_SIZE, Profile, coef3
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import LLMEngine

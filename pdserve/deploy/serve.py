@@ -22,8 +22,8 @@ from pdserve.deploy.autoscale import AutoscaleLoop, build_autoscaler
 from pdserve.deploy.cluster import Cluster, StartupError
 from pdserve.deploy.config import ClusterConfig
 from pdserve.deploy.file_sd import FileSD, cluster_targets
-from pdserve.deploy.planner import Profile
 from pdserve.deploy.scaler import Scaler
+from pdserve.deploy.step_times import Profile
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.api_keys import ApiKeys
 from pdserve.router.grpc_server import start_grpc_server

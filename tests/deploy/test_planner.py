@@ -11,21 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.deploy.autoscaler import Autoscaler, LoadSnapshot, PoolLoad
 from pdserve.deploy.cli import main
-from pdserve.deploy.planner import (
-    SLO,
-    AnalyticModel,
-    Autoscaler,
-    Bounds,
-    LoadSnapshot,
-    Planner,
-    PoolLoad,
-    Profile,
-    resolve_hardware,
-    resolve_model_config,
-    ttft_mdl,
-)
+from pdserve.deploy.planner import SLO, Bounds, Planner, ttft_mdl
 from pdserve.deploy.planner_profile import fit_nonnegative, measure_profile
+from pdserve.deploy.step_times import AnalyticModel, Profile, resolve_hardware, resolve_model_config
 
 PLAN = ["plan", "--model", "llama-3-70b", "--hardware", "h100", "--tp", "4",
         "--prompt-len", "1024", "--output-len", "256", "--ttft-slo", "500",
