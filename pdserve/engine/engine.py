@@ -497,7 +497,12 @@ class LLMEngine:
                  ) -> list[Completion]:
         """Run ``prompts`` to completion together (continuous batching) and return
         one ``Completion`` each, in order (text and stop strings by an
-        ``OutputProcessor`` per request, as the router makes them)."""
+        ``OutputProcessor`` per request, as the router makes them). Not on a prefill-role
+        engine: its requests stop after their first token, their KV held for hand-off."""
+        if self.role == "prefill":
+            raise ValueError("generate runs requests to completion, which a prefill-role "
+                             "engine never does (each stops after its first token, its KV "
+                             "held for hand-off): use add_request/step and release")
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         ids = [f"gen-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]

@@ -152,6 +152,15 @@ def test_preempted_equals_uninterrupted(tiny_model: Callable[[str], Path], backe
     assert tight.pool.num_used == 0
 
 
+def test_generate_refuses_a_prefill_role_engine(tiny_model: Callable[[str], Path]) -> None:
+    """A prefill-role request never completes (it waits for hand-off), so ``generate``
+    on one refuses at once, taking nothing; it used to loop for ever."""
+    prefill = engine(tiny_model("llama-gqa"), role="prefill")
+    with pytest.raises(ValueError, match="prefill-role"):
+        prefill.generate([[5, 6, 7]], GREEDY48)
+    assert not prefill.requests and prefill.pool.num_used == 0
+
+
 def test_prefill_to_decode_handoff_equals_colocated(tiny_model: Callable[[str], Path], backend: str) -> None:
     path = tiny_model("llama-gqa")
     prompt = prompts(1, [37], 500, seed=11)[0]
