@@ -37,18 +37,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from pdserve.engine.attention import make_attention, resolve_attention_backend
 from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.config import EngineConfig, ModelConfig, ceil_div
+from pdserve.engine.config import EngineConfig, ceil_div
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.input_batch import InputBatch
-from pdserve.engine.kv_cache import KV_CACHE_DTYPES, row_width
-from pdserve.engine.linear import int_family, resolve_linear_backend
-from pdserve.engine.model import LlamaModel
+from pdserve.engine.kv_cache import new_kv_cache
+from pdserve.engine.loader import load_model
 from pdserve.engine.output import OutputProcessor
-from pdserve.engine.quant_load import quantize_model
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.rope import RotaryEmbedding
 from pdserve.engine.runner import ModelRunner, Sampled
 from pdserve.engine.sampler import TokenLogprobs, make_generator, skip_draws
 from pdserve.engine.sampling_params import SamplingParams, request_problem
@@ -57,7 +53,6 @@ from pdserve.engine.spec_decode import SpecState, SpecStats, SuffixCache
 from pdserve.engine.stop import StopChecker, StopDecision
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.tp import STOP, Shard, TPGroup, replicated
-from pdserve.engine.weights import load_weights, shard_cut
 
 
 @dataclass
@@ -116,8 +111,12 @@ class LLMEngine:
             raise FileNotFoundError(f"model directory not found: {self.model_dir}")
         if self.config.num_threads is not None and self.config.device == "cpu":
             torch.set_num_threads(self.config.num_threads)
-        self.model_config = ModelConfig.from_dir(self.model_dir)
-        self.max_model_len = self.config.resolve_max_model_len(self.model_config)
+        loaded = load_model(self.model_dir, self.config, tp)
+        self.model_config, self.max_model_len = loaded.config, loaded.max_model_len
+        self.attention_backend = loaded.attention_backend
+        self.linear_backend = loaded.linear_backend
+        self.quant_report = loaded.quant_report
+        self.model = loaded.model
         if tokenizer is None and load_tokenizer:
             tokenizer = Tokenizer.from_dir(self.model_dir)
         self.tokenizer = tokenizer
@@ -126,52 +125,15 @@ class LLMEngine:
             eos |= set(tokenizer.eos_token_ids)
         self.eos_token_ids = frozenset(eos)
 
-        mc, dtype, device = self.model_config, self.config.torch_dtype, self.config.device
+        mc, local, device = self.model_config, loaded.local, self.config.device
         self.block_size = self.config.block_size
-        self.attention_backend = resolve_attention_backend(
-            self.config.attention_backend, device, mc.head_dim, self.block_size)
-        self.linear_backend = resolve_linear_backend(
-            self.config.linear_backend, device, dtype,
-            (mc.hidden_size, mc.num_heads * mc.head_dim, mc.intermediate_size))
-        # The C++ attention kernel rotates in float32 whatever the model's dtype.
-        rope_dtype = torch.float32 if self.attention_backend == "cpu" else dtype
-        rotary = RotaryEmbedding(mc.rope, mc.head_dim, self.max_model_len, rope_dtype, device)
-        local = mc  # the shapes of this rank's shard (all of it without tensor parallel)
-        shard = None
-        if tp is not None:
-            if self.config.quantization != "none":
-                raise ValueError("tensor parallel serves unquantized weights "
-                                 "(quantization: none)")
-            shard = Shard.of(mc, tp.rank, tp.size)
-            local = shard.local_config(mc)
-        with torch.device("meta"):  # no throw-away random init; weights come next
-            model = LlamaModel(local, rotary)
-        model = model.to_empty(device=device).to(dtype)
-        # A rank reads only its slices of the checkpoint, never the whole model.
-        load_weights(model, self.model_dir, None if shard is None
-                     else shard_cut(shard, mc.head_dim))
-        if tp is not None and shard is not None:
-            model.tp, model.vocab_range, model.vocab = tp, shard.vocab, mc.vocab_size
-            tp.use_shared_memory(self.config.max_num_batched_tokens * mc.hidden_size)
-        self.quant_report = None
-        if self.config.quantization in ("int8", "int4"):
-            self.quant_report = quantize_model(model, self.model_dir, self.config.quantization,
-                                               self.config.quantization_group_size)
-        model.use(self.linear_backend, make_attention(
-            self.attention_backend, local.num_heads, local.num_kv_heads, mc.head_dim, rotary),
-            int_family(self.config.linear_backend), w8a8=self.config.quantization == "w8a8")
-        self.model = model
 
         self.num_blocks = self.config.resolve_num_blocks(
             mc if tp is None else Shard.widest_kv(mc, tp.size))
-        # Block-major cache: one block of every layer is one contiguous region,
-        # so the transfer channels move a request with one descriptor per block.
         # (Tensor parallel: this rank's KV heads only.)
-        kv_dtype = self.config.kv_cache_dtype
-        self.kv_cache = torch.zeros(
-            self.num_blocks, mc.num_layers, 2, local.num_kv_heads, self.block_size,
-            row_width(mc.head_dim, kv_dtype), dtype=KV_CACHE_DTYPES[kv_dtype][0], device=device,
-        )
+        self.kv_cache = new_kv_cache(self.num_blocks, mc.num_layers, local.num_kv_heads,
+                                     self.block_size, mc.head_dim, self.config.kv_cache_dtype,
+                                     device)
         # Every rank's KV heads (tensor parallel: each rank's channel moves its own).
         self.kv_heads = [Shard.of(mc, r, tp.size).kv_heads for r in range(tp.size)] \
             if tp is not None else [(0, mc.num_kv_heads)]

@@ -40,6 +40,15 @@ def row_width(head_dim: int, kv_dtype: str) -> int:
     return head_dim + KV_CACHE_DTYPES[kv_dtype][1]
 
 
+def new_kv_cache(num_blocks: int, num_layers: int, num_kv_heads: int, block_size: int,
+                 head_dim: int, kv_dtype: str, device: str) -> torch.Tensor:
+    """A zeroed block-major cache: one block of every layer is one contiguous region,
+    so a transfer channel moves a request with one descriptor per block."""
+    return torch.zeros(num_blocks, num_layers, 2, num_kv_heads, block_size,
+                       row_width(head_dim, kv_dtype), dtype=KV_CACHE_DTYPES[kv_dtype][0],
+                       device=device)
+
+
 def row_bytes(head_dim: int, kv_dtype: str) -> int:
     dtype, extra = KV_CACHE_DTYPES[kv_dtype]
     return head_dim * torch.empty((), dtype=dtype).element_size() + extra
