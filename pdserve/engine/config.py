@@ -136,7 +136,7 @@ def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
 
 
-SPEC_METHODS = ("ngram", "suffix")
+SPEC_METHODS = ("ngram", "suffix", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -148,8 +148,10 @@ class SpeculativeConfig:
     tokens. ``suffix``: the same lookup, also in the worker's last
     ``suffix_decoding_max_cached_requests`` outputs, the match measured up to
     ``suffix_decoding_max_tree_depth`` tokens and the draft ``..._max_spec_factor`` x
-    as long. ``disable_by_batch_size``: no speculation in a step with more running
-    requests than this (decode is no longer memory-bound there)."""
+    as long. ``draft_model``: a smaller ``model`` (a checkpoint directory) of the same
+    tokenizer drafts greedily (``engine/draft_model.py``). ``disable_by_batch_size``: no
+    speculation in a step with more running requests than this (decode is no longer
+    memory-bound there)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -159,8 +161,12 @@ class SpeculativeConfig:
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
+    model: str | None = None  # draft_model: the draft's checkpoint directory
 
     def __post_init__(self) -> None:
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config.model (a draft checkpoint directory) goes "
+                             "with method draft_model, and only with it")
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got "
                              f"{self.method!r}")

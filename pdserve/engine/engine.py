@@ -39,6 +39,7 @@ import torch
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ceil_div
+from pdserve.engine.draft_model import DraftModel
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.input_batch import InputBatch
 from pdserve.engine.kv_cache import new_kv_cache
@@ -159,6 +160,14 @@ class LLMEngine:
         self.suffix_cache = SuffixCache(
             spec.suffix_decoding_max_cached_requests, spec.prompt_lookup_min,
             spec.prompt_lookup_max) if spec is not None and spec.method == "suffix" else None
+        self.draft: DraftModel | None = None
+        if spec is not None and spec.method == "draft_model":
+            if tp is not None:
+                raise ValueError("a draft model does not run under tensor parallelism yet "
+                                 "(speculative_config.method draft_model with tp > 1)")
+            assert spec.model is not None
+            self.draft = DraftModel(spec.model, self.config, mc, self.max_model_len,
+                                    self.num_blocks)
 
     def check_ranks(self) -> None:
         """``RuntimeError`` if one of this engine's tensor-parallel ranks is gone (the
@@ -345,13 +354,24 @@ class LLMEngine:
         """Drafts for this step's decoding requests (none in a batch over ``max_batch``
         requests, or for a request not one token behind)."""
         on = len(self.scheduler.running) <= max_batch
+        drafting: list[tuple[Request, int]] = []  # draft model: (request, k), batched
         for req in self.scheduler.running:
             if not on or req.spec is None or req.num_new_tokens != 1:
                 req.spec_token_ids.clear()
                 continue
             # All of a draft accepted, plus one: still within max_tokens.
             room = req.params.max_tokens - req.num_output_tokens - 1
-            req.spec_token_ids = req.spec.propose(req.token_ids, room)
+            if self.draft is None:
+                req.spec_token_ids = req.spec.propose(req.token_ids, room)
+                continue
+            req.spec_token_ids = []
+            k = req.spec.draft_length(room)
+            if k:
+                drafting.append((req, k))
+        if drafting:
+            assert self.draft is not None
+            for (req, _), draft in zip(drafting, self.draft.propose(drafting), strict=True):
+                req.spec_token_ids = draft
 
     def _append_tokens(self, s: Sampled) -> RequestOutput:
         """Append a step's tokens in order, each through the grammar and the stop rules;
@@ -420,6 +440,8 @@ class LLMEngine:
     def _forget(self, request_id: str) -> None:
         self.requests.pop(request_id, None)
         self._stops.pop(request_id, None)
+        if self.draft is not None:
+            self.draft.release(request_id)
 
     # ---------------------------------------------------------------- helpers
     def stats(self) -> EngineStats:
@@ -453,6 +475,8 @@ class LLMEngine:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
+        if self.draft is not None:
+            self.draft.check_integrity()
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -30,6 +30,9 @@ deterministic proposer), and sampling position by position draws one uniform per
 emitted token, as the plain sampler does: a seeded stream is the same with and
 without speculation, colocated, disaggregated or retried (``skip_draws``).
 
+Draft model (``draft_model``, ``draft_model.py``): a smaller model of the same
+tokenizer drafts greedily, every speculating request batched.
+
 Adaptive: a request's draft length follows its acceptance (a fully accepted draft
 grows it by one, a partial one shrinks it to what was accepted + 1, and a draft
 with nothing accepted pauses the request's speculation for 2, 4, .. 32 steps), and
@@ -179,7 +182,7 @@ class SuffixProposer:
 class SpecState:
     """One request's proposer and adaptive draft length (see the module doc)."""
 
-    proposer: NgramProposer | SuffixProposer
+    proposer: NgramProposer | SuffixProposer | None  # None: the engine's draft model
     max_k: int
     k: int = 0
     misses: int = 0  # drafts in a row with nothing accepted
@@ -196,14 +199,21 @@ class SpecState:
             assert cache is not None
             return cls(SuffixProposer(lo, hi, config.suffix_decoding_max_tree_depth,
                                       config.suffix_decoding_max_spec_factor, cache), n, n)
+        if config.method == "draft_model":
+            return cls(None, n, n)
         return cls(NgramProposer(lo, hi), n, n)
+
+    def draft_length(self, limit: int) -> int:
+        """How many tokens to draft this step: at most ``limit``, none while paused."""
+        if self.paused:
+            self.paused -= 1
+            return 0
+        return max(0, min(self.k, limit))
 
     def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
         """A draft of at most ``limit`` tokens (none while paused)."""
-        if self.paused:
-            self.paused -= 1
-            return []
-        k = min(self.k, limit)
+        assert self.proposer is not None
+        k = self.draft_length(limit)
         return self.proposer.propose(tokens, k) if k > 0 else []
 
     def observe(self, proposed: int, accepted: int) -> None:

@@ -1,0 +1,161 @@
+"""Draft-model speculation (``speculative_config.method: draft_model``): a smaller
+model of the same tokenizer guesses a decoding request's next tokens, the target
+checks them in one step (``spec_decode.verify``).
+
+The draft runs greedily, so its guess is a point mass and verification stays exact
+for greedy and seeded sampling alike (the rule in ``spec_decode.py``). It has its
+own paged KV cache (as many blocks as the target's, no prefix caching) and keeps a
+mirror ``Request`` per speculating request: each step the mirror first drops the KV
+of the tokens the target rejected (its computed tokens are cut back to the longest
+prefix it shares with the target's), catches up on what the target appended (at
+first the whole prompt, in chunks within the token budget: a decode worker computes
+its draft's prompt itself), then runs one single-token step per further draft
+token, every speculating request batched in each.
+
+Mirrors live as long as their requests (``release``); when the draft's rows or
+blocks run out, the least recently used mirror is dropped (it catches up again if
+it speculates later), and a request that still finds no room gets no draft."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.config import EngineConfig, ModelConfig, ceil_div
+from pdserve.engine.input_batch import InputBatch
+from pdserve.engine.kv_cache import new_kv_cache
+from pdserve.engine.loader import load_model
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
+
+_PARAMS = SamplingParams(max_tokens=1)  # a mirror samples (greedily) once it caught up
+
+
+class DraftModel:
+    def __init__(self, model_dir: str | Path, config: EngineConfig, target: ModelConfig,
+                 max_model_len: int, num_blocks: int) -> None:
+        model_dir = Path(model_dir)
+        if not model_dir.is_dir():
+            raise ValueError(f"speculative_config.model: draft model directory {str(model_dir)!r} "
+                             "not found")
+        mc = ModelConfig.from_dir(model_dir)
+        if mc.vocab_size != target.vocab_size:
+            raise ValueError(f"draft model {str(model_dir)!r} has a vocabulary of "
+                             f"{mc.vocab_size} tokens, the target {target.vocab_size}: a draft "
+                             "must share the target's tokenizer")
+        if mc.max_position_embeddings < max_model_len:
+            raise ValueError(f"draft model {str(model_dir)!r} takes {mc.max_position_embeddings} "
+                             f"positions, fewer than the target's max_model_len {max_model_len}")
+        # The target's dtype, backends, quantization and KV cache dtype.
+        loaded = load_model(model_dir, dataclasses.replace(config, max_model_len=max_model_len))
+        self.model = loaded.model
+        self.block_size = config.block_size
+        self.kv_cache = new_kv_cache(num_blocks, mc.num_layers, mc.num_kv_heads,
+                                     self.block_size, mc.head_dim, config.kv_cache_dtype,
+                                     config.device)
+        self.pool = BlockPool(num_blocks, enable_prefix_caching=False)
+        self.max_rows = config.max_num_seqs
+        self.max_tokens = config.max_num_batched_tokens
+        self.inputs = InputBatch(self.max_rows, max_model_len, self.max_tokens, self.block_size,
+                                 config.device)
+        self.mirrors: OrderedDict[str, Request] = OrderedDict()  # least recently used first
+        self._synced: dict[str, int] = {}  # request id -> tokens known equal to the target's
+
+    def release(self, request_id: str) -> None:
+        """The request is gone (finished, aborted, handed off): its blocks and row too."""
+        m = self.mirrors.pop(request_id, None)
+        if m is not None:
+            self.pool.free(m.block_ids)
+            m.block_ids = []
+            self.inputs.release(m)
+            del self._synced[request_id]
+
+    def _evict(self, keep: set[str]) -> bool:
+        """Drop the least recently used mirror not in ``keep``; False if none."""
+        for rid in self.mirrors:
+            if rid not in keep:
+                self.release(rid)
+                return True
+        return False
+
+    def _mirror(self, req: Request, k: int, keep: set[str]) -> Request | None:
+        """The request's mirror, cut back to what it shares with the target and with
+        blocks for the tokens it computes this step; None: no room for it."""
+        rid = req.request_id
+        m = self.mirrors.get(rid)
+        if m is None:
+            while len(self.mirrors) >= self.max_rows:
+                if not self._evict(keep):
+                    return None
+            m = self.mirrors[rid] = Request(rid, [], _PARAMS, token_ids=[])
+            self._synced[rid] = 0
+        self.mirrors.move_to_end(rid)
+        tokens, mine = req.token_ids, m.token_ids
+        same = self._synced[rid]
+        end = min(len(mine), len(tokens))
+        while same < end and mine[same] == tokens[same]:
+            same += 1
+        del mine[same:]
+        mine.extend(tokens[same:])
+        self._synced[rid] = len(tokens)
+        # (at least the last token is computed again: it gives the first guess)
+        m.num_computed_tokens = min(m.num_computed_tokens, same, len(tokens) - 1)
+        # KV for every token computed: the target's and the first k - 1 drafted
+        need = ceil_div(len(tokens) + k - 1, self.block_size) - len(m.block_ids)
+        while need > 0:
+            got = self.pool.allocate(need)
+            if got is not None:
+                m.block_ids += got
+                break
+            if not self._evict(keep | {rid}):
+                return None
+        return m
+
+    def _run(self, work: list[tuple[Request, int]]) -> dict[str, int]:
+        """Compute ``n`` tokens of each mirror; the greedy next token of each that
+        caught up with its tokens."""
+        step = self.inputs.prepare(work)
+        hidden = self.model(step.input_ids, self.kv_cache, step.meta, step.logits_indices)
+        for m, n in work:
+            m.num_computed_tokens += n
+        if not step.sampled:
+            return {}
+        logits = self.model.logits(hidden[: len(step.sampled)])
+        assert logits is not None  # no tensor parallelism for a draft
+        best = logits.argmax(dim=-1).tolist()
+        return {m.request_id: t for m, t in zip(step.sampled, best, strict=True)}
+
+    @torch.inference_mode()
+    def propose(self, wanted: Sequence[tuple[Request, int]]) -> list[list[int]]:
+        """A draft of ``k`` tokens for each ``(request, k)`` (empty: no room)."""
+        keep = {req.request_id for req, _ in wanted}
+        mirrors = [self._mirror(req, k, keep) for req, k in wanted]
+        drafts: dict[str, list[int]] = {req.request_id: [] for req, _ in wanted}
+        want = {req.request_id: k for req, k in wanted}
+        active = [m for m in mirrors if m is not None]
+        while active:
+            budget, work = self.max_tokens, []
+            for m in active:  # catching up on a long prompt: chunks within the budget
+                n = min(m.num_new_tokens, budget)
+                if n <= 0:
+                    break
+                work.append((m, n))
+                budget -= n
+            for rid, token in self._run(work).items():
+                drafts[rid].append(token)
+                self.mirrors[rid].token_ids.append(token)
+            # the last draft token is never computed: its KV is not needed
+            active = [m for m in active if len(drafts[m.request_id]) < want[m.request_id]]
+        return [drafts[req.request_id] for req, _ in wanted]
+
+    def check_integrity(self) -> None:
+        """Every block is held by one live mirror or free."""
+        held = [b for m in self.mirrors.values() for b in m.block_ids]
+        assert len(held) == len(set(held)), "a draft block held twice"
+        assert self.pool.num_used == len(held), (self.pool.num_used, len(held))
+        self.pool.check_integrity()
