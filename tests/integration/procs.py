@@ -45,6 +45,17 @@ def processes_with(mark: str) -> list[int]:
     return found
 
 
+def command_lines(pids: list[int]) -> dict[int, str]:
+    """What each process runs (for a failure's message; gone ones say so)."""
+    out = {}
+    for pid in pids:
+        try:
+            out[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+        except OSError:
+            out[pid] = "(gone)"
+    return out
+
+
 def kill_marked(mark: str) -> None:
     for pid in processes_with(mark):
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -367,9 +368,19 @@ def test_receiver_death_fails_sender_in_time(hosts: Hosts) -> None:
     # sender whose one-sided write is still in flight when its peer dies).
     until("the first message to complete", lambda: not p.send.inflight("r"), WAIT_S)
     _kill(hosts, host, p.recv)
-    p.send.send(p.peer, "r", [1, 2], [1, 2], layers=(1, 4), notify={})
-    (sent,) = collect([p.send], [1], WAIT_S)  # it ends: by the send timeout at the latest
-    assert len(sent) == 1 and not sent[0].ok, sent
+    # Each send ends (by the send timeout at the latest). Ray: a put into the dead
+    # receiver's queue succeeds until Ray has reaped that queue actor (its owner's death
+    # is noticed asynchronously), so a send just after the kill may still be reported
+    # delivered; the sends after it fail.
+    deadline = time.monotonic() + WAIT_S
+    for i in range(100):
+        # the first ends request r (its last message); a retry is a request of its own
+        p.send.send(p.peer, f"r{i or ''}", [1, 2], [1, 2], layers=(1, 4), notify={})
+        (sent,) = collect([p.send], [1], WAIT_S)
+        assert len(sent) == 1, sent
+        if not sent[0].ok or hosts.backend != "ray" or time.monotonic() > deadline:
+            break
+    assert not sent[0].ok, sent
     assert sent[0].reason in {FailReason.PEER_DIED, FailReason.TIMEOUT}
     assert p.send.num_pending() == 0
     p.send.close()
