@@ -34,3 +34,14 @@ def disaggregate(prefill: LLMEngine, decode: LLMEngine, request_id: str,
     first = outs[0].new_token_ids[0]
     decode.start_decode(request_id, first)
     return first
+
+
+def decode_to_end(decode: LLMEngine) -> tuple[list[int], int]:
+    """Step ``decode`` until nothing is left: the tokens it produced, and the steps."""
+    tokens: list[int] = []
+    steps = 0
+    while decode.has_unfinished():
+        steps += 1
+        for o in decode.step().outputs:
+            tokens.extend(o.new_token_ids)
+    return tokens, steps

@@ -16,7 +16,7 @@ from pdserve.engine.config import SpeculativeConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
-from tests.engine.handoff import disaggregate
+from tests.engine.handoff import decode_to_end, disaggregate
 from tests.engine.test_spec_decode import GREEDY, _run, copy_prompts, engine
 from tests.engine.test_spec_decode import backend as backend
 
@@ -121,13 +121,9 @@ def test_decode_worker_drafts_from_its_first_step(tiny_model: Callable[[str], Pa
     prefill = engine(path, spec=draft(path), role="prefill")
     assert prefill.draft is None
     decode = engine(path, spec=draft(path), role="decode", num_blocks=64)
-    tokens = [disaggregate(prefill, decode, "r", prompt, GREEDY)]
-    steps = 0
-    while decode.has_unfinished():
-        steps += 1
-        for o in decode.step().outputs:
-            tokens.extend(o.new_token_ids)
-    assert tokens == want
+    first = disaggregate(prefill, decode, "r", prompt, GREEDY)
+    tokens, steps = decode_to_end(decode)
+    assert [first, *tokens] == want
     assert steps < (len(want) - 1) / 2  # the target as draft: most steps give 2+ tokens
     drained(decode)
     assert decode.pool.num_used == 0

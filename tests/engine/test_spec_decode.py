@@ -20,7 +20,7 @@ from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.spec_decode import NgramProposer, SpecState, SuffixCache, SuffixProposer, verify
 from pdserve.engine.structured import StructuredOutput
 from pdserve.tensor_parallel import create_engine
-from tests.engine.handoff import disaggregate
+from tests.engine.handoff import decode_to_end, disaggregate
 from tests.engine.test_engine import BACKENDS, prompts
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
@@ -236,13 +236,9 @@ def test_decode_worker_speculates_from_its_first_step(tiny_model: Callable[[str]
     prefill = engine(path, role="prefill")
     assert prefill.spec_config is None
     decode = engine(path, role="decode", num_blocks=64)
-    tokens = [disaggregate(prefill, decode, "r", prompt, GREEDY)]
-    steps = 0
-    while decode.has_unfinished():
-        steps += 1
-        for o in decode.step().outputs:
-            tokens.extend(o.new_token_ids)
-    assert tokens == want
+    first = disaggregate(prefill, decode, "r", prompt, GREEDY)
+    tokens, steps = decode_to_end(decode)
+    assert [first, *tokens] == want
     assert steps < len(want) - 1  # some steps gave more than one token
     decode.check_integrity()
     assert decode.pool.num_used == 0
