@@ -1,10 +1,12 @@
 """``ThreadLoop``: one thread that owns an object which is not thread-safe -- a
 worker's engine (``worker_loop``), a KV channel (``kv_transfer.driver``).
 
-Other threads (Ray actor methods, the router's in-process client) hand work to the
-loop with ``call``; the loop runs it between iterations (engine steps, channel polls)
-and resolves the returned future. When there is nothing to do it sleeps on a
-condition instead of spinning (2 cores are precious).
+The loop runs a ``LoopBody`` (what one iteration does: an engine step, a channel
+poll); the body's owner holds the loop, it does not inherit from it. Other threads
+(Ray actor methods, the router's in-process client) hand work to the loop with
+``call``; the loop runs it between iterations and resolves the returned future. When
+there is nothing to do it sleeps on a condition (``idle_wait_s`` at most, which the
+body may change) instead of spinning (2 cores are precious).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -24,12 +26,21 @@ class LoopStopped(RuntimeError):
     """The loop is not running (any more): a call cannot run."""
 
 
+class LoopBody(Protocol):
+    def iterate(self) -> None:
+        """One unit of work (an engine step, polling transfers)."""
+
+    def busy(self) -> bool:
+        """True while ``iterate`` has something to do right away."""
+
+
 class ThreadLoop:
-    def __init__(self, name: str, idle_wait_s: float = 0.005) -> None:
+    def __init__(self, name: str, body: LoopBody, idle_wait_s: float = 0.005) -> None:
+        self.body = body
         self._cv = threading.Condition()
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._stop = False
-        self._idle_wait_s = idle_wait_s
+        self.idle_wait_s = idle_wait_s
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.error: BaseException | None = None
         # Called on the loop thread when ``iterate`` raised and the loop ended (a Ray
@@ -72,14 +83,8 @@ class ThreadLoop:
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout)
 
-    # Subclasses implement these two.
-    def iterate(self) -> None:
-        """One unit of work (an engine step, polling transfers)."""
-        raise NotImplementedError
-
-    def busy(self) -> bool:
-        """True while ``iterate`` has something to do right away."""
-        raise NotImplementedError
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def _run(self) -> None:
         try:
@@ -87,8 +92,8 @@ class ThreadLoop:
                 with self._cv:
                     if self._stop:
                         break
-                    if not self._calls and not self.busy():
-                        self._cv.wait(self._idle_wait_s)
+                    if not self._calls and not self.body.busy():
+                        self._cv.wait(self.idle_wait_s)
                     calls = list(self._calls)
                     self._calls.clear()
                 for fn, fut in calls:
@@ -97,7 +102,7 @@ class ThreadLoop:
                             fut.set_result(fn())
                         except Exception as exc:  # the caller gets it
                             fut.set_exception(exc)
-                self.iterate()
+                self.body.iterate()
         except BaseException as exc:  # a crashed loop must not look alive
             self.error = exc
             if self.on_crash is not None:

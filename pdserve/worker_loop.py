@@ -4,9 +4,10 @@ calls (the same object in-process and inside a Ray actor: Ray wraps the worker c
 itself), the load answer of health probes, the per-step metrics (batch shape, step
 time, FLOPs and bytes for MFU/MBU) and their snapshot, the integrity check.
 
-Threads: the engine belongs to the loop thread (``ThreadLoop``). Async methods run
-on the caller's event loop (Ray's actor loop, or the router's in-process) and hand
-their work to the loop thread with ``_on_loop``. The loop thread publishes the load
+Threads: the engine belongs to the worker's loop thread (``self.loop``, a
+``ThreadLoop`` whose body is the worker: ``iterate`` is one engine step). Async
+methods run on the caller's event loop (Ray's actor loop, or the router's
+in-process) and hand their work to the loop thread with ``_on_loop``. The loop thread publishes the load
 after every iteration and the metrics snapshot at most every ``METRICS_PERIOD_S``
 (and whenever it idles), so ``load()`` (the health probe) and ``/metrics`` answer
 from the last ones at once, even while a long prefill step runs: a busy worker is
@@ -48,12 +49,12 @@ METRICS_PERIOD_S = 0.5
 IDLE_WAIT_S = 1.0  # nothing to do: the loop sleeps until a call wakes it (or this long)
 
 
-class WorkerLoop(ThreadLoop):
+class WorkerLoop:
     def __init__(self, role: str, worker_id: str, model_dir: str | Path,
                  config: EngineConfig) -> None:
         if config.role != role:
             raise ValueError(f"a {role} worker needs role={role!r}, got {config.role!r}")
-        super().__init__(name=f"{role}-{worker_id}", idle_wait_s=IDLE_WAIT_S)
+        self.loop = ThreadLoop(f"{role}-{worker_id}", self, IDLE_WAIT_S)
         self.worker_id = worker_id
         self.role = role
         self.model_dir = str(model_dir)  # what it serves (a re-attaching router checks it)
@@ -95,7 +96,7 @@ class WorkerLoop(ThreadLoop):
     async def abort(self, request_id: str) -> None:
         """Drop a request wherever it is and free its blocks (idempotent). Queued on
         the loop; never waits for it (a stalled worker must not stall the caller)."""
-        self.post(lambda: self._abort(request_id))
+        self.loop.post(lambda: self._abort(request_id))
 
     async def check_integrity(self) -> None:
         await self._on_loop(self.engine.check_integrity)
@@ -112,25 +113,25 @@ class WorkerLoop(ThreadLoop):
         """Run ``fn`` on the loop thread; ``WorkerGone`` once the loop has stopped."""
         self._check_running()
         try:
-            return await asyncio.wrap_future(self.call(fn))
+            return await asyncio.wrap_future(self.loop.call(fn))
         except LoopStopped:
             self._check_running()  # stopped meanwhile: WorkerGone, else fn's own error
             raise
 
     def _check_running(self) -> None:
-        if self.error is not None or not self._thread.is_alive():
+        if self.loop.error is not None or not self.loop.alive():
             raise WorkerGone(f"{self.role} worker {self.worker_id} is not running "
-                             f"({self.error!r})")
+                             f"({self.loop.error!r})")
 
     def start(self) -> None:
         """Publish the first metrics snapshot, then start the loop thread (whose first
         pass may come only after an idle wait)."""
         self._publish_metrics(force=True)
-        super().start()
+        self.loop.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the loop, then the engine's other tensor-parallel ranks (if any)."""
-        super().stop(timeout)
+        self.loop.stop(timeout)
         self.engine.close()
 
     # ------------------------------------------------------------- loop side
@@ -144,7 +145,7 @@ class WorkerLoop(ThreadLoop):
             for rid in request_ids:
                 self._abort(rid)
 
-        self.post(abort_all)
+        self.loop.post(abort_all)
 
     def busy(self) -> bool:
         return self.engine.has_unfinished()

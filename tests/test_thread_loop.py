@@ -11,7 +11,7 @@ import pytest
 from pdserve.thread_loop import LoopStopped, ThreadLoop
 
 
-class Idle(ThreadLoop):
+class NoWork:
     def iterate(self) -> None:
         pass
 
@@ -19,8 +19,12 @@ class Idle(ThreadLoop):
         return False
 
 
+def idle_loop(name: str) -> ThreadLoop:
+    return ThreadLoop(name, NoWork())
+
+
 def test_calls_run_on_the_loop_thread_in_order() -> None:
-    loop = Idle("test-loop")
+    loop = idle_loop("test-loop")
     loop.start()
     try:
         ran: list[tuple[int, str]] = []
@@ -34,7 +38,7 @@ def test_calls_run_on_the_loop_thread_in_order() -> None:
 
 
 def test_a_failed_post_is_logged_and_the_loop_goes_on(caplog: pytest.LogCaptureFixture) -> None:
-    loop = Idle("test-loop")
+    loop = idle_loop("test-loop")
     loop.start()
     try:
         def boom() -> None:
@@ -51,7 +55,7 @@ def test_a_failed_post_is_logged_and_the_loop_goes_on(caplog: pytest.LogCaptureF
 
 
 def test_a_stopped_loop_refuses_calls(caplog: pytest.LogCaptureFixture) -> None:
-    loop = Idle("test-loop")
+    loop = idle_loop("test-loop")
     loop.start()
     loop.stop()
     with pytest.raises(LoopStopped):

@@ -125,7 +125,7 @@ class DecodeWorker(WorkerLoop):
             self.engine.abort(rid)
 
     def _on_recv_events(self, events: list[RecvEvent], when: float) -> None:
-        self.post(lambda: self._arrived(events, when))  # channel thread -> loop thread
+        self.loop.post(lambda: self._arrived(events, when))  # channel thread -> loop thread
 
     def _arrived(self, events: list[RecvEvent], when: float) -> None:
         batch: list[RequestDelta] = []

@@ -22,7 +22,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,6 +44,7 @@ from pdserve.messages import (
 )
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.clients import ColocatedHandle, DecodeHandle, PrefillHandle
+from pdserve.thread_loop import ThreadLoop
 
 MAX_BACKOFF_S = 60.0
 NAMESPACE = "pdserve"  # where a deployment's (detached, named) worker actors live
@@ -102,7 +103,7 @@ class _InActor:
     to it, and its process id (for fault injection)."""
 
     metrics_at: tuple[str, int] | None
-    on_crash: Callable[[BaseException], None] | None
+    loop: ThreadLoop  # the worker's engine loop (WorkerLoop)
     model_dir: str  # the worker's (WorkerLoop)
 
     def _exit_on_crash(self) -> None:
@@ -114,7 +115,7 @@ class _InActor:
                                                       "Ray restarts this worker", exc)
             os._exit(1)
 
-        self.on_crash = crashed
+        self.loop.on_crash = crashed
 
     def _serve_metrics(self, model_dir: str, host: str) -> None:
         from pdserve.deploy.worker_metrics import serve_worker_metrics

@@ -33,6 +33,7 @@ from pdserve.thread_loop import ThreadLoop
 from .base import KVReceiver, KVSender, RecvEvent, SendEvent
 
 C = TypeVar("C", KVSender, KVReceiver)
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 MIN_POLL_S = 0.0005
@@ -40,21 +41,31 @@ MAX_POLL_S = 0.01
 IDLE_S = 1.0
 
 
-class ChannelThread(ThreadLoop, Generic[C]):
-    """A ``ThreadLoop`` whose unit of work is one ``poll`` of the channel."""
+class ChannelThread(Generic[C]):
+    """A channel driven by a ``ThreadLoop`` of its own, one ``poll`` per iteration."""
 
     def __init__(self, channel: C,
                  on_events: Callable[[list[Any], float], None], name: str) -> None:
-        super().__init__(name=name, idle_wait_s=IDLE_S)
         self.channel: C = channel
         self._on_events = on_events
         self._wait = MIN_POLL_S
         self._pending = 0
-        self.start()
+        self._loop = ThreadLoop(name, self, IDLE_S)
+        self._loop.start()
+
+    def call(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` on the channel's thread between polls (``ThreadLoop.call``)."""
+        return self._loop.call(fn)
+
+    def post(self, fn: Callable[[], object]) -> None:
+        self._loop.post(fn)
+
+    def wake(self) -> None:
+        self._loop.wake()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the thread, then close the channel (pending requests fail CLOSED)."""
-        self.stop(timeout_s)
+        self._loop.stop(timeout_s)
         self.channel.close()
 
     def connect(self: ChannelThread[KVSender], endpoint: dict[str, Any]) -> Future[str]:
@@ -76,7 +87,7 @@ class ChannelThread(ThreadLoop, Generic[C]):
         return done
 
     def busy(self) -> bool:
-        return False  # the next poll waits ``_idle_wait_s`` (set by iterate) or a call
+        return False  # the next poll waits ``idle_wait_s`` (set by iterate) or a call
 
     def iterate(self) -> None:
         try:
@@ -90,4 +101,4 @@ class ChannelThread(ThreadLoop, Generic[C]):
         busier = pending > self._pending  # a new request: poll it soon
         self._pending = pending
         self._wait = MIN_POLL_S if events or busier else min(MAX_POLL_S, self._wait * 2)
-        self._idle_wait_s = self._wait if pending else IDLE_S
+        self._loop.idle_wait_s = self._wait if pending else IDLE_S

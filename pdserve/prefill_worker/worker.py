@@ -221,7 +221,7 @@ class PrefillWorker(WorkerLoop):
                                                     notify=notify))
 
     def _on_send_events(self, events: list[SendEvent], when: float) -> None:
-        self.post(lambda: self._sent(events, when))  # channel thread -> loop thread
+        self.loop.post(lambda: self._sent(events, when))  # channel thread -> loop thread
 
     def _sent(self, events: list[SendEvent], when: float) -> None:
         for ev in events:

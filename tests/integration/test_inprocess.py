@@ -62,7 +62,7 @@ class Pair:
 
     def close(self) -> None:
         for w in self.workers:
-            w.call(w.engine.check_integrity).result()
+            w.loop.call(w.engine.check_integrity).result()
             assert w.engine.pool.num_used == 0, f"{w.worker_id} leaked blocks"
             w.close()
 

@@ -195,7 +195,7 @@ def test_metrics_answer_while_the_engine_is_busy(tiny_model: Callable[[str], Pat
     w = pair.decode[0]
     try:
         before = w.metrics()
-        w.call(gate.wait)  # the loop thread is busy until the gate opens
+        w.loop.call(gate.wait)  # the loop thread is busy until the gate opens
         text = generate_latest(worker_registry(w.metrics())).decode()
         assert "pdserve_kv_blocks_free" in text
         load = asyncio.run(asyncio.wait_for(w.load(), timeout=5))
