@@ -68,7 +68,7 @@ def test_a_lost_rank_takes_its_worker_out(pair_factory: Callable[..., Pair],
         await wait_freed_except(pair, tp_worker)
 
     run(pair, body)
-    assert tp_worker.error is not None and "rank 1" in str(tp_worker.error)
+    assert tp_worker.loop.error is not None and "rank 1" in str(tp_worker.loop.error)
     pair.decode.remove(tp_worker)  # its loop is gone: nothing to check on it
     tp_worker.close()
 

@@ -38,7 +38,7 @@ def failed(registry: CollectorRegistry, reason: str) -> float:
 def stall(worker: object) -> threading.Event:
     """Block a worker's engine loop until the returned event is set (a stuck step)."""
     gate = threading.Event()
-    worker.call(gate.wait)  # type: ignore[attr-defined]
+    worker.loop.call(gate.wait)  # type: ignore[attr-defined]
     return gate
 
 
