@@ -7,9 +7,10 @@ time, FLOPs and bytes for MFU/MBU) and their snapshot, the integrity check.
 Threads: the engine belongs to the worker's loop thread (``self.loop``, a
 ``ThreadLoop`` whose body is the worker: ``iterate`` is one engine step). Async
 methods run on the caller's event loop (Ray's actor loop, or the router's
-in-process) and hand their work to the loop thread with ``_on_loop``. The loop thread publishes the load
-after every iteration and the metrics snapshot at most every ``METRICS_PERIOD_S``
-(and whenever it idles), so ``load()`` (the health probe) and ``/metrics`` answer
+in-process) and hand their work to the loop thread with ``_on_loop``. The loop
+thread publishes the load after every iteration and the metrics snapshot
+(``self.publisher``, ``metrics_publisher.py``) at most every 0.5 s (and whenever it
+idles), so ``load()`` (the health probe) and ``/metrics`` answer
 from the last ones at once, even while a long prefill step runs: a busy worker is
 not an unhealthy one. Both are made once before the thread starts too, so a new
 worker's first answers show its engine's real free blocks. A worker whose loop has
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -41,11 +41,11 @@ from pdserve.messages import (
     WorkerLoad,
     WorkerMetrics,
 )
+from pdserve.metrics_publisher import MetricsPublisher
 from pdserve.tensor_parallel import create_engine
 from pdserve.thread_loop import LoopStopped, ThreadLoop
 
 T = TypeVar("T")
-METRICS_PERIOD_S = 0.5
 IDLE_WAIT_S = 1.0  # nothing to do: the loop sleeps until a call wakes it (or this long)
 
 
@@ -65,13 +65,12 @@ class WorkerLoop:
         # This rank's KV cache; ``layout`` is the whole model's (what a request's KV is).
         self._rank_layout = KVLayout(**self.engine.kv_layout_spec())  # type: ignore[arg-type]
         self.layout = self._rank_layout.model_wide()
-        self._metrics = WorkerMetrics(worker_id, role, num_blocks=self.engine.num_blocks)
-        self._published = WorkerMetrics(**vars(self._metrics))
-        self._published_at = 0.0
+        self.publisher = MetricsPublisher(
+            worker_id, role, self.engine.num_blocks,
+            cost_model(self.engine.model_config, config.dtype, config.quantization))
         self.blocks_granted = 0  # by reserve/admit (WorkerLoad.blocks_granted)
         self.metrics_at: tuple[str, int] | None = None  # its /metrics, set by who serves it
         self._load = self._make_load()
-        self._cost = cost_model(self.engine.model_config, config.dtype, config.quantization)
 
     def _open_channel(self, role: str, transfer: str,
                       options: dict[str, Any] | None) -> KVSender | KVReceiver:
@@ -103,7 +102,7 @@ class WorkerLoop:
 
     def metrics(self) -> WorkerMetrics:
         """The last published snapshot (any thread; never waits for the engine)."""
-        return self._published
+        return self.publisher.snapshot()
 
     def metrics_address(self) -> tuple[str, int] | None:
         """Where this worker's ``/metrics`` is served (deploy/ starts one per actor)."""
@@ -167,7 +166,7 @@ class WorkerLoop:
         if result.info is not None:
             # logits rows: one per output, one per draft token verified
             rows = len(result.outputs) + result.info.num_draft_tokens
-            self._metrics.observe_step(result.info, *self._cost.step(result.info, rows))
+            self.publisher.observe_step(result.info, rows)
         return result.outputs
 
     def _make_load(self) -> WorkerLoad:
@@ -177,21 +176,7 @@ class WorkerLoop:
                           e.num_blocks, e.queued_prefill_tokens, self.blocks_granted)
 
     def _publish_metrics(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._published_at < METRICS_PERIOD_S:
-            return
-        self._published_at = now
-        e, m = self.engine.stats(), self._metrics
-        m.num_running, m.num_waiting = e.num_running, e.num_waiting
-        m.num_waiting_for_kv, m.num_free_blocks = e.num_waiting_for_kv, e.num_free_blocks
-        m.queued_prefill_tokens = e.queued_prefill_tokens
-        m.prefix_queries, m.prefix_hits = e.prefix_queries, e.prefix_hits
-        m.num_preemptions = e.num_preemptions
-        if e.spec is not None:
-            m.spec_drafts, m.spec_draft_tokens = e.spec.num_drafts, e.spec.num_draft_tokens
-            m.spec_accepted_tokens = e.spec.num_accepted_tokens
-        self._before_publish(m)
-        self._published = WorkerMetrics(**vars(m))  # one reference swap: readers see all or none
+        self.publisher.publish(self.engine.stats(), self._before_publish, force)
 
     def _before_publish(self, m: WorkerMetrics) -> None:
         """Fill role-specific metrics (loop thread)."""

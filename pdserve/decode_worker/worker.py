@@ -95,7 +95,7 @@ class DecodeWorker(WorkerLoop):
                 and len(prompt) - reused * self.engine.block_size <= local_prefill_max_tokens):
             self.engine.prefill_reserved(rid)
             self._received[rid] = time.monotonic()
-            self._metrics.local_prefills += 1
+            self.publisher.counters.local_prefills += 1
             self.blocks_granted += len(blocks)
             return Reservation(blocks, reused, local=True)
         try:
@@ -140,7 +140,7 @@ class DecodeWorker(WorkerLoop):
                 continue
             if not ev.ok:
                 self.engine.abort(rid)
-                self._metrics.kv_transfer_failures += 1
+                self.publisher.counters.kv_transfer_failures += 1
                 batch.append(RequestDelta(rid, [], finish_reason="error",
                                           failure=ev.reason or FailReason.TRANSPORT,
                                           error=f"KV transfer failed: {ev.error}"))

@@ -214,7 +214,7 @@ class PrefillWorker(WorkerLoop):
         self.engine.pin(src)
         f.pinned.extend(src)
         f.sent_blocks = start + len(src)
-        self._metrics.kv_sends += 1
+        self.publisher.counters.kv_sends += 1
         layers = None if notify is not None else (0, self.layout.num_layers)
         peer = f.peer
         self.transfer.post(lambda: self.sender.send(peer, rid, src, dst, layers=layers,
@@ -234,7 +234,7 @@ class PrefillWorker(WorkerLoop):
                 continue
             self.engine.unpin(f.pinned)
             if not ev.ok:
-                self._metrics.kv_transfer_failures += 1
+                self.publisher.counters.kv_transfer_failures += 1
                 if ev.reason is FailReason.PEER_DIED:  # the channel is gone, not just this request
                     self._broken.add(f.task.decode_worker)
                 if not f.first.done():  # prefill() fails: nobody will ask for handoff()
@@ -246,9 +246,9 @@ class PrefillWorker(WorkerLoop):
                 continue
             assert f.final_sent is not None
             nbytes = len(f.pinned) * self.layout.block_bytes
-            self._metrics.kv_transfers += 1
-            self._metrics.kv_transfer_bytes += nbytes
-            self._metrics.kv_transfer_seconds += when - f.final_sent
+            self.publisher.counters.kv_transfers += 1
+            self.publisher.counters.kv_transfer_bytes += nbytes
+            self.publisher.counters.kv_transfer_seconds += when - f.final_sent
             f.future.set_result(PrefillResult(ev.request_id, max(0.0, when - f.final_sent),
                                               nbytes))
 
