@@ -66,10 +66,8 @@ from pdserve.router.openai_format import (
     error_object,
     router_error_object,
 )
+from pdserve.router.openai_models import ChatCompletionRequest, CompletionRequest, InvalidRequest
 from pdserve.router.openai_schema import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    InvalidRequest,
     Plan,
     chat_request,
     check_grammars,

@@ -26,7 +26,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from pdserve.router.openai_schema import (
+from pdserve.router.openai_models import (
     REFUSED_CHAT,
     REFUSED_COMPLETION,
     ChatCompletionRequest,

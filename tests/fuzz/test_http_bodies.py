@@ -17,7 +17,7 @@ import hypothesis.strategies as st
 import requests
 from hypothesis import HealthCheck, given, settings
 
-from pdserve.router.openai_schema import ChatCompletionRequest, CompletionRequest
+from pdserve.router.openai_models import ChatCompletionRequest, CompletionRequest
 from tests.fuzz.conftest import AUTH, STATS
 from tests.integration.live_server import CALL_TIMEOUT_S, LiveServer
 

@@ -18,8 +18,8 @@ from pdserve.engine.structured import StructuredOutput
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router import api_common
 from pdserve.router.openai_format import ResponseBuilder, TokenText
+from pdserve.router.openai_models import InvalidRequest
 from pdserve.router.openai_schema import (
-    InvalidRequest,
     chat_request,
     check_grammars,
     choice_requests,

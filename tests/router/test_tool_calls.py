@@ -17,7 +17,8 @@ from pdserve.engine.structured import StructuredOutput, grammar_of
 from pdserve.engine.tiny import CHAT_TEMPLATE
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.openai_format import ResponseBuilder, TokenText
-from pdserve.router.openai_schema import InvalidRequest, chat_request
+from pdserve.router.openai_models import InvalidRequest
+from pdserve.router.openai_schema import chat_request
 from pdserve.router.tool_calls import (
     HERMES,
     LLAMA3,

@@ -1,0 +1,245 @@
+"""The OpenAI request bodies (``/v1/completions``, ``/v1/chat/completions``) as pydantic
+models, and the fields we refuse (each ``Refused`` rule with the JSON schema of its
+harmless values, which ``openapi_doc`` publishes). ``openai_schema.py`` maps a
+validated body to router requests; its docstring has the rules both follow."""
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pdserve.engine.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_LOGPROBS,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+)
+from pdserve.engine.structured import MAX_CHOICES, StructuredOutput
+
+MAX_N = 16  # choices per request
+INT64 = 2**63
+TokenId = Annotated[int, Field(ge=0)]
+StopString = Annotated[str, Field(min_length=1)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+TopN = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
+Int64 = Annotated[int, Field(ge=-INT64, lt=INT64)]
+NonEmpty = Annotated[str, Field(min_length=1)]
+JsonSchema = dict[str, Any]
+Choices = Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_CHOICES)]
+Named = list[tuple[str, StructuredOutput]]  # (field or its part, constraint)
+# token id (in decimal, as JSON keys are strings) -> bias
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=r"^[0-9]+$")],
+         Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+    Field(max_length=MAX_LOGIT_BIAS_TOKENS, json_schema_extra={"additionalProperties": False})]
+
+
+class InvalidRequest(ValueError):
+    """A 400: ``param`` is the request field at fault (None: the body as a whole)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class TextFormat(_Body):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(_Body):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(_Body):
+    name: NonEmpty
+    description: str | None = None
+    schema_: JsonSchema | None = Field(default=None, alias="schema")  # None: any object
+    strict: bool | None = None
+
+
+class JsonSchemaFormat(_Body):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat,
+                           Field(discriminator="type")]
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs``: one of its fields."""
+
+    json_: JsonSchema | str | None = Field(default=None, alias="json")
+    regex: NonEmpty | None = None
+    choice: Choices | None = None
+    grammar: NonEmpty | None = None
+    json_object: bool | None = None
+
+
+class SamplingFields(_Body):
+    """Fields both endpoints share; the vLLM extensions are at the end."""
+
+    model: str | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    seed: Int64 | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    logit_bias: LogitBias | None = None
+    response_format: ResponseFormat | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    # vLLM's extensions (OpenAI clients send them through ``extra_body``)
+    top_k: Annotated[int, Field(ge=-1)] = 0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    priority: Int64 = 0  # lower runs first
+    guided_json: JsonSchema | str | None = None  # a schema, or its JSON text
+    guided_regex: NonEmpty | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: NonEmpty | None = None  # Lark (llguidance) or GBNF
+    structured_outputs: StructuredOutputs | None = None
+    # pdserve's: deadline in seconds from arrival (as the gRPC field); past it, 504
+    timeout_s: Annotated[float, Field(gt=0.0)] | None = None
+
+
+class CompletionRequest(SamplingFields):
+    # a text, token ids, or a batch of exactly one of either
+    prompt: (str | list[TokenId] | Annotated[list[str], Field(min_length=1, max_length=1)]
+             | Annotated[list[list[TokenId]], Field(min_length=1, max_length=1)])
+    logprobs: TopN | None = None  # top-N per token (OpenAI allows 0..5, we 0..20)
+    # the prompt leads the output; with logprobs, its tokens' logprobs too (the first
+    # token's are null), as in OpenAI's legacy API and vLLM
+    echo: bool = False
+    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: only with echo (scoring)
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None  # equal to n (no ranking)
+
+
+class ContentPart(_Body):
+    type: Literal["text"]  # images, audio, files: not supported
+    text: str
+
+
+class CalledFunction(_Body):
+    name: NonEmpty
+    arguments: str  # JSON text
+
+
+class MessageToolCall(_Body):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None  # None: assistant messages only
+    tool_calls: list[MessageToolCall] | None = None  # assistant messages only
+    tool_call_id: str | None = None  # tool messages: the call answered
+
+
+class FunctionDef(_Body):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: JsonSchema | None = None  # None: no parameters
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: NonEmpty
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Annotated[list[Tool], Field(min_length=1)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    # OpenAI's newer name; wins over max_tokens
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: TopN | None = None  # needs logprobs
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A field we cannot honour: allowed only with a harmless value. ``harmless``
+    tests a value; ``schema`` is the JSON schema of the same values (for the
+    OpenAPI document), kept beside the test so the two cannot drift apart."""
+
+    harmless: Callable[[Any], bool]
+    schema: dict[str, Any]
+
+
+def _only(*values: Any) -> Refused:
+    # `x in (None, 1)` would accept True (== 1): compare types too.
+    return Refused(lambda v: any(v == h and type(v) is type(h) for h in values),
+                   {"enum": list(values)})
+
+
+def _is_empty(value: Any) -> bool:
+    return value is None or (isinstance(value, list | dict | str) and not value)
+
+
+EMPTY = Refused(_is_empty, {"anyOf": [
+    {"type": "null"}, {"type": "object", "maxProperties": 0}, {"type": "array", "maxItems": 0},
+    {"type": "string", "maxLength": 0}]})
+# Field -> its harmless values. Anything else is refused with a 400 naming it.
+REFUSED_COMPLETION: dict[str, Refused] = {
+    "suffix": EMPTY,
+}
+REFUSED_CHAT = {
+    "functions": EMPTY,
+    "function_call": _only(None, "none", "auto"),
+    "audio": EMPTY,
+    "modalities": Refused(lambda v: v is None or v == ["text"],
+                          {"anyOf": [{"type": "null"}, {"const": ["text"]}]}),
+    "prediction": EMPTY,
+    "web_search_options": EMPTY,
+}
+
+
+def refuse_unsupported(body: Mapping[str, Any], refused: Mapping[str, Refused]) -> None:
+    for name, rule in refused.items():
+        if name in body and not rule.harmless(body[name]):
+            raise InvalidRequest(f"{name}={body[name]!r} is not supported by this server", name)
+
+
+def validate_body(model: type[_Body], body: Any) -> Any:
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        errors = exc.errors()
+        param = str(errors[0]["loc"][0]) if errors[0]["loc"] else None
+        detail = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in errors[:3])
+        raise InvalidRequest(f"invalid request: {detail}", param) from None
