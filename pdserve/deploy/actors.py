@@ -1,9 +1,10 @@
 """The Ray side of the workers: the one place where worker classes become actors, and
 ``RayWorker``, the router's proxy for one actor.
 
-The actor classes *are* the worker classes (subclasses that take the deployment's
-config, start the worker's own ``/metrics`` server, and wait out the restart
-back-off); nothing forwards calls in between. ``RayWorker`` exposes the workers'
+The actor classes are thin adapters that hold a plain worker (the one a test or an
+in-process router builds): they wait out the restart back-off, build the worker
+from the deployment's config, start its own ``/metrics`` server, and forward the
+calls of router/clients.py's protocols (mypy holds them to those, below). ``RayWorker`` exposes the workers'
 async methods (router/clients.py) as Ray calls and turns Ray's errors into the fault
 model's: a dead or restarting actor -> ``WorkerGone``; an error the worker raised
 -> that error (``AttemptFailed``, ``ValueError``), never a Ray traceback; anything
@@ -41,10 +42,11 @@ from pdserve.messages import (
     PrefillTask,
     Reservation,
     WorkerLoad,
+    WorkerMetrics,
 )
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.clients import ColocatedHandle, DecodeHandle, PrefillHandle
-from pdserve.thread_loop import ThreadLoop
+from pdserve.worker_loop import WorkerLoop
 
 MAX_BACKOFF_S = 60.0
 NAMESPACE = "pdserve"  # where a deployment's (detached, named) worker actors live
@@ -98,73 +100,111 @@ def _restart_backoff(settings: ActorSettings) -> None:
     time.sleep(min(MAX_BACKOFF_S, settings.restart_backoff_s * 2 ** (n - 1)))
 
 
-class _InActor:
-    """What a worker adds inside its actor process: its own ``/metrics`` server next
-    to it, and its process id (for fault injection)."""
+class _WorkerActor:
+    """A worker inside its actor process, held (not inherited): the actor builds the
+    plain worker, starts its ``/metrics`` server next to it, makes an engine-loop
+    crash end the process (Ray restarts it), and forwards what the router and the
+    cluster call. Nothing else lives here."""
 
-    metrics_at: tuple[str, int] | None
-    loop: ThreadLoop  # the worker's engine loop (WorkerLoop)
-    model_dir: str  # the worker's (WorkerLoop)
+    worker: WorkerLoop
+    worker_id: str
+    role: str
 
-    def _exit_on_crash(self) -> None:
-        """A worker whose engine loop died (a tensor-parallel rank lost, an engine
-        error) ends its process: the router sees the actor die, Ray restarts it."""
+    def _adopt(self, worker: WorkerLoop, settings: ActorSettings) -> None:
+        from pdserve.deploy.worker_metrics import serve_worker_metrics
+
+        self.worker = worker
+        self.worker_id, self.role = worker.worker_id, worker.role
+        host = settings.host()
+        # MFU/MBU against all the worker's ranks' peaks (the step costs are the whole model's).
+        port = serve_worker_metrics(os.path.basename(worker.model_dir), worker.metrics,
+                                    host=host,
+                                    tensor_parallel_size=worker.engine.config.tensor_parallel_size)
+        worker.metrics_at = (host, port)
 
         def crashed(exc: BaseException) -> None:
             logging.getLogger("pdserve.worker").error("engine loop crashed: %r; exiting so "
                                                       "Ray restarts this worker", exc)
             os._exit(1)
 
-        self.loop.on_crash = crashed
+        worker.loop.on_crash = crashed
 
-    def _serve_metrics(self, model_dir: str, host: str) -> None:
-        from pdserve.deploy.worker_metrics import serve_worker_metrics
+    async def load(self) -> WorkerLoad:
+        return await self.worker.load()
 
-        # MFU/MBU against all the worker's ranks' peaks (the step costs are the whole model's).
-        tp = self.engine.config.tensor_parallel_size  # type: ignore[attr-defined]
-        port = serve_worker_metrics(os.path.basename(model_dir), self.metrics,  # type: ignore[attr-defined]
-                                    host=host, tensor_parallel_size=tp)
-        self.metrics_at = (host, port)
+    async def join_info(self) -> JoinInfo:
+        return await self.worker.join_info()
+
+    async def abort(self, request_id: str) -> None:
+        await self.worker.abort(request_id)
+
+    async def check_integrity(self) -> None:
+        await self.worker.check_integrity()
+
+    def metrics(self) -> WorkerMetrics:
+        return self.worker.metrics()
+
+    def metrics_address(self) -> tuple[str, int] | None:
+        return self.worker.metrics_address()
 
     def process_id(self) -> int:
+        """For fault injection (kill -9, SIGSTOP)."""
         return os.getpid()
 
     def built_from(self) -> str:
         """The model directory this worker serves."""
-        return self.model_dir
+        return self.worker.model_dir
 
 
-class PrefillActor(_InActor, PrefillWorker):
+class PrefillActor(_WorkerActor):
     def __init__(self, worker_id: str, model_dir: str, pool: PoolConfig,
                  settings: ActorSettings) -> None:
         _restart_backoff(settings)
-        PrefillWorker.__init__(self, worker_id, model_dir,
-                               pool.engine_config("prefill", _device()), settings.transfer,
-                               settings.sender_options())
-        self._serve_metrics(model_dir, settings.host())
-        self._exit_on_crash()
+        self.prefill_worker = PrefillWorker(worker_id, model_dir,
+                                            pool.engine_config("prefill", _device()),
+                                            settings.transfer, settings.sender_options())
+        self._adopt(self.prefill_worker, settings)
+
+    async def connect(self, decode_worker: str, endpoint: dict[str, Any]) -> None:
+        await self.prefill_worker.connect(decode_worker, endpoint)
+
+    async def prefill(self, task: PrefillTask) -> FirstToken:
+        return await self.prefill_worker.prefill(task)
+
+    async def handoff(self, request_id: str) -> PrefillResult:
+        return await self.prefill_worker.handoff(request_id)
 
 
-class DecodeActor(_InActor, DecodeWorker):
+class DecodeActor(_WorkerActor):
     def __init__(self, worker_id: str, model_dir: str, pool: PoolConfig,
                  settings: ActorSettings) -> None:
         _restart_backoff(settings)
-        DecodeWorker.__init__(self, worker_id, model_dir,
-                              pool.engine_config("decode", _device()), settings.transfer,
-                              settings.receiver_options(), settings.kv_timeout_s,
-                              settings.host())
-        self._serve_metrics(model_dir, settings.host())
-        self._exit_on_crash()
+        self.decode_worker = DecodeWorker(worker_id, model_dir,
+                                          pool.engine_config("decode", _device()),
+                                          settings.transfer, settings.receiver_options(),
+                                          settings.kv_timeout_s, settings.host())
+        self._adopt(self.decode_worker, settings)
+
+    async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
+                      params: SamplingParams, local_prefill_max_tokens: int = 0,
+                      router_id: str = "") -> Reservation | None:
+        return await self.decode_worker.reserve(request_id, prompt_token_ids, params,
+                                                local_prefill_max_tokens, router_id)
 
 
-class ColocatedActor(_InActor, ColocatedWorker):
+class ColocatedActor(_WorkerActor):
     def __init__(self, worker_id: str, model_dir: str, pool: PoolConfig,
                  settings: ActorSettings) -> None:
         _restart_backoff(settings)
-        ColocatedWorker.__init__(self, worker_id, model_dir,
-                                 pool.engine_config("colocated", _device()), settings.host())
-        self._serve_metrics(model_dir, settings.host())
-        self._exit_on_crash()
+        self.colocated_worker = ColocatedWorker(worker_id, model_dir,
+                                                pool.engine_config("colocated", _device()),
+                                                settings.host())
+        self._adopt(self.colocated_worker, settings)
+
+    async def admit(self, request_id: str, prompt_token_ids: Sequence[int],
+                    params: SamplingParams, router_id: str = "") -> bool:
+        return await self.colocated_worker.admit(request_id, prompt_token_ids, params,
+                                                 router_id)
 
 
 REMOTE: dict[str, Any] = {"prefill": ray.remote(PrefillActor), "decode": ray.remote(DecodeActor),
@@ -255,3 +295,6 @@ if TYPE_CHECKING:  # mypy holds every worker class, and the Ray proxy, to what t
     _RP: type[PrefillHandle] = RayWorker
     _RD: type[DecodeHandle] = RayWorker
     _RC: type[ColocatedHandle] = RayWorker
+    _AP: type[PrefillHandle] = PrefillActor
+    _AD: type[DecodeHandle] = DecodeActor
+    _AC: type[ColocatedHandle] = ColocatedActor

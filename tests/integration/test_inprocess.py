@@ -1,5 +1,5 @@
 """Router + prefill/decode/colocated workers in one process (local transfer backend,
-no Ray): the serving path's logic, fast. The same worker objects Ray wraps are the
+no Ray): the serving path's logic, fast. The same worker objects the Ray actors hold are the
 router's handles here."""
 
 from __future__ import annotations
