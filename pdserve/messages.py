@@ -19,7 +19,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.failures import FailReason
 
 if TYPE_CHECKING:
-    from pdserve.engine.engine import StepInfo
+    from pdserve.engine.results import StepInfo
 
 # Histogram bucket upper bounds (``le``) of the per-step statistics in ``WorkerMetrics``.
 # Step time: a tiny model's decode step on a GPU (~0.1 ms) to a long prompt chunk on a

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from pdserve.engine.cost import CostModel
-from pdserve.engine.engine import EngineStats, StepInfo
+from pdserve.engine.results import EngineStats, StepInfo
 from pdserve.messages import WorkerMetrics
 
 METRICS_PERIOD_S = 0.5

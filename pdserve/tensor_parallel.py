@@ -25,7 +25,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.tp import TIMEOUT_S, TPGroup, follow
 from pdserve.kv_transfer.layout import KVLayout
-from pdserve.kv_transfer.sharded import serve_rank
+from pdserve.kv_transfer.rank_channel import serve_rank
 
 
 def create_engine(model_dir: str | Path, config: EngineConfig | None = None,

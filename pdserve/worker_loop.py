@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cost import cost_model
-from pdserve.engine.engine import RequestOutput
+from pdserve.engine.results import RequestOutput
 from pdserve.failures import WorkerGone
 from pdserve.kv_transfer import KVLayout, KVReceiver, KVSender
 from pdserve.kv_transfer.sharded import open_channel

@@ -312,8 +312,8 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.engine import Completion
     from pdserve.engine.gguf_convert import resolve_model
+    from pdserve.engine.results import Completion
     from pdserve.engine.tokenizer import Tokenizer
     from pdserve.tensor_parallel import create_engine
 

@@ -201,7 +201,7 @@ class AnalyticModel:
 
     def prefill_step_ms(self, num_seqs: int, tokens_each: int) -> float:
         """One step prefilling ``num_seqs`` fresh prompts of ``tokens_each`` tokens."""
-        from pdserve.engine.engine import StepInfo
+        from pdserve.engine.results import StepInfo
 
         n = num_seqs * tokens_each
         flops, nbytes = self.cost.step(StepInfo(num_seqs, n, 0, n, 0.0), num_seqs)
@@ -214,7 +214,7 @@ class AnalyticModel:
         """One decode step of ``batch`` sequences attending ``context`` tokens each:
         weights once plus every sequence's KV (costs are affine in the batch, so a
         fractional batch interpolates the cost model's integer points)."""
-        from pdserve.engine.engine import StepInfo
+        from pdserve.engine.results import StepInfo
 
         c = max(1, round(context))
         f1, b1 = self.cost.step(StepInfo(1, 1, 1, c, 0.0), 1)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.engine import StepInfo
+from pdserve.engine.results import StepInfo
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Bytes per weight of the quantized formats (block bytes / 32 weights).

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -46,44 +45,15 @@ from pdserve.engine.kv_cache import new_kv_cache
 from pdserve.engine.loader import load_model
 from pdserve.engine.output import OutputProcessor
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.results import Completion, EngineStats, RequestOutput, StepInfo, StepOutput
 from pdserve.engine.runner import ModelRunner, Sampled
 from pdserve.engine.sampler import TokenLogprobs, make_generator, skip_draws
 from pdserve.engine.sampling_params import SamplingParams, request_problem
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.spec_decode import SpecState, SpecStats, SuffixCache
-from pdserve.engine.stop import StopChecker, StopDecision
+from pdserve.engine.stop import StopChecker
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.tp import STOP, Shard, TPGroup, replicated
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (filled by the engine)."""
-
-    request_id: str
-    new_token_ids: list[int]  # tokens of this step (0, 1, or more with speculation)
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | None
-    num_prompt_tokens: int
-    num_cached_tokens: int  # prompt tokens served by the prefix cache
-    num_output_tokens: int
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    stop_reason: int | None = None  # the stop token id that ended it (None for EOS)
-    prefilled: bool = False  # prefill role: KV held for hand-off
-    first_scheduled_time: float | None = None  # monotonic; ends the request's queue time
-    # With the request's first output when it asked for prompt logprobs: one entry per
-    # prompt token, None for the first (nothing predicts it).
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    # speculative decoding: (draft tokens verified, accepted) so far (None: not speculating)
-    spec: tuple[int, int] | None = None
-
-
-@dataclass
-class StepOutput:
-    """What ``step`` returns: the requests that changed and the step's shape."""
-
-    outputs: list[RequestOutput]
-    info: StepInfo | None  # None when nothing was scheduled
 
 
 class LLMEngine:
@@ -510,67 +480,3 @@ class LLMEngine:
                 if rid in self.requests:
                     self.abort(rid)
         return [results[rid] for rid in ids]
-
-
-@dataclass
-class Completion:
-    """A whole request's result, accumulated from its ``RequestOutput``s."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-
-    def add(self, out: RequestOutput, processor: OutputProcessor) -> bool:
-        """Add one step's output; True once the request is over."""
-        if self.finish_reason is not None:
-            return True
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
-        engine = (StopDecision(out.finish_reason, out.stop_reason)  # type: ignore[arg-type]
-                  if out.finished and out.finish_reason in ("stop", "length") else None)
-        text, decision, n = processor.push(out.new_token_ids, engine)
-        self.token_ids.extend(out.new_token_ids[:n])
-        self.text += text
-        self.logprobs.extend(out.logprobs[:n])
-        self.cached_tokens = out.num_cached_tokens
-        if decision is not None:
-            self.finish_reason = decision.finish_reason
-        elif out.finished:
-            self.text += processor.flush()
-            self.finish_reason = out.finish_reason
-        return self.finish_reason is not None
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot for routing policies and worker metrics."""
-
-    num_running: int
-    num_waiting: int
-    num_waiting_for_kv: int
-    num_blocks: int
-    num_free_blocks: int  # allocatable: free + evictable cached
-    num_cached_blocks: int
-    queued_prefill_tokens: int  # prompt tokens not yet computed
-    prefix_queries: int  # cumulative, in blocks
-    prefix_hits: int  # cumulative, in blocks
-    num_preemptions: int  # cumulative
-    spec: SpecStats | None = None  # cumulative speculation counters (None: not speculating)
-
-
-@dataclass(frozen=True)
-class StepInfo:
-    """Shape and duration of one engine step (for batch-size, step-time, MFU and
-    MBU metrics: FLOPs ~ 2 x params x num_tokens + attention over context_tokens;
-    bytes ~ weights + KV of context_tokens)."""
-
-    num_seqs: int  # sequences in the batch
-    num_tokens: int  # tokens computed (prefill chunks + one per decode)
-    num_decode: int  # sequences computing exactly one token
-    context_tokens: int  # sum over sequences of the tokens attended (cached + new)
-    seconds: float  # wall time of the forward pass + sampling
-    num_draft_tokens: int = 0  # speculative draft tokens verified (each a logits row too)

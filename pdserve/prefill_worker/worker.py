@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine import RequestOutput
+from pdserve.engine.results import RequestOutput
 from pdserve.engine.stop import StopChecker
 from pdserve.failures import AttemptFailed, FailReason
 from pdserve.kv_transfer import KVSender, SendEvent

@@ -12,7 +12,8 @@ import torch
 
 from pdserve.engine import kernels
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine import Completion, LLMEngine
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.results import Completion
 from pdserve.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)

@@ -19,13 +19,8 @@ import torch
 from pdserve.kv_transfer import FailReason, KVLayout, KVLayoutMismatch
 from pdserve.kv_transfer.layout import Slice
 from pdserve.kv_transfer.local_conn import LocalReceiver, LocalSender
-from pdserve.kv_transfer.sharded import (
-    RankChannel,
-    ShardedReceiver,
-    ShardedSender,
-    plan_pairs,
-    serve_rank,
-)
+from pdserve.kv_transfer.rank_channel import RankChannel, serve_rank
+from pdserve.kv_transfer.sharded import ShardedReceiver, ShardedSender, plan_pairs
 from tests.waiting import until
 
 from .kvdata import make_kv

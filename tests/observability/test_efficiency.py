@@ -15,7 +15,8 @@ from pdserve.deploy import efficiency
 from pdserve.deploy.efficiency import DevicePeaks, detect_peaks, lookup_device, measure_peaks
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cost import attended_tokens, cost_model
-from pdserve.engine.engine import LLMEngine, StepInfo
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.results import StepInfo
 from pdserve.engine.sampling_params import SamplingParams
 
 

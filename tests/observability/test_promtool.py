@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 from prometheus_client import generate_latest
 
-from pdserve.engine.engine import StepInfo
+from pdserve.engine.results import StepInfo
 from tests.observability.conftest import (
     DEPLOY,
     RULES,

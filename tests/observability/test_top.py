@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from pdserve.deploy import top
 from pdserve.deploy.file_sd import FileSD, cluster_targets
 from pdserve.deploy.worker_metrics import WorkerCollector
-from pdserve.engine.engine import StepInfo
+from pdserve.engine.results import StepInfo
 from pdserve.messages import WorkerMetrics
 from tests.observability.conftest import PEAKS, router_with_traffic
 

@@ -20,7 +20,7 @@ from pdserve.deploy import worker_metrics
 from pdserve.deploy.efficiency import DevicePeaks
 from pdserve.deploy.worker_metrics import WorkerCollector, bucket_samples, serve_worker_metrics
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.engine import StepInfo
+from pdserve.engine.results import StepInfo
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import STEP_SECONDS_BUCKETS, WorkerMetrics
 from pdserve.prefill_worker.worker import PrefillWorker
