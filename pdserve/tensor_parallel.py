@@ -1,6 +1,6 @@
 """Tensor-parallel engines as processes: rank 0 is the ``LLMEngine`` the worker
 holds; ranks 1.. are processes spawned here on the same node, each building its own
-engine (its shard; ``engine/tp.py``) and its KV channel over its KV heads, driven by
+engine (its shard; ``engine/tp/``) and its KV channel over its KV heads, driven by
 the leader through a pipe (``kv_transfer.sharded``), then following the leader's calls
 in lockstep (``tp.follow``).
 
@@ -23,7 +23,8 @@ import torch.distributed as dist
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.tp import TIMEOUT_S, TPGroup, follow
+from pdserve.engine.tp.collectives import TIMEOUT_S, TPGroup
+from pdserve.engine.tp.lockstep import follow
 from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.rank_channel import serve_rank
 

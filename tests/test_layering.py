@@ -91,7 +91,7 @@ def cycles(g: dict[str, set[str]]) -> list[list[str]]:
 def test_the_walk_sees_the_package() -> None:
     g = graph()
     assert "pdserve.engine.engine" in g and "pdserve.router.orchestrator" in g
-    assert "pdserve.engine.tp" in g["pdserve.engine.engine"]  # edges are found
+    assert "pdserve.engine.tp.lockstep" in g["pdserve.engine.engine"]  # edges are found
 
 
 def test_no_import_cycles() -> None:

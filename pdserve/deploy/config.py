@@ -53,7 +53,7 @@ class PoolConfig:
     num_gpus: float | None = None  # None: 1 when the cluster has GPUs, else 0
     resources: dict[str, float] = field(default_factory=dict)  # custom, for pinning pools
     labels: dict[str, str] = field(default_factory=dict)  # Ray node labels the nodes must have
-    # Ranks per worker (engine/tp.py): one process each, on one node; num_cpus is the
+    # Ranks per worker (engine/tp/): one process each, on one node; num_cpus is the
     # whole worker's (num_cpus // ranks threads per rank), num_gpus defaults to one per rank.
     tensor_parallel_size: int = 1
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig overrides

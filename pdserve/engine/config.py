@@ -233,7 +233,7 @@ class EngineConfig:
     # keeps ``dtype``.
     quantization: str = "none"
     quantization_group_size: int = 32
-    # Ranks one engine is split over (engine/tp.py): each holds 1/N of the weights and
+    # Ranks one engine is split over (engine/tp/): each holds 1/N of the weights and
     # KV heads; one process per rank, one thread each (num_threads) on CPU.
     tensor_parallel_size: int = 1
     # Speculative decoding (a mapping with SpeculativeConfig's keys is accepted); None: off.

@@ -53,7 +53,9 @@ from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.spec_decode import SpecState, SpecStats, SuffixCache
 from pdserve.engine.stop import StopChecker
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.engine.tp import STOP, Shard, TPGroup, replicated
+from pdserve.engine.tp.collectives import TPGroup
+from pdserve.engine.tp.lockstep import STOP, replicated
+from pdserve.engine.tp.shard import Shard
 
 
 class LLMEngine:
@@ -71,7 +73,7 @@ class LLMEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None,
                  tokenizer: Tokenizer | None = None, load_tokenizer: bool = True,
                  tp: TPGroup | None = None) -> None:
-        """``tp``: this rank's tensor-parallel group (``engine/tp.py``); rank 0 leads,
+        """``tp``: this rank's tensor-parallel group (``engine/tp/``); rank 0 leads,
         the others ``follow``. None: the whole model here."""
         self.config = config or EngineConfig()
         self.tp = tp

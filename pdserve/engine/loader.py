@@ -17,7 +17,8 @@ from pdserve.engine.linear import int_family, resolve_linear_backend
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.quant_load import QuantReport, quantize_model
 from pdserve.engine.rope import RotaryEmbedding
-from pdserve.engine.tp import Shard, TPGroup
+from pdserve.engine.tp.collectives import TPGroup
+from pdserve.engine.tp.shard import Shard
 from pdserve.engine.weights import load_weights, shard_cut
 
 

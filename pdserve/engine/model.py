@@ -4,7 +4,7 @@ A plain model: fused QKV and gate/up projections (one matmul each), RMSNorm,
 rotary embeddings, attention through the backend in ``attention.py``. It computes
 logits only for the rows the sampler needs. Weights come from ``weights.py``.
 
-Tensor parallel (``engine/tp.py``): a rank's model holds its shard; the O and down
+Tensor parallel (``engine/tp/``): a rank's model holds its shard; the O and down
 projections' outputs and the embedding are all-reduced, the logits gathered.
 
 Speed comes from outside, behind switches set once by ``use``: the linear layers'
@@ -23,7 +23,7 @@ from pdserve.engine.attention import AttentionBackend, AttentionMetadata
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.linear import CpuOps, LayerOps, Linear, TorchOps
 from pdserve.engine.rope import RotaryEmbedding
-from pdserve.engine.tp import TPGroup
+from pdserve.engine.tp.collectives import TPGroup
 
 
 class DecoderLayer(nn.Module):
@@ -54,7 +54,7 @@ class LlamaModel(nn.Module):
         self.ops: LayerOps = TorchOps()
         self.act_dtype: torch.dtype | None = None  # None: the weights' dtype
         self.attn: AttentionBackend | None = None
-        # Tensor parallel (engine/tp.py): this rank's group and vocabulary rows [lo, hi)
+        # Tensor parallel (engine/tp/): this rank's group and vocabulary rows [lo, hi)
         # of the full ``vocab`` (cfg.vocab_size is then the padded shard width).
         self.tp: TPGroup | None = None
         self.vocab_range = (0, cfg.vocab_size)

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from pdserve.engine.model import LlamaModel
 
 if TYPE_CHECKING:
-    from pdserve.engine.tp import Shard
+    from pdserve.engine.tp.shard import Shard
 
 # What of a checkpoint tensor a rank reads: all (None), an index, or zeros of its shape.
 Index = tuple[slice, ...] | None | Literal["zero"]

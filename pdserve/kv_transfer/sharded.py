@@ -1,6 +1,6 @@
 """KV transfer for tensor-parallel workers: every rank sends or receives its own KV heads.
 
-A worker of N ranks (``engine/tp.py``) has N channels, one per rank, each over that
+A worker of N ranks (``engine/tp/``) has N channels, one per rank, each over that
 rank's KV cache (a ``KVLayout`` with ``heads``) and each in that rank's process. Rank 0
 holds the worker's one ``KVSender`` / ``KVReceiver``: a ``ShardedSender`` or
 ``ShardedReceiver`` here, which drives its own channel directly and the other ranks'

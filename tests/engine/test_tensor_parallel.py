@@ -16,7 +16,7 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.rope import RotaryEmbedding
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.tp import Shard, check_shardable
+from pdserve.engine.tp.shard import Shard, check_shardable
 from pdserve.engine.weights import load_weights, shard_cut
 from pdserve.tensor_parallel import create_engine
 
@@ -144,7 +144,7 @@ def test_every_engine_method_is_replicated_or_says_why_not() -> None:
     """A public engine method that changes state and is not ``@replicated`` would leave
     the followers behind the leader: each is one or the other, never both."""
     from pdserve.engine.engine import LLMEngine
-    from pdserve.engine.tp import REPLICATED
+    from pdserve.engine.tp.lockstep import REPLICATED
 
     public = {n for n, v in vars(LLMEngine).items() if callable(v) and not n.startswith("_")}
     assert public >= REPLICATED
@@ -160,7 +160,7 @@ def test_a_follower_replays_only_replicated_methods() -> None:
     else is a leader out of step, not a method to look up by name. Each message says
     how the leader's previous call ended: bad input refused on every rank is replayed
     as refused; a rank whose call ended otherwise than the leader's stops, loudly."""
-    from pdserve.engine.tp import STOP, follow
+    from pdserve.engine.tp.lockstep import STOP, follow
 
     Call = tuple[str, tuple[object, ...], dict[str, object], str | None]
 

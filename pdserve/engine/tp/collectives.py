@@ -1,116 +1,24 @@
-"""Tensor parallelism inside one engine: N rank processes, each holding a shard of
-every weight and of the KV heads, stepping in lockstep.
-
-Sharding (Megatron style; ``Shard`` says what a rank holds, ``weights.shard_cut``
-reads just that of the checkpoint): the fused QKV and gate/up projections
-are column-parallel (each rank computes its heads / its slice of the MLP), the O and
-down projections row-parallel (each rank's partial sums are all-reduced), the
-embedding and the LM head vocab-parallel (an embedding lookup is masked to the rank's
-rows then all-reduced; logits are gathered to rank 0). KV heads split across ranks,
-or are replicated when there are fewer KV heads than ranks (each rank keeps the one
-its query heads read). A rank's KV cache holds only its KV heads.
-
-Lockstep (``LLMEngine`` with a ``TPGroup``): rank 0 is the leader -- the worker
-calls it like any engine; each call that changes engine state (``add_request``,
-``step``, ``abort``, ...) is first broadcast to the followers, which replay it on
-their own engine (``follow``). Every rank therefore schedules the same batch and
-allocates the same block ids; only rank 0 samples, and it broadcasts the sampled
-token ids so every rank appends the same tokens.
-
-Process model (``pdserve/tensor_parallel.py``, a layer over the engine and the KV
-channels): the followers are processes the leader spawns on the same node -- one per
-rank, each with its own CPU threads or GPU, and each with its own KV transfer channel
-over its KV heads, driven by the leader through a pipe (``kv_transfer.sharded``). A
-follower that dies breaks the leader's next collective (an error, or the group's
-timeout), so the worker fails as a whole and is restarted as a whole.
-
-Collectives run on a c10d group of their own (gloo on CPU, NCCL on CUDA) over a
-TCPStore the leader hosts, never the global default group.
-"""
+"""``TPGroup``: the ranks of one engine and their collectives, on a c10d group of
+their own (gloo on CPU, NCCL on CUDA) over the leader's TCPStore; ``ShmAllReduce``
+for CPU ranks of one machine."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
-import functools
 import logging
 import os
 import pickle
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pdserve.engine.config import ModelConfig
-
 log = logging.getLogger(__name__)
-F = TypeVar("F", bound=Callable[..., Any])
 TIMEOUT_S = 300.0  # a collective not completed in this long fails (a rank is gone)
-
-
-@dataclass(frozen=True)
-class Shard:
-    """What rank ``rank`` of ``size`` holds of a model."""
-
-    rank: int
-    size: int
-    q_heads: tuple[int, int]  # query heads [lo, hi)
-    kv_heads: tuple[int, int]  # KV heads [lo, hi)
-    inter: tuple[int, int]  # MLP columns [lo, hi)
-    vocab: tuple[int, int]  # vocabulary rows [lo, hi) (the last shard may be short)
-
-    @classmethod
-    def of(cls, cfg: ModelConfig, rank: int, size: int) -> Shard:
-        """Balanced contiguous shards: ranks differ by at most one KV head (its query
-        heads follow it), MLP column counts by at most one; the vocabulary is cut into
-        equal padded shards (the gathered logits line up)."""
-        check_shardable(cfg, size)
-        hq, hkv = cfg.num_heads, cfg.num_kv_heads
-        if hkv >= size:
-            kv = (rank * hkv // size, (rank + 1) * hkv // size)
-            group = hq // hkv
-            q = (kv[0] * group, kv[1] * group)
-        else:  # replicated: the KV head this rank's query heads read
-            kv_lo = rank * hkv // size
-            kv, q = (kv_lo, kv_lo + 1), (rank * hq // size, (rank + 1) * hq // size)
-        inter = cfg.intermediate_size
-        vocab = -(-cfg.vocab_size // size)
-        return cls(rank, size, q, kv, (rank * inter // size, (rank + 1) * inter // size),
-                   (min(rank * vocab, cfg.vocab_size), min((rank + 1) * vocab, cfg.vocab_size)))
-
-    def local_config(self, cfg: ModelConfig) -> ModelConfig:
-        """The shapes this rank's modules have (vocab: the padded shard width)."""
-        return dataclasses.replace(
-            cfg, num_heads=self.q_heads[1] - self.q_heads[0],
-            num_kv_heads=self.kv_heads[1] - self.kv_heads[0],
-            intermediate_size=self.inter[1] - self.inter[0],
-            vocab_size=-(-cfg.vocab_size // self.size))
-
-    @staticmethod
-    def widest_kv(cfg: ModelConfig, size: int) -> ModelConfig:
-        """``cfg`` with the most KV heads any rank holds: every rank sizes its KV cache
-        (the number of blocks) from it, so all ranks have the same block ids."""
-        return dataclasses.replace(cfg, num_kv_heads=-(-cfg.num_kv_heads // size))
-
-
-def check_shardable(cfg: ModelConfig, size: int) -> None:
-    """``ValueError`` naming the model's dimension that ``size`` ranks cannot split."""
-    if size < 1:
-        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
-    hq, hkv = cfg.num_heads, cfg.num_kv_heads
-    if hkv < size and (size % hkv or hq % size):
-        raise ValueError(
-            f"tensor_parallel_size={size} cannot split {cfg.name or 'the model'}: with "
-            f"fewer KV heads ({hkv}) than ranks, the ranks must be a multiple of the KV "
-            f"heads and divide the {hq} attention heads")
-    if cfg.intermediate_size < size:
-        raise ValueError(f"tensor_parallel_size={size} is more than the MLP width "
-                         f"{cfg.intermediate_size}")
 
 
 class TPGroup:
@@ -291,64 +199,3 @@ class ShmAllReduce:
                         raise RuntimeError(f"tensor-parallel rank {r} did not join an "
                                            f"all-reduce in {self.timeout_s:.0f}s")
         torch.sum(slots[:, :n], dim=0, out=t.view(-1))
-
-
-# The names of the methods ``replicated`` marked: the only calls a follower replays.
-REPLICATED: set[str] = set()
-
-
-def replicated(fn: F) -> F:
-    """An ``LLMEngine`` method that changes state: on a TP leader, broadcast the call to
-    the followers first (once: calls it makes itself are not broadcast again)."""
-    REPLICATED.add(fn.__name__)
-
-    @functools.wraps(fn)
-    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        tp: TPGroup | None = self.tp
-        if tp is None or tp.rank != 0 or self._in_call:
-            return fn(self, *args, **kwargs)
-        tp.broadcast_object((fn.__name__, args, kwargs, tp.last_error))
-        self._in_call = True
-        try:
-            result = fn(self, *args, **kwargs)
-        except ValueError as exc:  # bad input: the followers must have refused it too
-            tp.last_error = str(exc)
-            raise
-        finally:
-            self._in_call = False
-        tp.last_error = None
-        return result
-
-    return wrapper  # type: ignore[return-value]
-
-
-STOP = "__stop__"
-
-
-def follow(engine: Any) -> None:
-    """A follower's life: replay the leader's calls until it says stop. Every message
-    carries how the leader's previous call ended (the ``ValueError`` it raised, or
-    None); a follower whose own call ended otherwise is out of step: ``RuntimeError``
-    (its process ends, the worker restarts), as is a name that is not a replicated
-    method. Bad input refused by every rank alike is no desync."""
-    tp: TPGroup = engine.tp
-    mine: str | None = None  # how this rank's previous call ended
-    while True:
-        name, args, kwargs, theirs = tp.broadcast_object()
-        if theirs != mine:
-            def ended(e: str | None) -> str:
-                return "succeeded" if e is None else f"raised ValueError({e!r})"
-
-            raise RuntimeError(f"tensor-parallel rank {tp.rank} is out of step with the "
-                               f"leader: its last call {ended(mine)}, the leader's "
-                               f"{ended(theirs)}")
-        if name == STOP:
-            return
-        if name not in REPLICATED:
-            raise RuntimeError(f"tensor-parallel leader sent {name!r}, which is not a "
-                               f"replicated engine method ({', '.join(sorted(REPLICATED))})")
-        try:
-            getattr(engine, name)(*args, **kwargs)
-            mine = None
-        except ValueError as exc:
-            mine = str(exc)
