@@ -52,15 +52,10 @@ class ColocatedWorker(WorkerLoop):
     # ------------------------------------------------------------- loop side
     def _admit(self, rid: str, prompt: Sequence[int], params: SamplingParams,
                router_id: str) -> bool:
-        self.engine.validate(prompt, params)
-        bs = self.engine.block_size
-        queued = sum(ceil_div(r.num_tokens, bs) - len(r.block_ids)
-                     for r in self.engine.scheduler.waiting)
-        if ceil_div(len(prompt), bs) + queued > self.engine.pool.num_free:
+        if not self.engine.admit(rid, prompt, params):
             return False
-        self.engine.add_request(rid, prompt, params)
         self.outputs.assign(rid, router_id)
-        self.blocks_granted += ceil_div(len(prompt), bs)
+        self.blocks_granted += ceil_div(len(prompt), self.engine.block_size)
         self._received[rid] = time.monotonic()
         return True
 

@@ -89,7 +89,7 @@ class DecodeWorker(WorkerLoop):
         if blocks is None:
             return None
         self.outputs.assign(rid, router_id)
-        reused = self.engine.requests[rid].num_cached_tokens // self.engine.block_size
+        reused = self.engine.cached_tokens(rid) // self.engine.block_size
         # (prompt logprobs need every position computed, which only a prefill worker does)
         if (reused and params.prompt_logprobs is None
                 and len(prompt) - reused * self.engine.block_size <= local_prefill_max_tokens):
@@ -136,7 +136,7 @@ class DecodeWorker(WorkerLoop):
                 self._aborted.discard(rid)
                 self.engine.abort(rid)
                 continue
-            if rid not in self.engine.requests:
+            if not self.engine.has_request(rid):
                 continue
             if not ev.ok:
                 self.engine.abort(rid)

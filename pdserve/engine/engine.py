@@ -66,6 +66,7 @@ class LLMEngine:
         "check_ranks": "the leader's watch over its followers",
         "close": "the leader stops its followers",
         "validate": "reads", "block_ids": "reads", "has_unfinished": "reads",
+        "has_request": "reads", "computed_blocks": "reads", "cached_tokens": "reads",
         "stats": "reads", "kv_layout_spec": "reads", "check_integrity": "reads",
         "generate": "made of replicated calls (add_request, step)",
     }
@@ -198,6 +199,21 @@ class LLMEngine:
         return req
 
     @replicated
+    def admit(self, request_id: str, prompt_token_ids: Sequence[int],
+              params: SamplingParams) -> bool:
+        """Colocated admission: queue the request when its prompt's blocks fit in the
+        free pool beside the blocks the queued requests still need; ``False`` (nothing
+        queued) when they do not. ``ValueError`` for a request it can never serve."""
+        self.validate(prompt_token_ids, params)
+        bs = self.block_size
+        queued = sum(ceil_div(r.num_tokens, bs) - len(r.block_ids)
+                     for r in self.scheduler.waiting)
+        if ceil_div(len(prompt_token_ids), bs) + queued > self.pool.num_free:
+            return False
+        self.add_request(request_id, prompt_token_ids, params)
+        return True
+
+    @replicated
     def add_request(self, request_id: str, prompt: str | Sequence[int],
                     params: SamplingParams | None = None) -> None:
         """Queue a request for computation. A string prompt is tokenized as is."""
@@ -248,6 +264,21 @@ class LLMEngine:
 
     def block_ids(self, request_id: str) -> list[int]:
         return list(self.requests[request_id].block_ids)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def computed_blocks(self, request_id: str) -> list[int]:
+        """The request's full blocks whose KV is computed so far ([] when unknown):
+        what a prefill worker may send before the prompt is done."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return []
+        return list(req.block_ids[:req.num_computed_tokens // self.block_size])
+
+    def cached_tokens(self, request_id: str) -> int:
+        """Prompt tokens the prefix cache served (a reservation's shared blocks)."""
+        return self.requests[request_id].num_cached_tokens
 
     @replicated
     def pin(self, block_ids: Sequence[int]) -> None:

@@ -168,12 +168,9 @@ class PrefillWorker(WorkerLoop):
 
     def _send_computed(self, f: _InFlight) -> None:
         """Send the full blocks computed so far that were not sent yet."""
-        req = self.engine.requests.get(f.task.request_id)
-        if req is None:
-            return
-        full = min(req.num_computed_tokens // self.engine.block_size, len(f.task.dst_block_ids))
-        if full > f.sent_blocks:
-            self._send(f, req.block_ids[f.sent_blocks:full], f.sent_blocks, None)
+        computed = self.engine.computed_blocks(f.task.request_id)[:len(f.task.dst_block_ids)]
+        if len(computed) > f.sent_blocks:
+            self._send(f, computed[f.sent_blocks:], f.sent_blocks, None)
 
     def _scored(self, f: _InFlight, out: RequestOutput, now: float) -> None:
         """A request with max_tokens=0 ended in the engine: its prompt logprobs are

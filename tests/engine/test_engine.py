@@ -259,6 +259,21 @@ def test_abort_frees_blocks(tiny_model: Callable[[str], Path]) -> None:
     eng.check_integrity()
 
 
+def test_admit_queues_only_what_fits_beside_the_queue(tiny_model: Callable[[str], Path]) -> None:
+    eng = engine(tiny_model("llama-gqa"), num_blocks=10)  # 16-token blocks
+    assert eng.admit("a", list(range(3, 83)), GREEDY48)  # 5 blocks of 10
+    assert not eng.admit("b", list(range(3, 99)), GREEDY48)  # 6 more: 11 > 10
+    assert not eng.has_request("b")  # refused: nothing queued
+    assert eng.admit("c", list(range(3, 67)), GREEDY48)  # 4 more: 9
+    with pytest.raises(ValueError):
+        eng.admit("d", [], GREEDY48)  # never servable: an error, not "no room"
+    assert not eng.has_request("d") and eng.has_request("a")
+    eng.step()
+    assert len(eng.computed_blocks("a")) in range(1, 6)
+    assert eng.computed_blocks("a") == eng.block_ids("a")[:len(eng.computed_blocks("a"))]
+    assert eng.computed_blocks("unknown") == []
+
+
 def test_unknown_model_path_and_architecture(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="not found"):
         LLMEngine(tmp_path / "nope")
