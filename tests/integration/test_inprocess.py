@@ -119,7 +119,9 @@ def test_served_equals_the_engine(pair_factory: Callable[..., Pair],
     pair = (pair_factory() if mode == "pair"
             else pair_factory(n_prefill=0, n_decode=0, n_colocated=1))
     eng = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=256))
-    prompts = [list(range(5, 5 + n)) for n in (3, 16, 17, 50)]
+    # No two share a first block: one whose KV landed first would let the decode worker
+    # prefill another itself (no KV moved, no kv_transfer timing).
+    prompts = [list(range(start, start + n)) for start, n in ((5, 3), (30, 16), (60, 17), (90, 50))]
     expected = eng.generate(prompts, GREEDY)
 
     for (tokens, text, final), exp in zip(generate_all(pair, prompts), expected, strict=True):

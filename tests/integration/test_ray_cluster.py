@@ -75,7 +75,9 @@ def mixed_prompts(n: int) -> list[list[int]]:
 def test_golden_disaggregated_equals_colocated(tiny_model: Callable[[str], Path],
                                                transfer: str) -> None:
     model = tiny_model("llama-gqa")
-    prompts = [list(range(5, 5 + n)) for n in (3, 16, 48)]  # < 1 block, 1 block, 3 blocks
+    # < 1 block, 1 block, 3 blocks; no two share a first block (the decode worker would
+    # prefill the later one itself once the earlier's KV is in its prefix cache)
+    prompts = [list(range(start, start + n)) for start, n in ((5, 3), (30, 16), (60, 48))]
     expected = LLMEngine(model, EngineConfig(num_blocks=256, dtype="auto")).generate(prompts, GREEDY)
     cluster = start(model, transfer)
     try:

@@ -72,7 +72,9 @@ async def status_of(stub: pb_grpc.GenerationStub, request: Any) -> grpc.aio.AioR
 def test_streams_what_the_engine_computes(pair_factory: Callable[..., Pair],  # noqa: F811
                                           tiny_model: Callable[[str], Path]) -> None:
     pair = pair_factory()
-    prompts = [list(range(5, 5 + n)) for n in (3, 17, 40)]
+    # No two share a first block: one whose KV landed on the decode worker first would
+    # let the other be prefilled there (no prefill worker, no KV moved, no kv_transfer_s).
+    prompts = [list(range(start, start + n)) for start, n in ((5, 3), (30, 17), (60, 40))]
     engine = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=256))
     expected = engine.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
     tok = pair.router.tokenizer
