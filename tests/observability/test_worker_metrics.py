@@ -145,8 +145,11 @@ def test_real_workers_fill_step_statistics(tiny_model: Callable[[str], Path]) ->
                 items = [item async for item in pair.router.generate(req)]
                 assert isinstance(items[-1], FinalChunk)
             # Both workers idle now: their next loop pass publishes the final snapshot.
+            # (P counts a transfer when its send completes, which also answers the
+            # router's hand-off: the request can end before P's next snapshot has it.)
             await until_async("idle workers' snapshots", lambda: all(
-                w.metrics().steps and not w.metrics().num_running for w in pair.workers))
+                w.metrics().steps and not w.metrics().num_running for w in pair.workers)
+                and pair.prefill[0].metrics().kv_transfers == 2)
         finally:
             await pair.router.stop()
 
