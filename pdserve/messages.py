@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pdserve.engine.sampling_params import SamplingParams
@@ -65,11 +65,14 @@ class Reservation:
     The first ``reused`` already hold the KV of the prompt's first blocks (the decode
     worker's own prefix cache): nothing is sent into them. ``local``: the decode worker
     computes the rest of the prompt itself (it held all but a short suffix), so no
-    prefill worker takes part and the first token comes on its output stream."""
+    prefill worker takes part and the first token comes on its output stream.
+    ``draft_blocks``: the draft model's blocks for the prompt's draft KV (speculative
+    decoding with a draft model), which the prefill worker sends too; [] for none."""
 
     blocks: list[int]
     reused: int = 0
     local: bool = False
+    draft_blocks: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -82,6 +85,9 @@ class PrefillTask:
     decode_worker: str  # router: id of the decode worker whose blocks were reserved
     dst_block_ids: list[int]  # decode worker (reserve): its blocks, in token order
     dst_reused: int = 0  # decode worker (reserve): leading blocks it holds already: not sent
+    # decode worker (reserve): its draft model's blocks for the prompt's draft KV, all
+    # of it (a draft caches no prefix); []: none is sent
+    draft_dst_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

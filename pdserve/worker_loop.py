@@ -32,6 +32,7 @@ from pdserve.engine.results import RequestOutput
 from pdserve.failures import WorkerGone
 from pdserve.kv_transfer import KVLayout, KVReceiver, KVSender
 from pdserve.kv_transfer.sharded import open_channel
+from pdserve.kv_transfer.with_draft import with_draft
 from pdserve.messages import (
     JoinInfo,
     RequestDelta,
@@ -74,9 +75,15 @@ class WorkerLoop:
 
     def _open_channel(self, role: str, transfer: str,
                       options: dict[str, Any] | None) -> KVSender | KVReceiver:
-        """This worker's KV channel: every tensor-parallel rank moves its own heads."""
-        return open_channel(role, transfer, self.engine.kv_cache, self._rank_layout,
+        """This worker's KV channel: every tensor-parallel rank moves its own heads;
+        with a draft model, its cache's channel beside the target's."""
+        main = open_channel(role, transfer, self.engine.kv_cache, self._rank_layout,
                             self.engine.kv_heads, self.engine.rank_links, options)
+        draft = self.engine.draft
+        if draft is None:
+            return main
+        return with_draft(role, main, transfer, draft.kv_cache,
+                          KVLayout(**draft.layout_spec()), options)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------ async API
     async def load(self) -> WorkerLoad:

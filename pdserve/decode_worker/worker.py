@@ -7,7 +7,9 @@ the request from WAITING_FOR_KV to running. When the reservation shared all but 
 short suffix of the prompt from this worker's own prefix cache (a conversation's
 next turn) and the router allows it (``local_prefill_max_tokens``), the worker
 computes that suffix itself instead: no prefill worker, no KV moved, the first token
-from its own next step. Every engine step's new tokens, for
+from its own next step. With a draft model (speculative decoding) it reserves the
+draft's blocks for the prompt too, and the request starts once both KVs landed: it
+speculates from its first step. Every engine step's new tokens, for
 every request, go out as one batch on the worker's output stream
 (``output_stream``) -- one frame per step, never one call per token.
 
@@ -35,6 +37,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.failures import FailReason
 from pdserve.kv_transfer import KVReceiver, RecvEvent
 from pdserve.kv_transfer.driver import ChannelThread
+from pdserve.kv_transfer.with_draft import DraftReceiver
 from pdserve.messages import JoinInfo, RequestDelta, Reservation, Stages, TokenLogprob
 from pdserve.output_stream import OutputServer
 from pdserve.worker_loop import WorkerLoop, delta_of, prefill_stages
@@ -98,9 +101,14 @@ class DecodeWorker(WorkerLoop):
             self.publisher.counters.local_prefills += 1
             self.blocks_granted += len(blocks)
             return Reservation(blocks, reused, local=True)
+        draft = self.engine.reserve_draft(rid)  # []: no draft KV comes (none, or no room)
         try:
             # only the blocks the KV is written into (reused ones are shared, read-only)
-            self.receiver.expect(rid, blocks[reused:], self.kv_timeout_s)  # any thread may
+            if draft:  # any thread may
+                cast(DraftReceiver, self.receiver).expect(rid, blocks[reused:],
+                                                          self.kv_timeout_s, draft)
+            else:
+                self.receiver.expect(rid, blocks[reused:], self.kv_timeout_s)
         except ValueError as exc:
             # The engine handed out blocks the receiver still expects KV in: ownership
             # is checked, not trusted. Never give them to this request; no room now.
@@ -111,7 +119,7 @@ class DecodeWorker(WorkerLoop):
         self.transfer.wake()  # poll soon: it may be asleep with nothing pending
         self._expecting.add(rid)
         self.blocks_granted += len(blocks)
-        return Reservation(blocks, reused)
+        return Reservation(blocks, reused, draft_blocks=draft)
 
     def _abort(self, rid: str) -> None:
         self.outputs.forget(rid)

@@ -65,7 +65,8 @@ def _add_format_flags(p: argparse.ArgumentParser, per_pool: bool) -> None:
     p.add_argument("--speculative-config", type=_json_mapping, default=None, metavar="JSON",
                    help="speculative decoding, as vLLM's flag: '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' "
-                        "(the decode and colocated pools; docs/speculative-decoding.md)")
+                        "(the decode and colocated pools, and a draft model the prefill pool "
+                        "too; docs/speculative-decoding.md)")
     if per_pool:
         for pool in ("prefill", "decode"):
             p.add_argument(f"--{pool}-quantization", default=None,
@@ -276,8 +277,11 @@ def _format_overrides(args: argparse.Namespace, pools: tuple[str, ...]) -> dict[
         out[f"{pool}.engine.dtype"] = getattr(args, "dtype", None)
         out[f"{pool}.engine.kv_cache_dtype"] = getattr(args, "kv_cache_dtype", None)
         out[f"{pool}.tensor_parallel_size"] = getattr(args, f"{pool}_tensor_parallel_size", None)
-        if pool != "prefill":  # a prefill worker samples one token per request
-            out[f"{pool}.engine.speculative_config"] = getattr(args, "speculative_config", None)
+        spec = getattr(args, "speculative_config", None)
+        # A prefill worker samples one token per request: of speculation it takes only
+        # a draft model, whose prompt KV it makes for the decode worker.
+        if pool != "prefill" or (spec or {}).get("method") == "draft_model":
+            out[f"{pool}.engine.speculative_config"] = spec
     return out
 
 

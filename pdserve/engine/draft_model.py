@@ -8,9 +8,16 @@ own paged KV cache (as many blocks as the target's, no prefix caching) and keeps
 mirror ``Request`` per speculating request: each step the mirror first drops the KV
 of the tokens the target rejected (its computed tokens are cut back to the longest
 prefix it shares with the target's), catches up on what the target appended (at
-first the whole prompt, in chunks within the token budget: a decode worker computes
-its draft's prompt itself), then runs one single-token step per further draft
-token, every speculating request batched in each.
+first the whole prompt, in chunks within the token budget), then runs one
+single-token step per further draft token, every speculating request batched in each.
+
+Disaggregated, the draft's prompt KV is made on the prefill worker and travels with
+the target's (``kv_transfer/with_draft.py``). The prefill worker's draft cache is
+indexed by the target's block ids (``prefill``: a request's draft KV sits at its
+target blocks, so it never lacks room and goes out beside them); the decode worker
+reserves a mirror's blocks for it (``reserve``: held, never evicted, until the KV
+landed and ``adopt`` starts the mirror from the whole prompt, or the request is gone).
+With no room there, the mirror catches up on the prompt itself, as colocated.
 
 Mirrors live as long as their requests (``release``); when the draft's rows or
 blocks run out, the least recently used mirror is dropped (it catches up again if
@@ -43,7 +50,8 @@ class DraftModel:
         if not model_dir.is_dir():
             raise ValueError(f"speculative_config.model: draft model directory {str(model_dir)!r} "
                              "not found")
-        mc = ModelConfig.from_dir(model_dir)
+        mc = self.model_config = ModelConfig.from_dir(model_dir)
+        self.model_id = mc.name or model_dir.name
         if mc.vocab_size != target.vocab_size:
             raise ValueError(f"draft model {str(model_dir)!r} has a vocabulary of "
                              f"{mc.vocab_size} tokens, the target {target.vocab_size}: a draft "
@@ -55,6 +63,7 @@ class DraftModel:
         loaded = load_model(model_dir, dataclasses.replace(config, max_model_len=max_model_len))
         self.model = loaded.model
         self.block_size = config.block_size
+        self.kv_dtype = config.kv_cache_dtype
         self.kv_cache = new_kv_cache(num_blocks, mc.num_layers, mc.num_kv_heads,
                                      self.block_size, mc.head_dim, config.kv_cache_dtype,
                                      config.device)
@@ -65,6 +74,7 @@ class DraftModel:
                                  config.device)
         self.mirrors: OrderedDict[str, Request] = OrderedDict()  # least recently used first
         self._synced: dict[str, int] = {}  # request id -> tokens known equal to the target's
+        self._landing: set[str] = set()  # mirrors whose prompt KV a transfer writes (reserve)
 
     def release(self, request_id: str) -> None:
         """The request is gone (finished, aborted, handed off): its blocks and row too."""
@@ -74,11 +84,13 @@ class DraftModel:
             m.block_ids = []
             self.inputs.release(m)
             del self._synced[request_id]
+            self._landing.discard(request_id)
 
     def _evict(self, keep: set[str]) -> bool:
-        """Drop the least recently used mirror not in ``keep``; False if none."""
+        """Drop the least recently used mirror not in ``keep`` (nor one a transfer
+        writes into); False if none."""
         for rid in self.mirrors:
-            if rid not in keep:
+            if rid not in keep and rid not in self._landing:
                 self.release(rid)
                 return True
         return False
@@ -89,11 +101,9 @@ class DraftModel:
         rid = req.request_id
         m = self.mirrors.get(rid)
         if m is None:
-            while len(self.mirrors) >= self.max_rows:
-                if not self._evict(keep):
-                    return None
-            m = self.mirrors[rid] = Request(rid, [], _PARAMS, token_ids=[])
-            self._synced[rid] = 0
+            m = self._new_mirror(rid, keep)
+            if m is None:
+                return None
         self.mirrors.move_to_end(rid)
         tokens, mine = req.token_ids, m.token_ids
         same = self._synced[rid]
@@ -115,6 +125,75 @@ class DraftModel:
             if not self._evict(keep | {rid}):
                 return None
         return m
+
+    def _new_mirror(self, rid: str, keep: set[str]) -> Request | None:
+        while len(self.mirrors) >= self.max_rows:
+            if not self._evict(keep):
+                return None
+        m = self.mirrors[rid] = Request(rid, [], _PARAMS, token_ids=[])
+        self._synced[rid] = 0
+        return m
+
+    # ------------------------------------------------- disaggregated serving
+    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
+        """Decode role: blocks for the draft KV of a prompt of ``num_tokens`` that a
+        prefill worker sends; [] when there is no room (the mirror then catches up
+        here). They are held until ``adopt`` or ``release``."""
+        if request_id in self.mirrors:
+            raise ValueError(f"request {request_id!r} has a draft mirror already")
+        m = self._new_mirror(request_id, set())
+        if m is None:
+            return []
+        need = ceil_div(num_tokens, self.block_size)
+        while (got := self.pool.allocate(need)) is None:
+            if not self._evict({request_id}):
+                self.release(request_id)
+                return []
+        m.block_ids = got
+        self._landing.add(request_id)
+        return list(got)
+
+    def adopt(self, request_id: str, prompt: Sequence[int]) -> None:
+        """Decode role: the prompt's draft KV landed in the reserved blocks (a request
+        that reserved none is left to catch up)."""
+        if request_id not in self._landing:
+            return
+        self._landing.discard(request_id)
+        m = self.mirrors[request_id]
+        m.token_ids = list(prompt)
+        m.num_computed_tokens = self._synced[request_id] = len(prompt)
+
+    @torch.inference_mode()
+    def prefill(self, prompts: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> None:
+        """Prefill role: the draft KV of each ``(request id, prompt, block ids)``, written
+        at the target's blocks; in chunks within the token budget, at most
+        ``max_rows`` requests at once."""
+        todo = [Request(rid, [], _PARAMS, token_ids=list(tokens), block_ids=list(blocks))
+                for rid, tokens, blocks in prompts]
+        todo.reverse()
+        active: list[Request] = []
+        while todo or active:
+            while todo and len(active) < self.max_rows:
+                active.append(todo.pop())
+            budget, work = self.max_tokens, []
+            for m in active:
+                n = min(m.num_new_tokens, budget)
+                if n <= 0:
+                    break
+                work.append((m, n))
+                budget -= n
+            self._run(work)
+            for m in active:
+                if not m.num_new_tokens:
+                    self.inputs.release(m)
+            active = [m for m in active if m.num_new_tokens]
+
+    def layout_spec(self) -> dict[str, object]:
+        """The fields of the ``KVLayout`` of this draft's cache (its transfer channel)."""
+        mc = self.model_config
+        return {"model_id": self.model_id, "dtype": self.kv_dtype,
+                "num_layers": mc.num_layers, "num_kv_heads": mc.num_kv_heads,
+                "head_dim": mc.head_dim, "block_size": self.block_size}
 
     def _run(self, work: list[tuple[Request, int]]) -> dict[str, int]:
         """Compute ``n`` tokens of each mirror; the greedy next token of each that

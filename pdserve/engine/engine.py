@@ -133,7 +133,10 @@ class LLMEngine:
         self.suffix_cache = SuffixCache(
             spec.suffix_decoding_max_cached_requests, spec.prompt_lookup_min,
             spec.prompt_lookup_max) if spec is not None and spec.method == "suffix" else None
+        # A draft model's: on a prefill engine it makes the draft's prompt KV, which
+        # travels with the target's (``prefill_draft``); it speculates elsewhere.
         self.draft: DraftModel | None = None
+        spec = self.config.speculative_config
         if spec is not None and spec.method == "draft_model":
             if tp is not None:
                 raise ValueError("a draft model does not run under tensor parallelism yet "
@@ -258,9 +261,36 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r}: first token {first_token} does not "
                              f"match its structured output constraint")
         self.scheduler.start_decode(req)
+        if self.draft is not None:  # the draft's prompt KV came too, if it reserved any
+            self.draft.adopt(request_id, req.prompt_token_ids)
         skip_draws(req.params, req.generator, 1)  # the prefill worker drew the first token
         return self._append_tokens(Sampled(req, [first_token],
                                            [] if first_logprobs is None else [first_logprobs]))
+
+    @replicated
+    def reserve_draft(self, request_id: str) -> list[int]:
+        """Decode role, after ``reserve``: the draft model's blocks for the prompt's
+        draft KV, which the prefill worker sends with the target's ([] without a draft
+        model, for a request that does not speculate, or with no room: its draft then
+        catches up on the prompt here)."""
+        req = self.requests[request_id]
+        if self.draft is None or req.spec is None:
+            return []
+        return self.draft.reserve(request_id, req.num_prompt_tokens)
+
+    @replicated
+    def prefill_draft(self, request_ids: Sequence[str]) -> None:
+        """Prefill role: compute the draft model's KV of these PREFILLED requests'
+        prompts, into the draft cache at the target's blocks (``block_ids``), where
+        the transfer reads it."""
+        if self.draft is None:
+            raise ValueError("prefill_draft: this engine has no draft model")
+        reqs = [self.requests[rid] for rid in request_ids]
+        for req in reqs:
+            if req.status is not RequestStatus.PREFILLED:
+                raise ValueError(f"request {req.request_id!r} is {req.status.value}, "
+                                 "not prefilled")
+        self.draft.prefill([(r.request_id, r.prompt_token_ids, r.block_ids) for r in reqs])
 
     def block_ids(self, request_id: str) -> list[int]:
         return list(self.requests[request_id].block_ids)
@@ -474,6 +504,8 @@ class LLMEngine:
             "head_dim": mc.head_dim, "block_size": self.block_size}
         if self.tp is not None:  # this rank's cache holds its KV heads only
             spec["heads"] = self.kv_heads[self.tp.rank]
+        if self.draft is not None:  # its KV travels too: both ends must have this draft
+            spec["draft"] = self.draft.model_id
         return spec
 
     def check_integrity(self) -> None:

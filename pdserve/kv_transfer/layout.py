@@ -71,6 +71,9 @@ class KVLayout:
     block_size: int  # tokens per block
     version: int = 2  # bumped when the tensor layout above changes (2: heads outside slots)
     heads: tuple[int, int] | None = None  # this tensor's KV heads [lo, hi); None: all
+    # speculative decoding's draft model, whose prompt KV travels beside this one
+    # (``with_draft.py``); None: no draft model
+    draft: str | None = None
 
 
     def __post_init__(self) -> None:
@@ -148,6 +151,8 @@ class KVLayout:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
+        if self.draft is None:
+            del data["draft"]  # a layout without a draft reads as before
         if self.heads is None:
             del data["heads"]  # a whole-model layout reads as before
         else:
@@ -181,6 +186,9 @@ class KVLayout:
             for f in dataclasses.fields(self)
             if f.name != "heads" and getattr(self, f.name) != getattr(peer, f.name)
         ]
+        if self.draft != peer.draft:
+            diffs.append("both workers need speculative_config's draft model: its prompt KV "
+                         "is made by the prefill worker and moves with the target's")
         raise KVLayoutMismatch("KV layout mismatch: " + "; ".join(diffs))
 
     def check_tensor(self, kv: torch.Tensor) -> int:

@@ -90,9 +90,10 @@ class _Pending:
     notify: dict[str, Any] | None = None
 
 
-class _Fanout:
+class Fanout:
     """What both roles share: the ranks' channels, and each request in flight as parts
-    -- one per (rank, pair) on a sender, one per rank on a receiver."""
+    -- one per (rank, pair) on a sender, one per rank on a receiver (``with_draft.py``
+    fans out the same way over a target's channel and its draft's)."""
 
     aborted = ""  # the failure an abort() on this side reports
 
@@ -185,15 +186,42 @@ class _Fanout:
                 self._events.append(self._ended(rid, p))
 
 
-class ShardedSender(_Fanout, KVSender):
-    """Prefill role of a TP worker (or any worker talking to a TP decode worker)."""
+class FanoutSender(Fanout, KVSender):
+    """What the fan-out senders share: a request is registered with its parts on its
+    first send; once it ended, later sends for it are dropped, as for any sender."""
 
     aborted = "aborted by sender"
 
     def __init__(self, ranks: list[Any], layout: KVLayout, heads: list[tuple[int, int]]) -> None:
         super().__init__(ranks, layout, heads)
-        self._peers: dict[str, list[tuple[int, str, str]]] = {}  # -> (rank, sub peer, suffix)
         self._over: OrderedDict[str, None] = OrderedDict()  # ended ids (later sends: dropped)
+
+    def _pending_for(self, request_id: str, parts: list[Part]) -> tuple[_Pending | None, bool]:
+        """Under the lock: the request's entry, registered with ``parts`` if new, and
+        whether it is new; None: it ended (or failed) already, so the send is dropped."""
+        p = self._pending.get(request_id)
+        new = p is None
+        if p is None:
+            if request_id in self._over:
+                return None, False
+            p = self._register(request_id, parts)
+        return (None if p.failure is not None else p), new
+
+    def _ended(self, rid: str, p: _Pending) -> SendEvent:
+        self._over[rid] = None
+        while len(self._over) > MAX_TOMBSTONES:
+            self._over.popitem(last=False)
+        if p.failure is None:
+            return SendEvent(rid, True)
+        return SendEvent(rid, False, p.failure[0], p.failure[1])
+
+
+class ShardedSender(FanoutSender):
+    """Prefill role of a TP worker (or any worker talking to a TP decode worker)."""
+
+    def __init__(self, ranks: list[Any], layout: KVLayout, heads: list[tuple[int, int]]) -> None:
+        super().__init__(ranks, layout, heads)
+        self._peers: dict[str, list[tuple[int, str, str]]] = {}  # -> (rank, sub peer, suffix)
         self._peer_ids = itertools.count()
 
     def connect(self, endpoint: dict[str, Any]) -> str:
@@ -220,14 +248,9 @@ class ShardedSender(_Fanout, KVSender):
              notify: dict[str, Any] | None = None) -> None:
         subs = self._peers[peer_id]
         with self._lock:
-            p = self._pending.get(request_id)
-            new = p is None
+            p, new = self._pending_for(request_id,
+                                       [(i, request_id + suffix) for i, _, suffix in subs])
             if p is None:
-                if request_id in self._over:
-                    return  # ended already: dropped, as for any sender
-                p = self._register(request_id,
-                                   [(i, request_id + suffix) for i, _, suffix in subs])
-            if p.failure is not None:
                 return
         # The first pair is rank 0's own channel (it holds head 0, which receiver rank 0
         # holds first): a bad call raises there, before anything is sent anywhere.
@@ -241,19 +264,20 @@ class ShardedSender(_Fanout, KVSender):
                         self._forget(request_id)
                 raise
 
-    def _ended(self, rid: str, p: _Pending) -> SendEvent:
-        self._over[rid] = None
-        while len(self._over) > MAX_TOMBSTONES:
-            self._over.popitem(last=False)
-        if p.failure is None:
-            return SendEvent(rid, True)
-        return SendEvent(rid, False, p.failure[0], p.failure[1])
 
-
-class ShardedReceiver(_Fanout, KVReceiver):
-    """Decode role of a TP worker: a request is ready when every rank has its heads."""
+class FanoutReceiver(Fanout, KVReceiver):
+    """What the fan-out receivers share: a request is ready when every part landed."""
 
     aborted = "aborted by receiver"
+
+    def _ended(self, rid: str, p: _Pending) -> RecvEvent:
+        if p.failure is None:
+            return RecvEvent(rid, True, notify=p.notify or {})
+        return RecvEvent(rid, False, reason=p.failure[0], error=p.failure[1])
+
+
+class ShardedReceiver(FanoutReceiver):
+    """Decode role of a TP worker: a request is ready when every rank has its heads."""
 
     def endpoint(self) -> dict[str, Any]:
         eps = [ch.endpoint() for ch in self._ranks]
@@ -280,11 +304,6 @@ class ShardedReceiver(_Fanout, KVReceiver):
                 self.abort(request_id)
                 raise ValueError(f"tensor-parallel rank {j} refused blocks for "
                                  f"{request_id!r}: {exc}") from exc
-
-    def _ended(self, rid: str, p: _Pending) -> RecvEvent:
-        if p.failure is None:
-            return RecvEvent(rid, True, notify=p.notify or {})
-        return RecvEvent(rid, False, reason=p.failure[0], error=p.failure[1])
 
 
 def open_channel(role: str, backend: str, kv: torch.Tensor, layout: KVLayout,

@@ -5,7 +5,10 @@ prefill, prefix reuse), samples each request's first token, and pushes the
 request's KV into the blocks a decode worker reserved -- overlapped with compute:
 after every engine step, the blocks that step completed go out at once (prefix-cache
 hits with the first chunk), and the last send, once the first token is sampled,
-carries the rest (the partial last block) and the first token. The first token also
+carries the rest (the partial last block) and the first token. With a draft model
+(speculative decoding), the draft's prompt KV is computed once the first token is
+answered and goes out just before that last send, as part of the same transfer. The
+first token also
 goes straight back to the router (``prefill``'s answer), which streams it before the
 hand-over ends; ``handoff`` then answers once the decode worker has the KV. So the
 transfer adds nothing to TTFT. The channel runs on its own thread
@@ -42,6 +45,7 @@ from pdserve.engine.stop import StopChecker
 from pdserve.failures import AttemptFailed, FailReason
 from pdserve.kv_transfer import KVSender, SendEvent
 from pdserve.kv_transfer.driver import ChannelThread
+from pdserve.kv_transfer.with_draft import DraftSender
 from pdserve.messages import FirstToken, PrefillResult, PrefillTask, TokenLogprob, WorkerMetrics
 from pdserve.worker_loop import WorkerLoop, prompt_logprobs_of
 
@@ -58,6 +62,7 @@ class _InFlight:
     peer: str
     sent_blocks: int = 0  # leading blocks already handed to a send
     pinned: list[int] = field(default_factory=list)  # source blocks referenced for sends
+    draft_blocks: int = 0  # of those, the last pinned for the draft's KV (its own bytes)
     final_sent: float | None = None  # when the last send started (the first token sampled)
 
     def fail(self, exc: BaseException) -> None:
@@ -153,6 +158,7 @@ class PrefillWorker(WorkerLoop):
         outputs = {out.request_id: out for out in self._step()}
         now = time.monotonic()
         scored: list[tuple[_InFlight, RequestOutput]] = []
+        last: list[tuple[_InFlight, dict[str, Any]]] = []
         for rid, f in self._inflight.items():
             if f.final_sent is not None:
                 continue
@@ -160,11 +166,18 @@ class PrefillWorker(WorkerLoop):
             if out is not None and not out.prefilled:
                 scored.append((f, out))  # max_tokens=0: scored, nothing to hand off
             elif out is not None:
-                self._send_last(f, out, now)
+                last.append((f, self._first(f, out, now)))
             else:
                 self._send_computed(f)
         for f, out in scored:
             self._scored(f, out, now)
+        # The first tokens are out: now the draft model's prompt KV (for the decode
+        # workers that reserved blocks for it), then each request's last sends.
+        drafts = [f for f, _ in last if f.task.draft_dst_block_ids]
+        if drafts and self.engine.draft is not None:
+            self.engine.prefill_draft([f.task.request_id for f in drafts])
+        for f, notify in last:
+            self._send_last(f, notify)
 
     def _send_computed(self, f: _InFlight) -> None:
         """Send the full blocks computed so far that were not sent yet."""
@@ -190,20 +203,32 @@ class PrefillWorker(WorkerLoop):
                 prefill_queue_s=max(0.0, scheduled - f.received), prefill_s=now - scheduled,
                 prompt_logprobs=prompt_logprobs_of(out)))
 
-    def _send_last(self, f: _InFlight, out: RequestOutput, now: float) -> None:
-        f.final_sent = now
-        src = self.engine.block_ids(out.request_id)[f.sent_blocks:]
+    def _first(self, f: _InFlight, out: RequestOutput, now: float) -> dict[str, Any]:
+        """Answer ``prefill`` with the first token; the final send's notice."""
         token = out.new_token_ids[0]
         lp = (None if not out.logprobs else
               TokenLogprob(out.logprobs[0].token_id, out.logprobs[0].logprob,
                            out.logprobs[0].top, out.logprobs[0].rank))
-        notify = {"first_token": token, "logprobs": None if lp is None else lp.to_json()}
-        self._send(f, src, f.sent_blocks, notify)
         # The engine's stop rules for this one token (the decode worker applies them
         # again in start_decode): a token that ends the request is not streamed early.
         final = StopChecker(f.task.params, self.engine.eos_token_ids).token_decision(
             token, 1) is not None
         self._answer(f, out, now, token, lp, final)
+        return {"first_token": token, "logprobs": None if lp is None else lp.to_json()}
+
+    def _send_last(self, f: _InFlight, notify: dict[str, Any]) -> None:
+        """The draft's KV (when the decode worker reserved blocks for it), then the
+        rest of the target's with the first token: the final send."""
+        f.final_sent = time.monotonic()
+        rid = f.task.request_id
+        blocks = self.engine.block_ids(rid)
+        if f.task.draft_dst_block_ids and isinstance(self.sender, DraftSender):
+            dst, sender, peer = f.task.draft_dst_block_ids, self.sender, f.peer
+            self.engine.pin(blocks)  # read from the draft cache at the target's blocks
+            f.pinned.extend(blocks)
+            f.draft_blocks = len(blocks)
+            self.transfer.post(lambda: sender.send_draft(peer, rid, blocks, dst))
+        self._send(f, blocks[f.sent_blocks:], f.sent_blocks, notify)
 
     def _send(self, f: _InFlight, src: list[int], start: int, notify: dict[str, Any] | None,
               ) -> None:
@@ -242,7 +267,9 @@ class PrefillWorker(WorkerLoop):
             if f.future.done():  # aborted while its last send was in flight
                 continue
             assert f.final_sent is not None
-            nbytes = len(f.pinned) * self.layout.block_bytes
+            nbytes = (len(f.pinned) - f.draft_blocks) * self.layout.block_bytes
+            if isinstance(self.sender, DraftSender):
+                nbytes += f.draft_blocks * self.sender.draft_layout.block_bytes
             self.publisher.counters.kv_transfers += 1
             self.publisher.counters.kv_transfer_bytes += nbytes
             self.publisher.counters.kv_transfer_seconds += when - f.final_sent
@@ -261,4 +288,5 @@ class PrefillWorker(WorkerLoop):
             f.fail(AttemptFailed(FailReason.ABORTED, f"request {request_id} aborted"))
 
     def _before_publish(self, m: WorkerMetrics) -> None:
-        m.blocks_in_flight = sum(len(f.pinned) for f in self._inflight.values())
+        m.blocks_in_flight = sum(len(f.pinned) - f.draft_blocks
+                                 for f in self._inflight.values())

@@ -184,7 +184,8 @@ class RequestRun:
                     raise AttemptFailed(FailReason.NOT_CONNECTED,
                                         f"no prefill worker is connected to {token.worker_id}")
                 leg = self._start_prefill(p, inbox, PrefillTask(
-                    aid, ids, params, token.worker_id, r.blocks, r.reused), hashes)
+                    aid, ids, params, token.worker_id, r.blocks, r.reused, r.draft_blocks),
+                    hashes)
             wants_prompt = params.prompt_logprobs is not None
             first_sent = False  # the client has this attempt's first token, from P
             decoding = False  # the decode worker's first tokens came (its copy of P's first)

@@ -20,9 +20,10 @@ def hand_off(prefill: LLMEngine, request_id: str, decode: LLMEngine, dest: Seque
 
 
 def disaggregate(prefill: LLMEngine, decode: LLMEngine, request_id: str,
-                 prompt: list[int], params: SamplingParams) -> int:
+                 prompt: list[int], params: SamplingParams, draft: bool = False) -> int:
     """Prefill ``prompt`` on ``prefill``, hand its KV to ``decode`` and start decoding
-    there, as a prefill/decode pair does; the first token (sampled by the prefill side)."""
+    there, as a prefill/decode pair does; the first token (sampled by the prefill side).
+    ``draft``: the draft model's prompt KV too (both engines have the draft)."""
     prefill.add_request(request_id, prompt, params)
     outs = []
     while not outs:
@@ -30,6 +31,14 @@ def disaggregate(prefill: LLMEngine, decode: LLMEngine, request_id: str,
     dest = decode.reserve(request_id, prompt, params)
     assert dest is not None
     hand_off(prefill, request_id, decode, dest)
+    if draft:
+        assert prefill.draft is not None and decode.draft is not None
+        draft_dest = decode.reserve_draft(request_id)
+        assert draft_dest
+        prefill.prefill_draft([request_id])
+        src = torch.as_tensor(prefill.block_ids(request_id), dtype=torch.long)
+        decode.draft.kv_cache[torch.as_tensor(draft_dest, dtype=torch.long)] = \
+            prefill.draft.kv_cache[src]
     prefill.release(request_id)
     first = outs[0].new_token_ids[0]
     decode.start_decode(request_id, first)

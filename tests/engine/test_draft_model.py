@@ -112,21 +112,78 @@ def test_preemption_aborts_and_tight_draft_blocks(tiny_model: Callable[[str], Pa
     drained(eng)
 
 
-def test_decode_worker_drafts_from_its_first_step(tiny_model: Callable[[str], Path]) -> None:
-    """Disaggregated: the prefill worker never loads the draft; the decode worker
-    computes its draft's prompt itself on the first step and speculates from there."""
-    path = tiny_model("llama-gqa")
+def _disaggregated(path: Path, small: Path, prompt: list[int],
+                   hand: bool) -> tuple[list[int], list[int], list[list[int]]]:
+    """``prompt`` prefilled on one engine and decoded on another, both with the draft
+    ``small`` (its prompt KV handed over too with ``hand``): the tokens, the tokens the
+    decode engine's draft computed per run, and its drafts."""
+    prefill = engine(path, spec=draft(small), role="prefill")
+    decode = engine(path, spec=draft(small), role="decode", num_blocks=64)
+    assert decode.draft is not None and prefill.draft is not None
+    computed: list[int] = []
+    drafts: list[list[int]] = []
+    run, propose = decode.draft._run, decode.draft.propose
+
+    def counted(work: list[tuple[Request, int]]) -> dict[str, int]:
+        computed.append(sum(n for _, n in work))
+        return run(work)
+
+    def recorded(wanted: list[tuple[Request, int]]) -> list[list[int]]:
+        out = propose(wanted)
+        drafts.extend(out)
+        return out
+
+    decode.draft._run = counted  # type: ignore[method-assign]
+    decode.draft.propose = recorded  # type: ignore[method-assign]
+    first = disaggregate(prefill, decode, "r", prompt, GREEDY, draft=hand)
+    tokens, _ = decode_to_end(decode)
+    drained(decode)
+    assert decode.pool.num_used == 0 and prefill.pool.num_used == 0
+    prefill.check_integrity()
+    return [first, *tokens], computed, drafts
+
+
+@pytest.mark.parametrize("handed", [True, False], ids=["draft-kv-handed", "caught-up"])
+def test_decode_worker_drafts_from_its_first_step(tiny_model: Callable[[str], Path],
+                                                  handed: bool) -> None:
+    """Disaggregated: the prefill engine computes the draft's prompt KV (at its target
+    blocks) and it is handed over with the target's: the decode engine's draft starts
+    from the whole prompt and computes only the tokens after it. Without it (no draft
+    blocks reserved) the draft catches up on the prompt in its first step. Either way
+    every draft is the same (the draft's own greedy continuation: a misplaced or stale
+    handed-over row would change it) and the tokens are the target's."""
+    path, small = tiny_model("llama-gqa"), tiny_model("llama-mha")
     prompt = copy_prompts(1, seed=11)[0]
     want = _run(engine(path, spec=None), [prompt], GREEDY)[0]
-    prefill = engine(path, spec=draft(path), role="prefill")
-    assert prefill.draft is None
-    decode = engine(path, spec=draft(path), role="decode", num_blocks=64)
-    first = disaggregate(prefill, decode, "r", prompt, GREEDY)
-    tokens, steps = decode_to_end(decode)
-    assert [first, *tokens] == want
-    assert steps < (len(want) - 1) / 2  # the target as draft: most steps give 2+ tokens
+    tokens, computed, drafts = _disaggregated(path, small, prompt, handed)
+    assert tokens == want
+    # the first speculating step: the first token only, or the whole prompt too
+    assert computed[0] == (1 if handed else len(prompt) + 1), computed[:3]
+    other = _disaggregated(path, small, prompt, not handed)
+    assert other[0] == want and other[2] == drafts and len(drafts) > 3
+
+
+def test_reserved_draft_blocks_are_never_evicted(tiny_model: Callable[[str], Path]) -> None:
+    """Draft blocks a transfer writes into stay the request's until its KV landed (or
+    it is gone). The draft caches no prefix, so requests sharing the target's prefix
+    blocks run its pool out first: a decoding request's mirror gives way (it catches
+    up later), a landing one never does; with no room left, a reservation gets none."""
+    path = tiny_model("llama-gqa")
+    decode = engine(path, spec=draft(path), role="decode", num_blocks=8, block_size=8)
+    assert decode.draft is not None
+    prompt = copy_prompts(1, seed=3)[0][:30]  # 4 blocks, 3 of them full
+    got = {}
+    for rid in ("a", "b", "c", "d"):
+        assert decode.reserve(rid, prompt, SamplingParams(max_tokens=2)) is not None
+        got[rid] = decode.reserve_draft(rid)
+        if rid == "a":
+            decode.start_decode("a", 1)  # its prefix blocks are shared from here on
+    assert [len(got[r]) for r in "abc"] == [4, 4, 4] and got["d"] == []
+    assert set(got["c"]) == set(got["a"]) and not set(got["b"]) & set(got["c"])
+    assert "a" not in decode.draft.mirrors  # decoding: its mirror gave way
+    for rid in "abcd":
+        decode.abort(rid)
     drained(decode)
-    assert decode.pool.num_used == 0
 
 
 def test_draft_model_config_is_checked(tiny_model: Callable[[str], Path],

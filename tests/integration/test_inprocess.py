@@ -21,11 +21,13 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.failures import FailReason
+from pdserve.kv_transfer import KVLayoutMismatch
+from pdserve.kv_transfer.with_draft import DraftSender
 from pdserve.messages import PrefillResult, PrefillTask, RequestDelta
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.router import Router, RouterConfig
 from pdserve.router.types import ErrorKind, FinalChunk, GenerateRequest, RouterError, StreamChunk
-from tests.waiting import until_async
+from tests.waiting import until, until_async
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 
@@ -158,6 +160,63 @@ def test_speculative_serving_equals_the_engine_without_it(
         # deliveries after the first: fewer than the tokens when drafts were accepted
         assert len(t.inter_token) <= 23
     assert accepted > 0
+
+
+@pytest.mark.parametrize("transfer", ["local", "torch"])
+def test_a_draft_models_prompt_kv_moves_with_the_targets(
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path],
+        transfer: str) -> None:
+    """Speculation with a draft model, 1P+1D: the prefill worker computes the draft's
+    prompt KV and it moves in the same transfer, so the decode worker's draft computes
+    none of a prompt, only the tokens after it; the text is the engine's without
+    speculation, token for token; the transfer's bytes count the draft's blocks."""
+    spec = {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 4,
+                                   "model": str(tiny_model("llama-mha"))}}
+    pair = pair_factory(prefill_engine=spec, decode_engine=spec, transfer=transfer)
+    p, draft = pair.prefill[0], pair.decode[0].engine.draft
+    assert draft is not None and isinstance(p.sender, DraftSender)
+    first_work: dict[str, int] = {}
+    run_draft = draft._run
+
+    def counted(work: list[tuple[Any, int]]) -> dict[str, int]:
+        for m, n in work:
+            first_work.setdefault(m.request_id, n)
+        return run_draft(work)
+
+    draft._run = counted  # type: ignore[method-assign]
+    eng = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=256))
+    prompts = [list(range(start, start + n)) for start, n in ((5, 20), (40, 33), (90, 50))]
+    expected = eng.generate(prompts, GREEDY)
+    drafted = 0
+    for (tokens, text, final), exp in zip(generate_all(pair, prompts), expected, strict=True):
+        assert tokens == exp.token_ids and text == exp.text
+        assert final.timings.kv_transfer is not None
+        drafted += final.timings.spec_draft_tokens
+    assert drafted > 0
+    assert len(first_work) == 3 and set(first_work.values()) == {1}, first_work
+    until("P's counters", lambda: p.metrics().kv_transfers == 3)
+    blocks = sum(-(-len(pr) // 16) for pr in prompts)
+    assert p.metrics().kv_transfer_bytes == blocks * (
+        p.layout.block_bytes + p.sender.draft_layout.block_bytes)
+
+
+def test_pools_that_disagree_on_the_draft_model_do_not_connect(
+        tiny_model: Callable[[str], Path]) -> None:
+    spec = {"method": "draft_model", "model": str(tiny_model("llama-mha"))}
+    model = tiny_model("llama-gqa")
+    p = PrefillWorker("p", model, EngineConfig(role="prefill", num_blocks=64))
+    d = DecodeWorker("d", model, EngineConfig(role="decode", num_blocks=64,
+                                              speculative_config=spec))  # type: ignore[arg-type]
+
+    async def connect() -> None:
+        await p.connect("d", (await d.join_info()).kv_endpoint)  # type: ignore[arg-type]
+
+    try:
+        with pytest.raises(KVLayoutMismatch, match=r"draft: local=None peer='tiny'.*draft model"):
+            asyncio.run(connect())
+    finally:
+        p.close()
+        d.close()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
