@@ -162,6 +162,23 @@ def test_speculative_serving_equals_the_engine_without_it(
     assert accepted > 0
 
 
+def draft_first_work(worker: DecodeWorker) -> dict[str, int]:
+    """Filled as ``worker``'s draft model runs: request id -> the tokens its mirror
+    computed in its first draft run (1 when its prompt's draft KV was handed over)."""
+    draft = worker.engine.draft
+    assert draft is not None
+    first_work: dict[str, int] = {}
+    run_draft = draft._run
+
+    def counted(work: list[tuple[Any, int]]) -> dict[str, int]:
+        for m, n in work:
+            first_work.setdefault(m.request_id, n)
+        return run_draft(work)
+
+    draft._run = counted  # type: ignore[method-assign]
+    return first_work
+
+
 @pytest.mark.parametrize("transfer", ["local", "torch"])
 def test_a_draft_models_prompt_kv_moves_with_the_targets(
         pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path],
@@ -173,17 +190,9 @@ def test_a_draft_models_prompt_kv_moves_with_the_targets(
     spec = {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 4,
                                    "model": str(tiny_model("llama-mha"))}}
     pair = pair_factory(prefill_engine=spec, decode_engine=spec, transfer=transfer)
-    p, draft = pair.prefill[0], pair.decode[0].engine.draft
-    assert draft is not None and isinstance(p.sender, DraftSender)
-    first_work: dict[str, int] = {}
-    run_draft = draft._run
-
-    def counted(work: list[tuple[Any, int]]) -> dict[str, int]:
-        for m, n in work:
-            first_work.setdefault(m.request_id, n)
-        return run_draft(work)
-
-    draft._run = counted  # type: ignore[method-assign]
+    p = pair.prefill[0]
+    assert isinstance(p.sender, DraftSender)
+    first_work = draft_first_work(pair.decode[0])
     eng = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=256))
     prompts = [list(range(start, start + n)) for start, n in ((5, 20), (40, 33), (90, 50))]
     expected = eng.generate(prompts, GREEDY)
@@ -747,6 +756,46 @@ def test_a_retry_after_the_streamed_first_token_continues_after_it(
         tokens, _, final = await collect(stream)
         assert first.token_ids + tokens == want.token_ids
         assert final.num_retries == 1
+
+    run(pair, body)
+
+
+def test_a_retry_rebuilds_the_draft_models_state(
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:
+    """Speculation with a draft model; the decode worker fails after the first token:
+    the retry's decode worker gets the draft's prompt KV (prompt + that token) in the
+    retry's transfer, so its draft too starts from one token; the lost worker's
+    draft mirror and blocks go; the client sees the engine's tokens once each."""
+    spec = {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 4,
+                                   "model": str(tiny_model("llama-mha"))}}
+    pair = pair_factory(n_decode=2, prefill_engine=spec, decode_engine=spec)
+    p = pair.prefill[0]
+    first_work = {d.worker_id: draft_first_work(d) for d in pair.decode}
+    prompt = list(range(5, 45))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    want = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=64)).generate(
+        [prompt], params)[0]
+
+    async def body(router: Router) -> None:
+        gate = threading.Event()
+        stream = router.generate(GenerateRequest("r", params, prompt_token_ids=prompt))
+        p.transfer.post(gate.wait)
+        try:
+            first = await asyncio.wait_for(anext(stream), timeout=30)
+            assert isinstance(first, StreamChunk) and first.token_ids == want.token_ids[:1]
+            (dead,) = {w for w in router.fanout.workers_of("r") if w.startswith("decode")}
+            router.fanout.fail_worker(dead, FailReason.WORKER_DIED, "test: decode worker lost")
+        finally:
+            gate.set()
+        tokens, _, final = await collect(stream)
+        assert first.token_ids + tokens == want.token_ids
+        assert final.num_retries == 1 and final.timings.spec_draft_tokens > 0
+        (lost,) = (d for d in pair.decode if d.worker_id == dead)
+        (live,) = (d for d in pair.decode if d.worker_id != dead)
+        assert list(first_work[live.worker_id].values()) == [1]  # the retry's attempt
+        assert not first_work[lost.worker_id]  # its KV never landed
+        until("the lost worker's draft frees the reservation",
+              lambda: lost.engine.draft is not None and not lost.engine.draft.mirrors)
 
     run(pair, body)
 
