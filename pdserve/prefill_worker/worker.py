@@ -41,6 +41,7 @@ from typing import Any, cast
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.results import RequestOutput
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.stop import StopChecker
 from pdserve.failures import AttemptFailed, FailReason
 from pdserve.kv_transfer import KVSender, SendEvent
@@ -158,7 +159,7 @@ class PrefillWorker(WorkerLoop):
         outputs = {out.request_id: out for out in self._step()}
         now = time.monotonic()
         scored: list[tuple[_InFlight, RequestOutput]] = []
-        last: list[tuple[_InFlight, dict[str, Any]]] = []
+        drafting: list[tuple[_InFlight, dict[str, Any]]] = []
         for rid, f in self._inflight.items():
             if f.final_sent is not None:
                 continue
@@ -166,17 +167,22 @@ class PrefillWorker(WorkerLoop):
             if out is not None and not out.prefilled:
                 scored.append((f, out))  # max_tokens=0: scored, nothing to hand off
             elif out is not None:
-                last.append((f, self._first(f, out, now)))
+                token, lp, final = self._first(out, f.task.params)
+                notify = {"first_token": token, "logprobs": None if lp is None else lp.to_json()}
+                if f.task.draft_dst_block_ids and self.engine.draft is not None:
+                    drafting.append((f, notify))  # the draft's prompt KV goes first
+                else:
+                    self._send_last(f, notify)  # queued before the answer is out
+                self._answer(f, out, now, token, lp, final)
             else:
                 self._send_computed(f)
         for f, out in scored:
             self._scored(f, out, now)
         # The first tokens are out: now the draft model's prompt KV (for the decode
-        # workers that reserved blocks for it), then each request's last sends.
-        drafts = [f for f, _ in last if f.task.draft_dst_block_ids]
-        if drafts and self.engine.draft is not None:
-            self.engine.prefill_draft([f.task.request_id for f in drafts])
-        for f, notify in last:
+        # workers that reserved blocks for it), then those requests' last sends.
+        if drafting:
+            self.engine.prefill_draft([f.task.request_id for f, _ in drafting])
+        for f, notify in drafting:
             self._send_last(f, notify)
 
     def _send_computed(self, f: _InFlight) -> None:
@@ -203,18 +209,18 @@ class PrefillWorker(WorkerLoop):
                 prefill_queue_s=max(0.0, scheduled - f.received), prefill_s=now - scheduled,
                 prompt_logprobs=prompt_logprobs_of(out)))
 
-    def _first(self, f: _InFlight, out: RequestOutput, now: float) -> dict[str, Any]:
-        """Answer ``prefill`` with the first token; the final send's notice."""
+    def _first(self, out: RequestOutput, params: SamplingParams,
+               ) -> tuple[int, TokenLogprob | None, bool]:
+        """The first token, its logprob, and whether it ends the request."""
         token = out.new_token_ids[0]
         lp = (None if not out.logprobs else
               TokenLogprob(out.logprobs[0].token_id, out.logprobs[0].logprob,
                            out.logprobs[0].top, out.logprobs[0].rank))
         # The engine's stop rules for this one token (the decode worker applies them
         # again in start_decode): a token that ends the request is not streamed early.
-        final = StopChecker(f.task.params, self.engine.eos_token_ids).token_decision(
+        final = StopChecker(params, self.engine.eos_token_ids).token_decision(
             token, 1) is not None
-        self._answer(f, out, now, token, lp, final)
-        return {"first_token": token, "logprobs": None if lp is None else lp.to_json()}
+        return token, lp, final
 
     def _send_last(self, f: _InFlight, notify: dict[str, Any]) -> None:
         """The draft's KV (when the decode worker reserved blocks for it), then the
