@@ -730,17 +730,18 @@ def test_first_token_streams_before_the_kv_hand_over(pair_factory: Callable[...,
     run(pair, body)
 
 
-def test_a_retry_after_the_streamed_first_token_continues_after_it(
-        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:
-    """The decode worker fails after P's first token reached the client (its KV still
-    held in P): the retry prefills prompt + that token on the other pair and goes on;
-    the client sees every token once, as the engine makes them."""
-    pair = pair_factory(n_decode=2)
+def lose_the_decode_worker_after_the_first_token(
+        pair: Pair, tiny_model: Callable[[str], Path]) -> tuple[str, Any]:
+    """Request "r" (a 40-token prompt, 12 tokens); its decode worker is failed once P's
+    first token reached the client (its KV still held in P): the client sees every
+    token once, as the engine makes them, after one retry. The lost worker's id and
+    the final message."""
     p = pair.prefill[0]
     prompt = list(range(5, 45))
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     want = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=64)).generate(
         [prompt], params)[0]
+    lost: list[tuple[str, Any]] = []
 
     async def body(router: Router) -> None:
         gate = threading.Event()
@@ -756,8 +757,17 @@ def test_a_retry_after_the_streamed_first_token_continues_after_it(
         tokens, _, final = await collect(stream)
         assert first.token_ids + tokens == want.token_ids
         assert final.num_retries == 1
+        lost.append((dead, final))
 
     run(pair, body)
+    return lost[0]
+
+
+def test_a_retry_after_the_streamed_first_token_continues_after_it(
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:
+    """The decode worker fails after P's first token reached the client: the retry
+    prefills prompt + that token on the other pair and goes on."""
+    lose_the_decode_worker_after_the_first_token(pair_factory(n_decode=2), tiny_model)
 
 
 def test_a_retry_rebuilds_the_draft_models_state(
@@ -765,39 +775,19 @@ def test_a_retry_rebuilds_the_draft_models_state(
     """Speculation with a draft model; the decode worker fails after the first token:
     the retry's decode worker gets the draft's prompt KV (prompt + that token) in the
     retry's transfer, so its draft too starts from one token; the lost worker's
-    draft mirror and blocks go; the client sees the engine's tokens once each."""
+    draft mirror and blocks go."""
     spec = {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 4,
                                    "model": str(tiny_model("llama-mha"))}}
     pair = pair_factory(n_decode=2, prefill_engine=spec, decode_engine=spec)
-    p = pair.prefill[0]
     first_work = {d.worker_id: draft_first_work(d) for d in pair.decode}
-    prompt = list(range(5, 45))
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
-    want = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=64)).generate(
-        [prompt], params)[0]
-
-    async def body(router: Router) -> None:
-        gate = threading.Event()
-        stream = router.generate(GenerateRequest("r", params, prompt_token_ids=prompt))
-        p.transfer.post(gate.wait)
-        try:
-            first = await asyncio.wait_for(anext(stream), timeout=30)
-            assert isinstance(first, StreamChunk) and first.token_ids == want.token_ids[:1]
-            (dead,) = {w for w in router.fanout.workers_of("r") if w.startswith("decode")}
-            router.fanout.fail_worker(dead, FailReason.WORKER_DIED, "test: decode worker lost")
-        finally:
-            gate.set()
-        tokens, _, final = await collect(stream)
-        assert first.token_ids + tokens == want.token_ids
-        assert final.num_retries == 1 and final.timings.spec_draft_tokens > 0
-        (lost,) = (d for d in pair.decode if d.worker_id == dead)
-        (live,) = (d for d in pair.decode if d.worker_id != dead)
-        assert list(first_work[live.worker_id].values()) == [1]  # the retry's attempt
-        assert not first_work[lost.worker_id]  # its KV never landed
-        until("the lost worker's draft frees the reservation",
-              lambda: lost.engine.draft is not None and not lost.engine.draft.mirrors)
-
-    run(pair, body)
+    dead, final = lose_the_decode_worker_after_the_first_token(pair, tiny_model)
+    assert final.timings.spec_draft_tokens > 0
+    (lost,) = (d for d in pair.decode if d.worker_id == dead)
+    (live,) = (d for d in pair.decode if d.worker_id != dead)
+    assert list(first_work[live.worker_id].values()) == [1]  # the retry's attempt
+    assert not first_work[lost.worker_id]  # its KV never landed
+    until("the lost worker's draft frees the reservation",
+          lambda: lost.engine.draft is not None and not lost.engine.draft.mirrors)
 
 
 @pytest.mark.parametrize(("engine", "says"), [
