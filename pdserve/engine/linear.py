@@ -10,6 +10,8 @@ through a kernel chosen once at load (``Linear.use``):
   - ``avx2``: AVX2 + FMA, float32 or bfloat16 weights, float32 arithmetic.
   - ``avx512bf16``: AVX512-BF16 ``vdpbf16ps``, bfloat16 weights, activations
     rounded to bfloat16 (2x the multiply-adds per instruction).
+  - ``amx``: AMX-BF16 ``tdpbf16ps`` on the tile unit (``csrc/amx.cpp``), the same
+    packing and rounding of x as ``avx512bf16``, its own rounding inside a step.
 
   Each output element is summed over K in one fixed order whatever the batch, so
   a row's result does not depend on the rows beside it (batch invariance by
@@ -50,9 +52,11 @@ from pdserve.engine.quant import (
 )
 
 # The C++ kernel families (gemm.cpp's enum), fastest last.
-FAMILIES = {"avx2": 0, "avx512bf16": 1}
-_FAMILY_FLAGS = {"avx2": {"avx2", "fma"},
-                 "avx512bf16": {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}}
+FAMILIES = {"avx2": 0, "avx512bf16": 1, "amx": 2}
+_AVX512_BF16 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+_FAMILY_FLAGS = {"avx2": {"avx2", "fma"}, "avx512bf16": _AVX512_BF16,
+                 "amx": _AVX512_BF16 | {"amx_tile", "amx_bf16"}}
+_BF16_ONLY = ("avx512bf16", "amx")
 # The integer kernel families (quant_gemm.cpp's and w8a8.cpp's enum); the same results on
 # each, bit for bit.
 INT_FAMILIES = {"avx2": 0, "avx512vnni": 1}
@@ -70,11 +74,13 @@ def int_family(backend: str) -> str:
 
 def cpu_families(dtype: torch.dtype) -> list[str]:
     """The GEMM families this CPU runs for weights of ``dtype``, fastest last."""
-    if not kernels.available():
+    k = kernels.load()
+    if k is None:
         return []
     flags = kernels.cpu_flags()
     return [f for f in FAMILIES if _FAMILY_FLAGS[f] <= flags
-            and (f != "avx512bf16" or dtype == torch.bfloat16)]
+            and (f not in _BF16_ONLY or dtype == torch.bfloat16)
+            and (f != "amx" or k.amx_ready())]  # Linux grants the tile state on request
 
 
 class LinearKernel(Protocol):

@@ -12,6 +12,7 @@ import torch
 from pdserve.engine import kernels
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.linear import FAMILIES, cpu_families
 from pdserve.engine.sampling_params import SamplingParams
 from tests.engine.handoff import hand_off
 
@@ -87,6 +88,25 @@ def test_chunked_prefill_equals_unchunked(tiny_model: Callable[[str], Path], bac
     chunked = chunked_engine.generate(ps, GREEDY48)
     assert [o.token_ids for o in chunked] == [o.token_ids for o in whole]
     chunked_engine.check_integrity()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_every_kernel_family_is_batch_invariant(tiny_model: Callable[[str], Path],
+                                               family: str) -> None:
+    """bfloat16 weights forced onto each GEMM family this CPU runs (the default picks
+    only the fastest): a prompt's tokens alone, among 15 others, and chunked into
+    16-token steps are the same."""
+    if family not in cpu_families(torch.bfloat16):
+        pytest.skip(f"this CPU does not run the {family} family")
+    path = tiny_model("llama-gqa")
+    kw = {"dtype": "bfloat16", "linear_backend": f"cpu-{family}", "attention_backend": "cpu"}
+    eng = engine(path, **kw)
+    ps = prompts(16, [5, 9, 17, 30, 64, 1, 100, 33], eng.model_config.vocab_size, seed=3)
+    together = eng.generate(ps, GREEDY48)
+    for i in (0, 6):
+        assert eng.generate([ps[i]], GREEDY48)[0].token_ids == together[i].token_ids
+    chunked = engine(path, max_num_batched_tokens=16, **kw).generate(ps[4:8], GREEDY48)
+    assert [o.token_ids for o in chunked] == [o.token_ids for o in together[4:8]]
 
 
 @pytest.mark.parametrize(("dtype", "kv_cache_dtype"), [

@@ -35,7 +35,7 @@ def runnable(family: str, dtype: torch.dtype) -> None:
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
               family: str) -> torch.Tensor:
     """What the family computes, in float64: bf16 dot products see x rounded to bf16."""
-    xs = x.bfloat16() if family == "avx512bf16" else x
+    xs = x.bfloat16() if family in ("avx512bf16", "amx") else x
     return F.linear(xs.double(), w.double(), None if b is None else b.double()).float()
 
 
@@ -43,18 +43,21 @@ def test_families_follow_the_cpu_flags() -> None:
     flags = kernels.cpu_flags()
     assert "avx2" in cpu_families(torch.float32)
     has_bf16 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags
+    has_amx = has_bf16 and {"amx_tile", "amx_bf16"} <= flags
     assert ("avx512bf16" in cpu_families(torch.bfloat16)) == has_bf16
-    assert "avx512bf16" not in cpu_families(torch.float32)  # bf16 weights only
+    assert ("amx" in cpu_families(torch.bfloat16)) == has_amx  # Linux grants the tiles
+    assert cpu_families(torch.float32) == ["avx2"]  # the others: bf16 weights only
     best = resolve_linear_backend("auto", "cpu", torch.bfloat16, (64,))
-    assert best == ("cpu-avx512bf16" if has_bf16 else "cpu-avx2")
+    assert best == ("cpu-amx" if has_amx else "cpu-avx512bf16" if has_bf16 else "cpu-avx2")
     assert resolve_linear_backend("cpu", "cpu", torch.float32, (64,)) == "cpu-avx2"
 
 
 def test_a_family_the_cpu_cannot_run_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match=r"cpu-avx512bf16.*float32"):
-        resolve_linear_backend("cpu-avx512bf16", "cpu", torch.float32, (64,))
-    with pytest.raises(ValueError, match="unknown linear backend 'cpu-amx'"):
-        resolve_linear_backend("cpu-amx", "cpu", torch.float32, (64,))
+    for family in ("avx512bf16", "amx"):
+        with pytest.raises(ValueError, match=rf"cpu-{family}.*float32"):
+            resolve_linear_backend(f"cpu-{family}", "cpu", torch.float32, (64,))
+    with pytest.raises(ValueError, match="unknown linear backend 'cpu-avx10'"):
+        resolve_linear_backend("cpu-avx10", "cpu", torch.float32, (64,))
 
 
 @pytest.mark.parametrize(("family", "dtype"), CASES)
@@ -63,7 +66,7 @@ def test_a_family_the_cpu_cannot_run_is_refused_by_name() -> None:
 def test_gemm_matches_reference(family: str, dtype: torch.dtype, m: int, bias: bool) -> None:
     runnable(family, dtype)
     g = torch.Generator().manual_seed(m)
-    n, k = 101, 96  # 101 outputs: a partial last block
+    n, k = 101, 112  # 101 outputs: a partial last block; 112 = 3 x 32 + 16 of K
     w = torch.randn(n, k, generator=g).to(dtype)
     x = torch.randn(m, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
@@ -73,7 +76,7 @@ def test_gemm_matches_reference(family: str, dtype: torch.dtype, m: int, bias: b
 
 
 @pytest.mark.parametrize(("family", "dtype"), CASES)
-@pytest.mark.parametrize(("n", "k"), [(576, 576), (200, 1536), (48, 32)])
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (200, 1536), (48, 32), (80, 80)])
 def test_rows_are_bit_identical_however_batched(family: str, dtype: torch.dtype, n: int,
                                                 k: int) -> None:
     runnable(family, dtype)
@@ -106,7 +109,7 @@ def test_gemm_rejects_bad_input() -> None:
         k.gemm(torch.randn(2, 64).double(), packed, 32, FAMILIES["avx2"], None)
     with pytest.raises(RuntimeError, match="bias"):
         k.gemm(torch.randn(2, 64), packed, 32, FAMILIES["avx2"], torch.randn(31))
-    with pytest.raises(RuntimeError, match="bf16dp: weight must be bfloat16"):
+    with pytest.raises(RuntimeError, match="bf16dp/amx: weight must be bfloat16"):
         k.pack_weight(w, FAMILIES["avx512bf16"])
     with pytest.raises(RuntimeError, match="unknown kernel family"):
         k.pack_weight(w, 7)

@@ -8,6 +8,7 @@ at::Tensor quant_gemm(const at::Tensor&, const at::Tensor&, int64_t, int64_t, in
                       const c10::optional<at::Tensor>&);
 at::Tensor pack_weight(const at::Tensor&, int64_t);
 double family_peak(int64_t);
+bool amx_ready();
 at::Tensor pack_w8(const at::Tensor&, int64_t);
 int64_t w8a8_group(int64_t);
 double w8a8_peak(int64_t);
@@ -50,6 +51,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_weight", &pdk::pack_weight, nogil);
   m.def("gemm", &pdk::gemm, nogil);
   m.def("family_peak", &pdk::family_peak, nogil);
+  m.def("amx_ready", &pdk::amx_ready);
   m.def("pack_w8", &pdk::pack_w8, nogil);
   m.def("w8a8_gemm", &pdk::w8a8_gemm, nogil);
   m.def("w8a8_group", &pdk::w8a8_group);

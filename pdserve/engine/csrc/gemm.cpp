@@ -12,7 +12,7 @@
 // never the order of any one element's sum. So a row's result is bit-identical
 // however many rows share its call (tests/engine/test_gemm.py checks each family).
 //
-// Two kernel families, chosen once at load from the CPU's flags (linear.py):
+// Three kernel families, chosen once at load from the CPU's flags (linear.py):
 //
 //   fma        (AVX2 + FMA)      W float32 or bfloat16, a group [K][32]
 //                                (bf16: each block in unpack order, load_block);
@@ -21,6 +21,9 @@
 //                                to bfloat16 (nearest even, as torch does); one
 //                                vdpbf16ps per pair of k and output (2x the MACs
 //                                of an fp32 FMA per instruction).
+//   amx        (AMX-BF16)        bf16dp's packing and rounding of x, on the tile
+//                                unit (amx.cpp): 16 rows x 16 outputs x 32 of K
+//                                per TDPBF16PS.
 //
 // N is padded to whole blocks with zero rows in the packed weight; the padding is
 // never written to y. Rows of M are taken MR at a time, blocks of a group NP at a
@@ -40,6 +43,13 @@
 #include "vec.h"
 
 namespace pdk {
+
+// amx.cpp
+bool amx_ready();
+void amx_gemm(const bf16_t* x, int64_t M, int64_t K, const bf16_t* P, int64_t n_pad, float* y,
+              int64_t N, const float* bias);
+double amx_peak_loop(int64_t iters);
+
 namespace {
 
 constexpr int64_t kBlock = 16;  // outputs per block (one vector step)
@@ -323,7 +333,9 @@ double fma_peak_loop(int64_t iters) {
   return 2.0 * 8 * 12 * static_cast<double>(iters);
 }
 
-enum Family : int64_t { kFma = 0, kBf16Dp = 1 };
+enum Family : int64_t { kFma = 0, kBf16Dp = 1, kAmx = 2 };
+
+bool known(int64_t family) { return family == kFma || family == kBf16Dp || family == kAmx; }
 
 int64_t padded_rows(int64_t N) { return (N + kBlock - 1) / kBlock * kBlock; }
 
@@ -332,7 +344,11 @@ int64_t padded_rows(int64_t N) { return (N + kBlock - 1) / kBlock * kBlock; }
 // One thread's arithmetic peak of a family's instruction (FLOP/s), from a register-
 // only loop: what `make bench` measures the kernels' GFLOP/s against.
 double family_peak(int64_t family) {
-  TORCH_CHECK(family == kFma || family == kBf16Dp, "unknown kernel family ", family);
+  TORCH_CHECK(known(family), "unknown kernel family ", family);
+  if (family == kAmx) {
+    TORCH_CHECK(amx_ready(), "amx: this process may not use the tile registers");
+    return peak_rate(amx_peak_loop);
+  }
   return peak_rate(family == kFma ? fma_peak_loop : dp_peak_loop);
 }
 
@@ -340,14 +356,14 @@ double family_peak(int64_t family) {
 // to whole blocks).
 at::Tensor pack_weight(const at::Tensor& w, int64_t family) {
   TORCH_CHECK(w.dim() == 2 && w.size(0) >= 1 && w.size(1) >= 1, "weight must be [N, K]");
-  TORCH_CHECK(family == kFma || family == kBf16Dp, "unknown kernel family ", family);
+  TORCH_CHECK(known(family), "unknown kernel family ", family);
   const int64_t N = w.size(0), K = w.size(1), n_pad = padded_rows(N);
   if (family == kFma) {
     TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16,
                 "fma: weight must be float32 or bfloat16");
   } else {
-    TORCH_CHECK(w.scalar_type() == at::kBFloat16, "bf16dp: weight must be bfloat16");
-    TORCH_CHECK(K % 2 == 0, "bf16dp: K must be even, got ", K);
+    TORCH_CHECK(w.scalar_type() == at::kBFloat16, "bf16dp/amx: weight must be bfloat16");
+    TORCH_CHECK(K % 2 == 0, "bf16dp/amx: K must be even, got ", K);
   }
   at::Tensor padded = at::zeros({n_pad, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
@@ -378,7 +394,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_
   TORCH_CHECK(N >= 1 && K >= 1, "empty weight");
   TORCH_CHECK(packed.dim() == 1 && packed.is_contiguous() && packed.numel() == n_pad * K,
               "the packed weight must be pack_weight's of a [", N, ", ", K, "] weight");
-  TORCH_CHECK(family == kFma || family == kBf16Dp, "unknown kernel family ", family);
+  TORCH_CHECK(known(family), "unknown kernel family ", family);
   TORCH_CHECK(family == kFma ? (packed.scalar_type() == at::kFloat ||
                                 packed.scalar_type() == at::kBFloat16)
                              : (packed.scalar_type() == at::kBFloat16 && K % 2 == 0),
@@ -387,12 +403,17 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   float* yp = y.data_ptr<float>();
-  if (family == kBf16Dp) {
-    const int64_t groups = (n_pad + kDpGroup - 1) / kDpGroup;
+  if (family != kFma) {
     std::vector<bf16_t> xb(M * K);
     to_bf16(x.data_ptr<float>(), M * K, xb.data());
-    const auto* x2 = reinterpret_cast<const uint32_t*>(xb.data());
     const auto* P = reinterpret_cast<const bf16_t*>(packed.data_ptr<at::BFloat16>());
+    if (family == kAmx) {
+      TORCH_CHECK(amx_ready(), "amx: this process may not use the tile registers");
+      amx_gemm(xb.data(), M, K, P, n_pad, yp, N, b);
+      return y;
+    }
+    const int64_t groups = (n_pad + kDpGroup - 1) / kDpGroup;
+    const auto* x2 = reinterpret_cast<const uint32_t*>(xb.data());
     at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
       for (int64_t m0 = 0; m0 < M; m0 += kMC)
         dp_groups(x2 + m0 * (K / 2), std::min(kMC, M - m0), K, P, n_pad, yp + m0 * N, N, g0,
