@@ -16,7 +16,8 @@ Per thread count, and per weight format (float32, bfloat16, int8, int4, w8a8):
 
 Run: ``python -m pdserve.engine.bench [--model DIR] [--threads 1,2]
 [--formats float32,bfloat16,int8,int4] [--concurrency 1,8,32] [--prefill 128,1024,4096]
-[--prompt-len 128] [--kv-cache-dtype auto|int8] [--no-hf] [--json FILE]``.
+[--prompt-len 128] [--kv-cache-dtype auto|int8] [--linear-backend cpu-FAMILY] [--no-hf]
+[--json FILE]``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from pdserve.engine import kernels
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cost import cost_model
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.linear import FAMILIES, INT_FAMILIES, Linear, int_family
+from pdserve.engine.linear import FAMILIES, INT_FAMILIES, Linear, blocks_family, int_family
 from pdserve.engine.sampling_params import SamplingParams
 
 # weight format -> (engine dtype, quantization)
@@ -217,7 +218,7 @@ def bench_format(model_dir: Path, fmt: str, threads: int, bw: float, peak: float
     def make() -> LLMEngine:
         return LLMEngine(model_dir, EngineConfig(
             dtype=dtype, quantization=quant, device=args.device,
-            kv_cache_dtype=args.kv_cache_dtype,
+            kv_cache_dtype=args.kv_cache_dtype, linear_backend=args.linear_backend,
             num_threads=threads if args.device == "cpu" else None, max_num_seqs=max(conc),
             enable_prefix_caching=False, max_num_batched_tokens=2048,
             max_model_len=max(longest + 64, 2048)))
@@ -226,6 +227,8 @@ def bench_format(model_dir: Path, fmt: str, threads: int, bw: float, peak: float
     family = eng.linear_backend.removeprefix("cpu-")
     if quant in ("int4", "int8", "w8a8") and family in FAMILIES:  # the integer family's peak
         family = int_family(eng.config.linear_backend)
+        if quant != "w8a8":
+            family = blocks_family(family)
         peak = kernels.require().w8a8_peak(INT_FAMILIES[family]) * threads
     elif family in FAMILIES:  # MFU against the chosen kernel family's own peak
         peak = kernels.require().family_peak(FAMILIES[family]) * threads
@@ -300,6 +303,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
                     help="every format's KV cache (auto: as its dtype)")
+    ap.add_argument("--linear-backend", default="auto",
+                    help="force a GEMM family for every format (e.g. cpu-avx512bf16)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (scripts/gpu_check.sh)")

@@ -37,8 +37,9 @@ from pdserve.engine.linear import (
     CpuDense,
     CpuQuantized,
     CpuW8A8,
+    blocks_family,
     cpu_families,
-    int_family,
+    int_families,
     resolve_linear_backend,
 )
 from pdserve.engine.quant import quantize, quantize_w8
@@ -113,7 +114,7 @@ def bench_integer(threads: int, rows: list[int], kind: str) -> None:
     weights = [torch.randn(n, kk, generator=g) * 0.05 for n, kk in LAYER]
     ref_layer: list[Callable[[torch.Tensor], torch.Tensor]] = [
         partial(F.linear, weight=w.bfloat16()) for w in weights]
-    families = ["avx2"] + (["avx512vnni"] if int_family("cpu") == "avx512vnni" else [])
+    families = [f for f in int_families() if kind == "w8a8" or f == blocks_family(f)]
     what = {"w8a8": "W8A8 (int8 x int8, quantization: w8a8)",
             "int4": "int4 (Q4_1 x int8, quantization: int4)",
             "int8": "int8 (Q8_0 x int8, quantization: int8)"}[kind]

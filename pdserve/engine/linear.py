@@ -18,13 +18,14 @@ through a kernel chosen once at load (``Linear.use``):
   construction; see gemm.cpp). ``cpu`` picks the fastest family this CPU runs.
 
 A quantized layer (``Linear.quantize``, formats in ``quant.py``) keeps only its
-blocks. The integer kernels come in two families with the same results bit for bit
-(``INT_FAMILIES``: ``avx2``, and ``avx512vnni`` with vpdpbusd), chosen by
-``int_family``:
+blocks. The integer kernels come in three families with the same results bit for
+bit (``INT_FAMILIES``: ``avx2``, ``avx512vnni`` with vpdpbusd, ``amx`` with the
+AMX-INT8 tiles), chosen by ``int_family``:
 
 * int8 / int4 (``csrc/quant_gemm.cpp``): Q8_0 / Q4_1 weights repacked at load x
   activations quantized to int8 per row and block of 32; equal to
-  ``quant.quantized_reference`` bit for bit.
+  ``quant.quantized_reference`` bit for bit. ``amx`` runs these on avx512vnni's
+  kernel (``blocks_family``).
 * W8A8 (``Linear.use(..., w8a8=True)``, ``csrc/w8a8.cpp``): int8 weights per channel
   x activations quantized to int8 per row and group of 64; equal to
   ``quant.w8a8_reference`` bit for bit.
@@ -57,19 +58,39 @@ _AVX512_BF16 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
 _FAMILY_FLAGS = {"avx2": {"avx2", "fma"}, "avx512bf16": _AVX512_BF16,
                  "amx": _AVX512_BF16 | {"amx_tile", "amx_bf16"}}
 _BF16_ONLY = ("avx512bf16", "amx")
-# The integer kernel families (quant_gemm.cpp's and w8a8.cpp's enum); the same results on
-# each, bit for bit.
-INT_FAMILIES = {"avx2": 0, "avx512vnni": 1}
-_INT_FLAGS = {"avx2": {"avx2"}, "avx512vnni": {"avx512f", "avx512bw", "avx512_vnni"}}
+# The integer kernel families (w8a8.cpp's enum; quant_gemm.cpp's but amx); the same
+# results on each, bit for bit.
+INT_FAMILIES = {"avx2": 0, "avx512vnni": 1, "amx": 2}
+_VNNI = {"avx512f", "avx512bw", "avx512_vnni"}
+_INT_FLAGS = {"avx2": {"avx2"}, "avx512vnni": _VNNI, "amx": _VNNI | {"amx_tile", "amx_int8"}}
+
+
+def int_families() -> list[str]:
+    """The integer families this CPU runs, fastest last."""
+    k = kernels.load()
+    flags = kernels.cpu_flags()
+    return [f for f in INT_FAMILIES if _INT_FLAGS[f] <= flags
+            and (f != "amx" or (k is not None and k.amx_ready()))]
 
 
 def int_family(backend: str) -> str:
-    """The integer (int4, W8A8) family for a configured ``linear_backend``: VNNI where
-    the CPU has it, unless the configuration forces ``cpu-avx2`` (the dense family a
-    float32 model resolves to does not matter: these sums are integers)."""
-    if backend == "cpu-avx2" or not _INT_FLAGS["avx512vnni"] <= kernels.cpu_flags():
+    """The integer (int4, int8, W8A8) family for a configured ``linear_backend``: the
+    fastest this CPU runs, unless the configuration forces a dense family of a lower
+    level (``cpu-avx2``: avx2, ``cpu-avx512bf16``: avx512vnni). The dense family a
+    float32 model resolves to does not matter: these sums are integers."""
+    families = int_families() or ["avx2"]
+    if backend == "cpu-avx2":
         return "avx2"
-    return "avx512vnni"
+    if backend == "cpu-avx512bf16" and "amx" in families:
+        return "avx512vnni"
+    return families[-1]
+
+
+def blocks_family(family: str) -> str:
+    """The family whose kernel multiplies int8 / int4 blocks (quant_gemm.cpp) for an
+    integer family: amx's is avx512vnni's (a float scale per block of 32 of K for x
+    and for W would leave a tile a 32-deep step between two float epilogues)."""
+    return "avx512vnni" if family == "amx" else family
 
 
 def cpu_families(dtype: torch.dtype) -> list[str]:
@@ -160,7 +181,7 @@ class CpuQuantized:
 
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None, family: str) -> None:
         self.k = kernels.require()
-        self.family, self.bits = INT_FAMILIES[family], qweight.bits
+        self.family, self.bits = INT_FAMILIES[blocks_family(family)], qweight.bits
         self.out_features = qweight.out_features
         self.packed = self.k.pack_quantized(qweight.data, self.bits, self.family)
         self.bias = None if bias is None else bias.detach().float().contiguous()

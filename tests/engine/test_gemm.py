@@ -16,7 +16,9 @@ from pdserve.engine.linear import (
     CpuDense,
     CpuQuantized,
     CpuW8A8,
+    blocks_family,
     cpu_families,
+    int_families,
     int_family,
     resolve_linear_backend,
 )
@@ -120,8 +122,20 @@ INT_FAMILY_NAMES = list(INT_FAMILIES)
 
 
 def int_runnable(family: str) -> None:
-    if family == "avx512vnni" and int_family("cpu") != "avx512vnni":
-        pytest.skip("this CPU has no AVX512-VNNI")
+    if family not in int_families():
+        pytest.skip(f"this CPU does not run the {family} integer family")
+
+
+def test_integer_families_follow_the_cpu_flags() -> None:
+    flags = kernels.cpu_flags()
+    vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= flags
+    amx = vnni and {"amx_tile", "amx_int8"} <= flags
+    assert int_families() == ["avx2", *(["avx512vnni"] if vnni else []),
+                              *(["amx"] if amx else [])]
+    assert int_family("cpu") == int_families()[-1]
+    assert int_family("cpu-avx2") == "avx2"
+    assert int_family("cpu-avx512bf16") == ("avx512vnni" if vnni else "avx2")
+    assert [blocks_family(f) for f in INT_FAMILIES] == ["avx2", "avx512vnni", "avx512vnni"]
 
 
 @pytest.mark.parametrize("family", INT_FAMILY_NAMES)
@@ -162,14 +176,17 @@ def test_w8a8_rows_are_bit_identical_however_batched(family: str) -> None:
         assert torch.equal(lin(x[lo:hi].contiguous()), full[lo:hi]), (lo, hi)
 
 
-def test_w8a8_families_agree_bit_for_bit() -> None:
-    """Integer sums and one float epilogue: the same result on every CPU class."""
-    int_runnable("avx512vnni")
-    g = torch.Generator().manual_seed(4)
-    w8 = quant.quantize_w8(torch.randn(80, 192, generator=g))
-    x = torch.randn(37, 192, generator=g)
-    b = torch.randn(80, generator=g)
-    assert torch.equal(CpuW8A8(w8, b, "avx2")(x), CpuW8A8(w8, b, "avx512vnni")(x))
+@pytest.mark.parametrize(("n", "k"), [(80, 192), (200, 576), (48, 96), (33, 48)])
+def test_w8a8_families_agree_bit_for_bit(n: int, k: int) -> None:
+    """Integer sums and one float epilogue: the same result on every CPU class (groups
+    of 64, 32 and 16 inputs; 3, 2 and 1 blocks in the last group of outputs)."""
+    g = torch.Generator().manual_seed(n + k)
+    w8 = quant.quantize_w8(torch.randn(n, k, generator=g))
+    x = torch.randn(37, k, generator=g)
+    b = torch.randn(n, generator=g)
+    outs = [CpuW8A8(w8, b, family)(x) for family in int_families()]
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
 
 
 def test_w8a8_groups_agree_with_the_reference() -> None:

@@ -1,16 +1,17 @@
-// AMX-BF16 family of the dense GEMM (gemm.cpp's kAmx): y[M, N] = x[M, K] @ W^T + b
-// on the tile unit's TDPBF16PS, batch-invariant by construction like the others.
+// The tile unit's (AMX) kernels: the dense GEMM's amx family (gemm.cpp's kAmx) on
+// TDPBF16PS, and W8A8's amx family (w8a8.cpp's kW8Amx) on TDPBSSD (further down).
 //
-// The weight is bf16dp's packed layout ([K/2][64][2] per group of 64 outputs): 16
-// consecutive pairs of K of one 16-output block are exactly a B tile (16 rows of
-// 64 bytes, the group's row stride apart). x is rounded to bfloat16 as bf16dp does.
-// A tile of 16 rows of x times a group's blocks accumulates in up to four C tiles,
-// 32 values of K per TDPBF16PS, K ascending; a K that is not a multiple of 32 ends
-// with one narrower step. Which values of K a step holds depends on K alone, and a
-// tile row's sums on that row alone, so the rows beside it (M, its place in a tile,
-// the number of rows a tile is configured with) never change its result. The
-// tile unit's rounding is its own (it is not vdpbf16ps's chain, nor float32's), so
-// this family agrees with the others to rounding, and with itself bit for bit.
+// Dense: y[M, N] = x[M, K] @ W^T + b, batch-invariant by construction like the other
+// families. The weight is bf16dp's packed layout ([K/2][64][2] per group of 64
+// outputs): 16 consecutive pairs of K of one 16-output block are exactly a B tile (16
+// rows of 64 bytes, the group's row stride apart). x is rounded to bfloat16 as bf16dp
+// does. A tile of 16 rows of x times a group's blocks accumulates in up to four C
+// tiles, 32 values of K per TDPBF16PS, K ascending; a K that is not a multiple of 32
+// ends with one narrower step. Which values of K a step holds depends on K alone, and
+// a tile row's sums on that row alone, so the rows beside it (M, its place in a tile,
+// the number of rows a tile is configured with) never change its result. The tile
+// unit's rounding is its own (it is not vdpbf16ps's chain, nor float32's), so this
+// family agrees with the others to rounding, and with itself bit for bit.
 //
 // Linux hands a process the tile registers' state only on request (arch_prctl
 // ARCH_REQ_XCOMP_PERM); amx_ready() asks once. Each thread loads its own tile
@@ -36,7 +37,7 @@ bool amx_ready() {
 }
 
 #pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq")
+#pragma GCC target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512dq")
 namespace {
 
 constexpr int64_t kBlock = 16, kGroup = 64;  // bf16dp's packing (gemm.cpp)
@@ -48,20 +49,23 @@ constexpr int64_t kMC = 128;                 // rows of x per cache chunk
 // stores before them and loads after them are fenced by hand.
 inline void memory_fence() { asm volatile("" ::: "memory"); }
 
-// Tiles: 0-3 the C accumulators, 4/5 A and B of a full step, 6/7 of the K tail.
+// Tiles: 0-3 the C accumulators, 4/5 A and B of a full step, 6/7 of a K tail.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
 
-void configure(int64_t rows, int64_t k_tail) {
+// Tiles 0-3 and A: `rows` rows of 64 / a_bytes bytes; B: b_rows rows of 64 bytes;
+// the K tail's A and B (6, 7) likewise when tail_bytes > 0.
+void configure(int64_t rows, int64_t a_bytes, int64_t b_rows, int64_t tail_bytes = 0) {
   TileConfig c;
-  for (int t = 0; t < 5; ++t) c.colsb[t] = 64, c.rows[t] = static_cast<uint8_t>(rows);
-  c.colsb[5] = 64, c.rows[5] = kStepK / 2;
-  if (k_tail > 0) {
-    c.colsb[6] = static_cast<uint16_t>(k_tail * 2), c.rows[6] = static_cast<uint8_t>(rows);
-    c.colsb[7] = 64, c.rows[7] = static_cast<uint8_t>(k_tail / 2);
+  for (int t = 0; t < 4; ++t) c.colsb[t] = 64, c.rows[t] = static_cast<uint8_t>(rows);
+  c.colsb[4] = static_cast<uint16_t>(a_bytes), c.rows[4] = static_cast<uint8_t>(rows);
+  c.colsb[5] = 64, c.rows[5] = static_cast<uint8_t>(b_rows);
+  if (tail_bytes > 0) {
+    c.colsb[6] = static_cast<uint16_t>(tail_bytes), c.rows[6] = static_cast<uint8_t>(rows);
+    c.colsb[7] = 64, c.rows[7] = static_cast<uint8_t>(tail_bytes / 4);
   }
   memory_fence();
   _tile_loadconfig(&c);
@@ -75,6 +79,7 @@ void configure(int64_t rows, int64_t k_tail) {
 #define PDK_EACH(X) X(0) if constexpr (NP > 1) { X(1) } if constexpr (NP > 2) { X(2) } \
                     if constexpr (NP > 3) { X(3) }
 #define PDK_ZERO(T) _tile_zero(T);
+#define PDK_W8_STEP(T) _tile_loadd(5, B + (T) * 64, ldb); _tile_dpbssd(T, 4, 5);
 
 // `rows` rows of x (bf16, K per row) times one group of NP blocks; P its first pair.
 template <int NP>
@@ -130,11 +135,72 @@ void rows_times_groups(const bf16_t* x, int64_t m0, int64_t m1, int64_t K, const
   }
 }
 
-#undef PDK_STEP
-#undef PDK_TAIL
-#undef PDK_STORE
-#undef PDK_EACH
-#undef PDK_ZERO
+// ----------------------------------------------------------- W8A8 (AMX-INT8)
+// w8a8.cpp's kW8Amx: the same arithmetic as its other families (see there), the
+// integer part on TDPBSSD. avx512vnni's packed weight ([K/4][64][4] per group of 64
+// outputs) holds, for one group of G values of K, a B tile per 16-output block (G/4
+// rows of 64 bytes); qx (int8, signed) per row holds the A tile's rows. One TDPBSSD
+// is then one block's exact int32 dot products over one activation group, and the
+// float part that follows -- acc += float(dot) * sx[m, g], group by group, then
+// acc * sw + b -- is the other families' operations in their order: bit-identical.
+
+// Rows [m, m + rows) of qx times one group of NP blocks; P its first step of 4 k.
+template <int NP>
+void w8_tile_group(const int8_t* qx, int64_t rows, int64_t K, int64_t G, const int8_t* P,
+                   const float* sx, const float* sw, const float* bias, float* y, int64_t N,
+                   int64_t n0) {
+  const int64_t ldb = NP * 64, ng = K / G;
+  alignas(64) float acc[NP][kBlock][kBlock] = {};
+  alignas(64) int32_t c[4 * kBlock * kBlock];
+  for (int64_t g = 0; g < ng; ++g) {
+    const int8_t* B = P + g * (G / 4) * ldb;
+    PDK_EACH(PDK_ZERO)
+    _tile_loadd(4, qx + g * G, K);
+    PDK_EACH(PDK_W8_STEP)
+    PDK_EACH(PDK_STORE)
+    memory_fence();
+    for (int p = 0; p < NP; ++p)
+      for (int64_t m = 0; m < rows; ++m) {
+        const __m512 t = _mm512_cvtepi32_ps(_mm512_load_si512(c + (p * kBlock + m) * kBlock));
+        _mm512_store_ps(acc[p][m], _mm512_add_ps(_mm512_load_ps(acc[p][m]),
+                                                 _mm512_mul_ps(t, _mm512_set1_ps(sx[m * ng + g]))));
+      }
+  }
+  for (int p = 0; p < NP; ++p) {
+    const int64_t n = n0 + p * kBlock;
+    if (n >= N) break;
+    const __mmask16 mask =
+        N - n >= kBlock ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (N - n)) - 1);
+    const __m512 s = _mm512_maskz_loadu_ps(mask, sw + n);
+    for (int64_t m = 0; m < rows; ++m) {
+      __m512 v = _mm512_mul_ps(_mm512_load_ps(acc[p][m]), s);
+      if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + n));
+      _mm512_mask_storeu_ps(y + m * N + n, mask, v);
+    }
+  }
+}
+
+void w8_rows_times_groups(const int8_t* qx, int64_t m0, int64_t m1, int64_t K, int64_t G,
+                          const int8_t* P, int64_t n_pad, const float* sx, const float* sw,
+                          const float* bias, float* y, int64_t N, int64_t g0, int64_t g1) {
+  const int64_t ng = K / G;
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t width = std::min(kGroup, n_pad - g * kGroup), n0 = g * kGroup;
+    const int8_t* Pg = P + n0 * K;
+    for (int64_t m = m0; m < m1; m += kBlock) {
+      const int64_t rows = std::min(kBlock, m1 - m);
+      const int8_t* xm = qx + m * K;
+      const float* sm = sx + m * ng;
+      float* ym = y + m * N;
+      switch (width / kBlock) {
+        case 4: w8_tile_group<4>(xm, rows, K, G, Pg, sm, sw, bias, ym, N, n0); break;
+        case 3: w8_tile_group<3>(xm, rows, K, G, Pg, sm, sw, bias, ym, N, n0); break;
+        case 2: w8_tile_group<2>(xm, rows, K, G, Pg, sm, sw, bias, ym, N, n0); break;
+        default: w8_tile_group<1>(xm, rows, K, G, Pg, sm, sw, bias, ym, N, n0); break;
+      }
+    }
+  }
+}
 
 }  // namespace
 
@@ -146,13 +212,35 @@ void amx_gemm(const bf16_t* x, int64_t M, int64_t K, const bf16_t* P, int64_t n_
   memory_fence();  // x, written by the caller, is read by tile loads only
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     if (full > 0) {
-      configure(kBlock, k_tail);
+      configure(kBlock, 64, kStepK / 2, k_tail * 2);
       for (int64_t m0 = 0; m0 < full; m0 += kMC)
         rows_times_groups(x, m0, std::min(m0 + kMC, full), K, P, n_pad, y, N, g0, g1, bias);
     }
     if (full < M) {
-      configure(M - full, k_tail);
+      configure(M - full, 64, kStepK / 2, k_tail * 2);
       rows_times_groups(x, full, M, K, P, n_pad, y, N, g0, g1, bias);
+    }
+    _tile_release();
+  });
+}
+
+// qx int8 [M, K] with scales sx [M, K / G] times avx512vnni's packed W8A8 weight
+// [n_pad padded outputs] -> y float32 (w8a8.cpp's kW8Amx).
+void amx_w8a8(const int8_t* qx, int64_t M, int64_t K, int64_t G, const int8_t* P,
+              int64_t n_pad, const float* sx, const float* sw, const float* bias, float* y,
+              int64_t N) {
+  const int64_t groups = (n_pad + kGroup - 1) / kGroup, full = M / kBlock * kBlock;
+  memory_fence();  // qx, written by the caller, is read by tile loads only
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    if (full > 0) {
+      configure(kBlock, G, G / 4);
+      for (int64_t m0 = 0; m0 < full; m0 += kMC)
+        w8_rows_times_groups(qx, m0, std::min(m0 + kMC, full), K, G, P, n_pad, sx, sw, bias,
+                             y, N, g0, g1);
+    }
+    if (full < M) {
+      configure(M - full, G, G / 4);
+      w8_rows_times_groups(qx, full, M, K, G, P, n_pad, sx, sw, bias, y, N, g0, g1);
     }
     _tile_release();
   });
@@ -161,7 +249,7 @@ void amx_gemm(const bf16_t* x, int64_t M, int64_t K, const bf16_t* P, int64_t n_
 // FLOPs of `iters` steps of four independent TDPBF16PS accumulations (16 x 16 x 32).
 double amx_peak_loop(int64_t iters) {
   alignas(64) static bf16_t a[kBlock * kStepK];
-  configure(kBlock, 0);
+  configure(kBlock, 64, kStepK / 2);
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
   _tile_loadd(4, a, 64);
   _tile_loadd(5, a, 64);
@@ -174,6 +262,30 @@ double amx_peak_loop(int64_t iters) {
   _tile_release();
   return 2.0 * kBlock * kBlock * kStepK * 4 * static_cast<double>(iters);
 }
+// Integer ops (2 per multiply-add) of `iters` steps of four independent TDPBSSDs
+// (16 x 16 x 64).
+double amx_int8_peak_loop(int64_t iters) {
+  alignas(64) static int8_t a[kBlock * 64];
+  configure(kBlock, 64, 16);
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  _tile_loadd(4, a, 64);
+  _tile_loadd(5, a, 64);
+  for (int64_t t = 0; t < iters; ++t) {
+    _tile_dpbssd(0, 4, 5);
+    _tile_dpbssd(1, 4, 5);
+    _tile_dpbssd(2, 4, 5);
+    _tile_dpbssd(3, 4, 5);
+  }
+  _tile_release();
+  return 2.0 * kBlock * kBlock * 64 * 4 * static_cast<double>(iters);
+}
+
+#undef PDK_STEP
+#undef PDK_TAIL
+#undef PDK_W8_STEP
+#undef PDK_STORE
+#undef PDK_EACH
+#undef PDK_ZERO
 #pragma GCC pop_options
 
 }  // namespace pdk

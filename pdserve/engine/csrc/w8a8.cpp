@@ -24,6 +24,9 @@
 //               bytes broadcast as unsigned (qx + 128), vpdpbusd -> 16 int32 (64
 //               multiply-adds per instruction); 128 * sum over the group of qw
 //               (colsum[g][n]) is taken off before scaling.
+//   amx         avx512vnni's packing, read as AMX-INT8 B tiles; int8 qx; one
+//               TDPBSSD per 16 rows x 16 outputs x one group of G (amx.cpp);
+//               fewer than kAmxMinRows rows run avx512vnni's kernel.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/cat.h>
@@ -38,11 +41,22 @@
 #include "vec.h"
 
 namespace pdk {
+
+// amx.cpp
+bool amx_ready();
+void amx_w8a8(const int8_t* qx, int64_t M, int64_t K, int64_t G, const int8_t* P,
+              int64_t n_pad, const float* sx, const float* sw, const float* bias, float* y,
+              int64_t N);
+double amx_int8_peak_loop(int64_t iters);
+
 namespace {
 
-enum W8Family : int64_t { kW8Avx2 = 0, kW8Vnni = 1 };
+enum W8Family : int64_t { kW8Avx2 = 0, kW8Vnni = 1, kW8Amx = 2 };
+
+bool known(int64_t family) { return family == kW8Avx2 || family == kW8Vnni || family == kW8Amx; }
 constexpr int64_t kAvx2Group = 32, kVnniGroup = 64;
 constexpr int64_t kChunkM = 128;  // rows of x per cache chunk
+constexpr int64_t kAmxMinRows = 6;  // fewer rows: amx runs avx512vnni's kernel
 
 // MR rows x NB blocks of 8 outputs; P: the tile's first step of 4 k, ldp bytes per
 // step. Per step and block: 8 outputs x 4 k of weights (32 bytes) against the row's
@@ -274,13 +288,17 @@ int64_t padded16(int64_t N) { return (N + 15) / 16 * 16; }
 // One thread's integer-op peak of a W8A8 family (ops/s, a multiply-add counting 2),
 // from a register-only loop: what `make bench` measures the kernels against.
 double w8a8_peak(int64_t family) {
-  TORCH_CHECK(family == kW8Avx2 || family == kW8Vnni, "unknown W8A8 family ", family);
+  TORCH_CHECK(known(family), "unknown W8A8 family ", family);
+  if (family == kW8Amx) {
+    TORCH_CHECK(amx_ready(), "amx: this process may not use the tile registers");
+    return peak_rate(amx_int8_peak_loop);
+  }
   return peak_rate(family == kW8Avx2 ? avx2_peak_loop : vnni_peak_loop);
 }
 
 // qw int8 [N, K] (quant.quantize_w8) -> the family's packed layout (1-d int8).
 at::Tensor pack_w8(const at::Tensor& qw, int64_t family) {
-  TORCH_CHECK(family == kW8Avx2 || family == kW8Vnni, "unknown W8A8 family ", family);
+  TORCH_CHECK(known(family), "unknown W8A8 family ", family);
   TORCH_CHECK(qw.dim() == 2 && qw.scalar_type() == at::kChar && qw.size(0) >= 1,
               "W8A8: the weight must be int8 [N, K]");
   const int64_t N = qw.size(0), K = qw.size(1), n_pad = padded16(N), group = group_of(family);
@@ -310,7 +328,7 @@ int64_t w8a8_group(int64_t K) {
 at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sw,
                      const at::Tensor& colsum, int64_t family,
                      const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(family == kW8Avx2 || family == kW8Vnni, "unknown W8A8 family ", family);
+  TORCH_CHECK(known(family), "unknown W8A8 family ", family);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
   const int64_t M = x.size(0), K = x.size(1), N = sw.numel(), n_pad = padded16(N);
@@ -327,12 +345,22 @@ at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   std::vector<float> sx(M * ng);
-  std::vector<uint8_t> q8(M * K);  // avx2: int8 qx; avx512vnni: qx + 128
+  // Every family gives the same bits, so amx hands a few rows (decode) to avx512vnni,
+  // which is faster there (one 64-deep step per tile leaves little to amortise the
+  // tiles' loads and stores over: 1 row ~0.5x, 6 rows ~1.7x vnni's speed).
+  if (family == kW8Amx && M < kAmxMinRows) family = kW8Vnni;
+  std::vector<uint8_t> q8(M * K);  // avx2, amx: int8 qx; avx512vnni: qx + 128
   quantize_rows(x.data_ptr<float>(), M, K, G,
-                family == kW8Avx2 ? QxForm::kS8 : QxForm::kU8Offset, q8.data(), sx.data());
+                family == kW8Vnni ? QxForm::kU8Offset : QxForm::kS8, q8.data(), sx.data());
   const int8_t* P = packed.data_ptr<int8_t>();
   const float* swp = sw.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  if (family == kW8Amx) {
+    TORCH_CHECK(amx_ready(), "amx: this process may not use the tile registers");
+    amx_w8a8(reinterpret_cast<const int8_t*>(q8.data()), M, K, G, P, n_pad, sx.data(), swp, b,
+             yp, N);
+    return y;
+  }
   const int64_t group = group_of(family), groups = (n_pad + group - 1) / group;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t m0 = 0; m0 < M; m0 += kChunkM) {
