@@ -246,39 +246,29 @@ void amx_w8a8(const int8_t* qx, int64_t M, int64_t K, int64_t G, const int8_t* P
   });
 }
 
-// FLOPs of `iters` steps of four independent TDPBF16PS accumulations (16 x 16 x 32).
-double amx_peak_loop(int64_t iters) {
-  alignas(64) static bf16_t a[kBlock * kStepK];
-  configure(kBlock, 64, kStepK / 2);
-  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-  _tile_loadd(4, a, 64);
-  _tile_loadd(5, a, 64);
-  for (int64_t t = 0; t < iters; ++t) {
-    _tile_dpbf16ps(0, 4, 5);
-    _tile_dpbf16ps(1, 4, 5);
-    _tile_dpbf16ps(2, 4, 5);
-    _tile_dpbf16ps(3, 4, 5);
-  }
-  _tile_release();
-  return 2.0 * kBlock * kBlock * kStepK * 4 * static_cast<double>(iters);
-}
-// Integer ops (2 per multiply-add) of `iters` steps of four independent TDPBSSDs
-// (16 x 16 x 64).
-double amx_int8_peak_loop(int64_t iters) {
-  alignas(64) static int8_t a[kBlock * 64];
+// Operations (2 per multiply-add) of `iters` steps of four independent tile dot
+// products: TDPBF16PS (16 x 16 x 32) or, for Int8, TDPBSSD (16 x 16 x 64).
+template <bool Int8>
+double tile_peak_loop(int64_t iters) {
+  alignas(64) static uint8_t a[kBlock * 64];
   configure(kBlock, 64, 16);
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
   _tile_loadd(4, a, 64);
   _tile_loadd(5, a, 64);
   for (int64_t t = 0; t < iters; ++t) {
-    _tile_dpbssd(0, 4, 5);
-    _tile_dpbssd(1, 4, 5);
-    _tile_dpbssd(2, 4, 5);
-    _tile_dpbssd(3, 4, 5);
+    if constexpr (Int8) {
+      _tile_dpbssd(0, 4, 5); _tile_dpbssd(1, 4, 5); _tile_dpbssd(2, 4, 5); _tile_dpbssd(3, 4, 5);
+    } else {
+      _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 5); _tile_dpbf16ps(2, 4, 5);
+      _tile_dpbf16ps(3, 4, 5);
+    }
   }
   _tile_release();
-  return 2.0 * kBlock * kBlock * 64 * 4 * static_cast<double>(iters);
+  return 2.0 * kBlock * kBlock * (Int8 ? 64 : 32) * 4 * static_cast<double>(iters);
 }
+
+double amx_peak_loop(int64_t iters) { return tile_peak_loop<false>(iters); }
+double amx_int8_peak_loop(int64_t iters) { return tile_peak_loop<true>(iters); }
 
 #undef PDK_STEP
 #undef PDK_TAIL
