@@ -45,9 +45,10 @@ def test_families_follow_the_cpu_flags() -> None:
     flags = kernels.cpu_flags()
     assert "avx2" in cpu_families(torch.float32)
     has_bf16 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= flags
-    has_amx = has_bf16 and {"amx_tile", "amx_bf16"} <= flags
+    # amx also needs Linux to grant the process the tile state (arch_prctl)
+    has_amx = has_bf16 and {"amx_tile", "amx_bf16"} <= flags and kernels.require().amx_ready()
     assert ("avx512bf16" in cpu_families(torch.bfloat16)) == has_bf16
-    assert ("amx" in cpu_families(torch.bfloat16)) == has_amx  # Linux grants the tiles
+    assert ("amx" in cpu_families(torch.bfloat16)) == has_amx
     assert cpu_families(torch.float32) == ["avx2"]  # the others: bf16 weights only
     best = resolve_linear_backend("auto", "cpu", torch.bfloat16, (64,))
     assert best == ("cpu-amx" if has_amx else "cpu-avx512bf16" if has_bf16 else "cpu-avx2")
@@ -129,7 +130,7 @@ def int_runnable(family: str) -> None:
 def test_integer_families_follow_the_cpu_flags() -> None:
     flags = kernels.cpu_flags()
     vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= flags
-    amx = vnni and {"amx_tile", "amx_int8"} <= flags
+    amx = vnni and {"amx_tile", "amx_int8"} <= flags and kernels.require().amx_ready()
     assert int_families() == ["avx2", *(["avx512vnni"] if vnni else []),
                               *(["amx"] if amx else [])]
     assert int_family("cpu") == int_families()[-1]
