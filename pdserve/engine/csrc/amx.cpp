@@ -17,14 +17,14 @@
 // ARCH_REQ_XCOMP_PERM); amx_ready() asks once. Each thread loads its own tile
 // configuration before its tiles and releases it after.
 #include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 
-#include "vec.h"
+#include "amx.h"
 
 namespace pdk {
 
@@ -35,6 +35,12 @@ bool amx_ready() {
   }();
   return ok;
 }
+
+namespace {
+void require_tiles() {
+  TORCH_CHECK(amx_ready(), "amx: Linux did not grant this process the tile registers");
+}
+}  // namespace
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512dq")
@@ -204,9 +210,9 @@ void w8_rows_times_groups(const int8_t* qx, int64_t m0, int64_t m1, int64_t K, i
 
 }  // namespace
 
-// x bf16 [M, K] (K even) times bf16dp's packed W [n_pad padded outputs] -> y float32.
 void amx_gemm(const bf16_t* x, int64_t M, int64_t K, const bf16_t* P, int64_t n_pad, float* y,
               int64_t N, const float* bias) {
+  require_tiles();
   const int64_t groups = (n_pad + kGroup - 1) / kGroup, full = M / kBlock * kBlock;
   const int64_t k_tail = K % kStepK;
   memory_fence();  // x, written by the caller, is read by tile loads only
@@ -224,11 +230,10 @@ void amx_gemm(const bf16_t* x, int64_t M, int64_t K, const bf16_t* P, int64_t n_
   });
 }
 
-// qx int8 [M, K] with scales sx [M, K / G] times avx512vnni's packed W8A8 weight
-// [n_pad padded outputs] -> y float32 (w8a8.cpp's kW8Amx).
 void amx_w8a8(const int8_t* qx, int64_t M, int64_t K, int64_t G, const int8_t* P,
               int64_t n_pad, const float* sx, const float* sw, const float* bias, float* y,
               int64_t N) {
+  require_tiles();
   const int64_t groups = (n_pad + kGroup - 1) / kGroup, full = M / kBlock * kBlock;
   memory_fence();  // qx, written by the caller, is read by tile loads only
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
@@ -250,6 +255,7 @@ void amx_w8a8(const int8_t* qx, int64_t M, int64_t K, int64_t G, const int8_t* P
 // products: TDPBF16PS (16 x 16 x 32) or, for Int8, TDPBSSD (16 x 16 x 64).
 template <bool Int8>
 double tile_peak_loop(int64_t iters) {
+  require_tiles();
   alignas(64) static uint8_t a[kBlock * 64];
   configure(kBlock, 64, 16);
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);

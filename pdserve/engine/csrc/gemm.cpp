@@ -39,16 +39,11 @@
 #include <algorithm>
 #include <vector>
 
+#include "amx.h"
 #include "args.h"
 #include "vec.h"
 
 namespace pdk {
-
-// amx.cpp
-bool amx_ready();
-void amx_gemm(const bf16_t* x, int64_t M, int64_t K, const bf16_t* P, int64_t n_pad, float* y,
-              int64_t N, const float* bias);
-double amx_peak_loop(int64_t iters);
 
 namespace {
 
@@ -346,7 +341,6 @@ int64_t padded_rows(int64_t N) { return (N + kBlock - 1) / kBlock * kBlock; }
 double family_peak(int64_t family) {
   TORCH_CHECK(known(family), "unknown kernel family ", family);
   if (family == kAmx) {
-    TORCH_CHECK(amx_ready(), "amx: this process may not use the tile registers");
     return peak_rate(amx_peak_loop);
   }
   return peak_rate(family == kFma ? fma_peak_loop : dp_peak_loop);
@@ -408,8 +402,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_
     to_bf16(x.data_ptr<float>(), M * K, xb.data());
     const auto* P = reinterpret_cast<const bf16_t*>(packed.data_ptr<at::BFloat16>());
     if (family == kAmx) {
-      TORCH_CHECK(amx_ready(), "amx: this process may not use the tile registers");
-      amx_gemm(xb.data(), M, K, P, n_pad, yp, N, b);
+        amx_gemm(xb.data(), M, K, P, n_pad, yp, N, b);
       return y;
     }
     const int64_t groups = (n_pad + kDpGroup - 1) / kDpGroup;

@@ -36,18 +36,12 @@
 #include <algorithm>
 #include <vector>
 
+#include "amx.h"
 #include "args.h"
 #include "quantize.h"
 #include "vec.h"
 
 namespace pdk {
-
-// amx.cpp
-bool amx_ready();
-void amx_w8a8(const int8_t* qx, int64_t M, int64_t K, int64_t G, const int8_t* P,
-              int64_t n_pad, const float* sx, const float* sw, const float* bias, float* y,
-              int64_t N);
-double amx_int8_peak_loop(int64_t iters);
 
 namespace {
 
@@ -290,7 +284,6 @@ int64_t padded16(int64_t N) { return (N + 15) / 16 * 16; }
 double w8a8_peak(int64_t family) {
   TORCH_CHECK(known(family), "unknown W8A8 family ", family);
   if (family == kW8Amx) {
-    TORCH_CHECK(amx_ready(), "amx: this process may not use the tile registers");
     return peak_rate(amx_int8_peak_loop);
   }
   return peak_rate(family == kW8Avx2 ? avx2_peak_loop : vnni_peak_loop);
@@ -356,7 +349,6 @@ at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const float* swp = sw.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   if (family == kW8Amx) {
-    TORCH_CHECK(amx_ready(), "amx: this process may not use the tile registers");
     amx_w8a8(reinterpret_cast<const int8_t*>(q8.data()), M, K, G, P, n_pad, sx.data(), swp, b,
              yp, N);
     return y;
