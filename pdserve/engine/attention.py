@@ -30,17 +30,27 @@ Backends:
 * ``torch`` -- the reference: plain torch ops (SDPA on gathered cache rows). Slow,
   obviously right, runs on any device; the oracle the other backends are tested
   against.
-* ``cpu`` -- pdserve's C++ kernels (``csrc/attention.cpp``, ``csrc/pointwise.cpp``):
-  one fused rotary + cache-write op, then paged attention that reads K/V in place
-  through the block table, for decodes and prefill chunks with a cached prefix
-  alike. Float32 activations; a bfloat16 or int8 cache is widened as it is read.
+* ``cpu-FAMILY`` -- pdserve's C++ kernels (``csrc/attention*.cpp``,
+  ``csrc/pointwise.cpp``): one fused rotary + cache-write op, then paged attention
+  that reads K/V in place through the block table, for decodes and prefill chunks
+  with a cached prefix alike, in one of two kernel families (``ATTENTION_FAMILIES``):
+
+  - ``avx2``: float32 FMA; a bfloat16 or int8 cache is widened as it is read. Every
+    cache dtype, every x86-64 CPU the kernels run on.
+  - ``amx``: both products on the tile unit (AMX-BF16) for a bfloat16 cache: q is
+    rounded to bfloat16, and so is each softmax chunk's P; scores, sums and the
+    softmax stay float32. Where the CPU has AMX and Linux grants the tile state.
+
+  In either family a token's output bits depend on its query, its position and the
+  cache only (not on the step, the tile or the other sequences); the two families
+  agree to bfloat16 rounding, not bit for bit. ``cpu`` picks the fastest family that
+  runs here for the cache's dtype.
 
 ``auto`` picks ``cpu`` on a CPU that can run the kernels, else ``torch``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -152,8 +162,9 @@ class CpuPagedAttention:
     """pdserve's C++ kernels: fused rotary + cache write, paged attention in place."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 rotary: RotaryEmbedding) -> None:
+                 rotary: RotaryEmbedding, family: str = "avx2") -> None:
         self.k = kernels.require()
+        self.family = ATTENTION_FAMILIES[family]
         self.h, self.kvh, self.d = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.cos = rotary.cos.float().contiguous()
@@ -167,33 +178,62 @@ class CpuPagedAttention:
         out = self.k.attention_step(
             qkv, meta.positions, self.cos, self.sin, kv_cache, layer, meta.slot_mapping,
             meta.block_table, meta.seq_rows, meta.query_start, meta.query_len,
-            meta.context_len, self.h, self.kvh, self.scale)
+            meta.context_len, self.h, self.kvh, self.scale, self.family)
         return out if in_dtype == torch.float32 else out.to(in_dtype)
 
 
-ATTENTION_BACKENDS: dict[str, Callable[[int, int, int, RotaryEmbedding], AttentionBackend]] = {
-    "torch": TorchAttention, "cpu": CpuPagedAttention}
+# The paged attention's kernel families (csrc/attention.h's enum), fastest last.
+ATTENTION_FAMILIES = {"avx2": 0, "amx": 1}
+ATTENTION_BACKENDS = ("torch", "cpu", *(f"cpu-{f}" for f in ATTENTION_FAMILIES))
 
 
-def resolve_attention_backend(name: str, device: str, head_dim: int, block_size: int) -> str:
-    """``auto`` -> the fastest backend that runs here; explicit names are checked."""
+def attention_families(kv_cache_dtype: str) -> list[str]:
+    """The families this CPU runs for a KV cache of ``kv_cache_dtype``, fastest last:
+    amx where the dense GEMM's amx family runs (the same flags and tile state) and
+    the cache is bfloat16."""
+    from pdserve.engine.linear import cpu_families
+
+    if kernels.load() is None:
+        return []
+    amx = kv_cache_dtype == "bfloat16" and "amx" in cpu_families(torch.bfloat16)
+    return ["avx2", "amx"] if amx else ["avx2"]
+
+
+def resolve_attention_backend(name: str, device: str, head_dim: int, block_size: int,
+                              kv_cache_dtype: str) -> str:
+    """``auto`` -> the fastest backend that runs here (``torch`` or ``cpu-FAMILY``);
+    ``cpu`` -> the fastest family for the cache; explicit names are checked."""
+    fits = head_dim % 16 == 0 and head_dim <= 256 and block_size % 8 == 0 and block_size <= 64
     if name == "auto":
-        fits = head_dim % 16 == 0 and head_dim <= 256 and block_size % 8 == 0 and block_size <= 64
-        return "cpu" if device == "cpu" and fits and kernels.available() else "torch"
+        if not (device == "cpu" and fits and kernels.available()):
+            return "torch"
+        name = "cpu"
     if name not in ATTENTION_BACKENDS:
-        raise ValueError(
-            f"unknown attention backend {name!r}; available: auto, {', '.join(ATTENTION_BACKENDS)}")
+        raise ValueError(f"unknown attention backend {name!r}; available: auto, "
+                         f"{', '.join(ATTENTION_BACKENDS)}")
+    if name == "torch":
+        return name
+    if device != "cpu":
+        raise ValueError(f"attention backend {name!r} runs on the CPU only")
+    if kernels.reason() is not None:
+        raise ValueError(f"attention backend {name!r} cannot run here: {kernels.reason()}")
+    if not fits:
+        raise ValueError(f"attention backend {name!r} needs head_dim a multiple of 16 (<= 256) "
+                         "and block_size a multiple of 8 (<= 64)")
+    families = attention_families(kv_cache_dtype)
     if name == "cpu":
-        if device != "cpu":
-            raise ValueError("attention backend 'cpu' runs on the CPU only")
-        if kernels.reason() is not None:
-            raise ValueError(f"attention backend 'cpu' cannot run here: {kernels.reason()}")
-        if head_dim % 16 or head_dim > 256 or block_size % 8 or block_size > 64:
-            raise ValueError("attention backend 'cpu' needs head_dim a multiple of 16 (<= 256) "
-                             "and block_size a multiple of 8 (<= 64)")
+        return f"cpu-{families[-1]}"
+    if name.removeprefix("cpu-") not in families:
+        why = ("needs a bfloat16 KV cache" if kv_cache_dtype != "bfloat16"
+               else "needs AMX-BF16 and the tile state from Linux")
+        raise ValueError(f"attention backend {name!r} cannot run here: the amx family {why}")
     return name
 
 
 def make_attention(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
                    rotary: RotaryEmbedding) -> AttentionBackend:
-    return ATTENTION_BACKENDS[name](num_heads, num_kv_heads, head_dim, rotary)
+    """The backend ``resolve_attention_backend`` named (``torch`` or ``cpu-FAMILY``)."""
+    if name == "torch":
+        return TorchAttention(num_heads, num_kv_heads, head_dim, rotary)
+    return CpuPagedAttention(num_heads, num_kv_heads, head_dim, rotary,
+                             name.removeprefix("cpu-"))

@@ -16,7 +16,8 @@ Per thread count, and per weight format (float32, bfloat16, int8, int4, w8a8):
 
 Run: ``python -m pdserve.engine.bench [--model DIR] [--threads 1,2]
 [--formats float32,bfloat16,int8,int4] [--concurrency 1,8,32] [--prefill 128,1024,4096]
-[--prompt-len 128] [--kv-cache-dtype auto|int8] [--linear-backend cpu-FAMILY] [--no-hf]
+[--prompt-len 128] [--kv-cache-dtype auto|int8] [--linear-backend cpu-FAMILY]
+[--attention-backend cpu-FAMILY] [--no-hf]
 [--json FILE]``.
 """
 
@@ -219,6 +220,7 @@ def bench_format(model_dir: Path, fmt: str, threads: int, bw: float, peak: float
         return LLMEngine(model_dir, EngineConfig(
             dtype=dtype, quantization=quant, device=args.device,
             kv_cache_dtype=args.kv_cache_dtype, linear_backend=args.linear_backend,
+            attention_backend=args.attention_backend,
             num_threads=threads if args.device == "cpu" else None, max_num_seqs=max(conc),
             enable_prefix_caching=False, max_num_batched_tokens=2048,
             max_model_len=max(longest + 64, 2048)))
@@ -233,8 +235,8 @@ def bench_format(model_dir: Path, fmt: str, threads: int, bw: float, peak: float
     elif family in FAMILIES:  # MFU against the chosen kernel family's own peak
         peak = kernels.require().family_peak(FAMILIES[family]) * threads
     print(f"-- {fmt}: KV cache {eng.config.kv_cache_dtype}, linear backend "
-          f"{eng.linear_backend}, kernels {family}, MFU against "
-          f"{peak / 1e9:.0f} GFLOP/s (GOP/s for integer kernels)")
+          f"{eng.linear_backend}, kernels {family}, attention {eng.attention_backend}, "
+          f"MFU against {peak / 1e9:.0f} GFLOP/s (GOP/s for integer kernels)")
     cost = cost_model(eng.model_config, dtype, quant)
     vocab = eng.model_config.vocab_size
     prompt = random_prompts(1, args.prompt_len, vocab)[0]
@@ -305,6 +307,8 @@ def main() -> None:
                     help="every format's KV cache (auto: as its dtype)")
     ap.add_argument("--linear-backend", default="auto",
                     help="force a GEMM family for every format (e.g. cpu-avx512bf16)")
+    ap.add_argument("--attention-backend", default="auto",
+                    help="force an attention family for every format (cpu-avx2 | cpu-amx)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (scripts/gpu_check.sh)")

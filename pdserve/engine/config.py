@@ -222,7 +222,8 @@ class EngineConfig:
     # Kernels (see attention.py / linear.py): "torch" is the plain-torch reference,
     # "cpu" pdserve's C++ kernels (built at install), "auto" the fastest that runs here.
     # linear_backend can also force one family of the C++ GEMM: "cpu-avx2" (float32
-    # FMA) or "cpu-avx512bf16" (bfloat16 dot products, bfloat16 weights only).
+    # FMA), "cpu-avx512bf16" or "cpu-amx" (bfloat16 weights only); attention_backend
+    # one of the paged attention's: "cpu-avx2" (float32) or "cpu-amx" (bfloat16 cache).
     attention_backend: str = "auto"
     linear_backend: str = "auto"
     # Weight-only quantization of the linear layers (quant.py): "none", "int8" (per
@@ -278,16 +279,18 @@ class EngineConfig:
         if self.quantization_group_size not in (32, 64, 128):
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, got "
                              f"{self.quantization_group_size}")
-        if self.attention_backend not in ("auto", "torch", "cpu"):
-            raise ValueError(f"attention_backend must be auto, torch or cpu, got "
-                             f"{self.attention_backend!r}")
+        from pdserve.engine.attention import ATTENTION_BACKENDS
         from pdserve.engine.linear import FAMILIES
+
+        if self.attention_backend not in ("auto", *ATTENTION_BACKENDS):
+            raise ValueError(f"attention_backend must be one of auto, "
+                             f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
 
         linear = ("auto", "torch", "cpu", *(f"cpu-{f}" for f in FAMILIES))
         if self.linear_backend not in linear:
             raise ValueError(f"linear_backend must be one of {', '.join(linear)}, got "
                              f"{self.linear_backend!r}")
-        if self.device != "cpu" and (self.attention_backend == "cpu"
+        if self.device != "cpu" and (self.attention_backend.startswith("cpu")
                                      or self.linear_backend.startswith("cpu")):
             raise ValueError("the 'cpu' kernels run on the CPU only")
 

@@ -62,7 +62,9 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """float rows [..., D] -> int8 cache rows [..., D + 4] (values, then the scale)."""
     x = x.float()
     amax = x.abs().amax(dim=-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # a true division, as the kernel's: torch computes ``127.0 / amax`` as a reciprocal
+    # times 127, an ulp off in a quarter of rows (and then a value a step off)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(x * inv).clamp_(-127, 127).to(torch.int8)
     scale = (amax / 127.0).contiguous().view(torch.int8)  # the float32's 4 bytes
     return torch.cat([q, scale], dim=-1)

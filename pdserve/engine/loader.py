@@ -39,12 +39,12 @@ def load_model(model_dir: Path, config: EngineConfig, tp: TPGroup | None = None,
     max_model_len = config.resolve_max_model_len(mc)
     dtype, device = config.torch_dtype, config.device
     attention_backend = resolve_attention_backend(
-        config.attention_backend, device, mc.head_dim, config.block_size)
+        config.attention_backend, device, mc.head_dim, config.block_size, config.kv_cache_dtype)
     linear_backend = resolve_linear_backend(
         config.linear_backend, device, dtype,
         (mc.hidden_size, mc.num_heads * mc.head_dim, mc.intermediate_size))
     # The C++ attention kernel rotates in float32 whatever the model's dtype.
-    rope_dtype = torch.float32 if attention_backend == "cpu" else dtype
+    rope_dtype = torch.float32 if attention_backend.startswith("cpu") else dtype
     rotary = RotaryEmbedding(mc.rope, mc.head_dim, max_model_len, rope_dtype, device)
     local = mc  # the shapes of this rank's shard (all of it without tensor parallel)
     shard = None

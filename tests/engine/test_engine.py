@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pdserve.engine import kernels
+from pdserve.engine.attention import ATTENTION_FAMILIES, attention_families
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.linear import FAMILIES, cpu_families
@@ -90,16 +91,19 @@ def test_chunked_prefill_equals_unchunked(tiny_model: Callable[[str], Path], bac
     chunked_engine.check_integrity()
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_every_kernel_family_is_batch_invariant(tiny_model: Callable[[str], Path],
+@pytest.mark.parametrize(("kind", "family"), [
+    *(("linear", f) for f in FAMILIES), *(("attention", f) for f in ATTENTION_FAMILIES)])
+def test_every_kernel_family_is_batch_invariant(tiny_model: Callable[[str], Path], kind: str,
                                                family: str) -> None:
-    """bfloat16 weights forced onto each GEMM family this CPU runs (the default picks
-    only the fastest): a prompt's tokens alone, among 15 others, and chunked into
-    16-token steps are the same."""
-    if family not in cpu_families(torch.bfloat16):
-        pytest.skip(f"this CPU does not run the {family} family")
+    """bfloat16 weights and cache forced onto each GEMM family, and each attention
+    family, this CPU runs (the default picks only the fastest): a prompt's tokens
+    alone, among 15 others, and chunked into 16-token steps are the same."""
+    runs = cpu_families(torch.bfloat16) if kind == "linear" else attention_families("bfloat16")
+    if family not in runs:
+        pytest.skip(f"this CPU does not run the {family} {kind} family")
     path = tiny_model("llama-gqa")
-    kw = {"dtype": "bfloat16", "linear_backend": f"cpu-{family}", "attention_backend": "cpu"}
+    kw = {"dtype": "bfloat16", "linear_backend": "cpu", "attention_backend": "cpu",
+          f"{kind}_backend": f"cpu-{family}"}
     eng = engine(path, **kw)
     ps = prompts(16, [5, 9, 17, 30, 64, 1, 100, 33], eng.model_config.vocab_size, seed=3)
     together = eng.generate(ps, GREEDY48)
@@ -107,6 +111,23 @@ def test_every_kernel_family_is_batch_invariant(tiny_model: Callable[[str], Path
         assert eng.generate([ps[i]], GREEDY48)[0].token_ids == together[i].token_ids
     chunked = engine(path, max_num_batched_tokens=16, **kw).generate(ps[4:8], GREEDY48)
     assert [o.token_ids for o in chunked] == [o.token_ids for o in together[4:8]]
+
+
+def test_attention_backend_resolves_to_a_family_for_the_cache(
+        tiny_model: Callable[[str], Path]) -> None:
+    """``cpu`` picks the fastest attention family for the KV cache's dtype; a forced
+    family that cannot serve it is refused, naming why."""
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, cpu, "):
+        EngineConfig(attention_backend="cpu-avx512")
+    if kernels.cpu_supported() is not None:
+        pytest.skip("the cpu kernels run on x86-64 CPUs only")
+    path = tiny_model("llama-gqa")
+    assert engine(path, "cpu", dtype="bfloat16").attention_backend == \
+        f"cpu-{attention_families('bfloat16')[-1]}"
+    for kw in ({"dtype": "float32"}, {"dtype": "bfloat16", "kv_cache_dtype": "int8"}):
+        assert engine(path, "cpu", **kw).attention_backend == "cpu-avx2"
+        with pytest.raises(ValueError, match="the amx family needs a bfloat16 KV cache"):
+            engine(path, "cpu", attention_backend="cpu-amx", **kw)
 
 
 @pytest.mark.parametrize(("dtype", "kv_cache_dtype"), [
@@ -311,7 +332,7 @@ def test_mixed_backends_agree_with_reference(tiny_model: Callable[[str], Path], 
     ps = prompts(4, [5, 30, 64], 500, seed=21)
     ref = engine(path, "torch")
     mixed = engine(path, attention_backend=attention, linear_backend=linear)
-    assert mixed.attention_backend == attention
+    assert mixed.attention_backend == ("torch" if attention == "torch" else "cpu-avx2")  # float32
     assert mixed.linear_backend == ("torch" if linear == "torch" else "cpu-avx2")  # float32
     assert [o.token_ids for o in mixed.generate(ps, GREEDY48)] == \
         [o.token_ids for o in ref.generate(ps, GREEDY48)]

@@ -7,7 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine import kernels, quant
-from pdserve.engine.attention import AttentionMetadata, CpuPagedAttention, TorchAttention
+from pdserve.engine.attention import (
+    AttentionMetadata,
+    CpuPagedAttention,
+    TorchAttention,
+    attention_families,
+)
 from pdserve.engine.config import RopeConfig
 from pdserve.engine.kv_cache import dequantize_rows, quantize_rows
 from pdserve.engine.rope import RotaryEmbedding
@@ -125,21 +130,35 @@ def _case(dtype: torch.dtype, head_dim: int, block_size: int, heads: tuple[int, 
     return cache, qkv, meta, rotary
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+# Every attention family with every cache dtype it serves; those this CPU lacks skip.
+FAMILY_CASES = [pytest.param(dtype, family, id=f"{family}-{str(dtype).removeprefix('torch.')}")
+                for family, dtypes in (("avx2", (torch.float32, torch.bfloat16, torch.int8)),
+                                       ("amx", (torch.bfloat16,)))
+                for dtype in dtypes]
+
+
+def _runs(family: str, dtype: torch.dtype) -> None:
+    if family not in attention_families(str(dtype).removeprefix("torch.")):
+        pytest.skip(f"this CPU does not run the {family} attention family")
+
+
+@pytest.mark.parametrize(("dtype", "family"), FAMILY_CASES)
 @pytest.mark.parametrize(("head_dim", "block_size", "heads"), [
     (64, 16, (9, 3)), (16, 8, (4, 2)), (32, 32, (4, 1)), (128, 16, (8, 8)), (96, 64, (6, 2)),
+    (80, 16, (4, 2)),
 ])
-def test_paged_attention_matches_reference(dtype: torch.dtype, head_dim: int, block_size: int,
-                                           heads: tuple[int, int]) -> None:
+def test_paged_attention_matches_reference(dtype: torch.dtype, family: str, head_dim: int,
+                                           block_size: int, heads: tuple[int, int]) -> None:
     # decodes first (short and long contexts), then a chunk with no prefix, chunks
-    # with a cached prefix (tiles of 8 queries and a ragged one), a 1-token tail
+    # with a cached prefix (tiles of 8 or 16 queries and a ragged one), a 1-token tail
+    _runs(family, dtype)
     seqs = [(1, 1), (1, 37), (1, 300), (20, 20), (9, 130), (33, 64), (1, 17)]
     seqs = sorted(seqs, key=lambda s: s[0] != 1)
     cache, qkv, meta, rotary = _case(dtype, head_dim, block_size, heads, seqs)
     h, kvh = heads
     ref_cache, ref_qkv = cache.clone(), qkv.clone()
     ref = TorchAttention(h, kvh, head_dim, rotary)(ref_qkv, ref_cache, 1, meta)
-    out = CpuPagedAttention(h, kvh, head_dim, rotary)(qkv, cache, 1, meta)
+    out = CpuPagedAttention(h, kvh, head_dim, rotary, family)(qkv, cache, 1, meta)
     if dtype == torch.int8:
         # V rows are the very bytes of the reference quantizer; K rows went through the
         # rotary, whose rounding differs by an ulp (fused FMAs), so a value may sit one
@@ -151,6 +170,21 @@ def test_paged_attention_matches_reference(dtype: torch.dtype, head_dim: int, bl
         torch.testing.assert_close(cache, ref_cache, rtol=1e-5, atol=1e-5)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out, ref.float(), rtol=tol, atol=tol)
+    if family != "avx2":  # and to bfloat16 rounding (of q and P) the float32 family's
+        f32 = CpuPagedAttention(h, kvh, head_dim, rotary)(ref_qkv, ref_cache.clone(), 1, meta)
+        torch.testing.assert_close(out, f32, rtol=0, atol=2e-2)
+        assert not torch.equal(out, f32)  # a family of its own, not the float32 one
+
+
+def test_amx_attention_needs_a_bfloat16_cache(k) -> None:  # type: ignore[no-untyped-def]
+    cache, qkv, meta, _rotary = _case(torch.float32, 64, 16, (9, 3), [(1, 40)])
+    q, out = qkv.view(1, -1, 64)[:, :9], torch.empty(1, 9, 64)
+    with pytest.raises(RuntimeError, match="bfloat16 KV cache"):
+        k.paged_attention(q, cache, 0, meta.block_table, meta.seq_rows, meta.query_start,
+                          meta.query_len, meta.context_len, 0.125, out, 1)
+    with pytest.raises(RuntimeError, match="unknown attention family"):
+        k.paged_attention(q, cache, 0, meta.block_table, meta.seq_rows, meta.query_start,
+                          meta.query_len, meta.context_len, 0.125, out, 7)
 
 
 def test_int8_cache_rows_are_the_reference_quantizers_bytes(k) -> None:  # type: ignore[no-untyped-def]
@@ -183,22 +217,25 @@ def test_paged_attention_rejects_bad_metadata(k) -> None:  # type: ignore[no-unt
     bad[int(meta.seq_rows[0]), 0] = 10_000
     with pytest.raises(RuntimeError, match="block id out of range"):
         k.paged_attention(q, cache, 0, bad, meta.seq_rows, meta.query_start, meta.query_len,
-                          meta.context_len, 0.125, out)
+                          meta.context_len, 0.125, out, 0)
     with pytest.raises(RuntimeError, match="metadata"):
         k.paged_attention(q, cache, 0, meta.block_table, meta.seq_rows, meta.query_start,
-                          meta.query_len, torch.tensor([0], dtype=torch.int32), 0.125, out)
+                          meta.query_len, torch.tensor([0], dtype=torch.int32), 0.125, out, 0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize(("dtype", "family"), FAMILY_CASES)
 @pytest.mark.parametrize(("head_dim", "block_size", "heads"), [
-    (64, 16, (9, 3)), (32, 32, (4, 1)), (128, 16, (8, 8)), (16, 64, (6, 2)),
+    (64, 16, (9, 3)), (32, 32, (4, 1)), (128, 16, (8, 8)), (16, 64, (6, 2)), (80, 8, (4, 2)),
 ])
 def test_paged_attention_rows_do_not_depend_on_the_step(  # type: ignore[no-untyped-def]
-        k, dtype: torch.dtype, head_dim: int, block_size: int, heads: tuple[int, int]) -> None:
+        k, dtype: torch.dtype, family: str, head_dim: int, block_size: int,
+        heads: tuple[int, int]) -> None:
     # A query token's output is the same bits whether its sequence's tokens come as one
     # prefill chunk, in chunks of any size, one at a time (decodes, verification) or
     # beside other sequences: what makes prefill KV equal decode KV (colocated answers
     # equal disaggregated ones) and chunked prefill equal unchunked.
+    _runs(family, dtype)
+    fam = {"avx2": 0, "amx": 1}[family]
     h, kvh = heads
     n, ctx = 70, 100  # the sequence's last 70 tokens are computed, after a 30-token prefix
     g = torch.Generator().manual_seed(1)
@@ -225,13 +262,13 @@ def test_paged_attention_rows_do_not_depend_on_the_step(  # type: ignore[no-unty
                 qq, cache, 0, table, torch.tensor([s[0] for s in seqs], dtype=torch.int32),
                 torch.tensor(starts, dtype=torch.int32),
                 torch.tensor([s[1] for s in seqs], dtype=torch.int32),
-                torch.tensor([s[2] for s in seqs], dtype=torch.int32), head_dim ** -0.5, o)
+                torch.tensor([s[2] for s in seqs], dtype=torch.int32), head_dim ** -0.5, o, fam)
             out[t0:t0 + m] = o[1:] if beside else o
             t0 += m
         return out
 
     whole = attend([n])
-    for splits in ([1] * n, [17, 30, 23], [5, 65], [8] * 8 + [6], [40, 1, 29]):
+    for splits in ([1] * n, [17, 30, 23], [5, 65], [8] * 8 + [6], [40, 1, 29], [16] * 4 + [6]):
         assert torch.equal(attend(splits), whole), splits
     assert torch.equal(attend([33, 37], beside=True), whole)
 

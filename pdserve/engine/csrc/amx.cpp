@@ -44,28 +44,13 @@ void require_tiles() {
 
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512dq")
-namespace {
 
-constexpr int64_t kBlock = 16, kGroup = 64;  // bf16dp's packing (gemm.cpp)
-constexpr int64_t kStepK = 32;               // values of K a full step holds
-constexpr int64_t kMC = 128;                 // rows of x per cache chunk
-
-// GCC's tile intrinsics are asm statements that do not tell the compiler which
-// memory they read or write (ldtilecfg: only the first 8 bytes of its config), so
-// stores before them and loads after them are fenced by hand.
-inline void memory_fence() { asm volatile("" ::: "memory"); }
-
-// Tiles: 0-3 the C accumulators, 4/5 A and B of a full step, 6/7 of a K tail.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3 and A: `rows` rows of 64 / a_bytes bytes; B: b_rows rows of 64 bytes;
-// the K tail's A and B (6, 7) likewise when tail_bytes > 0.
-void configure(int64_t rows, int64_t a_bytes, int64_t b_rows, int64_t tail_bytes = 0) {
-  TileConfig c;
+void amx_configure(int64_t rows, int64_t a_bytes, int64_t b_rows, int64_t tail_bytes) {
+  struct alignas(64) TileConfig {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t colsb[16] = {};
+    uint8_t rows[16] = {};
+  } c;
   for (int t = 0; t < 4; ++t) c.colsb[t] = 64, c.rows[t] = static_cast<uint8_t>(rows);
   c.colsb[4] = static_cast<uint16_t>(a_bytes), c.rows[4] = static_cast<uint8_t>(rows);
   c.colsb[5] = 64, c.rows[5] = static_cast<uint8_t>(b_rows);
@@ -76,6 +61,12 @@ void configure(int64_t rows, int64_t a_bytes, int64_t b_rows, int64_t tail_bytes
   memory_fence();
   _tile_loadconfig(&c);
 }
+
+namespace {
+
+constexpr int64_t kBlock = 16, kGroup = 64;  // bf16dp's packing (gemm.cpp)
+constexpr int64_t kStepK = 32;               // values of K a full step holds
+constexpr int64_t kMC = 128;                 // rows of x per cache chunk
 
 // The tile intrinsics take their tile numbers as literal text: C tile T, then the
 // full step's A (4) and B (5) or the tail's (6, 7).
@@ -218,12 +209,12 @@ void amx_gemm(const bf16_t* x, int64_t M, int64_t K, const bf16_t* P, int64_t n_
   memory_fence();  // x, written by the caller, is read by tile loads only
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     if (full > 0) {
-      configure(kBlock, 64, kStepK / 2, k_tail * 2);
+      amx_configure(kBlock, 64, kStepK / 2, k_tail * 2);
       for (int64_t m0 = 0; m0 < full; m0 += kMC)
         rows_times_groups(x, m0, std::min(m0 + kMC, full), K, P, n_pad, y, N, g0, g1, bias);
     }
     if (full < M) {
-      configure(M - full, 64, kStepK / 2, k_tail * 2);
+      amx_configure(M - full, 64, kStepK / 2, k_tail * 2);
       rows_times_groups(x, full, M, K, P, n_pad, y, N, g0, g1, bias);
     }
     _tile_release();
@@ -238,13 +229,13 @@ void amx_w8a8(const int8_t* qx, int64_t M, int64_t K, int64_t G, const int8_t* P
   memory_fence();  // qx, written by the caller, is read by tile loads only
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     if (full > 0) {
-      configure(kBlock, G, G / 4);
+      amx_configure(kBlock, G, G / 4);
       for (int64_t m0 = 0; m0 < full; m0 += kMC)
         w8_rows_times_groups(qx, m0, std::min(m0 + kMC, full), K, G, P, n_pad, sx, sw, bias,
                              y, N, g0, g1);
     }
     if (full < M) {
-      configure(M - full, G, G / 4);
+      amx_configure(M - full, G, G / 4);
       w8_rows_times_groups(qx, full, M, K, G, P, n_pad, sx, sw, bias, y, N, g0, g1);
     }
     _tile_release();
@@ -257,7 +248,7 @@ template <bool Int8>
 double tile_peak_loop(int64_t iters) {
   require_tiles();
   alignas(64) static uint8_t a[kBlock * 64];
-  configure(kBlock, 64, 16);
+  amx_configure(kBlock, 64, 16);
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
   _tile_loadd(4, a, 64);
   _tile_loadd(5, a, 64);

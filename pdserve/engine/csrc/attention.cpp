@@ -29,6 +29,11 @@
 // decode KV, chunked prefill equals unchunked. Rows are paired only to share loads.
 // head_dim is a template parameter so that the per-row accumulators stay in
 // registers.
+//
+// That is this file's family (float32 FMA, every cache dtype). The tile unit's
+// (attention_amx.cpp, a bfloat16 cache) runs the same tasks and chunking with its
+// own operations; the caller picks one family per engine (`family`), so every row of
+// every step goes through the same one.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
@@ -37,26 +42,17 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx.h"
+#include "attention.h"
 #include "kv_rows.h"
-#include "vec.h"
 
 namespace pdk {
 namespace {
 
 constexpr int kTileQ = 8;       // query tokens per task
-constexpr int kMaxBlock = 64;   // slots per KV block the kernel handles
 constexpr int kChunkSlots = 32; // slots per softmax update
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-struct Geometry {
-  int64_t slot_stride, head_stride, kv_stride, block_stride;  // elements
-  int KVH, G, BS;
-};
 
-inline void prefetch_region(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
-}
 
 // The widest part of a row, at most 8 vectors, that divides D.
 constexpr int pv_chunk(int D) {
@@ -166,6 +162,7 @@ inline void accumulate_pv2(float* o0, float* o1, const float* P0, const float* P
     }
   }
 }
+
 
 // One row's online-softmax update over a chunk's scores sr[0 .. limit): sr becomes
 // P (lanes past the limit 0), returns the factor the row's output is scaled by first.
@@ -305,44 +302,24 @@ void attend_tile(const float* q, int64_t q_row_stride, float* out, int64_t out_r
       if (pend == 1) accumulate_pv<D>(O + prow[0] * D, S + prow[0] * CS, lims[0], vp, corrs[0]);
     }
   }
-  for (int kvh = 0; kvh < KVH; ++kvh)
-    for (int qi = 0; qi < nq; ++qi)
-      for (int gi = 0; gi < G; ++gi) {
-        const int r = (kvh * nq + qi) * G + gi;
-        float* dst = out + qi * out_row_stride + (kvh * G + gi) * D;
-        const __m256 iv = _mm256_set1_ps(lrow[r] > 0.f ? 1.f / lrow[r] : 0.f);
-        for (int d = 0; d < D; d += 8) store8(dst + d, _mm256_mul_ps(load8(Ob.data() + r * D + d), iv));
-      }
+  write_rows<D>(out, out_row_stride, Ob.data(), lrow.data(), KVH, nq, G);
 }
 
 template <typename T>
-using TileFn = void (*)(const float*, int64_t, float*, int64_t, const T*, const Geometry&,
-                        const int32_t*, int64_t, int64_t, int, float);
-
-template <typename T>
 TileFn<T> tile_fn(int64_t D) {
-  switch (D) {
-    case 16: return attend_tile<T, 16>;
-    case 32: return attend_tile<T, 32>;
-    case 64: return attend_tile<T, 64>;
-    case 80: return attend_tile<T, 80>;
-    case 96: return attend_tile<T, 96>;
-    case 128: return attend_tile<T, 128>;
-    case 256: return attend_tile<T, 256>;
-    default: TORCH_CHECK(false, "head_dim ", D, " is not supported by the CPU attention kernel");
-  }
+  return by_head_dim(D, [](auto d) -> TileFn<T> { return attend_tile<T, decltype(d)::value>; });
 }
 
 }  // namespace
 
 bool attention_supports_head_dim(int64_t D) {
-  return D == 16 || D == 32 || D == 64 || D == 80 || D == 96 || D == 128 || D == 256;
+  return D == 16 || D == 32 || D == 64 || D == 80 || D == 96 || D == 128 || D == 256;  // by_head_dim's
 }
 
 void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t layer,
                      const at::Tensor& block_table, const at::Tensor& seq_rows,
                      const at::Tensor& q_start, const at::Tensor& q_len,
-                     const at::Tensor& ctx_len, double scale, at::Tensor& out) {
+                     const at::Tensor& ctx_len, double scale, at::Tensor& out, int64_t family) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1 &&
               q.stride(1) == q.size(2), "q must be float32 [T, H, D] with contiguous heads");
   TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == at::kFloat,
@@ -358,6 +335,13 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t la
   TORCH_CHECK(attention_supports_head_dim(D), "head_dim ", D, " is not supported");
   TORCH_CHECK(BS % 8 == 0 && BS <= kMaxBlock, "block_size must be a multiple of 8, at most 64");
   TORCH_CHECK(0 <= layer && layer < L, "layer out of range");
+  TORCH_CHECK(family == kAttnFloat32 || family == kAttnAmx, "unknown attention family ", family);
+  const bool amx = family == kAttnAmx;
+  if (amx) {
+    TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16, "the amx attention family needs a bfloat16 KV cache");
+    TORCH_CHECK(amx_ready(), "amx: Linux did not grant this process the tile registers");
+  }
+  const int tile_q = amx ? kAmxTileQ : kTileQ;
   for (const auto* t : {&block_table, &seq_rows, &q_start, &q_len, &ctx_len})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "metadata must be contiguous int32");
   TORCH_CHECK(block_table.dim() == 2, "block_table must be [rows, max_blocks]");
@@ -376,7 +360,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t la
     const int32_t* row = bt + static_cast<int64_t>(rows[s]) * max_blocks;
     for (int64_t b = 0; b < (cl[s] + BS - 1) / BS; ++b)
       TORCH_CHECK(0 <= row[b] && row[b] < num_blocks, "block id out of range for sequence ", s);
-    for (int32_t t0 = 0; t0 < ql[s]; t0 += kTileQ) tasks.emplace_back(static_cast<int32_t>(s), t0);
+    for (int32_t t0 = 0; t0 < ql[s]; t0 += tile_q) tasks.emplace_back(static_cast<int32_t>(s), t0);
   }
   Geometry g;
   g.slot_stride = row_w;
@@ -390,11 +374,13 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t la
   float* op = out.data_ptr<float>();
   auto run = [&](const auto* cache) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(cache)>>;
-    const TileFn<T> fn = tile_fn<T>(D);
+    TileFn<T> fn = tile_fn<T>(D);
+    if constexpr (std::is_same_v<T, bf16_t>)
+      if (amx) fn = amx_tile_fn(D);
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t a, int64_t b) {
       for (int64_t i = a; i < b; ++i) {
         const auto [s, t0] = tasks[i];
-        const int nq = std::min(kTileQ, ql[s] - t0);
+        const int nq = std::min(tile_q, ql[s] - t0);
         const int64_t tok = qs[s] + t0;
         fn(qp + tok * q.stride(0), q.stride(0), op + tok * H * D, H * D,
            cache + layer * 2 * g.kv_stride, g, bt + static_cast<int64_t>(rows[s]) * max_blocks,

@@ -17,7 +17,7 @@ at::Tensor w8a8_gemm(const at::Tensor&, const at::Tensor&, const at::Tensor&, co
 at::Tensor gemm(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const c10::optional<at::Tensor>&);
 bool attention_supports_head_dim(int64_t);
 void paged_attention(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&,
-                     const at::Tensor&, const at::Tensor&, const at::Tensor&, double, at::Tensor&);
+                     const at::Tensor&, const at::Tensor&, const at::Tensor&, double, at::Tensor&, int64_t);
 at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double);
 at::Tensor add_rms_norm(const at::Tensor&, at::Tensor&, const at::Tensor&, double);
 void rope_write_kv(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
@@ -33,12 +33,13 @@ at::Tensor attention_step(at::Tensor& qkv, const at::Tensor& positions, const at
                           const at::Tensor& slots, const at::Tensor& block_table,
                           const at::Tensor& seq_rows, const at::Tensor& q_start,
                           const at::Tensor& q_len, const at::Tensor& ctx_len, int64_t num_heads,
-                          int64_t num_kv_heads, double scale) {
+                          int64_t num_kv_heads, double scale, int64_t family) {
   rope_write_kv(qkv, positions, cos, sin, kv_cache, layer, slots, num_heads, num_kv_heads);
   const int64_t T = qkv.size(0), D = qkv.size(1) / (num_heads + 2 * num_kv_heads);
   auto q = qkv.view({T, -1, D}).narrow(1, 0, num_heads);
   auto out = at::empty({T, num_heads, D}, qkv.options());
-  paged_attention(q, kv_cache, layer, block_table, seq_rows, q_start, q_len, ctx_len, scale, out);
+  paged_attention(q, kv_cache, layer, block_table, seq_rows, q_start, q_len, ctx_len, scale, out,
+                  family);
   return out.view({T, num_heads * D});
 }
 }  // namespace pdk

@@ -1,0 +1,296 @@
+// The paged attention's tile-unit family (AMX-BF16), for a bfloat16 KV cache: the
+// float32 family's tasks, chunks and online softmax (attention.cpp, attention.h), with
+// both products on TDPBF16PS.
+//
+// Per task (a sequence's tile of up to kAmxTileQ query tokens), per chunk of the
+// context (CS slots from position 0), per kv head:
+//   - the chunk's keys are transposed once into B tiles of S = Q K^T (dword i of 16
+//     slots' rows: dims 2i, 2i + 1), its values paired once into B tiles of P V (slots
+//     2j, 2j + 1 side by side); slots past the context are zeros;
+//   - per tile of 16 rows (r = (query token, head in the group), as attention.cpp):
+//     S on the tile unit, 32 dims a step in order (a 16-dim tail last); the row's
+//     softmax_update; its output scaled by the update's factor; P rounded to
+//     bfloat16, zero past the row's causal limit; O += P V on the tile unit, 32 slots
+//     a step in order.
+// q * scale is rounded to bfloat16 first. A tile row's sums depend only on that row
+// (and the chunk's keys and values), so a row goes through the same operations
+// whatever step it comes in and whichever rows share its tile: the chunk's slots past
+// a row's limit are zeros of P (their products are exact zeros), and the tile rows
+// beside it are other rows' business. So the float32 family's invariance holds here
+// too (a token's bits depend on its query, position and cache only); the two families
+// agree to bfloat16 rounding, not bit for bit.
+#include <vector>
+
+#include "amx.h"
+#include "attention.h"
+
+namespace pdk {
+
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+namespace {
+
+constexpr int kT = 16;  // rows of a tile; slots of a score tile; outputs of a P V tile
+
+// r[0..15] (16 dwords each) transposed in place: r[i] lane n = old r[n] lane i.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// Keys of 16 slots (rows k[n] of D bf16; nullptr: zeros) as B tiles of S = Q K^T:
+// kt[i * 16 + n] = dword i (dims 2i, 2i + 1) of slot n, i < D / 2.
+template <int D>
+void transpose_keys(const bf16_t* const* k, uint32_t* kt) {
+  constexpr int W = D / 2;  // dwords of a row
+  for (int b = 0; b < W; b += 16) {
+    const int w = std::min(16, W - b);
+    const auto mask = static_cast<__mmask16>((1u << w) - 1);
+    __m512i r[16];
+    for (int n = 0; n < 16; ++n)
+      r[n] = k[n] ? _mm512_maskz_loadu_epi32(mask, k[n] + 2 * b) : _mm512_setzero_si512();
+    transpose16(r);
+    for (int i = 0; i < w; ++i) _mm512_storeu_si512(kt + (b + i) * 16, r[i]);
+  }
+}
+
+// Values of slots 2j, 2j + 1 (rows v0, v1 of D bf16; nullptr: zeros) as one row of a
+// P V B tile: vp[d] = (v0[d], v1[d]), d < D.
+template <int D>
+void pair_values(const bf16_t* v0, const bf16_t* v1, uint32_t* vp) {
+  alignas(64) static constexpr uint16_t lo[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                  37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                  11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  alignas(64) static constexpr uint16_t hi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
+                                                  53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
+                                                  27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+  const __m512i il = _mm512_load_si512(lo), ih = _mm512_load_si512(hi);
+  for (int d = 0; d < D; d += 32) {
+    const auto mask = D - d >= 32 ? __mmask32(0xFFFFFFFFu) : __mmask32(0xFFFFu);
+    const __m512i a = v0 ? _mm512_maskz_loadu_epi16(mask, v0 + d) : _mm512_setzero_si512();
+    const __m512i b = v1 ? _mm512_maskz_loadu_epi16(mask, v1 + d) : _mm512_setzero_si512();
+    _mm512_storeu_si512(vp + d, _mm512_permutex2var_epi16(a, il, b));
+    if (D - d >= 32) _mm512_storeu_si512(vp + d + 16, _mm512_permutex2var_epi16(a, ih, b));
+  }
+}
+
+// exp8's (vec.h) range reduction and polynomial on 16 lanes: exp(-inf) = 0.
+inline __m512 exp16(__m512 x) {
+  const __mmask16 below = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365478515625f), _CMP_LT_OQ);
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365478515625f)),
+                    _mm512_set1_ps(88.3762626647949f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~below), p, _mm512_castsi512_ps(e));
+}
+
+// The lanes of a group of 16 slots from j below a row's limit.
+inline __mmask16 live(int limit, int j) {
+  const int n = std::clamp(limit - j, 0, 16);
+  return static_cast<__mmask16>((1u << n) - 1);
+}
+
+// The online softmax of a tile's rows over a chunk's scores (row m: S[m * CS ..],
+// lim[m] of them live; lim <= 0: the chunk is in the row's future): the rows' maxima,
+// their factors in one exp16, then per row P = exp(S - max) on 16 lanes (0 past the
+// limit) into P (bfloat16, groups of 32 up to `width`), its sum into l and the factor
+// into the row's output O[m * D ..]. Each row's operations are the same whichever
+// lane, tile or chunk width it comes with (groups past the limit add exact zeros).
+void tile_softmax(const float* S, int CS, const int* lim, int rt, int width, float* m_run,
+                  float* l_run, bf16_t* P, float* O, int D) {
+  alignas(64) float mx[16], mo[16];
+  for (int m = 0; m < 16; ++m) {
+    mo[m] = m < rt && lim[m] > 0 ? m_run[m] : 0.f;  // rows that skip the chunk: factor 1
+    mx[m] = mo[m];
+  }
+  for (int m = 0; m < rt; ++m) {
+    if (lim[m] <= 0) continue;
+    __m512 v = _mm512_set1_ps(kNegInf);
+    for (int j = 0; j < lim[m]; j += 16)
+      v = _mm512_mask_max_ps(v, live(lim[m], j), v, _mm512_loadu_ps(S + m * CS + j));
+    mx[m] = std::max(m_run[m], _mm512_reduce_max_ps(v));  // a max is exact in any order
+  }
+  alignas(64) float corr[16];
+  _mm512_store_ps(corr, exp16(_mm512_sub_ps(_mm512_load_ps(mo), _mm512_load_ps(mx))));
+  for (int m = 0; m < rt; ++m) {
+    bf16_t* pr = P + m * CS;
+    if (lim[m] <= 0) {
+      for (int j = 0; j < width; j += 32) _mm512_storeu_si512(pr + j, _mm512_setzero_si512());
+      continue;
+    }
+    const __m512 mv = _mm512_set1_ps(mx[m]);
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < width; j += 32) {
+      const __m512 p0 = _mm512_maskz_mov_ps(live(lim[m], j), exp16(_mm512_sub_ps(
+          _mm512_loadu_ps(S + m * CS + j), mv)));
+      const __m512 p1 = _mm512_maskz_mov_ps(live(lim[m], j + 16), exp16(_mm512_sub_ps(
+          _mm512_loadu_ps(S + m * CS + j + 16), mv)));
+      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+      _mm512_storeu_si512(pr + j, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    l_run[m] = l_run[m] * corr[m] + _mm512_reduce_add_ps(sum);
+    m_run[m] = mx[m];
+    const __m512 cv = _mm512_set1_ps(corr[m]);
+    for (int d = 0; d < D; d += 16)
+      _mm512_storeu_ps(O + m * D + d, _mm512_mul_ps(_mm512_loadu_ps(O + m * D + d), cv));
+  }
+}
+
+// Tile numbers are literal text: X(t) for t < n, n <= 4 (C tiles 0-3).
+#define PDK_UPTO(n, X) X(0) if ((n) > 1) { X(1) } if ((n) > 2) { X(2) } if ((n) > 3) { X(3) }
+
+template <int D>
+void attend_tile_amx(const float* q, int64_t q_row_stride, float* out, int64_t out_row_stride,
+                     const bf16_t* cache, const Geometry& g, const int32_t* blocks, int64_t ctx,
+                     int64_t first_pos, int nq, float scale) {
+  static_assert(D % 16 == 0 && D <= 256, "head_dim");
+  constexpr int kSteps = D / 32, kTail = D % 32;  // full 32-dim steps of S; a 16-dim tail
+  const int G = g.G, KVH = g.KVH, BS = g.BS;
+  const int per_kvh = nq * G;  // rows of one kv head
+  const int rows = per_kvh * KVH;
+  const int CS = kMaxBlock;  // slots per chunk
+  std::vector<bf16_t> Qb(static_cast<size_t>(rows) * D);
+  std::vector<float> Ob(static_cast<size_t>(rows) * D, 0.f), mrow(rows, kNegInf), lrow(rows, 0.f);
+  std::vector<uint32_t> Kt(static_cast<size_t>(CS) * D / 2), Vp(static_cast<size_t>(CS) * D / 2);
+  alignas(64) float S[kT * kMaxBlock] = {};  // (slots past the scores computed: masked)
+  alignas(64) bf16_t P[kT * kMaxBlock];
+  // Row r = (kvh * nq + qi) * G + gi holds head kvh * G + gi of query token qi.
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (int kvh = 0; kvh < KVH; ++kvh)
+    for (int qi = 0; qi < nq; ++qi)
+      for (int gi = 0; gi < G; ++gi) {
+        const float* src = q + qi * q_row_stride + (kvh * G + gi) * D;
+        bf16_t* dst = Qb.data() + ((kvh * nq + qi) * G + gi) * D;
+        for (int d = 0; d < D; d += 8) store8(dst + d, _mm256_mul_ps(load8(src + d), sv));
+      }
+  const int64_t nblocks = (first_pos + nq - 1) / BS + 1;
+  const int64_t region = g.kv_stride * 2 * static_cast<int64_t>(sizeof(bf16_t));
+  const int per_chunk = CS / BS;
+  auto row_limit = [&](int rr, int64_t c0, int cslots) {
+    return static_cast<int>(std::min<int64_t>(cslots, first_pos + rr / G - c0 + 1));
+  };
+  int configured = -1;  // rows the tiles are configured with
+  memory_fence();       // Qb is read by tile loads only
+  for (int64_t b0 = 0; b0 < nblocks; b0 += per_chunk) {
+    const int64_t b1 = std::min<int64_t>(nblocks, b0 + per_chunk);
+    const int64_t c0 = b0 * BS;
+    const int cslots = static_cast<int>(std::min<int64_t>(ctx, b1 * BS) - c0);
+    const int n_st = (cslots + kT - 1) / kT;  // score tiles of 16 slots
+    const int n_ks = (cslots + 31) / 32;      // P V steps of 32 slots
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t nb = b + per_chunk;
+      if (nb < nblocks) prefetch_region(cache + static_cast<int64_t>(blocks[nb]) * g.block_stride, region);
+    }
+    for (int kvh = 0; kvh < KVH; ++kvh) {
+      const bf16_t* kr[kMaxBlock];
+      const bf16_t* vr[kMaxBlock];
+      for (int j = 0; j < n_ks * 32; ++j) {
+        if (j < cslots) {
+          kr[j] = cache + static_cast<int64_t>(blocks[b0 + j / BS]) * g.block_stride +
+                  kvh * g.head_stride + (j % BS) * g.slot_stride;
+          vr[j] = kr[j] + g.kv_stride;
+        } else {
+          kr[j] = vr[j] = nullptr;
+        }
+      }
+      for (int st = 0; st < n_st; ++st) transpose_keys<D>(kr + st * kT, Kt.data() + st * kT * D / 2);
+      for (int jp = 0; jp < n_ks * 16; ++jp) pair_values<D>(vr[2 * jp], vr[2 * jp + 1], Vp.data() + jp * D);
+      memory_fence();
+      for (int rt0 = 0; rt0 < per_kvh; rt0 += kT) {
+        const int rt = std::min(kT, per_kvh - rt0);
+        if (rt != configured) amx_configure(configured = rt, 64, 16, kTail * 2);
+        const bf16_t* Qt = Qb.data() + static_cast<size_t>(kvh * per_kvh + rt0) * D;
+        float* Ot = Ob.data() + static_cast<size_t>(kvh * per_kvh + rt0) * D;
+        // S = Q K^T: C tile st holds slots 16 st ..
+        const uint32_t* kt = Kt.data();
+#define PDK_ZERO(t) _tile_zero(t);
+#define PDK_QK(t) _tile_loadd(5, kt + (t) * kT * D / 2 + s * kT * kT, 64); _tile_dpbf16ps(t, 4, 5);
+#define PDK_QK_TAIL(t) _tile_loadd(7, kt + (t) * kT * D / 2 + kSteps * kT * kT, 64); _tile_dpbf16ps(t, 6, 7);
+#define PDK_STORE_S(t) _tile_stored(t, S + (t) * kT, CS * 4);
+        PDK_UPTO(n_st, PDK_ZERO)
+        for (int s = 0; s < kSteps; ++s) {
+          _tile_loadd(4, Qt + s * 32, D * 2);
+          PDK_UPTO(n_st, PDK_QK)
+        }
+        if constexpr (kTail != 0) {
+          _tile_loadd(6, Qt + kSteps * 32, D * 2);
+          PDK_UPTO(n_st, PDK_QK_TAIL)
+        }
+        PDK_UPTO(n_st, PDK_STORE_S)
+        memory_fence();
+        // Softmax; P rounded to bfloat16, zeros past the row's limit.
+        int lim[kT];
+        for (int m = 0; m < rt; ++m) lim[m] = row_limit(rt0 + m, c0, cslots);
+        const int r0 = kvh * per_kvh + rt0;
+        tile_softmax(S, CS, lim, rt, n_ks * 32, mrow.data() + r0, lrow.data() + r0, P, Ot, D);
+        memory_fence();
+        // O += P V, up to 4 C tiles of 16 outputs at a time.
+        for (int c0t = 0; c0t < D / kT; c0t += 4) {
+          const int n_ct = std::min(4, D / kT - c0t);
+          float* oc = Ot + c0t * kT;
+          const uint32_t* vp = Vp.data() + c0t * kT;
+#define PDK_LOAD_O(t) _tile_loadd(t, oc + (t) * kT, D * 4);
+#define PDK_PV(t) _tile_loadd(5, vp + ks * kT * D + (t) * kT, D * 4); _tile_dpbf16ps(t, 4, 5);
+#define PDK_STORE_O(t) _tile_stored(t, oc + (t) * kT, D * 4);
+          PDK_UPTO(n_ct, PDK_LOAD_O)
+          for (int ks = 0; ks < n_ks; ++ks) {
+            _tile_loadd(4, P + ks * 32, CS * 2);
+            PDK_UPTO(n_ct, PDK_PV)
+          }
+          PDK_UPTO(n_ct, PDK_STORE_O)
+        }
+        memory_fence();
+      }
+    }
+  }
+  _tile_release();
+  write_rows<D>(out, out_row_stride, Ob.data(), lrow.data(), KVH, nq, G);
+}
+
+#undef PDK_UPTO
+#undef PDK_ZERO
+#undef PDK_QK
+#undef PDK_QK_TAIL
+#undef PDK_STORE_S
+#undef PDK_LOAD_O
+#undef PDK_PV
+#undef PDK_STORE_O
+
+}  // namespace
+
+TileFn<bf16_t> amx_tile_fn(int64_t D) {
+  return by_head_dim(D, [](auto d) -> TileFn<bf16_t> { return attend_tile_amx<decltype(d)::value>; });
+}
+
+#pragma GCC pop_options
+
+}  // namespace pdk
