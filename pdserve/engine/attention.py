@@ -33,7 +33,7 @@ Backends:
 * ``cpu-FAMILY`` -- pdserve's C++ kernels (``csrc/attention*.cpp``,
   ``csrc/pointwise.cpp``): one fused rotary + cache-write op, then paged attention
   that reads K/V in place through the block table, for decodes and prefill chunks
-  with a cached prefix alike, in one of two kernel families (``ATTENTION_FAMILIES``):
+  with a cached prefix alike, in one of two kernel families (``kernels.ATTENTION_FAMILIES``):
 
   - ``avx2``: float32 FMA; a bfloat16 or int8 cache is widened as it is read. Every
     cache dtype, every x86-64 CPU the kernels run on.
@@ -59,6 +59,7 @@ import torch.nn.functional as F
 
 from pdserve.engine import kernels
 from pdserve.engine.kv_cache import is_quantized, read_rows, to_rows
+from pdserve.engine.linear import cpu_families
 from pdserve.engine.rope import RotaryEmbedding, apply_rotary
 
 
@@ -164,7 +165,7 @@ class CpuPagedAttention:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  rotary: RotaryEmbedding, family: str = "avx2") -> None:
         self.k = kernels.require()
-        self.family = ATTENTION_FAMILIES[family]
+        self.family = kernels.ATTENTION_FAMILIES[family]
         self.h, self.kvh, self.d = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.cos = rotary.cos.float().contiguous()
@@ -182,17 +183,11 @@ class CpuPagedAttention:
         return out if in_dtype == torch.float32 else out.to(in_dtype)
 
 
-# The paged attention's kernel families (csrc/attention.h's enum), fastest last.
-ATTENTION_FAMILIES = {"avx2": 0, "amx": 1}
-ATTENTION_BACKENDS = ("torch", "cpu", *(f"cpu-{f}" for f in ATTENTION_FAMILIES))
-
 
 def attention_families(kv_cache_dtype: str) -> list[str]:
     """The families this CPU runs for a KV cache of ``kv_cache_dtype``, fastest last:
     amx where the dense GEMM's amx family runs (the same flags and tile state) and
     the cache is bfloat16."""
-    from pdserve.engine.linear import cpu_families
-
     if kernels.load() is None:
         return []
     amx = kv_cache_dtype == "bfloat16" and "amx" in cpu_families(torch.bfloat16)
@@ -202,15 +197,13 @@ def attention_families(kv_cache_dtype: str) -> list[str]:
 def resolve_attention_backend(name: str, device: str, head_dim: int, block_size: int,
                               kv_cache_dtype: str) -> str:
     """``auto`` -> the fastest backend that runs here (``torch`` or ``cpu-FAMILY``);
-    ``cpu`` -> the fastest family for the cache; explicit names are checked."""
+    ``cpu`` -> the fastest family for the cache; a forced family is checked (the name
+    itself was, by ``EngineConfig``)."""
     fits = head_dim % 16 == 0 and head_dim <= 256 and block_size % 8 == 0 and block_size <= 64
     if name == "auto":
         if not (device == "cpu" and fits and kernels.available()):
             return "torch"
         name = "cpu"
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; available: auto, "
-                         f"{', '.join(ATTENTION_BACKENDS)}")
     if name == "torch":
         return name
     if device != "cpu":

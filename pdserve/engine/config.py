@@ -279,12 +279,13 @@ class EngineConfig:
         if self.quantization_group_size not in (32, 64, 128):
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, got "
                              f"{self.quantization_group_size}")
-        from pdserve.engine.attention import ATTENTION_BACKENDS
+        from pdserve.engine.kernels import ATTENTION_FAMILIES
         from pdserve.engine.linear import FAMILIES
 
-        if self.attention_backend not in ("auto", *ATTENTION_BACKENDS):
-            raise ValueError(f"attention_backend must be one of auto, "
-                             f"{', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
+        attention = ("auto", "torch", "cpu", *(f"cpu-{f}" for f in ATTENTION_FAMILIES))
+        if self.attention_backend not in attention:
+            raise ValueError(f"attention_backend must be one of {', '.join(attention)}, got "
+                             f"{self.attention_backend!r}")
 
         linear = ("auto", "torch", "cpu", *(f"cpu-{f}" for f in FAMILIES))
         if self.linear_backend not in linear:

@@ -33,6 +33,10 @@ _SOURCES = ("bindings.cpp", "gemm.cpp", "amx.cpp", "quant_gemm.cpp", "w8a8.cpp",
 # source line rounds the same in every inlined or vectorised copy (batch invariance).
 _CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-std=c++17")
 
+# The paged attention's kernel families (csrc/attention.h's enum), fastest last; the
+# engine's attention backends are these as ``cpu-FAMILY`` (engine/attention.py).
+ATTENTION_FAMILIES = {"avx2": 0, "amx": 1}
+
 _module: ModuleType | None = None
 _why: str | None = None
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve.engine import kernels
-from pdserve.engine.attention import ATTENTION_FAMILIES, attention_families
+from pdserve.engine.attention import attention_families
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.linear import FAMILIES, cpu_families
@@ -92,7 +92,7 @@ def test_chunked_prefill_equals_unchunked(tiny_model: Callable[[str], Path], bac
 
 
 @pytest.mark.parametrize(("kind", "family"), [
-    *(("linear", f) for f in FAMILIES), *(("attention", f) for f in ATTENTION_FAMILIES)])
+    *(("linear", f) for f in FAMILIES), *(("attention", f) for f in kernels.ATTENTION_FAMILIES)])
 def test_every_kernel_family_is_batch_invariant(tiny_model: Callable[[str], Path], kind: str,
                                                family: str) -> None:
     """bfloat16 weights and cache forced onto each GEMM family, and each attention

@@ -235,7 +235,7 @@ def test_paged_attention_rows_do_not_depend_on_the_step(  # type: ignore[no-unty
     # beside other sequences: what makes prefill KV equal decode KV (colocated answers
     # equal disaggregated ones) and chunked prefill equal unchunked.
     _runs(family, dtype)
-    fam = {"avx2": 0, "amx": 1}[family]
+    fam = kernels.ATTENTION_FAMILIES[family]
     h, kvh = heads
     n, ctx = 70, 100  # the sequence's last 70 tokens are computed, after a 30-token prefix
     g = torch.Generator().manual_seed(1)
