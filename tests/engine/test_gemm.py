@@ -102,6 +102,22 @@ def test_rows_are_bit_identical_however_batched(family: str, dtype: torch.dtype,
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_large_output_is_the_same_bits_as_small_ones(family: str) -> None:
+    # 1100 x 3840 float32 outputs (17 MB): amx writes them with streaming stores (at
+    # 16 MB and up), with the partial tile of 1100 = 68 x 16 + 12 rows too
+    runnable(family, torch.bfloat16)
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(3840, 64, generator=g).bfloat16()
+    b = torch.randn(3840, generator=g)
+    x = torch.randn(1100, 64, generator=g)
+    lin = CpuDense(w, b, family)
+    full = lin(x)
+    torch.testing.assert_close(full, reference(x, w.float(), b, family), rtol=1e-5, atol=1e-4)
+    for lo, hi in [(0, 1), (300, 340), (1088, 1100)]:
+        assert torch.equal(lin(x[lo:hi].contiguous()), full[lo:hi]), (lo, hi)
+
+
 def test_gemm_rejects_bad_input() -> None:
     k = kernels.require()
     w = torch.randn(32, 64)
