@@ -200,12 +200,12 @@ def resolve_attention_backend(name: str, device: str, head_dim: int, block_size:
     ``cpu`` -> the fastest family for the cache; a forced family is checked (the name
     itself was, by ``EngineConfig``)."""
     fits = head_dim % 16 == 0 and head_dim <= 256 and block_size % 8 == 0 and block_size <= 64
-    if name == "auto":
-        if not (device == "cpu" and fits and kernels.available()):
-            return "torch"
-        name = "cpu"
-    if name == "torch":
-        return name
+    why = ("needs a bfloat16 KV cache" if kv_cache_dtype != "bfloat16"
+           else "needs AMX-BF16 and the tile state from Linux")
+    return kernels.resolve_backend(
+        "attention", name, device, fits,
+        "head_dim a multiple of 16 (<= 256) and block_size a multiple of 8 (<= 64)",
+        lambda: attention_families(kv_cache_dtype), lambda: f"the amx family {why}")
     if device != "cpu":
         raise ValueError(f"attention backend {name!r} runs on the CPU only")
     if kernels.reason() is not None:

@@ -140,6 +140,8 @@ def profile_decode(eng: LLMEngine, prompt: list[int], steps: int = 32) -> OpProf
     for m in model.modules():
         if isinstance(m, Linear) and m.kernel is not None:
             m.kernel = timed(m.kernel, "lm head" if m is model.lm_head else "matmuls")
+        if isinstance(m, Linear) and m.fused_silu_mul is not None:  # gate/up + SiLU·mul
+            m.fused_silu_mul = timed(m.fused_silu_mul, "matmuls")
     assert model.attn is not None
     model.attn = timed(model.attn, "attention")
     for name in ("rms_norm", "add_rms_norm", "silu_mul"):

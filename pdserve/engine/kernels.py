@@ -17,6 +17,7 @@ import importlib.util
 import logging
 import platform
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -76,6 +77,32 @@ def cpu_flags() -> frozenset[str]:
         if line.startswith("flags"):
             return frozenset(line.split(":", 1)[1].split())
     return frozenset()
+
+
+def resolve_backend(kind: str, name: str, device: str, fits: bool, needs: str,
+                    families: Callable[[], list[str]], refused: Callable[[], str]) -> str:
+    """A ``kind`` (linear, attention) backend's name resolved: ``auto`` -> ``cpu`` where
+    the kernels run here and the shapes fit, else ``torch``; ``cpu`` -> ``cpu-<family>``,
+    the fastest of ``families()``; ``cpu-<family>`` checked. ``needs`` says what the
+    shapes must be, ``refused()`` why a family this CPU does not offer is refused."""
+    if name == "auto":
+        if device != "cpu" or not fits or not available():
+            return "torch"
+        name = "cpu"
+    if name == "torch":
+        return name
+    if device != "cpu":
+        raise ValueError(f"{kind} backend {name!r} runs on the CPU only")
+    if reason() is not None:
+        raise ValueError(f"{kind} backend {name!r} cannot run here: {reason()}")
+    if not fits:
+        raise ValueError(f"{kind} backend {name!r} needs {needs}")
+    runs = families()
+    if name == "cpu":
+        return f"cpu-{runs[-1]}"
+    if name.removeprefix("cpu-") not in runs:
+        raise ValueError(f"{kind} backend {name!r} cannot run here: {refused()}")
+    return name
 
 
 def build(verbose: bool = False) -> Path:

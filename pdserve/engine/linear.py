@@ -118,6 +118,9 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False)
                      if bias else None)
         self.kernel: LinearKernel | None = None  # None: the reference F.linear
+        # silu(gate) * up of this (fused gate/up) layer's output in one kernel, where
+        # its kernel family fuses it (CpuDense.silu_mul); else None (see silu_mul)
+        self.fused_silu_mul: LinearKernel | None = None
         self.qweight: QuantizedWeight | None = None
 
     def quantize(self, qweight: QuantizedWeight) -> None:
@@ -134,6 +137,7 @@ class Linear(nn.Module):
         called once after loading. The C++ paths keep only their own copy of the
         weight."""
         cpu = backend.startswith("cpu-")
+        self.fused_silu_mul = None
         if self.qweight is not None:
             self.kernel = (CpuQuantized(self.qweight, self.bias, int_family) if cpu
                            else TorchQuantized(self.qweight, self.bias))
@@ -144,7 +148,9 @@ class Linear(nn.Module):
             self.kernel = (CpuW8A8(w8, self.bias, int_family) if cpu
                            else TorchW8A8(w8, self.bias))
         elif cpu:
-            self.kernel = CpuDense(self.weight.data, self.bias, backend.removeprefix("cpu-"))
+            dense = CpuDense(self.weight.data, self.bias, backend.removeprefix("cpu-"))
+            self.kernel = dense
+            self.fused_silu_mul = dense.silu_mul if dense.fuses_silu_mul else None
         else:
             self.kernel = None
             return
@@ -154,6 +160,13 @@ class Linear(nn.Module):
         if self.kernel is not None:
             return self.kernel(x)
         return F.linear(x, self.weight, self.bias)
+
+    def silu_mul(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        """``ops.silu_mul`` of this gate/up projection's output ([gate | up]): in the
+        GEMM's epilogue where the kernel family fuses it, the same bits either way."""
+        if self.fused_silu_mul is not None:
+            return self.fused_silu_mul(x)
+        return ops.silu_mul(self(x))
 
     # Called ~120 times per decode step: skip nn.Module's hook machinery (~2 us a call).
     __call__ = forward
@@ -172,6 +185,16 @@ class CpuDense:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.k.gemm(x, self.packed, self.out_features, self.family, self.bias)
+
+    @property
+    def fuses_silu_mul(self) -> bool:
+        """The amx family writes silu(gate) * up from its tiles (csrc/amx.cpp), for
+        gates and ups of whole 64-output groups."""
+        return self.family == FAMILIES["amx"] and self.out_features % 128 == 0
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this gate/up layer's [gate | up] output, [M, out / 2]."""
+        return self.k.gemm_silu_mul(x, self.packed, self.out_features, self.family, self.bias)
 
 
 class CpuQuantized:
@@ -237,12 +260,12 @@ def resolve_linear_backend(name: str, device: str, dtype: torch.dtype,
     if name not in names:
         raise ValueError(f"unknown linear backend {name!r}; available: {', '.join(names)}")
     fits = dtype in (torch.float32, torch.bfloat16) and all(d % 16 == 0 for d in dims)
-    if name == "auto":
-        if device != "cpu" or not fits or not kernels.available():
-            return "torch"
-        name = "cpu"
-    if name == "torch":
-        return name
+    return kernels.resolve_backend(
+        "linear", name, device, fits,
+        "float32 or bfloat16 weights and hidden / intermediate sizes that are multiples of 16",
+        lambda: cpu_families(dtype),
+        lambda: f"for {dtype} weights this CPU runs "
+                f"{', '.join('cpu-' + f for f in cpu_families(dtype))}")
     if device != "cpu":
         raise ValueError(f"linear backend {name!r} runs on the CPU only")
     if kernels.reason() is not None:

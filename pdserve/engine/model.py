@@ -87,7 +87,7 @@ class LlamaModel(nn.Module):
             o = self.attn(layer.qkv(x), kv_cache, i, meta)
             x, residual = ops.add_rms_norm(self._reduce(layer.o(o)), residual,
                                            layer.post_attn_norm, eps)
-            d = self._reduce(layer.down(ops.silu_mul(layer.gate_up(x))))
+            d = self._reduce(layer.down(layer.gate_up.silu_mul(x, ops)))
             if i + 1 < len(layers):
                 x, residual = ops.add_rms_norm(d, residual, layers[i + 1].input_norm, eps)
             else:

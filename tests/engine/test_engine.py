@@ -113,6 +113,29 @@ def test_every_kernel_family_is_batch_invariant(tiny_model: Callable[[str], Path
     assert [o.token_ids for o in chunked] == [o.token_ids for o in together[4:8]]
 
 
+def test_fused_silu_mul_changes_no_token(tiny_model: Callable[[str], Path]) -> None:
+    """The amx family's gate/up layers write silu(gate) * up from the GEMM (192 gates:
+    whole groups): an engine running them equals one made to run gemm then silu_mul."""
+    if "amx" not in cpu_families(torch.bfloat16):
+        pytest.skip("only the amx family fuses silu_mul")
+    path = tiny_model("llama-gqa")
+    fused, plain = (engine(path, "cpu", dtype="bfloat16") for _ in range(2))
+    layers = [layer.gate_up for layer in plain.model.layers]  # type: ignore[union-attr]
+    assert all(gate_up.fused_silu_mul is not None for gate_up in layers)
+    for gate_up in layers:
+        gate_up.fused_silu_mul = None
+    calls: list[int] = []
+    for layer in fused.model.layers:
+        kernel = layer.gate_up.fused_silu_mul  # type: ignore[union-attr]
+        assert kernel is not None
+        layer.gate_up.fused_silu_mul = (  # type: ignore[union-attr]
+            lambda x, kernel=kernel: calls.append(len(x)) or kernel(x))
+    ps = prompts(6, [5, 30, 64], fused.model_config.vocab_size, seed=8)
+    assert [o.token_ids for o in fused.generate(ps, GREEDY48)] == \
+        [o.token_ids for o in plain.generate(ps, GREEDY48)]
+    assert calls  # the model went through the fused kernel
+
+
 def test_attention_backend_resolves_to_a_family_for_the_cache(
         tiny_model: Callable[[str], Path]) -> None:
     """``cpu`` picks the fastest attention family for the KV cache's dtype; a forced

@@ -25,6 +25,7 @@
 #include <cstdint>
 
 #include "amx.h"
+#include "vec512.h"
 
 namespace pdk {
 
@@ -75,6 +76,12 @@ constexpr int64_t kMC = 128;                 // rows of x per cache chunk
 // lost as much as the matmuls gained.
 constexpr int64_t kStreamBytes = 16 << 20;
 
+// Whether y [M, N] is written with streaming stores (whole 16-output blocks of
+// 64-byte aligned rows only).
+bool streams(const float* y, int64_t M, int64_t N) {
+  return M * N * 4 >= kStreamBytes && N % kBlock == 0 && reinterpret_cast<uintptr_t>(y) % 64 == 0;
+}
+
 // The tile intrinsics take their tile numbers as literal text: C tile T, then the
 // full step's A (4) and B (5) or the tail's (6, 7).
 #define PDK_STEP(T) _tile_loadd(5, B + (T) * 2 * kBlock, ldb); _tile_dpbf16ps(T, 4, 5);
@@ -85,10 +92,10 @@ constexpr int64_t kStreamBytes = 16 << 20;
 #define PDK_ZERO(T) _tile_zero(T);
 #define PDK_W8_STEP(T) _tile_loadd(5, B + (T) * 64, ldb); _tile_dpbssd(T, 4, 5);
 
-// `rows` rows of x (bf16, K per row) times one group of NP blocks; P its first pair.
+// The sums of a tile's rows of x (bf16, K per row) times one group of NP blocks (P
+// its first pair): block p's row m at c[(p * 16 + m) * 16].
 template <int NP>
-void tile_group(const bf16_t* x, int64_t rows, int64_t K, const bf16_t* P, float* y, int64_t N,
-                int64_t n0, const float* bias, bool stream) {
+void tile_sums(const bf16_t* x, int64_t K, const bf16_t* P, float* c) {
   const int64_t ldp = NP * 2 * kBlock, ldb = ldp * 2, lda = K * 2;
   PDK_EACH(PDK_ZERO)
   int64_t k0 = 0;
@@ -102,23 +109,72 @@ void tile_group(const bf16_t* x, int64_t rows, int64_t K, const bf16_t* P, float
     _tile_loadd(6, x + k0, lda);
     PDK_EACH(PDK_TAIL)
   }
-  alignas(64) float c[4 * kBlock * kBlock];
   PDK_EACH(PDK_STORE)
   memory_fence();
+}
+
+inline void store16(float* dst, __m512 v, __mmask16 mask, bool stream) {
+  if (stream && mask == 0xFFFF)
+    _mm512_stream_ps(dst, v);
+  else
+    _mm512_mask_storeu_ps(dst, mask, v);
+}
+
+// `rows` rows of x times one group of NP blocks -> y[:, n0 ..] (+ bias).
+template <int NP>
+void tile_group(const bf16_t* x, int64_t rows, int64_t K, const bf16_t* P, float* y, int64_t N,
+                int64_t n0, const float* bias, bool stream) {
+  alignas(64) float c[4 * kBlock * kBlock];
+  tile_sums<NP>(x, K, P, c);
   for (int p = 0; p < NP; ++p) {
     const int64_t n = n0 + p * kBlock;
     if (n >= N) break;
     const __mmask16 mask =
         N - n >= kBlock ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (N - n)) - 1);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
+    for (int64_t m = 0; m < rows; ++m)
+      store16(y + m * N + n, _mm512_add_ps(_mm512_load_ps(c + (p * kBlock + m) * kBlock), b),
+              mask, stream);
+  }
+}
+
+// A fused gate/up weight's group of gates (Pg) and of their ups (Pu, I outputs on):
+// y[:, n0 ..] = silu(x Wg^T + bg) * (x Wu^T + bu), y [rows, I]. The sums and the bias
+// are tile_group's, the rest pointwise.cpp's silu_mul, lane for lane (silu_mul16): the
+// same bits as gemm then silu_mul, without the [rows, 2I] float32 round trip.
+void silu_group(const bf16_t* x, int64_t rows, int64_t K, const bf16_t* Pg, const bf16_t* Pu,
+                float* y, int64_t I, int64_t n0, const float* bias, bool stream) {
+  alignas(64) float cg[4 * kBlock * kBlock], cu[4 * kBlock * kBlock];
+  constexpr int NP = 4;
+  tile_sums<NP>(x, K, Pg, cg);
+  tile_sums<NP>(x, K, Pu, cu);
+  for (int p = 0; p < NP; ++p) {
+    const int64_t n = n0 + p * kBlock;
+    const __m512 bg = bias ? _mm512_loadu_ps(bias + n) : _mm512_setzero_ps();
+    const __m512 bu = bias ? _mm512_loadu_ps(bias + I + n) : _mm512_setzero_ps();
     for (int64_t m = 0; m < rows; ++m) {
-      const __m512 v = _mm512_add_ps(_mm512_load_ps(c + (p * kBlock + m) * kBlock), b);
-      if (stream && mask == 0xFFFF)
-        _mm512_stream_ps(y + m * N + n, v);
-      else
-        _mm512_mask_storeu_ps(y + m * N + n, mask, v);
+      const int64_t i = (p * kBlock + m) * kBlock;
+      store16(y + m * I + n, silu_mul16(_mm512_add_ps(_mm512_load_ps(cg + i), bg),
+                                        _mm512_add_ps(_mm512_load_ps(cu + i), bu)),
+              0xFFFF, stream);
     }
   }
+}
+
+// body(m0, m1) over rows [0, M) of one thread's share: whole 16-row tiles in chunks
+// of kMC rows, then the shorter last tile, each with the tiles configured for it.
+template <typename Body>
+void over_rows(int64_t M, int64_t a_bytes, int64_t b_rows, int64_t tail_bytes, Body body) {
+  const int64_t full = M / kBlock * kBlock;
+  if (full > 0) {
+    amx_configure(kBlock, a_bytes, b_rows, tail_bytes);
+    for (int64_t m0 = 0; m0 < full; m0 += kMC) body(m0, std::min(m0 + kMC, full));
+  }
+  if (full < M) {
+    amx_configure(M - full, a_bytes, b_rows, tail_bytes);
+    body(full, M);
+  }
+  _tile_release();
 }
 
 // Rows [m0, m1) of x, 16 a tile (the configured row count for the last, shorter
@@ -215,25 +271,32 @@ void w8_rows_times_groups(const int8_t* qx, int64_t m0, int64_t m1, int64_t K, i
 void amx_gemm(const bf16_t* x, int64_t M, int64_t K, const bf16_t* P, int64_t n_pad, float* y,
               int64_t N, const float* bias) {
   require_tiles();
-  const int64_t groups = (n_pad + kGroup - 1) / kGroup, full = M / kBlock * kBlock;
-  const int64_t k_tail = K % kStepK;
-  // (whole 16-output blocks of 64-byte aligned rows only)
-  const bool stream = M * N * 4 >= kStreamBytes && N % kBlock == 0 &&
-                      reinterpret_cast<uintptr_t>(y) % 64 == 0;
+  const int64_t groups = (n_pad + kGroup - 1) / kGroup;
+  const bool stream = streams(y, M, N);
   memory_fence();  // x, written by the caller, is read by tile loads only
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    if (full > 0) {
-      amx_configure(kBlock, 64, kStepK / 2, k_tail * 2);
-      for (int64_t m0 = 0; m0 < full; m0 += kMC)
-        rows_times_groups(x, m0, std::min(m0 + kMC, full), K, P, n_pad, y, N, g0, g1, bias,
-                          stream);
-    }
-    if (full < M) {
-      amx_configure(M - full, 64, kStepK / 2, k_tail * 2);
-      rows_times_groups(x, full, M, K, P, n_pad, y, N, g0, g1, bias, stream);
-    }
-    _tile_release();
+    over_rows(M, 64, kStepK / 2, K % kStepK * 2, [&](int64_t m0, int64_t m1) {
+      rows_times_groups(x, m0, m1, K, P, n_pad, y, N, g0, g1, bias, stream);
+    });
     if (stream) _mm_sfence();  // the streamed stores, before the caller reads them
+  });
+}
+
+void amx_gemm_silu_mul(const bf16_t* x, int64_t M, int64_t K, const bf16_t* P, float* y,
+                       int64_t I, const float* bias) {
+  require_tiles();
+  TORCH_CHECK(I % kGroup == 0, "amx silu_mul: the intermediate size must be a multiple of 64");
+  const int64_t groups = I / kGroup;
+  const bool stream = streams(y, M, I);
+  memory_fence();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    over_rows(M, 64, kStepK / 2, K % kStepK * 2, [&](int64_t m0, int64_t m1) {
+      for (int64_t g = g0; g < g1; ++g)
+        for (int64_t m = m0; m < m1; m += kBlock)
+          silu_group(x + m * K, std::min(kBlock, m1 - m), K, P + g * kGroup * K,
+                     P + (groups + g) * kGroup * K, y + m * I, I, g * kGroup, bias, stream);
+    });
+    if (stream) _mm_sfence();
   });
 }
 
@@ -241,20 +304,12 @@ void amx_w8a8(const int8_t* qx, int64_t M, int64_t K, int64_t G, const int8_t* P
               int64_t n_pad, const float* sx, const float* sw, const float* bias, float* y,
               int64_t N) {
   require_tiles();
-  const int64_t groups = (n_pad + kGroup - 1) / kGroup, full = M / kBlock * kBlock;
+  const int64_t groups = (n_pad + kGroup - 1) / kGroup;
   memory_fence();  // qx, written by the caller, is read by tile loads only
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    if (full > 0) {
-      amx_configure(kBlock, G, G / 4);
-      for (int64_t m0 = 0; m0 < full; m0 += kMC)
-        w8_rows_times_groups(qx, m0, std::min(m0 + kMC, full), K, G, P, n_pad, sx, sw, bias,
-                             y, N, g0, g1);
-    }
-    if (full < M) {
-      amx_configure(M - full, G, G / 4);
-      w8_rows_times_groups(qx, full, M, K, G, P, n_pad, sx, sw, bias, y, N, g0, g1);
-    }
-    _tile_release();
+    over_rows(M, G, G / 4, 0, [&](int64_t m0, int64_t m1) {
+      w8_rows_times_groups(qx, m0, m1, K, G, P, n_pad, sx, sw, bias, y, N, g0, g1);
+    });
   });
 }
 

@@ -23,6 +23,7 @@
 
 #include "amx.h"
 #include "attention.h"
+#include "vec512.h"
 
 namespace pdk {
 
@@ -90,27 +91,6 @@ void pair_values(const bf16_t* v0, const bf16_t* v1, uint32_t* vp) {
     _mm512_storeu_si512(vp + d, _mm512_permutex2var_epi16(a, il, b));
     if (D - d >= 32) _mm512_storeu_si512(vp + d + 16, _mm512_permutex2var_epi16(a, ih, b));
   }
-}
-
-// exp8's (vec.h) range reduction and polynomial on 16 lanes: exp(-inf) = 0.
-inline __m512 exp16(__m512 x) {
-  const __mmask16 below = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365478515625f), _CMP_LT_OQ);
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3365478515625f)),
-                    _mm512_set1_ps(88.3762626647949f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i e = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~below), p, _mm512_castsi512_ps(e));
 }
 
 // The lanes of a group of 16 slots from j below a row's limit.

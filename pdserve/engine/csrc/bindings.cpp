@@ -15,6 +15,8 @@ double w8a8_peak(int64_t);
 at::Tensor w8a8_gemm(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                      const c10::optional<at::Tensor>&);
 at::Tensor gemm(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const c10::optional<at::Tensor>&);
+at::Tensor gemm_silu_mul(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                         const c10::optional<at::Tensor>&);
 bool attention_supports_head_dim(int64_t);
 void paged_attention(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&,
                      const at::Tensor&, const at::Tensor&, const at::Tensor&, double, at::Tensor&, int64_t);
@@ -51,6 +53,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemm", &pdk::quant_gemm, nogil);
   m.def("pack_weight", &pdk::pack_weight, nogil);
   m.def("gemm", &pdk::gemm, nogil);
+  m.def("gemm_silu_mul", &pdk::gemm_silu_mul, nogil);
   m.def("family_peak", &pdk::family_peak, nogil);
   m.def("amx_ready", &pdk::amx_ready);
   m.def("pack_w8", &pdk::pack_w8, nogil);

@@ -379,30 +379,42 @@ at::Tensor pack_weight(const at::Tensor& w, int64_t family) {
   return at::cat(parts);
 }
 
-// y = x @ W^T (+ bias) with W packed by pack_weight for `family`; N = W's rows.
-at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t family,
-                const c10::optional<at::Tensor>& bias) {
+namespace {
+void check_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t family) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
-  const int64_t M = x.size(0), K = x.size(1), n_pad = padded_rows(N);
+  const int64_t K = x.size(1);
   TORCH_CHECK(N >= 1 && K >= 1, "empty weight");
-  TORCH_CHECK(packed.dim() == 1 && packed.is_contiguous() && packed.numel() == n_pad * K,
+  TORCH_CHECK(packed.dim() == 1 && packed.is_contiguous() && packed.numel() == padded_rows(N) * K,
               "the packed weight must be pack_weight's of a [", N, ", ", K, "] weight");
   TORCH_CHECK(known(family), "unknown kernel family ", family);
   TORCH_CHECK(family == kFma ? (packed.scalar_type() == at::kFloat ||
                                 packed.scalar_type() == at::kBFloat16)
                              : (packed.scalar_type() == at::kBFloat16 && K % 2 == 0),
               "the packed weight's dtype does not fit its family");
+}
+
+std::vector<bf16_t> rounded(const at::Tensor& x) {  // x as the bf16 families read it
+  std::vector<bf16_t> xb(x.numel());
+  to_bf16(x.data_ptr<float>(), x.numel(), xb.data());
+  return xb;
+}
+}  // namespace
+
+// y = x @ W^T (+ bias) with W packed by pack_weight for `family`; N = W's rows.
+at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t family,
+                const c10::optional<at::Tensor>& bias) {
+  check_gemm(x, packed, N, family);
+  const int64_t M = x.size(0), K = x.size(1), n_pad = padded_rows(N);
   const float* b = bias_ptr(bias, N);
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   float* yp = y.data_ptr<float>();
   if (family != kFma) {
-    std::vector<bf16_t> xb(M * K);
-    to_bf16(x.data_ptr<float>(), M * K, xb.data());
+    const std::vector<bf16_t> xb = rounded(x);
     const auto* P = reinterpret_cast<const bf16_t*>(packed.data_ptr<at::BFloat16>());
     if (family == kAmx) {
-        amx_gemm(xb.data(), M, K, P, n_pad, yp, N, b);
+      amx_gemm(xb.data(), M, K, P, n_pad, yp, N, b);
       return y;
     }
     const int64_t groups = (n_pad + kDpGroup - 1) / kDpGroup;
@@ -427,6 +439,23 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_
                    yp + m0 * N, N, g0, g1, b);
     }
   });
+  return y;
+}
+
+// silu(gate) * up of a fused gate/up layer (W: N = 2I rows, I gates then their ups)
+// in one call: the amx family's gemm and silu_mul, the same bits, y [M, I].
+at::Tensor gemm_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                         int64_t family, const c10::optional<at::Tensor>& bias) {
+  check_gemm(x, packed, N, family);
+  TORCH_CHECK(family == kAmx, "silu_mul is fused into the amx family's gemm only");
+  TORCH_CHECK(N % 128 == 0, "a fused silu_mul needs 2 x a multiple of 64 outputs, got ", N);
+  const float* b = bias_ptr(bias, N);
+  auto y = at::empty({x.size(0), N / 2}, x.options());
+  if (x.size(0) == 0) return y;
+  const std::vector<bf16_t> xb = rounded(x);
+  amx_gemm_silu_mul(xb.data(), x.size(0), x.size(1),
+                    reinterpret_cast<const bf16_t*>(packed.data_ptr<at::BFloat16>()),
+                    y.data_ptr<float>(), N / 2, b);
   return y;
 }
 
