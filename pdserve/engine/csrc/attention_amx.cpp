@@ -1,17 +1,17 @@
 // The paged attention's tile-unit family (AMX-BF16), for a bfloat16 KV cache: the
-// float32 family's tasks, chunks and online softmax (attention.cpp, attention.h), with
-// both products on TDPBF16PS.
+// float32 family's tasks and online softmax (attention.cpp, attention.h), with both
+// products on TDPBF16PS.
 //
 // Per task (a sequence's tile of up to kAmxTileQ query tokens), per chunk of the
-// context (CS slots from position 0), per kv head:
+// context (64 slots from position 0), per kv head:
 //   - the chunk's keys are transposed once into B tiles of S = Q K^T (dword i of 16
 //     slots' rows: dims 2i, 2i + 1), its values paired once into B tiles of P V (slots
 //     2j, 2j + 1 side by side); slots past the context are zeros;
 //   - per tile of 16 rows (r = (query token, head in the group), as attention.cpp):
-//     S on the tile unit, 32 dims a step in order (a 16-dim tail last); the row's
-//     softmax_update; its output scaled by the update's factor; P rounded to
-//     bfloat16, zero past the row's causal limit; O += P V on the tile unit, 32 slots
-//     a step in order.
+//     S on the tile unit, 32 dims a step in order (a 16-dim tail last); the rows'
+//     online softmax on AVX-512 (tile_softmax: P rounded to bfloat16, zero past each
+//     row's causal limit; the output scaled by the row's factor); O += P V on the
+//     tile unit, 32 slots a step in order.
 // q * scale is rounded to bfloat16 first. A tile row's sums depend only on that row
 // (and the chunk's keys and values), so a row goes through the same operations
 // whatever step it comes in and whichever rows share its tile: the chunk's slots past
