@@ -33,13 +33,15 @@ Backends:
 * ``cpu-FAMILY`` -- pdserve's C++ kernels (``csrc/attention*.cpp``,
   ``csrc/pointwise.cpp``): one fused rotary + cache-write op, then paged attention
   that reads K/V in place through the block table, for decodes and prefill chunks
-  with a cached prefix alike, in one of two kernel families (``kernels.ATTENTION_FAMILIES``):
+  with a cached prefix alike, in one of three kernel families
+  (``kernels.ATTENTION_FAMILIES``):
 
   - ``avx2``: float32 FMA; a bfloat16 or int8 cache is widened as it is read. Every
     cache dtype, every x86-64 CPU the kernels run on.
-  - ``amx``: both products on the tile unit (AMX-BF16) for a bfloat16 cache: q is
-    rounded to bfloat16, and so is each softmax chunk's P; scores, sums and the
-    softmax stay float32. Where the CPU has AMX and Linux grants the tile state.
+  - ``avx512bf16`` and ``amx``: both products as bfloat16 dot products, for a
+    bfloat16 cache (``vdpbf16ps``; the tile unit's ``tdpbf16ps``): q is rounded to
+    bfloat16, and so is each softmax chunk's P; scores, sums and the softmax stay
+    float32. Where the dense GEMM's family of the same name runs.
 
   In either family a token's output bits depend on its query, its position and the
   cache only (not on the step, the tile or the other sequences); the two families
@@ -186,12 +188,14 @@ class CpuPagedAttention:
 
 def attention_families(kv_cache_dtype: str) -> list[str]:
     """The families this CPU runs for a KV cache of ``kv_cache_dtype``, fastest last:
-    amx where the dense GEMM's amx family runs (the same flags and tile state) and
-    the cache is bfloat16."""
+    for a bfloat16 cache also avx512bf16 and amx, where the dense GEMM's families of
+    those names run (the same flags; amx: and the tile state)."""
     if kernels.load() is None:
         return []
-    amx = kv_cache_dtype == "bfloat16" and "amx" in cpu_families(torch.bfloat16)
-    return ["avx2", "amx"] if amx else ["avx2"]
+    if kv_cache_dtype != "bfloat16":
+        return ["avx2"]
+    dense = cpu_families(torch.bfloat16)
+    return ["avx2", *(f for f in ("avx512bf16", "amx") if f in dense)]
 
 
 def resolve_attention_backend(name: str, device: str, head_dim: int, block_size: int,
@@ -200,12 +204,14 @@ def resolve_attention_backend(name: str, device: str, head_dim: int, block_size:
     ``cpu`` -> the fastest family for the cache; a forced family is checked (the name
     itself was, by ``EngineConfig``)."""
     fits = head_dim % 16 == 0 and head_dim <= 256 and block_size % 8 == 0 and block_size <= 64
+    family = name.removeprefix("cpu-")
     why = ("needs a bfloat16 KV cache" if kv_cache_dtype != "bfloat16"
-           else "needs AMX-BF16 and the tile state from Linux")
+           else "needs the CPU's " + {"amx": "AMX-BF16 and the tile state from Linux"}.get(
+               family, "AVX512-BF16"))
     return kernels.resolve_backend(
         "attention", name, device, fits,
         "head_dim a multiple of 16 (<= 256) and block_size a multiple of 8 (<= 64)",
-        lambda: attention_families(kv_cache_dtype), lambda: f"the amx family {why}")
+        lambda: attention_families(kv_cache_dtype), lambda: f"the {family} family {why}")
     if device != "cpu":
         raise ValueError(f"attention backend {name!r} runs on the CPU only")
     if kernels.reason() is not None:

@@ -28,7 +28,7 @@ NAME = "pdserve_kernels"
 _SRC = Path(__file__).with_name("csrc")
 _OUT = Path(__file__).with_name("_kernels")
 _SOURCES = ("bindings.cpp", "gemm.cpp", "amx.cpp", "quant_gemm.cpp", "w8a8.cpp", "attention.cpp",
-            "attention_amx.cpp",
+            "attention_bf16.cpp",
             "pointwise.cpp")
 # -ffp-contract=off: a * b + c is never fused behind our back, so that the same
 # source line rounds the same in every inlined or vectorised copy (batch invariance).
@@ -36,7 +36,7 @@ _CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", 
 
 # The paged attention's kernel families (csrc/attention.h's enum), fastest last; the
 # engine's attention backends are these as ``cpu-FAMILY`` (engine/attention.py).
-ATTENTION_FAMILIES = {"avx2": 0, "amx": 1}
+ATTENTION_FAMILIES = {"avx2": 0, "avx512bf16": 1, "amx": 2}
 
 _module: ModuleType | None = None
 _why: str | None = None

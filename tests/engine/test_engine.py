@@ -149,8 +149,9 @@ def test_attention_backend_resolves_to_a_family_for_the_cache(
         f"cpu-{attention_families('bfloat16')[-1]}"
     for kw in ({"dtype": "float32"}, {"dtype": "bfloat16", "kv_cache_dtype": "int8"}):
         assert engine(path, "cpu", **kw).attention_backend == "cpu-avx2"
-        with pytest.raises(ValueError, match="the amx family needs a bfloat16 KV cache"):
-            engine(path, "cpu", attention_backend="cpu-amx", **kw)
+        for family in ("avx512bf16", "amx"):
+            with pytest.raises(ValueError, match=f"the {family} family needs a bfloat16 KV"):
+                engine(path, "cpu", attention_backend=f"cpu-{family}", **kw)
 
 
 @pytest.mark.parametrize(("dtype", "kv_cache_dtype"), [

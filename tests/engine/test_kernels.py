@@ -133,6 +133,7 @@ def _case(dtype: torch.dtype, head_dim: int, block_size: int, heads: tuple[int, 
 # Every attention family with every cache dtype it serves; those this CPU lacks skip.
 FAMILY_CASES = [pytest.param(dtype, family, id=f"{family}-{str(dtype).removeprefix('torch.')}")
                 for family, dtypes in (("avx2", (torch.float32, torch.bfloat16, torch.int8)),
+                                       ("avx512bf16", (torch.bfloat16,)),
                                        ("amx", (torch.bfloat16,)))
                 for dtype in dtypes]
 
@@ -176,12 +177,14 @@ def test_paged_attention_matches_reference(dtype: torch.dtype, family: str, head
         assert not torch.equal(out, f32)  # a family of its own, not the float32 one
 
 
-def test_amx_attention_needs_a_bfloat16_cache(k) -> None:  # type: ignore[no-untyped-def]
+def test_bfloat16_attention_needs_a_bfloat16_cache(k) -> None:  # type: ignore[no-untyped-def]
     cache, qkv, meta, _rotary = _case(torch.float32, 64, 16, (9, 3), [(1, 40)])
     q, out = qkv.view(1, -1, 64)[:, :9], torch.empty(1, 9, 64)
-    with pytest.raises(RuntimeError, match="bfloat16 KV cache"):
-        k.paged_attention(q, cache, 0, meta.block_table, meta.seq_rows, meta.query_start,
-                          meta.query_len, meta.context_len, 0.125, out, 1)
+    for family in ("avx512bf16", "amx"):
+        with pytest.raises(RuntimeError, match="bfloat16 KV cache"):
+            k.paged_attention(q, cache, 0, meta.block_table, meta.seq_rows, meta.query_start,
+                              meta.query_len, meta.context_len, 0.125, out,
+                              kernels.ATTENTION_FAMILIES[family])
     with pytest.raises(RuntimeError, match="unknown attention family"):
         k.paged_attention(q, cache, 0, meta.block_table, meta.seq_rows, meta.query_start,
                           meta.query_len, meta.context_len, 0.125, out, 7)

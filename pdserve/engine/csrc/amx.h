@@ -1,6 +1,7 @@
 // The tile unit's kernels (amx.cpp), called by gemm.cpp's and w8a8.cpp's amx
-// families, and its configuration (attention_amx.cpp's family loads it too). Each entry raises an error where Linux did not grant this process the
-// tile state (amx_ready()); callers choose amx only where the CPU's flags have it.
+// families, and its configuration (attention_bf16.cpp's amx family loads it too).
+// Each entry raises an error where Linux did not grant this process the tile state
+// (amx_ready()); callers choose amx only where the CPU's flags have it.
 #pragma once
 
 #include <cstdint>

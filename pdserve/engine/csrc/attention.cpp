@@ -30,10 +30,10 @@
 // head_dim is a template parameter so that the per-row accumulators stay in
 // registers.
 //
-// That is this file's family (float32 FMA, every cache dtype). The tile unit's
-// (attention_amx.cpp, a bfloat16 cache) runs the same tasks and chunking with its
-// own operations; the caller picks one family per engine (`family`), so every row of
-// every step goes through the same one.
+// That is this file's family (float32 FMA, every cache dtype). The bfloat16 dot
+// products' (attention_bf16.cpp, a bfloat16 cache: AVX512-BF16 or the tile unit) run
+// the same tasks with their own operations; the caller picks one family per engine
+// (`family`), so every row of every step goes through the same one.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
@@ -335,13 +335,13 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t la
   TORCH_CHECK(attention_supports_head_dim(D), "head_dim ", D, " is not supported");
   TORCH_CHECK(BS % 8 == 0 && BS <= kMaxBlock, "block_size must be a multiple of 8, at most 64");
   TORCH_CHECK(0 <= layer && layer < L, "layer out of range");
-  TORCH_CHECK(family == kAttnFloat32 || family == kAttnAmx, "unknown attention family ", family);
-  const bool amx = family == kAttnAmx;
-  if (amx) {
-    TORCH_CHECK(kv_cache.scalar_type() == at::kBFloat16, "the amx attention family needs a bfloat16 KV cache");
-    TORCH_CHECK(amx_ready(), "amx: Linux did not grant this process the tile registers");
-  }
-  const int tile_q = amx ? kAmxTileQ : kTileQ;
+  TORCH_CHECK(family == kAttnFloat32 || family == kAttnBf16Dp || family == kAttnAmx,
+              "unknown attention family ", family);
+  const bool amx = family == kAttnAmx, bf16 = family != kAttnFloat32;
+  TORCH_CHECK(!bf16 || kv_cache.scalar_type() == at::kBFloat16,
+              "the bfloat16 attention families need a bfloat16 KV cache");
+  TORCH_CHECK(!amx || amx_ready(), "amx: Linux did not grant this process the tile registers");
+  const int tile_q = bf16 ? kBf16TileQ : kTileQ;
   for (const auto* t : {&block_table, &seq_rows, &q_start, &q_len, &ctx_len})
     TORCH_CHECK(t->scalar_type() == at::kInt && t->is_contiguous(), "metadata must be contiguous int32");
   TORCH_CHECK(block_table.dim() == 2, "block_table must be [rows, max_blocks]");
@@ -376,7 +376,7 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t la
     using T = std::remove_const_t<std::remove_pointer_t<decltype(cache)>>;
     TileFn<T> fn = tile_fn<T>(D);
     if constexpr (std::is_same_v<T, bf16_t>)
-      if (amx) fn = amx_tile_fn(D);
+      if (bf16) fn = bf16_tile_fn(D, amx);
     at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t a, int64_t b) {
       for (int64_t i = a; i < b; ++i) {
         const auto [s, t0] = tasks[i];

@@ -1,5 +1,6 @@
 // What the paged attention's kernel families share (attention.cpp: the float32 one
-// and the dispatcher; attention_amx.cpp: the tile unit's, for bfloat16 caches): the
+// and the dispatcher; attention_bf16.cpp: the bfloat16 dot products', for bfloat16
+// caches): the
 // cache's geometry, a task's signature and its last step.
 #pragma once
 
@@ -66,13 +67,14 @@ auto by_head_dim(int64_t D, Pick pick) {
   }
 }
 
-// paged_attention's kernel families (attention.py's ATTENTION_FAMILIES): float32
-// FMA (attend_tile, every cache) and the tile unit's (bfloat16 caches).
-constexpr int64_t kAttnFloat32 = 0, kAttnAmx = 1;
+// paged_attention's kernel families (kernels.py's ATTENTION_FAMILIES): float32 FMA
+// (attend_tile, every cache) and the bfloat16 dot products' (a bfloat16 cache):
+// AVX512-BF16's and the tile unit's.
+constexpr int64_t kAttnFloat32 = 0, kAttnBf16Dp = 1, kAttnAmx = 2;
 
-// The tile unit's family (attention_amx.cpp) for a bfloat16 cache of head_dim D, and
-// the query tokens one of its tiles holds.
-TileFn<bf16_t> amx_tile_fn(int64_t D);
-constexpr int kAmxTileQ = 16;
+// The bfloat16 families (attention_bf16.cpp) for head_dim D: the tile unit's (amx)
+// or AVX512-BF16's; and the query tokens one of their tasks holds.
+TileFn<bf16_t> bf16_tile_fn(int64_t D, bool amx);
+constexpr int kBf16TileQ = 16;
 
 }  // namespace pdk

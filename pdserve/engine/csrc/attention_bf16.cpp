@@ -1,24 +1,25 @@
-// The paged attention's tile-unit family (AMX-BF16), for a bfloat16 KV cache: the
+// The paged attention's bfloat16 dot-product families, for a bfloat16 KV cache: the
 // float32 family's tasks and online softmax (attention.cpp, attention.h), with both
-// products on TDPBF16PS.
+// products on the tile unit (amx: TDPBF16PS) or on AVX512-BF16 (avx512bf16: VDPBF16PS).
 //
-// Per task (a sequence's tile of up to kAmxTileQ query tokens), per chunk of the
+// Per task (a sequence's tile of up to kBf16TileQ query tokens), per chunk of the
 // context (64 slots from position 0), per kv head:
-//   - the chunk's keys are transposed once into B tiles of S = Q K^T (dword i of 16
-//     slots' rows: dims 2i, 2i + 1), its values paired once into B tiles of P V (slots
-//     2j, 2j + 1 side by side); slots past the context are zeros;
+//   - the chunk's keys are transposed once (dword i of 16 slots' rows, dims 2i and
+//     2i + 1, side by side: a B tile of S = Q K^T, or the 16 keys' lanes of one
+//     VDPBF16PS), its values paired once (slots 2j and 2j + 1 side by side: a B tile
+//     of P V, or 16 outputs' lanes); slots past the context are zeros;
 //   - per tile of 16 rows (r = (query token, head in the group), as attention.cpp):
-//     S on the tile unit, 32 dims a step in order (a 16-dim tail last); the rows'
-//     online softmax on AVX-512 (tile_softmax: P rounded to bfloat16, zero past each
-//     row's causal limit; the output scaled by the row's factor); O += P V on the
-//     tile unit, 32 slots a step in order.
-// q * scale is rounded to bfloat16 first. A tile row's sums depend only on that row
-// (and the chunk's keys and values), so a row goes through the same operations
-// whatever step it comes in and whichever rows share its tile: the chunk's slots past
-// a row's limit are zeros of P (their products are exact zeros), and the tile rows
-// beside it are other rows' business. So the float32 family's invariance holds here
-// too (a token's bits depend on its query, position and cache only); the two families
-// agree to bfloat16 rounding, not bit for bit.
+//     S, 32 dims a step (amx; a 16-dim tail last) or 2 (avx512bf16), in order; the
+//     rows' online softmax on AVX-512 (tile_softmax: P rounded to bfloat16, zero past
+//     each row's causal limit; the output scaled by the row's factor); O += P V, 32
+//     slots a step (amx) or 2 (avx512bf16), in order.
+// q * scale is rounded to bfloat16 first. A row's sums depend only on that row (and
+// the chunk's keys and values), so a row goes through the same operations whatever
+// step it comes in and whichever rows share its tile: the chunk's slots past a row's
+// limit are zeros of P (their products are exact zeros), and the rows beside it are
+// other rows' business. So the float32 family's invariance holds in each of these
+// too (a token's bits depend on its query, position and cache only); the families
+// agree with each other to bfloat16 rounding, not bit for bit.
 #include <vector>
 
 #include "amx.h"
@@ -148,12 +149,103 @@ void tile_softmax(const float* S, int CS, const int* lim, int rt, int width, flo
 // Tile numbers are literal text: X(t) for t < n, n <= 4 (C tiles 0-3).
 #define PDK_UPTO(n, X) X(0) if ((n) > 1) { X(1) } if ((n) > 2) { X(2) } if ((n) > 3) { X(3) }
 
+// S[m * CS + slot] for the tile's rows (Qt, bf16 [rt][D]) and the chunk's n_st score
+// tiles of transposed keys (Kt), on the tile unit (configured for the tile's rows).
 template <int D>
-void attend_tile_amx(const float* q, int64_t q_row_stride, float* out, int64_t out_row_stride,
-                     const bf16_t* cache, const Geometry& g, const int32_t* blocks, int64_t ctx,
-                     int64_t first_pos, int nq, float scale) {
+void amx_scores(const bf16_t* Qt, int, const uint32_t* kt, int n_st, float* S, int CS) {
+  constexpr int kSteps = D / 32, kTail = D % 32;  // full 32-dim steps; a 16-dim tail
+#define PDK_ZERO(t) _tile_zero(t);
+#define PDK_QK(t) _tile_loadd(5, kt + (t) * kT * D / 2 + s * kT * kT, 64); _tile_dpbf16ps(t, 4, 5);
+#define PDK_QK_TAIL(t) _tile_loadd(7, kt + (t) * kT * D / 2 + kSteps * kT * kT, 64); _tile_dpbf16ps(t, 6, 7);
+#define PDK_STORE_S(t) _tile_stored(t, S + (t) * kT, CS * 4);
+  PDK_UPTO(n_st, PDK_ZERO)
+  for (int s = 0; s < kSteps; ++s) {
+    _tile_loadd(4, Qt + s * 32, D * 2);
+    PDK_UPTO(n_st, PDK_QK)
+  }
+  if constexpr (kTail != 0) {
+    _tile_loadd(6, Qt + kSteps * 32, D * 2);
+    PDK_UPTO(n_st, PDK_QK_TAIL)
+  }
+  PDK_UPTO(n_st, PDK_STORE_S)
+  memory_fence();
+}
+
+// O[m * D ..] += P V for the tile's rows (P bf16 [rt][CS]) over n_ks steps of 32
+// slots of paired values (Vp), on the tile unit.
+template <int D>
+void amx_pv(const bf16_t* P, int, int CS, const uint32_t* Vp, int n_ks, float* Ot) {
+  memory_fence();
+  for (int c0t = 0; c0t < D / kT; c0t += 4) {
+    const int n_ct = std::min(4, D / kT - c0t);
+    float* oc = Ot + c0t * kT;
+    const uint32_t* vp = Vp + c0t * kT;
+#define PDK_LOAD_O(t) _tile_loadd(t, oc + (t) * kT, D * 4);
+#define PDK_PV(t) _tile_loadd(5, vp + ks * kT * D + (t) * kT, D * 4); _tile_dpbf16ps(t, 4, 5);
+#define PDK_STORE_O(t) _tile_stored(t, oc + (t) * kT, D * 4);
+    PDK_UPTO(n_ct, PDK_LOAD_O)
+    for (int ks = 0; ks < n_ks; ++ks) {
+      _tile_loadd(4, P + ks * 32, CS * 2);
+      PDK_UPTO(n_ct, PDK_PV)
+    }
+    PDK_UPTO(n_ct, PDK_STORE_O)
+  }
+  memory_fence();
+}
+
+constexpr int kDpRows = 4;  // rows sharing each key / value load in the avx512bf16 family
+
+inline __m512bh bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+
+// amx_scores on VDPBF16PS: per row and 16 keys, one accumulator over the D / 2 dims'
+// pairs in order.
+template <int D>
+void dp_scores(const bf16_t* Qt, int rt, const uint32_t* kt, int n_st, float* S, int CS) {
+  const auto* q = reinterpret_cast<const uint32_t*>(Qt);  // row m's pair i: q[m * D / 2 + i]
+  for (int m0 = 0; m0 < rt; m0 += kDpRows) {
+    const int nr = std::min(kDpRows, rt - m0);
+    for (int st = 0; st < n_st; ++st) {
+      const uint32_t* k = kt + st * kT * D / 2;
+      __m512 acc[kDpRows];
+      for (int r = 0; r < kDpRows; ++r) acc[r] = _mm512_setzero_ps();
+      for (int i = 0; i < D / 2; ++i) {
+        const __m512bh kv = bh(_mm512_loadu_si512(k + i * kT));
+        for (int r = 0; r < kDpRows; ++r)
+          if (r < nr)
+            acc[r] = _mm512_dpbf16_ps(acc[r], bh(_mm512_set1_epi32(static_cast<int>(
+                                                  q[(m0 + r) * D / 2 + i]))), kv);
+      }
+      for (int r = 0; r < nr; ++r) _mm512_storeu_ps(S + (m0 + r) * CS + st * kT, acc[r]);
+    }
+  }
+}
+
+// amx_pv on VDPBF16PS: per row and 16 outputs, the pairs of slots in order.
+template <int D>
+void dp_pv(const bf16_t* P, int rt, int CS, const uint32_t* Vp, int n_ks, float* Ot) {
+  const auto* p = reinterpret_cast<const uint32_t*>(P);  // row m's pair j: p[m * CS / 2 + j]
+  for (int m0 = 0; m0 < rt; m0 += kDpRows) {
+    const int nr = std::min(kDpRows, rt - m0);
+    for (int c = 0; c < D; c += kT) {
+      __m512 acc[kDpRows];
+      for (int r = 0; r < nr; ++r) acc[r] = _mm512_loadu_ps(Ot + (m0 + r) * D + c);
+      for (int j = 0; j < n_ks * 16; ++j) {
+        const __m512bh v = bh(_mm512_loadu_si512(Vp + j * D + c));
+        for (int r = 0; r < kDpRows; ++r)
+          if (r < nr)
+            acc[r] = _mm512_dpbf16_ps(acc[r], bh(_mm512_set1_epi32(static_cast<int>(
+                                                  p[(m0 + r) * CS / 2 + j]))), v);
+      }
+      for (int r = 0; r < nr; ++r) _mm512_storeu_ps(Ot + (m0 + r) * D + c, acc[r]);
+    }
+  }
+}
+
+template <int D, bool Amx>
+void attend_tile_bf16(const float* q, int64_t q_row_stride, float* out, int64_t out_row_stride,
+                      const bf16_t* cache, const Geometry& g, const int32_t* blocks, int64_t ctx,
+                      int64_t first_pos, int nq, float scale) {
   static_assert(D % 16 == 0 && D <= 256, "head_dim");
-  constexpr int kSteps = D / 32, kTail = D % 32;  // full 32-dim steps of S; a 16-dim tail
   const int G = g.G, KVH = g.KVH, BS = g.BS;
   const int per_kvh = nq * G;  // rows of one kv head
   const int rows = per_kvh * KVH;
@@ -178,8 +270,8 @@ void attend_tile_amx(const float* q, int64_t q_row_stride, float* out, int64_t o
   auto row_limit = [&](int rr, int64_t c0, int cslots) {
     return static_cast<int>(std::min<int64_t>(cslots, first_pos + rr / G - c0 + 1));
   };
-  int configured = -1;  // rows the tiles are configured with
-  memory_fence();       // Qb is read by tile loads only
+  [[maybe_unused]] int configured = -1;  // rows the tiles are configured with (amx)
+  memory_fence();  // Qb is read by tile loads only
   for (int64_t b0 = 0; b0 < nblocks; b0 += per_chunk) {
     const int64_t b1 = std::min<int64_t>(nblocks, b0 + per_chunk);
     const int64_t c0 = b0 * BS;
@@ -207,52 +299,27 @@ void attend_tile_amx(const float* q, int64_t q_row_stride, float* out, int64_t o
       memory_fence();
       for (int rt0 = 0; rt0 < per_kvh; rt0 += kT) {
         const int rt = std::min(kT, per_kvh - rt0);
-        if (rt != configured) amx_configure(configured = rt, 64, 16, kTail * 2);
+        if constexpr (Amx)
+          if (rt != configured) amx_configure(configured = rt, 64, 16, D % 32 * 2);
         const bf16_t* Qt = Qb.data() + static_cast<size_t>(kvh * per_kvh + rt0) * D;
         float* Ot = Ob.data() + static_cast<size_t>(kvh * per_kvh + rt0) * D;
-        // S = Q K^T: C tile st holds slots 16 st ..
-        const uint32_t* kt = Kt.data();
-#define PDK_ZERO(t) _tile_zero(t);
-#define PDK_QK(t) _tile_loadd(5, kt + (t) * kT * D / 2 + s * kT * kT, 64); _tile_dpbf16ps(t, 4, 5);
-#define PDK_QK_TAIL(t) _tile_loadd(7, kt + (t) * kT * D / 2 + kSteps * kT * kT, 64); _tile_dpbf16ps(t, 6, 7);
-#define PDK_STORE_S(t) _tile_stored(t, S + (t) * kT, CS * 4);
-        PDK_UPTO(n_st, PDK_ZERO)
-        for (int s = 0; s < kSteps; ++s) {
-          _tile_loadd(4, Qt + s * 32, D * 2);
-          PDK_UPTO(n_st, PDK_QK)
-        }
-        if constexpr (kTail != 0) {
-          _tile_loadd(6, Qt + kSteps * 32, D * 2);
-          PDK_UPTO(n_st, PDK_QK_TAIL)
-        }
-        PDK_UPTO(n_st, PDK_STORE_S)
-        memory_fence();
+        if constexpr (Amx)
+          amx_scores<D>(Qt, rt, Kt.data(), n_st, S, CS);
+        else
+          dp_scores<D>(Qt, rt, Kt.data(), n_st, S, CS);
         // Softmax; P rounded to bfloat16, zeros past the row's limit.
         int lim[kT];
         for (int m = 0; m < rt; ++m) lim[m] = row_limit(rt0 + m, c0, cslots);
         const int r0 = kvh * per_kvh + rt0;
         tile_softmax(S, CS, lim, rt, n_ks * 32, mrow.data() + r0, lrow.data() + r0, P, Ot, D);
-        memory_fence();
-        // O += P V, up to 4 C tiles of 16 outputs at a time.
-        for (int c0t = 0; c0t < D / kT; c0t += 4) {
-          const int n_ct = std::min(4, D / kT - c0t);
-          float* oc = Ot + c0t * kT;
-          const uint32_t* vp = Vp.data() + c0t * kT;
-#define PDK_LOAD_O(t) _tile_loadd(t, oc + (t) * kT, D * 4);
-#define PDK_PV(t) _tile_loadd(5, vp + ks * kT * D + (t) * kT, D * 4); _tile_dpbf16ps(t, 4, 5);
-#define PDK_STORE_O(t) _tile_stored(t, oc + (t) * kT, D * 4);
-          PDK_UPTO(n_ct, PDK_LOAD_O)
-          for (int ks = 0; ks < n_ks; ++ks) {
-            _tile_loadd(4, P + ks * 32, CS * 2);
-            PDK_UPTO(n_ct, PDK_PV)
-          }
-          PDK_UPTO(n_ct, PDK_STORE_O)
-        }
-        memory_fence();
+        if constexpr (Amx)
+          amx_pv<D>(P, rt, CS, Vp.data(), n_ks, Ot);
+        else
+          dp_pv<D>(P, rt, CS, Vp.data(), n_ks, Ot);
       }
     }
   }
-  _tile_release();
+  if constexpr (Amx) _tile_release();
   write_rows<D>(out, out_row_stride, Ob.data(), lrow.data(), KVH, nq, G);
 }
 
@@ -267,8 +334,11 @@ void attend_tile_amx(const float* q, int64_t q_row_stride, float* out, int64_t o
 
 }  // namespace
 
-TileFn<bf16_t> amx_tile_fn(int64_t D) {
-  return by_head_dim(D, [](auto d) -> TileFn<bf16_t> { return attend_tile_amx<decltype(d)::value>; });
+TileFn<bf16_t> bf16_tile_fn(int64_t D, bool amx) {
+  return by_head_dim(D, [amx](auto d) -> TileFn<bf16_t> {
+    constexpr int kD = decltype(d)::value;
+    return amx ? attend_tile_bf16<kD, true> : attend_tile_bf16<kD, false>;
+  });
 }
 
 #pragma GCC pop_options
