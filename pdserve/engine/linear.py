@@ -188,9 +188,10 @@ class CpuDense:
 
     @property
     def fuses_silu_mul(self) -> bool:
-        """The amx family writes silu(gate) * up from its tiles (csrc/amx.cpp), for
-        gates and ups of whole 64-output groups."""
-        return self.family == FAMILIES["amx"] and self.out_features % 128 == 0
+        """The avx512bf16 and amx families write silu(gate) * up themselves
+        (csrc/gemm.cpp, csrc/amx.cpp), for gates and ups of whole 64-output groups."""
+        return (self.family in (FAMILIES["avx512bf16"], FAMILIES["amx"])
+                and self.out_features % 128 == 0)
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of this gate/up layer's [gate | up] output, [M, out / 2]."""

@@ -113,13 +113,15 @@ def test_every_kernel_family_is_batch_invariant(tiny_model: Callable[[str], Path
     assert [o.token_ids for o in chunked] == [o.token_ids for o in together[4:8]]
 
 
-def test_fused_silu_mul_changes_no_token(tiny_model: Callable[[str], Path]) -> None:
-    """The amx family's gate/up layers write silu(gate) * up from the GEMM (192 gates:
+@pytest.mark.parametrize("family", ["avx512bf16", "amx"])
+def test_fused_silu_mul_changes_no_token(tiny_model: Callable[[str], Path], family: str) -> None:
+    """These families' gate/up layers write silu(gate) * up from the GEMM (192 gates:
     whole groups): an engine running them equals one made to run gemm then silu_mul."""
-    if "amx" not in cpu_families(torch.bfloat16):
-        pytest.skip("only the amx family fuses silu_mul")
+    if family not in cpu_families(torch.bfloat16):
+        pytest.skip(f"this CPU does not run the {family} family")
     path = tiny_model("llama-gqa")
-    fused, plain = (engine(path, "cpu", dtype="bfloat16") for _ in range(2))
+    fused, plain = (engine(path, "cpu", dtype="bfloat16", linear_backend=f"cpu-{family}")
+                    for _ in range(2))
     layers = [layer.gate_up for layer in plain.model.layers]  # type: ignore[union-attr]
     assert all(gate_up.fused_silu_mul is not None for gate_up in layers)
     for gate_up in layers:

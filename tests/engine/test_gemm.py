@@ -118,35 +118,37 @@ def test_a_large_output_is_the_same_bits_as_small_ones(family: str) -> None:
         assert torch.equal(lin(x[lo:hi].contiguous()), full[lo:hi]), (lo, hi)
 
 
+@pytest.mark.parametrize("family", ["avx512bf16", "amx"])
 @pytest.mark.parametrize("m", [1, 5, 16, 131, 3000])
-def test_fused_silu_mul_is_gemm_then_silu_mul_bit_for_bit(m: int) -> None:
-    # the amx family's gate/up layer writes silu(gate) * up from its tiles: the same
-    # bits as its gemm then the pointwise silu_mul (3000 rows x 1536: 18 MB, streamed)
-    runnable("amx", torch.bfloat16)
+def test_fused_silu_mul_is_gemm_then_silu_mul_bit_for_bit(family: str, m: int) -> None:
+    # a gate/up layer of these families writes silu(gate) * up itself: the same bits
+    # as its gemm then the pointwise silu_mul (3000 rows x 1536: 18 MB, streamed by amx;
+    # more than one 128-row chunk and the 6-row tiles' remainders)
+    runnable(family, torch.bfloat16)
     k = kernels.require()
     g = torch.Generator().manual_seed(m)
     i, d = (1536, 576) if m == 3000 else (192, 112)  # 112 = 3 x 32 + 16 of K
     lin = CpuDense((torch.randn(2 * i, d, generator=g) * 0.05).bfloat16(),
-                   torch.randn(2 * i, generator=g), "amx")
+                   torch.randn(2 * i, generator=g), family)
     assert lin.fuses_silu_mul
     x = torch.randn(m, d, generator=g)
     assert torch.equal(lin.silu_mul(x), k.silu_mul(lin(x)))
 
 
-def test_only_amx_fuses_silu_mul_and_only_whole_groups() -> None:
+def test_bf16_families_fuse_silu_mul_of_whole_groups_only() -> None:
     k = kernels.require()
     w = torch.randn(2 * 96, 64).bfloat16()
     for family in cpu_families(torch.bfloat16):
         assert CpuDense(w, None, family).fuses_silu_mul is False  # 96 gates: not whole groups
         assert CpuDense(torch.randn(256, 64).bfloat16(), None, family).fuses_silu_mul == \
-            (family == "amx")
+            (family != "avx2")
+        if family != "avx2":
+            with pytest.raises(RuntimeError, match="multiple of 64"):
+                k.gemm_silu_mul(torch.randn(2, 64), CpuDense(w, None, family).packed, 192,
+                                FAMILIES[family], None)
     avx2 = CpuDense(torch.randn(256, 64).bfloat16(), None, "avx2")
-    with pytest.raises(RuntimeError, match="amx family's gemm only"):
+    with pytest.raises(RuntimeError, match="avx512bf16 and amx families' gemm only"):
         k.gemm_silu_mul(torch.randn(2, 64), avx2.packed, 256, FAMILIES["avx2"], None)
-    if "amx" in cpu_families(torch.bfloat16):
-        with pytest.raises(RuntimeError, match="multiple of 64"):
-            k.gemm_silu_mul(torch.randn(2, 64), CpuDense(w, None, "amx").packed, 192,
-                            FAMILIES["amx"], None)
 
 
 def test_gemm_rejects_bad_input() -> None:

@@ -42,6 +42,7 @@
 #include "amx.h"
 #include "args.h"
 #include "vec.h"
+#include "vec512.h"
 
 namespace pdk {
 
@@ -234,6 +235,38 @@ void dp_groups(const uint32_t* x2, int64_t M, int64_t K, const bf16_t* P, int64_
       dp_any_group<true>(x2, M, K / 2, P + gr.offset, gr.width, y, N, g * kDpGroup, bias);
     else
       dp_any_group<false>(x2, M, K / 2, P + gr.offset, gr.width, y, N, g * kDpGroup, bias);
+  }
+}
+
+// silu(gate) * up of a fused gate/up layer (I gates, then their ups) into y [M, I],
+// groups [g0, g1) of 64 gates: kMC rows at a time, dp_group's sums of the gates and
+// of their ups (bias added) into two buffers, then pointwise.cpp's silu_mul on 16
+// lanes (silu_mul16). The same bits as dp_groups then silu_mul.
+void dp_silu_groups(const uint32_t* x2, int64_t M, int64_t K, const bf16_t* P, int64_t I,
+                    float* y, int64_t g0, int64_t g1, const float* bias) {
+  std::vector<float> tg(kMC * kDpGroup), tu(kMC * kDpGroup);
+  const int64_t K2 = K / 2, ng = I / kDpGroup;
+  for (int64_t g = g0; g < g1; ++g) {
+    const bf16_t* Pg = P + g * kDpGroup * K;
+    const bf16_t* Pu = P + (ng + g) * kDpGroup * K;
+    const float* bg = bias ? bias + g * kDpGroup : nullptr;
+    const float* bu = bias ? bias + I + g * kDpGroup : nullptr;
+    for (int64_t m0 = 0; m0 < M; m0 += kMC) {
+      const int64_t rows = std::min(kMC, M - m0);
+      const uint32_t* xm = x2 + m0 * K2;
+      if (rows <= kPrefetchRows) {
+        dp_group<4, true>(xm, rows, K2, Pg, tg.data(), kDpGroup, 0, bg);
+        dp_group<4, true>(xm, rows, K2, Pu, tu.data(), kDpGroup, 0, bu);
+      } else {
+        dp_group<4, false>(xm, rows, K2, Pg, tg.data(), kDpGroup, 0, bg);
+        dp_group<4, false>(xm, rows, K2, Pu, tu.data(), kDpGroup, 0, bu);
+      }
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t c = 0; c < kDpGroup; c += kBlock)
+          _mm512_storeu_ps(y + (m0 + m) * I + g * kDpGroup + c,
+                           silu_mul16(_mm512_loadu_ps(tg.data() + m * kDpGroup + c),
+                                      _mm512_loadu_ps(tu.data() + m * kDpGroup + c)));
+    }
   }
 }
 
@@ -443,19 +476,28 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_
 }
 
 // silu(gate) * up of a fused gate/up layer (W: N = 2I rows, I gates then their ups)
-// in one call: the amx family's gemm and silu_mul, the same bits, y [M, I].
+// in one call: the avx512bf16 or amx family's gemm and silu_mul, the same bits, y [M, I].
 at::Tensor gemm_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                          int64_t family, const c10::optional<at::Tensor>& bias) {
   check_gemm(x, packed, N, family);
-  TORCH_CHECK(family == kAmx, "silu_mul is fused into the amx family's gemm only");
+  TORCH_CHECK(family == kAmx || family == kBf16Dp,
+              "silu_mul is fused into the avx512bf16 and amx families' gemm only");
   TORCH_CHECK(N % 128 == 0, "a fused silu_mul needs 2 x a multiple of 64 outputs, got ", N);
   const float* b = bias_ptr(bias, N);
-  auto y = at::empty({x.size(0), N / 2}, x.options());
-  if (x.size(0) == 0) return y;
+  const int64_t M = x.size(0), K = x.size(1), I = N / 2;
+  auto y = at::empty({M, I}, x.options());
+  if (M == 0) return y;
   const std::vector<bf16_t> xb = rounded(x);
-  amx_gemm_silu_mul(xb.data(), x.size(0), x.size(1),
-                    reinterpret_cast<const bf16_t*>(packed.data_ptr<at::BFloat16>()),
-                    y.data_ptr<float>(), N / 2, b);
+  const auto* P = reinterpret_cast<const bf16_t*>(packed.data_ptr<at::BFloat16>());
+  float* yp = y.data_ptr<float>();
+  if (family == kAmx) {
+    amx_gemm_silu_mul(xb.data(), M, K, P, yp, I, b);
+    return y;
+  }
+  const auto* x2 = reinterpret_cast<const uint32_t*>(xb.data());
+  at::parallel_for(0, I / kDpGroup, 1, [&](int64_t g0, int64_t g1) {
+    dp_silu_groups(x2, M, K, P, I, yp, g0, g1, b);
+  });
   return y;
 }
 
