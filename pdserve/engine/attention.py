@@ -43,9 +43,9 @@ Backends:
     bfloat16, and so is each softmax chunk's P; scores, sums and the softmax stay
     float32. Where the dense GEMM's family of the same name runs.
 
-  In either family a token's output bits depend on its query, its position and the
-  cache only (not on the step, the tile or the other sequences); the two families
-  agree to bfloat16 rounding, not bit for bit. ``cpu`` picks the fastest family that
+  In every family a token's output bits depend on its query, its position and the
+  cache only (not on the step, the tile or the other sequences); the families agree
+  with each other to bfloat16 rounding, not bit for bit. ``cpu`` picks the fastest family that
   runs here for the cache's dtype.
 
 ``auto`` picks ``cpu`` on a CPU that can run the kernels, else ``torch``.
@@ -205,9 +205,12 @@ def resolve_attention_backend(name: str, device: str, head_dim: int, block_size:
     itself was, by ``EngineConfig``)."""
     fits = head_dim % 16 == 0 and head_dim <= 256 and block_size % 8 == 0 and block_size <= 64
     family = name.removeprefix("cpu-")
-    why = ("needs a bfloat16 KV cache" if kv_cache_dtype != "bfloat16"
-           else "needs the CPU's " + {"amx": "AMX-BF16 and the tile state from Linux"}.get(
-               family, "AVX512-BF16"))
+    if kv_cache_dtype != "bfloat16":
+        why = "needs a bfloat16 KV cache"
+    elif family == "amx":
+        why = "needs AMX-BF16 and the tile state from Linux"
+    else:
+        why = "needs AVX512-BF16"
     return kernels.resolve_backend(
         "attention", name, device, fits,
         "head_dim a multiple of 16 (<= 256) and block_size a multiple of 8 (<= 64)",

@@ -310,7 +310,7 @@ def main() -> None:
     ap.add_argument("--linear-backend", default="auto",
                     help="force a GEMM family for every format (e.g. cpu-avx512bf16)")
     ap.add_argument("--attention-backend", default="auto",
-                    help="force an attention family for every format (cpu-avx2 | cpu-amx)")
+                    help="force an attention family for every format (e.g. cpu-avx2)")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (scripts/gpu_check.sh)")

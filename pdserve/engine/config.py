@@ -223,7 +223,8 @@ class EngineConfig:
     # "cpu" pdserve's C++ kernels (built at install), "auto" the fastest that runs here.
     # linear_backend can also force one family of the C++ GEMM: "cpu-avx2" (float32
     # FMA), "cpu-avx512bf16" or "cpu-amx" (bfloat16 weights only); attention_backend
-    # one of the paged attention's: "cpu-avx2" (float32) or "cpu-amx" (bfloat16 cache).
+    # one of the paged attention's: "cpu-avx2" (float32), "cpu-avx512bf16" or "cpu-amx"
+    # (bfloat16 cache only).
     attention_backend: str = "auto"
     linear_backend: str = "auto"
     # Weight-only quantization of the linear layers (quant.py): "none", "int8" (per

@@ -1,7 +1,6 @@
 // What the paged attention's kernel families share (attention.cpp: the float32 one
 // and the dispatcher; attention_bf16.cpp: the bfloat16 dot products', for bfloat16
-// caches): the
-// cache's geometry, a task's signature and its last step.
+// caches): the cache's geometry, a task's signature and its last step.
 #pragma once
 
 #include <algorithm>
