@@ -15,10 +15,19 @@ measured in the same run.
    (``ngram-simple`` as it comes, and ``ngram-mod``), against pdserve in bf16 and with
    an int4 decode pool (the GGUF's own Q4_1 blocks, the weights llama-server runs).
 
+3. Draft rules at temperature 0.8, top-p 0.9, top-k 50 (no server, no engine: the
+   target's and a draft's full distributions over the default model's own sampled
+   answers to the open questions, through transformers): the expected acceptance per
+   draft token of a greedy draft (the draft's argmax, accepted with the target's
+   probability of it), of the probability-ratio rule (sum of min(p, q)), and of
+   pdserve's draft sampled with the draws verification makes next (the overlap of
+   the two inverse-CDF intervals of each token). Drafts: the model in bfloat16 (a
+   close draft) and its first 24 and 20 of 30 layers (distant ones).
+
 Workloads: *copy* (repeat a paragraph, copy a list adding numbers, repeat a code
 snippet) and *open* (open-ended questions: nothing to copy).
 
-Run: ``python -m pdserve.deploy.bench_spec [--parts 1,2] [--threads 2]
+Run: ``python -m pdserve.deploy.bench_spec [--parts 1,2,3] [--threads 2]
 [--max-tokens 160] [--llama-server PATH] [--json FILE]``.
 """
 
@@ -280,10 +289,70 @@ def part2(threads: int, max_tokens: int, llama_server: str | None) -> dict[str, 
     return out
 
 
+SAMPLED = {"temperature": 0.8, "top_p": 0.9, "top_k": 50}
+
+
+def _processed(logits: Any) -> Any:
+    """The sampler's distribution at ``SAMPLED`` (temperature, top-k, then top-p)."""
+    import torch
+
+    top, idx = (logits.float() / SAMPLED["temperature"]).topk(SAMPLED["top_k"], dim=-1)
+    p = top.softmax(dim=-1)
+    p = torch.where(p.cumsum(dim=-1) - p < SAMPLED["top_p"], p, 0.0)
+    return torch.zeros_like(logits, dtype=torch.float32).scatter_(
+        -1, idx, p / p.sum(dim=-1, keepdim=True))
+
+
+def part3(model: Path, tok: Tokenizer, max_tokens: int) -> dict[str, Any]:
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    answers = []
+    for question in WORKLOADS["open"]:
+        ids = torch.tensor([tok.apply_chat_template([{"role": "user", "content": question}])])
+        out = target.generate(ids, max_new_tokens=max_tokens, do_sample=True, **SAMPLED)
+        answers.append((out, ids.shape[1]))
+
+    def first_layers(n: int) -> Any:
+        m = copy.deepcopy(target)
+        m.model.layers = m.model.layers[:n]
+        m.config.num_hidden_layers = n
+        return m
+
+    drafts = {"bf16 copy": copy.deepcopy(target).to(torch.bfloat16),
+              "24 of 30 layers": first_layers(24), "20 of 30 layers": first_layers(20)}
+    print(f"\n3. draft rules: expected acceptance per draft token at {SAMPLED} over "
+          f"{sum(a.shape[1] - n for a, n in answers)} answer tokens")
+    print(f"   {'draft':16} {'greedy draft':>12} {'ratio rule':>11} {'shared draws':>13}")
+    result: dict[str, Any] = {}
+    with torch.no_grad():
+        for name, draft in drafts.items():
+            sums, n = [0.0, 0.0, 0.0], 0
+            for ids, start in answers:
+                p = _processed(target(ids).logits[0, start - 1 : -1])
+                q = _processed(draft(ids).logits[0, start - 1 : -1])
+                sums[0] += float(p.gather(-1, q.argmax(dim=-1, keepdim=True)).sum())
+                sums[1] += float(torch.minimum(p, q).sum())
+                cp, cq = p.double().cumsum(dim=-1), q.double().cumsum(dim=-1)
+                lo = torch.maximum(cp - p.double(), cq - q.double())
+                sums[2] += float((torch.minimum(cp, cq) - lo).clamp(min=0).sum())
+                n += p.shape[0]
+            row = dict(zip(("greedy_draft", "ratio_rule", "shared_draws"),
+                           (x / n for x in sums), strict=True))
+            result[name] = row
+            print(f"   {name:16} {row['greedy_draft']:12.3f} {row['ratio_rule']:11.3f} "
+                  f"{row['shared_draws']:13.3f}")
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--parts", default="1,2")
+    ap.add_argument("--parts", default="1,2,3")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--concurrency", default="1,2,4,8,32")
@@ -302,6 +371,8 @@ def main() -> None:
                                  [int(c) for c in args.concurrency.split(",")], args.repeats)
     if 2 in parts:
         report["served"] = part2(args.threads, args.max_tokens, args.llama_server)
+    if 3 in parts:
+        report["draft_rules"] = part3(model, tok, args.max_tokens)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
 

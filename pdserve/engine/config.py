@@ -149,7 +149,7 @@ class SpeculativeConfig:
     ``suffix_decoding_max_cached_requests`` outputs, the match measured up to
     ``suffix_decoding_max_tree_depth`` tokens and the draft ``..._max_spec_factor`` x
     as long. ``draft_model``: a smaller ``model`` (a checkpoint directory) of the same
-    tokenizer drafts greedily (``engine/draft_model.py``). ``disable_by_batch_size``: no
+    tokenizer drafts (``engine/draft_model.py``). ``disable_by_batch_size``: no
     speculation in a step with more running requests than this (decode is no longer
     memory-bound there)."""
 

@@ -2,8 +2,16 @@
 model of the same tokenizer guesses a decoding request's next tokens, the target
 checks them in one step (``spec_decode.verify``).
 
-The draft runs greedily, so its guess is a point mass and verification stays exact
-for greedy and seeded sampling alike (the rule in ``spec_decode.py``). It has its
+The draft samples its guess as the target will sample: with the request's own
+sampling parameters (penalties, bias, temperature, top-k/p, min-p, min_tokens) and
+the very uniforms verification will draw, read ahead from a copy of the request's
+generator (a random request without a seed gets a generator of its own, seeded from
+torch's, when it first drafts). Both draws are inverse-CDF draws over the vocabulary
+in one order, so where the draft's distribution is close to the target's they land
+on the same token and the guess is accepted; greedy requests draft their argmax.
+Verification is unchanged (``spec_decode.verify``: the target's sampler, position by
+position), so the output is the plain sampler's stream token for token, seeded or
+not, whatever the draft proposes. It has its
 own paged KV cache (as many blocks as the target's, no prefix caching) and keeps a
 mirror ``Request`` per speculating request: each step the mirror first drops the KV
 of the tokens the target rejected (its computed tokens are cut back to the longest
@@ -38,14 +46,15 @@ from pdserve.engine.input_batch import InputBatch
 from pdserve.engine.kv_cache import new_kv_cache
 from pdserve.engine.loader import load_model
 from pdserve.engine.request import Request
+from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
 
-_PARAMS = SamplingParams(max_tokens=1)  # a mirror samples (greedily) once it caught up
+_PARAMS = SamplingParams(max_tokens=1)  # a mirror's own (its samples follow its request's)
 
 
 class DraftModel:
     def __init__(self, model_dir: str | Path, config: EngineConfig, target: ModelConfig,
-                 max_model_len: int, num_blocks: int) -> None:
+                 max_model_len: int, num_blocks: int, eos_token_ids: frozenset[int]) -> None:
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
             raise ValueError(f"speculative_config.model: draft model directory {str(model_dir)!r} "
@@ -72,6 +81,8 @@ class DraftModel:
         self.max_tokens = config.max_num_batched_tokens
         self.inputs = InputBatch(self.max_rows, max_model_len, self.max_tokens, self.block_size,
                                  config.device)
+        self.sampler = Sampler()
+        self.eos_token_ids = eos_token_ids  # the target's (masked during min_tokens)
         self.mirrors: OrderedDict[str, Request] = OrderedDict()  # least recently used first
         self._synced: dict[str, int] = {}  # request id -> tokens known equal to the target's
         self._landing: set[str] = set()  # mirrors whose prompt KV a transfer writes (reserve)
@@ -182,7 +193,7 @@ class DraftModel:
                     break
                 work.append((m, n))
                 budget -= n
-            self._run(work)
+            self._run(work, {})
             for m in active:
                 if not m.num_new_tokens:
                     self.inputs.release(m)
@@ -195,19 +206,35 @@ class DraftModel:
                 "num_layers": mc.num_layers, "num_kv_heads": mc.num_kv_heads,
                 "head_dim": mc.head_dim, "block_size": self.block_size}
 
-    def _run(self, work: list[tuple[Request, int]]) -> dict[str, int]:
-        """Compute ``n`` tokens of each mirror; the greedy next token of each that
-        caught up with its tokens."""
+    def _run(self, work: list[tuple[Request, int]],
+             rows: dict[str, SamplingRow]) -> dict[str, int]:
+        """Compute ``n`` tokens of each mirror; the next token of each that caught up
+        with its tokens, sampled by its row in ``rows`` (no rows: the prefill role's
+        prompt KV, nothing sampled)."""
         step = self.inputs.prepare(work)
         hidden = self.model(step.input_ids, self.kv_cache, step.meta, step.logits_indices)
         for m, n in work:
             m.num_computed_tokens += n
-        if not step.sampled:
+        if not step.sampled or not rows:
             return {}
         logits = self.model.logits(hidden[: len(step.sampled)])
         assert logits is not None  # no tensor parallelism for a draft
-        best = logits.argmax(dim=-1).tolist()
-        return {m.request_id: t for m, t in zip(step.sampled, best, strict=True)}
+        out = self.sampler(logits, [rows[m.request_id] for m in step.sampled])
+        return {m.request_id: t for m, t in zip(step.sampled, out.token_ids, strict=True)}
+
+    def _row(self, req: Request, mirror: Request) -> SamplingRow:
+        """How ``mirror`` samples its draft of ``req``: as the target will, from a copy
+        of the request's generator (the draws verification makes next), over the
+        mirror's tokens (the request's, then the draft so far)."""
+        params, generator = req.params, None
+        if params.logprobs is not None:
+            params = dataclasses.replace(params, logprobs=None)
+        if not params.greedy:
+            assert req.generator is not None, "a random request drafts from its generator"
+            generator = torch.Generator(req.generator.device)
+            generator.set_state(req.generator.get_state())
+        return SamplingRow(params, mirror.token_ids, req.num_prompt_tokens, generator,
+                           self.eos_token_ids)
 
     @torch.inference_mode()
     def propose(self, wanted: Sequence[tuple[Request, int]]) -> list[list[int]]:
@@ -216,6 +243,8 @@ class DraftModel:
         mirrors = [self._mirror(req, k, keep) for req, k in wanted]
         drafts: dict[str, list[int]] = {req.request_id: [] for req, _ in wanted}
         want = {req.request_id: k for req, k in wanted}
+        rows = {req.request_id: self._row(req, m)
+                for (req, _), m in zip(wanted, mirrors, strict=True) if m is not None}
         active = [m for m in mirrors if m is not None]
         while active:
             budget, work = self.max_tokens, []
@@ -225,7 +254,7 @@ class DraftModel:
                     break
                 work.append((m, n))
                 budget -= n
-            for rid, token in self._run(work).items():
+            for rid, token in self._run(work, rows).items():
                 drafts[rid].append(token)
                 self.mirrors[rid].token_ids.append(token)
             # the last draft token is never computed: its KV is not needed

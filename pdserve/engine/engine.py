@@ -47,7 +47,7 @@ from pdserve.engine.output import OutputProcessor
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.results import Completion, EngineStats, RequestOutput, StepInfo, StepOutput
 from pdserve.engine.runner import ModelRunner, Sampled
-from pdserve.engine.sampler import TokenLogprobs, make_generator, skip_draws
+from pdserve.engine.sampler import TokenLogprobs, make_generator, own_generator, skip_draws
 from pdserve.engine.sampling_params import SamplingParams, request_problem
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.spec_decode import SpecState, SpecStats, SuffixCache
@@ -143,7 +143,7 @@ class LLMEngine:
                                  "(speculative_config.method draft_model with tp > 1)")
             assert spec.model is not None
             self.draft = DraftModel(spec.model, self.config, mc, self.max_model_len,
-                                    self.num_blocks)
+                                    self.num_blocks, self.eos_token_ids)
 
     def check_ranks(self) -> None:
         """``RuntimeError`` if one of this engine's tensor-parallel ranks is gone (the
@@ -400,6 +400,8 @@ class LLMEngine:
             req.spec_token_ids = []
             k = req.spec.draft_length(room)
             if k:
+                if req.generator is None and not req.params.greedy:
+                    req.generator = own_generator(self.config.device)  # the draft reads ahead
                 drafting.append((req, k))
         if drafting:
             assert self.draft is not None

@@ -115,6 +115,15 @@ def make_generator(
     return gen
 
 
+def own_generator(device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator of its own for an unseeded random request, seeded from torch's
+    global RNG: the same distribution of draws, in a stream that can be read ahead
+    (a draft model samples with the draws verification makes next)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(torch.randint(2**62, (1,))))
+    return gen
+
+
 def skip_draws(params: SamplingParams, generator: torch.Generator | None, n: int) -> None:
     """Advance a request's generator past the draws of ``n`` tokens sampled elsewhere
     (the prefill worker's first token; an earlier attempt's output), so its stream

@@ -31,7 +31,9 @@ emitted token, as the plain sampler does: a seeded stream is the same with and
 without speculation, colocated, disaggregated or retried (``skip_draws``).
 
 Draft model (``draft_model``, ``draft_model.py``): a smaller model of the same
-tokenizer drafts greedily, every speculating request batched.
+tokenizer drafts, every speculating request batched, sampling as the target will
+(the request's parameters, the draws verification makes next), so a close draft's
+guess is the token verification samples.
 
 Adaptive: a request's draft length follows its acceptance (a fully accepted draft
 grows it by one, a partial one shrinks it to what was accepted + 1, and a draft

@@ -1,20 +1,26 @@
 """Draft-model speculation (engine/draft_model.py): a draft of the same tokenizer
-proposes greedily with its own paged KV; the output is the target's token for token
-(greedy and seeded sampling, preemption, hand-off), rejected tokens' draft KV is cut
-back, and every draft block is free once the requests are gone."""
+proposes with its own paged KV, sampling as the target will (the request's parameters
+and the draws verification makes next); the output is the target's token for token
+(greedy and seeded sampling, preemption, hand-off) and unseeded sampling keeps its
+distribution, rejected tokens' draft KV is cut back, and every draft block is free
+once the requests are gone."""
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from pdserve.engine.config import SpeculativeConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import Request
+from pdserve.engine.sampler import SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
 from tests.engine.handoff import decode_to_end, disaggregate
 from tests.engine.test_spec_decode import GREEDY, _run, copy_prompts, engine
@@ -64,6 +70,67 @@ def test_a_smaller_draft_keeps_greedy_and_seeded_output(tiny_model: Callable[[st
         assert stats is not None and stats.num_drafts > 0
         assert stats.num_accepted_tokens < stats.num_draft_tokens
         drained(eng)
+
+
+SAMPLED = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "max_tokens": 30, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("extra", [{}, {"frequency_penalty": 0.5, "repetition_penalty": 1.2,
+                                        "logit_bias": {5: 3.0, 9: -2.0}, "min_tokens": 20,
+                                        "logprobs": 2}],
+                         ids=["plain", "penalties-bias-min-tokens-logprobs"])
+def test_a_sampled_draft_is_the_token_the_target_samples(tiny_model: Callable[[str], Path],
+                                                          backend: str,
+                                                          extra: dict[str, object]) -> None:
+    """At temperature 0.8 (top-k, top-p, and with penalties, a bias, min_tokens and
+    logprobs) the target as its own draft guesses the token the target then samples:
+    the draft samples with the request's parameters and the very draws verification
+    makes next. A greedy guess would be accepted only with its probability (well under
+    90% at this temperature). Seeded, the tokens (and logprobs) are the unspeculated
+    ones (the logprobs too where the kernels are batch invariant, else within float
+    rounding); unseeded requests draft from a generator of their own."""
+    path = tiny_model("llama-gqa")
+    ps = copy_prompts(3, seed=5)
+    seeded = [SamplingParams(**{**SAMPLED, **extra}, seed=s) for s in (1, 2, 3)]  # type: ignore[arg-type]
+    want = engine(path, backend, spec=None).generate(ps, seeded)
+    for params in (seeded, SamplingParams(**{**SAMPLED, **extra})):  # type: ignore[arg-type]
+        eng = engine(path, backend, spec=draft(path))
+        got = eng.generate(ps, params)
+        if params is seeded:
+            assert [c.token_ids for c in got] == [c.token_ids for c in want]
+            lps = [lp.logprob for c in got for lp in c.logprobs or []]
+            ref = [lp.logprob for c in want for lp in c.logprobs or []]
+            assert lps == (ref if backend == "cpu" else pytest.approx(ref, abs=1e-4))
+        stats = eng.stats().spec
+        assert stats is not None and stats.num_drafts > 0
+        assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens, stats
+        drained(eng)
+
+
+def test_unseeded_sampling_with_a_draft_keeps_the_targets_distribution(
+        tiny_model: Callable[[str], Path]) -> None:
+    """Unseeded requests at temperature 0.8 with top-k: the tokens after the first
+    (verified against the draft's guesses) are distributed as without speculation,
+    token by token within 5 standard errors -- a private generator seeded alike for
+    every request, or drawn from twice, would not be."""
+    path, small = tiny_model("llama-gqa"), tiny_model("llama-mha")
+    prompt = copy_prompts(1, seed=9)[0]
+    params = SamplingParams(temperature=0.8, top_k=6, max_tokens=3, ignore_eos=True)
+    n = 320
+    counts = []
+    for spec in (None, draft(small, 2, disable_by_batch_size=64)):
+        eng = engine(path, spec=spec, max_num_seqs=64)
+        torch.manual_seed(0)
+        out = eng.generate([prompt] * n, params)
+        counts.append([Counter(c.token_ids[j] for c in out) for j in (1, 2)])
+        if spec is not None:
+            stats = eng.stats().spec
+            assert stats is not None and stats.num_draft_tokens >= n
+            drained(eng)
+    for plain, spec in zip(*counts, strict=True):
+        for token in set(plain) | set(spec):
+            p, q = plain[token] / n, spec[token] / n
+            assert abs(p - q) <= 5 * math.sqrt(max(p * (1 - p), 1e-3) * 2 / n), (token, p, q)
 
 
 def test_every_draft_is_the_draft_models_own_greedy_continuation(
@@ -124,9 +191,9 @@ def _disaggregated(path: Path, small: Path, prompt: list[int],
     drafts: list[list[int]] = []
     run, propose = decode.draft._run, decode.draft.propose
 
-    def counted(work: list[tuple[Request, int]]) -> dict[str, int]:
+    def counted(work: list[tuple[Request, int]], rows: dict[str, SamplingRow]) -> dict[str, int]:
         computed.append(sum(n for _, n in work))
-        return run(work)
+        return run(work, rows)
 
     def recorded(wanted: list[tuple[Request, int]]) -> list[list[int]]:
         out = propose(wanted)

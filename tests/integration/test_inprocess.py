@@ -170,10 +170,10 @@ def draft_first_work(worker: DecodeWorker) -> dict[str, int]:
     first_work: dict[str, int] = {}
     run_draft = draft._run
 
-    def counted(work: list[tuple[Any, int]]) -> dict[str, int]:
+    def counted(work: list[tuple[Any, int]], rows: dict[str, Any]) -> dict[str, int]:
         for m, n in work:
             first_work.setdefault(m.request_id, n)
-        return run_draft(work)
+        return run_draft(work, rows)
 
     draft._run = counted  # type: ignore[method-assign]
     return first_work
