@@ -27,6 +27,9 @@ reserves a mirror's blocks for it (``reserve``: held, never evicted, until the K
 landed and ``adopt`` starts the mirror from the whole prompt, or the request is gone).
 With no room there, the mirror catches up on the prompt itself, as colocated.
 
+Under tensor parallelism rank 0 alone holds the draft, whole, and tells the other
+ranks its drafts (``LLMEngine._share_drafts``); its KV moves over rank 0's channel.
+
 Mirrors live as long as their requests (``release``); when the draft's rows or
 blocks run out, the least recently used mirror is dropped (it catches up again if
 it speculates later), and a request that still finds no room gets no draft."""
@@ -52,6 +55,11 @@ from pdserve.engine.sampling_params import SamplingParams
 _PARAMS = SamplingParams(max_tokens=1)  # a mirror's own (its samples follow its request's)
 
 
+def draft_model_id(model_dir: str | Path) -> str:
+    """The draft's name in KV layouts (its config's, else its directory's)."""
+    return ModelConfig.from_dir(Path(model_dir)).name or Path(model_dir).name
+
+
 class DraftModel:
     def __init__(self, model_dir: str | Path, config: EngineConfig, target: ModelConfig,
                  max_model_len: int, num_blocks: int, eos_token_ids: frozenset[int]) -> None:
@@ -60,7 +68,7 @@ class DraftModel:
             raise ValueError(f"speculative_config.model: draft model directory {str(model_dir)!r} "
                              "not found")
         mc = self.model_config = ModelConfig.from_dir(model_dir)
-        self.model_id = mc.name or model_dir.name
+        self.model_id = draft_model_id(model_dir)
         if mc.vocab_size != target.vocab_size:
             raise ValueError(f"draft model {str(model_dir)!r} has a vocabulary of "
                              f"{mc.vocab_size} tokens, the target {target.vocab_size}: a draft "
@@ -218,7 +226,7 @@ class DraftModel:
         if not step.sampled or not rows:
             return {}
         logits = self.model.logits(hidden[: len(step.sampled)])
-        assert logits is not None  # no tensor parallelism for a draft
+        assert logits is not None  # a draft is whole: rank 0's alone under TP
         out = self.sampler(logits, [rows[m.request_id] for m in step.sampled])
         return {m.request_id: t for m, t in zip(step.sampled, out.token_ids, strict=True)}
 

@@ -38,7 +38,7 @@ import torch
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ceil_div
-from pdserve.engine.draft_model import DraftModel
+from pdserve.engine.draft_model import DraftModel, draft_model_id
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.input_batch import InputBatch
 from pdserve.engine.kv_cache import new_kv_cache
@@ -54,7 +54,7 @@ from pdserve.engine.spec_decode import SpecState, SpecStats, SuffixCache
 from pdserve.engine.stop import StopChecker
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.tp.collectives import TPGroup
-from pdserve.engine.tp.lockstep import STOP, replicated
+from pdserve.engine.tp.lockstep import STOP, close_link, replicated
 from pdserve.engine.tp.shard import Shard
 
 
@@ -134,16 +134,20 @@ class LLMEngine:
             spec.suffix_decoding_max_cached_requests, spec.prompt_lookup_min,
             spec.prompt_lookup_max) if spec is not None and spec.method == "suffix" else None
         # A draft model's: on a prefill engine it makes the draft's prompt KV, which
-        # travels with the target's (``prefill_draft``); it speculates elsewhere.
+        # travels with the target's (``prefill_draft``); it speculates elsewhere. Under
+        # tensor parallelism rank 0 alone holds it, whole, and tells the others its
+        # drafts (``_propose``); its KV moves over rank 0's channel.
         self.draft: DraftModel | None = None
+        self.draft_model_id: str | None = None
         spec = self.config.speculative_config
         if spec is not None and spec.method == "draft_model":
-            if tp is not None:
-                raise ValueError("a draft model does not run under tensor parallelism yet "
-                                 "(speculative_config.method draft_model with tp > 1)")
             assert spec.model is not None
-            self.draft = DraftModel(spec.model, self.config, mc, self.max_model_len,
-                                    self.num_blocks, self.eos_token_ids)
+            if tp is None or tp.rank == 0:
+                self.draft = DraftModel(spec.model, self.config, mc, self.max_model_len,
+                                        self.num_blocks, self.eos_token_ids)
+                self.draft_model_id = self.draft.model_id
+            else:
+                self.draft_model_id = draft_model_id(spec.model)
 
     def check_ranks(self) -> None:
         """``RuntimeError`` if one of this engine's tensor-parallel ranks is gone (the
@@ -158,7 +162,7 @@ class LLMEngine:
         procs, self._followers = self._followers, []
         links, self.rank_links = self.rank_links, []
         for link in links:  # first: each follower's channel closes (it sees the pipe end)
-            link.close()
+            close_link(link)
         if procs and self.tp is not None:
             with contextlib.suppress(Exception):  # a follower already gone
                 self.tp.broadcast_object((STOP, (), {}, self.tp.last_error))
@@ -283,14 +287,15 @@ class LLMEngine:
         """Prefill role: compute the draft model's KV of these PREFILLED requests'
         prompts, into the draft cache at the target's blocks (``block_ids``), where
         the transfer reads it."""
-        if self.draft is None:
+        if self.draft_model_id is None:
             raise ValueError("prefill_draft: this engine has no draft model")
         reqs = [self.requests[rid] for rid in request_ids]
         for req in reqs:
             if req.status is not RequestStatus.PREFILLED:
                 raise ValueError(f"request {req.request_id!r} is {req.status.value}, "
                                  "not prefilled")
-        self.draft.prefill([(r.request_id, r.prompt_token_ids, r.block_ids) for r in reqs])
+        if self.draft is not None:  # (a tensor-parallel follower: rank 0's draft)
+            self.draft.prefill([(r.request_id, r.prompt_token_ids, r.block_ids) for r in reqs])
 
     def block_ids(self, request_id: str) -> list[int]:
         return list(self.requests[request_id].block_ids)
@@ -394,19 +399,37 @@ class LLMEngine:
                 continue
             # All of a draft accepted, plus one: still within max_tokens.
             room = req.params.max_tokens - req.num_output_tokens - 1
-            if self.draft is None:
+            if self.draft_model_id is None:
                 req.spec_token_ids = req.spec.propose(req.token_ids, room)
                 continue
             req.spec_token_ids = []
             k = req.spec.draft_length(room)
             if k:
-                if req.generator is None and not req.params.greedy:
+                if req.generator is None and not req.params.greedy and self.draft is not None:
                     req.generator = own_generator(self.config.device)  # the draft reads ahead
                 drafting.append((req, k))
         if drafting:
-            assert self.draft is not None
-            for (req, _), draft in zip(drafting, self.draft.propose(drafting), strict=True):
+            drafts = None if self.draft is None else self.draft.propose(drafting)
+            if self.tp is not None:
+                drafts = self._share_drafts(drafting, drafts)
+            assert drafts is not None
+            for (req, _), draft in zip(drafting, drafts, strict=True):
                 req.spec_token_ids = draft
+
+    def _share_drafts(self, drafting: list[tuple[Request, int]],
+                      drafts: list[list[int]] | None) -> list[list[int]]:
+        """Rank 0's drafts on every tensor-parallel rank (each rank knows the lengths
+        asked for: its requests and their adaptive states are the same)."""
+        assert self.tp is not None
+        n = sum(k for _, k in drafting)
+        flat = None if drafts is None else [t for (_, k), d in zip(drafting, drafts, strict=True)
+                                            for t in d + [-1] * (k - len(d))]
+        got = self.tp.broadcast_ints(flat, n)
+        out, at = [], 0
+        for _, k in drafting:
+            out.append([t for t in got[at : at + k] if t >= 0])
+            at += k
+        return out
 
     def _append_tokens(self, s: Sampled) -> RequestOutput:
         """Append a step's tokens in order, each through the grammar and the stop rules;
@@ -506,8 +529,8 @@ class LLMEngine:
             "head_dim": mc.head_dim, "block_size": self.block_size}
         if self.tp is not None:  # this rank's cache holds its KV heads only
             spec["heads"] = self.kv_heads[self.tp.rank]
-        if self.draft is not None:  # its KV travels too: both ends must have this draft
-            spec["draft"] = self.draft.model_id
+        if self.draft_model_id is not None:  # its KV travels too: both ends need this draft
+            spec["draft"] = self.draft_model_id
         return spec
 
     def check_integrity(self) -> None:

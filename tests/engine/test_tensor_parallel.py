@@ -6,6 +6,8 @@ rank that dies failing the engine with an error instead of a hang. ``--device cu
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,9 +18,11 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.rope import RotaryEmbedding
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.tp.lockstep import close_link
 from pdserve.engine.tp.shard import Shard, check_shardable
 from pdserve.engine.weights import load_weights, shard_cut
 from pdserve.tensor_parallel import create_engine
+from tests.waiting import until
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 PROMPTS = [[5 + (i * 7 + j) % 200 for j in range(3 + 23 * i)] for i in range(4)]
@@ -217,3 +221,31 @@ def test_bad_input_is_refused_on_every_rank_and_serving_goes_on(
         assert all(p.is_alive() for p in engine._followers)
     finally:
         engine.close()
+
+
+def test_closing_a_link_that_a_thread_reads_ends_it_for_the_follower() -> None:
+    """The leader's end of a follower's pipe is read by its KV channel's thread when
+    the engine closes: ``close_link`` must still end the pipe for the follower (whose
+    channel thread waits for that end-of-file before its process exits: a plain
+    ``close`` left it waiting 10 s per TP worker) and for that reader."""
+    mine, theirs = multiprocessing.Pipe()
+    reader_saw: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            mine.recv()
+        except (EOFError, OSError) as exc:
+            reader_saw.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    until("the reader runs", reader.is_alive)
+    close_link(mine)
+    try:
+        assert theirs.poll(5)  # readable: at end-of-file
+        with pytest.raises(EOFError):
+            theirs.recv()
+        reader.join(5)
+        assert reader_saw and not reader.is_alive()
+    finally:
+        theirs.close()

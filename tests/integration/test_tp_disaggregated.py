@@ -18,7 +18,15 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.router import Router
 from pdserve.router.types import GenerateRequest
-from tests.integration.test_inprocess import GREEDY, Pair, collect, generate_all, pair_factory, run
+from tests.integration.test_inprocess import (
+    GREEDY,
+    Pair,
+    collect,
+    draft_first_work,
+    generate_all,
+    pair_factory,
+    run,
+)
 from tests.waiting import until_async
 
 __all__ = ["pair_factory"]  # the fixture, shared with test_inprocess
@@ -38,6 +46,30 @@ def test_tp_pairs_equal_one_colocated_rank(pair_factory: Callable[..., Pair],
     got = generate_all(pair, PROMPTS)
     assert [tokens for tokens, _, _ in got] == want
     assert all(f.num_retries == 0 for _, _, f in got)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (2, 2)])
+def test_a_draft_model_with_tp_pools(pair_factory: Callable[..., Pair],
+                                     tiny_model: Callable[[str], Path],
+                                     prefill_tp: int, decode_tp: int) -> None:
+    """Speculation with a draft model between pools of any tensor-parallel degrees:
+    rank 0 of each holds the draft, its prompt KV moves beside rank 0's target KV, so
+    the decode worker's draft computes only the tokens after each prompt, and the
+    tokens are one colocated rank's without speculation."""
+    model = tiny_model("llama-gqa")
+    want = [o.token_ids for o in LLMEngine(model, EngineConfig(num_blocks=256)).generate(
+        PROMPTS, GREEDY)]
+    spec = {"method": "draft_model", "num_speculative_tokens": 4, "model": str(model)}
+    pair = pair_factory(
+        prefill_engine={"tensor_parallel_size": prefill_tp, "num_threads": 1,
+                        "speculative_config": spec},
+        decode_engine={"tensor_parallel_size": decode_tp, "num_threads": 1,
+                       "speculative_config": spec}, transfer="torch")
+    first_work = draft_first_work(pair.decode[0])
+    got = generate_all(pair, PROMPTS)
+    assert [tokens for tokens, _, _ in got] == want
+    assert sum(f.timings.spec_accepted_tokens for _, _, f in got) > 0
+    assert len(first_work) == len(PROMPTS) and set(first_work.values()) == {1}, first_work
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")

@@ -4,7 +4,10 @@ that its own call ended as the leader's did."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import socket
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -43,6 +46,19 @@ def replicated(fn: F) -> F:
 
 
 STOP = "__stop__"
+
+
+def close_link(link: Any) -> None:
+    """Close the leader's end of a pipe to a follower (a ``multiprocessing``
+    connection) so that the follower sees it end at once. ``close`` alone does not
+    while a thread here is blocked reading it (the KV channel's reader holds the socket
+    open): the follower would wait for its end-of-file. Shutting the socket down ends
+    both sides' reads."""
+    with contextlib.suppress(OSError):
+        sock = socket.socket(fileno=os.dup(link.fileno()))
+        with sock:
+            sock.shutdown(socket.SHUT_RDWR)
+    link.close()
 
 
 def follow(engine: Any) -> None:
