@@ -79,7 +79,7 @@ def test_gemm_matches_reference(family: str, dtype: torch.dtype, m: int, bias: b
 
 
 @pytest.mark.parametrize(("family", "dtype"), CASES)
-@pytest.mark.parametrize(("n", "k"), [(576, 576), (200, 1536), (48, 32), (80, 80)])
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (200, 1536), (96, 64), (48, 32), (80, 80)])
 def test_rows_are_bit_identical_however_batched(family: str, dtype: torch.dtype, n: int,
                                                 k: int) -> None:
     runnable(family, dtype)
@@ -89,10 +89,11 @@ def test_rows_are_bit_identical_however_batched(family: str, dtype: torch.dtype,
     x = torch.randn(300, k, generator=g)
     lin = CpuDense(w, b, family)
     full = lin(x)
-    # alone, in small and large batches, at every offset within a tile, across the
-    # 128-row cache chunk boundary, and on one thread instead of two
+    # alone, in small and large batches, at every offset within a tile (and a pair of
+    # tiles: amx), across a cache chunk boundary (128 rows; amx's bf16 chunk at K 1536:
+    # 160), and on one thread instead of two
     for lo, hi in [(0, 1), (5, 6), (0, 2), (3, 8), (1, 7), (7, 20), (0, 64), (100, 229),
-                   (127, 129), (299, 300), (11, 300)]:
+                   (127, 129), (159, 161), (16, 50), (299, 300), (11, 300)]:
         assert torch.equal(lin(x[lo:hi].contiguous()), full[lo:hi]), (lo, hi)
     threads = torch.get_num_threads()
     try:
