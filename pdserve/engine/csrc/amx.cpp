@@ -7,11 +7,12 @@
 // rows of 64 bytes, the group's row stride apart). x is rounded to bfloat16 as bf16dp
 // does. A tile of 16 rows of x times a group's blocks accumulates in up to four C
 // tiles, 32 values of K per TDPBF16PS, K ascending; a K that is not a multiple of 32
-// ends with one narrower step. Where K is a multiple of 32 (and small enough), two
-// tiles of rows go together through two blocks at a time (tile_sums_2x2): each C tile
-// still takes the same steps in the same order. Which values of K a step holds depends on K alone, and
-// a tile row's sums on that row alone, so the rows beside it (M, its place in a tile,
-// the number of rows a tile is configured with) never change its result. The tile
+// ends with one narrower step. Where K is a multiple of 32 (and at most kPairMaxK),
+// two tiles of rows go together through two blocks at a time (tile_sums_2x2): each C
+// tile still takes the same steps in the same order. Which values of K a step holds
+// depends on K alone, and a tile row's sums on that row alone, so the rows beside it
+// (M, its place in a tile or pair of tiles, the number of rows a tile is configured
+// with, the cache chunk) never change its result. The tile
 // unit's rounding is its own (it is not vdpbf16ps's chain, nor float32's), so this
 // family agrees with the others to rounding, and with itself bit for bit.
 //
