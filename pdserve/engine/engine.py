@@ -198,7 +198,9 @@ class LLMEngine:
         if self.tp is None or self.tp.rank == 0:  # rank 0 samples for every rank
             req.grammar = self.grammars.matcher(params, req.prompt_token_ids)
         req.generator = make_generator(params, self.config.device)
-        if self.spec_config is not None and params.structured is None:
+        # (a grammar lives on rank 0 only: its drafts, cut to what it allows, would not
+        # be the other ranks')
+        if self.spec_config is not None and (params.structured is None or self.tp is None):
             req.spec = SpecState.of(self.spec_config, self.suffix_cache)
         skip_draws(params, req.generator, params.resumed_tokens)
         self._stops[request_id] = StopChecker(params, self.eos_token_ids)
@@ -401,6 +403,7 @@ class LLMEngine:
             room = req.params.max_tokens - req.num_output_tokens - 1
             if self.draft_model_id is None:
                 req.spec_token_ids = req.spec.propose(req.token_ids, room)
+                self._within_grammar(req)
                 continue
             req.spec_token_ids = []
             k = req.spec.draft_length(room)
@@ -415,6 +418,14 @@ class LLMEngine:
             assert drafts is not None
             for (req, _), draft in zip(drafting, drafts, strict=True):
                 req.spec_token_ids = draft
+                self._within_grammar(req)
+
+    @staticmethod
+    def _within_grammar(req: Request) -> None:
+        """Cut a structured-output request's draft at the first token its grammar does
+        not allow there (verification could never accept it or what follows)."""
+        if req.grammar is not None and req.spec_token_ids:
+            del req.spec_token_ids[req.grammar.validate_tokens(req.spec_token_ids):]
 
     def _share_drafts(self, drafting: list[tuple[Request, int]],
                       drafts: list[list[int]] | None) -> list[list[int]]:

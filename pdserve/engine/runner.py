@@ -14,6 +14,7 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import llguidance
 import torch
 
 from pdserve.engine.grammar import Grammars
@@ -48,19 +49,35 @@ class ModelRunner:
         self.grammars = grammars
         self._mask_thread: ThreadPoolExecutor | None = None
 
-    def _start_masks(self, sampled: list[Request]) -> tuple[list[int], Future[torch.Tensor]] | None:
+    def _start_masks(self, sampled: list[Request], drafts: list[list[int]],
+                     ) -> tuple[list[int], Future[list[torch.Tensor]]] | None:
         rows = [i for i, r in enumerate(sampled) if r.grammar is not None]
         if not rows:
             return None
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="pdserve-grammar")
-        matchers = [sampled[i].grammar for i in rows]
-        return rows, self._mask_thread.submit(self.grammars.fill, matchers)  # type: ignore[arg-type]
+        work = [(sampled[i].grammar, drafts[i]) for i in rows]
+        return rows, self._mask_thread.submit(self._masks, work)  # type: ignore[arg-type]
+
+    def _masks(self, work: list[tuple[llguidance.LLMatcher, list[int]]]) -> list[torch.Tensor]:
+        """Per request, the masks of its 1 + len(draft) positions ([1 + k, words]):
+        position j's is its grammar's after the draft's first j tokens (copies of the
+        matcher advance over them; the request's own is advanced as tokens are kept)."""
+        matchers: list[llguidance.LLMatcher] = []
+        for m, draft in work:
+            matchers.append(m)
+            at = m
+            for t in draft:  # allowed: the engine cut the draft to what the grammar takes
+                at = at.deep_copy()
+                ok = at.consume_token(t)
+                assert ok, at.get_error()
+                matchers.append(at)
+        return list(self.grammars.fill(matchers).split([1 + len(d) for _, d in work]))
 
     def execute(self, batch: ScheduledBatch) -> list[Sampled]:
         """Run the step; prompt logprobs land in each request's ``prompt_logprobs``."""
         step = self.inputs.prepare(batch.work)
-        masks = self._start_masks(step.sampled)
+        masks = self._start_masks(step.sampled, step.drafts)
         hidden = self.model(step.input_ids, self.kv_cache, step.meta, step.logits_indices)
         n = len(step.sampled)
         widths = [1 + len(d) for d in step.drafts]  # logits rows per sampled request
@@ -81,16 +98,17 @@ class ModelRunner:
         else:
             rows = [SamplingRow(r.params, r.token_ids, r.num_prompt_tokens, r.generator,
                                 self.eos_token_ids) for r in step.sampled]
+            allowed: list[torch.Tensor | None] = [None] * n  # per request: [1 + k, words]
             if masks is not None:
-                bitmask = masks[1].result()
-                for j, i in enumerate(masks[0]):
-                    rows[i].allowed = bitmask[j]
+                for i, mask in zip(masks[0], masks[1].result(), strict=True):
+                    allowed[i] = mask
+                    rows[i].allowed = mask[0]
             if num_rows == n:
                 out = self.sampler(logits, rows)
                 kept = [Verified([t], [] if lp is None else [lp])
                         for t, lp in zip(out.token_ids, out.logprobs, strict=True)]
             else:
-                kept = verify(self.sampler, logits, rows, step.drafts)
+                kept = verify(self.sampler, logits, rows, step.drafts, allowed)
             if tp is not None:
                 tp.broadcast_ints([t for v, w in zip(kept, widths, strict=True)
                                    for t in v.token_ids + [-1] * (w - len(v.token_ids))],

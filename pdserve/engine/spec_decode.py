@@ -40,8 +40,9 @@ grows it by one, a partial one shrinks it to what was accepted + 1, and a draft
 with nothing accepted pauses the request's speculation for 2, 4, .. 32 steps), and
 an engine with more running requests than ``disable_by_batch_size`` does not
 speculate at all (its batch is compute-bound: verification would cost more than it
-saves). Structured-output requests do not speculate (their grammar mask is made
-for one position per step).
+saves). A structured-output request's draft is cut where its grammar stops allowing
+it, and each verified position is sampled under the grammar's mask after the draft's
+tokens before it (the runner computes those masks); not under tensor parallelism.
 """
 
 from __future__ import annotations
@@ -265,13 +266,15 @@ class Verified:
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow],
-           drafts: Sequence[Sequence[int]]) -> list[Verified]:
+           drafts: Sequence[Sequence[int]],
+           allowed: Sequence[torch.Tensor | None] | None = None) -> list[Verified]:
     """Sample every request's rows in order and keep the longest agreeing prefix.
 
     ``logits`` holds ``1 + len(drafts[i])`` consecutive rows per request ``i``: row
     ``j`` predicts the token after its draft's first ``j`` tokens. ``rows[i]`` is
-    request ``i``'s sampling row for position 0 (its grammar mask, if any, applies
-    there; requests with a draft have none)."""
+    request ``i``'s sampling row for position 0; ``allowed[i]`` (a structured-output
+    request's) holds its grammar's mask for each of the ``1 + len(drafts[i])``
+    positions."""
     starts = [0]
     for d in drafts:
         starts.append(starts[-1] + 1 + len(d))
@@ -288,8 +291,10 @@ def verify(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow],
     alive = list(range(len(rows)))
     j = 0
     while alive:
-        at = [dataclasses.replace(rows[i], token_ids=[*rows[i].token_ids, *drafts[i][:j]])
-              if j else rows[i] for i in alive]
+        masks = [None if allowed is None else allowed[i] for i in alive]
+        at = [dataclasses.replace(rows[i], token_ids=[*rows[i].token_ids, *drafts[i][:j]],
+                                  allowed=None if mask is None else mask[j])
+              if j else rows[i] for i, mask in zip(alive, masks, strict=True)]
         sampled = sampler(logits[[starts[i] + j for i in alive]], at)
         still = []
         for i, t, lp in zip(alive, sampled.token_ids, sampled.logprobs, strict=True):

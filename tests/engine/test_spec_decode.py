@@ -5,6 +5,7 @@ without it (greedy, seeded sampling, stops, preemption, hand-off, tensor paralle
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -210,8 +211,7 @@ def test_preemption_and_tight_blocks_keep_output_and_free_everything(
     assert tight.stats().spec.num_accepted_tokens > 0  # type: ignore[union-attr]
 
 
-def test_no_speculation_over_the_batch_limit_or_with_a_grammar(
-        tiny_model: Callable[[str], Path]) -> None:
+def test_no_speculation_over_the_batch_limit(tiny_model: Callable[[str], Path]) -> None:
     path = tiny_model("llama-gqa")
     ps = copy_prompts(3, seed=2)
     eng = engine(path, spec={**NGRAM, "disable_by_batch_size": 2})
@@ -219,14 +219,56 @@ def test_no_speculation_over_the_batch_limit_or_with_a_grammar(
     assert eng.stats().spec.num_drafts == 0  # type: ignore[union-attr]
     _run(eng, ps[:1], GREEDY)
     assert eng.stats().spec.num_drafts > 0  # type: ignore[union-attr]
-    before = eng.stats().spec.num_drafts  # type: ignore[union-attr]
-    choice = SamplingParams(max_tokens=8, structured=StructuredOutput.regex("(ab){1,3}c"),
-                            ignore_eos=True)
-    eng.add_request("g", ps[0], choice)
-    assert eng.requests["g"].spec is None
+
+
+SENTENCES = StructuredOutput.regex(r"(the cat sat on the mat\. ){3,8}")
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_k": 20, "seed": 5}],
+                         ids=["greedy", "seeded"])
+def test_structured_outputs_speculate_within_their_grammar(
+        tiny_model: Callable[[str], Path], backend: str, sampling: dict[str, object]) -> None:
+    """A structured-output request speculates: its drafts are cut to what its grammar
+    allows, and each verified position is sampled under the grammar's mask after the
+    draft's tokens before it. The text repeats a sentence, so the n-gram proposer
+    drafts it and the drafts are accepted; the tokens are the unspeculated ones, and
+    the text is the grammar's."""
+    path = tiny_model("llama-gqa")
+    ps = copy_prompts(2, seed=4)
+    params = SamplingParams(max_tokens=60, structured=SENTENCES, **sampling)  # type: ignore[arg-type]
+    want = engine(path, backend, spec=None).generate(ps, params)
+    eng = engine(path, backend)
+    got = eng.generate(ps, params)
+    assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    for c in got:  # the grammar's text, or the start of it where max_tokens cut it
+        assert (re.fullmatch(r"(the cat sat on the mat\. ){3,8}", c.text) if c.finish_reason == "stop"
+                else ("the cat sat on the mat. " * 8).startswith(c.text)), (c.finish_reason, c.text)
+    stats = eng.stats().spec
+    assert stats is not None and stats.num_accepted_tokens > 0, stats
+    eng.check_integrity()
+    assert eng.pool.num_used == 0 and not eng.requests
+
+
+def test_a_draft_the_grammar_rejects_is_cut(tiny_model: Callable[[str], Path]) -> None:
+    """Drafts are cut at the first token the grammar does not allow: a proposer that
+    always guesses off-grammar tokens gets nothing verified for a structured request
+    (and the request's tokens are unchanged)."""
+    path = tiny_model("llama-gqa")
+    ps = copy_prompts(1, seed=4)
+    params = SamplingParams(max_tokens=30, structured=SENTENCES)
+    want = _run(engine(path, spec=None), ps, params)
+    eng = engine(path)
+    eng.add_request("g", ps[0], params)
+    req = eng.requests["g"]
+    assert req.spec is not None
+    off = eng.tokenizer.encode("0123")  # type: ignore[union-attr]
+    req.spec.proposer.propose = lambda tokens, k: off[:k]  # type: ignore[union-attr, method-assign]
+    tokens: list[int] = []
     while eng.has_unfinished():
-        eng.step()
-    assert eng.stats().spec.num_drafts == before  # type: ignore[union-attr]
+        for out in eng.step().outputs:
+            tokens.extend(out.new_token_ids)
+    assert tokens == want[0]
+    assert eng.stats().spec.num_drafts == 0  # type: ignore[union-attr]
 
 
 def test_decode_worker_speculates_from_its_first_step(tiny_model: Callable[[str], Path]) -> None:
