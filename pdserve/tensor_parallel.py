@@ -101,7 +101,8 @@ def _follower_main(model_dir: str, config: EngineConfig, rank: int, size: int, h
     group = TPGroup(rank, size, host, port, torch.device(config.device))
     group.peer_gone = lambda: None if os.getppid() == leader else "the leader (rank 0) died"
     try:
-        engine = LLMEngine(model_dir, config, load_tokenizer=False, tp=group)
+        # (its tokenizer too: the end tokens it stops on must be rank 0's)
+        engine = LLMEngine(model_dir, config, tp=group)
     except Exception as exc:
         group.store.set(f"ready/{rank}", f"error: {type(exc).__name__}: {exc}")
         raise

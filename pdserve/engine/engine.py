@@ -198,9 +198,7 @@ class LLMEngine:
         if self.tp is None or self.tp.rank == 0:  # rank 0 samples for every rank
             req.grammar = self.grammars.matcher(params, req.prompt_token_ids)
         req.generator = make_generator(params, self.config.device)
-        # (a grammar lives on rank 0 only: its drafts, cut to what it allows, would not
-        # be the other ranks')
-        if self.spec_config is not None and (params.structured is None or self.tp is None):
+        if self.spec_config is not None:
             req.spec = SpecState.of(self.spec_config, self.suffix_cache)
         skip_draws(params, req.generator, params.resumed_tokens)
         self._stops[request_id] = StopChecker(params, self.eos_token_ids)
@@ -403,7 +401,6 @@ class LLMEngine:
             room = req.params.max_tokens - req.num_output_tokens - 1
             if self.draft_model_id is None:
                 req.spec_token_ids = req.spec.propose(req.token_ids, room)
-                self._within_grammar(req)
                 continue
             req.spec_token_ids = []
             k = req.spec.draft_length(room)
@@ -418,14 +415,25 @@ class LLMEngine:
             assert drafts is not None
             for (req, _), draft in zip(drafting, drafts, strict=True):
                 req.spec_token_ids = draft
-                self._within_grammar(req)
+        self._within_grammars()
 
-    @staticmethod
-    def _within_grammar(req: Request) -> None:
-        """Cut a structured-output request's draft at the first token its grammar does
-        not allow there (verification could never accept it or what follows)."""
-        if req.grammar is not None and req.spec_token_ids:
-            del req.spec_token_ids[req.grammar.validate_tokens(req.spec_token_ids):]
+    def _within_grammars(self) -> None:
+        """Cut each structured-output request's draft at the first token its grammar
+        does not allow there (verification could never accept it or what follows).
+        Under tensor parallelism the grammars are rank 0's: it tells the others where."""
+        cut = [req for req in self.scheduler.running
+               if req.params.structured is not None and req.spec_token_ids]
+        if not cut:
+            return
+        lengths = None
+        if self.tp is None or self.tp.rank == 0:
+            lengths = [req.grammar.validate_tokens(req.spec_token_ids)  # type: ignore[union-attr]
+                       for req in cut]
+        if self.tp is not None:
+            lengths = self.tp.broadcast_ints(lengths, len(cut))
+        assert lengths is not None
+        for req, n in zip(cut, lengths, strict=True):
+            del req.spec_token_ids[n:]
 
     def _share_drafts(self, drafting: list[tuple[Request, int]],
                       drafts: list[list[int]] | None) -> list[list[int]]:

@@ -42,7 +42,7 @@ an engine with more running requests than ``disable_by_batch_size`` does not
 speculate at all (its batch is compute-bound: verification would cost more than it
 saves). A structured-output request's draft is cut where its grammar stops allowing
 it, and each verified position is sampled under the grammar's mask after the draft's
-tokens before it (the runner computes those masks); not under tensor parallelism.
+tokens before it (the runner computes those masks).
 """
 
 from __future__ import annotations

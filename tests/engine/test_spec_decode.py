@@ -249,6 +249,27 @@ def test_structured_outputs_speculate_within_their_grammar(
     assert eng.pool.num_used == 0 and not eng.requests
 
 
+def test_structured_outputs_speculate_under_tensor_parallelism(
+        tiny_model: Callable[[str], Path]) -> None:
+    """Two ranks: the grammar is rank 0's, which tells rank 1 where each draft is cut,
+    so both verify the same rows and stay in step."""
+    path = tiny_model("llama-gqa")
+    ps = copy_prompts(2, seed=4)
+    params = SamplingParams(max_tokens=40, structured=SENTENCES)
+    want = _run(engine(path, "torch", spec=None), ps, params)
+    eng = create_engine(path, EngineConfig(
+        num_blocks=128, attention_backend="torch", linear_backend="torch", num_threads=1,
+        tensor_parallel_size=2, speculative_config=NGRAM))  # type: ignore[arg-type]
+    try:
+        assert _run(eng, ps, params) == want
+        assert eng.stats().spec.num_accepted_tokens > 0  # type: ignore[union-attr]
+        eng.add_request("after", ps[0], SamplingParams(max_tokens=3))  # ranks still in step
+        while eng.has_unfinished():
+            eng.step()
+    finally:
+        eng.close()
+
+
 def test_a_draft_the_grammar_rejects_is_cut(tiny_model: Callable[[str], Path]) -> None:
     """Drafts are cut at the first token the grammar does not allow: a proposer that
     always guesses off-grammar tokens gets nothing verified for a structured request

@@ -131,6 +131,25 @@ def test_default_model_fp32_two_ranks_equal_one(default_model_dir: Path) -> None
         generate(default_model_dir, 1, prompts=prompts)
 
 
+def test_ranks_stop_alike_on_every_end_token(tiny_model: Callable[[str], Path]) -> None:
+    """The tiny model's ends: config.json's 2, and 0 and <|im_end|> from its generation
+    config and tokenizer. A request that samples 0 stops on every rank (a follower
+    that knew only config.json's ends ran on alone, and the next step's collectives
+    no longer matched), and the ranks stay in step."""
+    model = tiny_model("llama-gqa")
+    eng = create_engine(model, EngineConfig(
+        num_blocks=64, attention_backend="torch", linear_backend="torch", num_threads=1,
+        tensor_parallel_size=2))
+    try:
+        ends = SamplingParams(max_tokens=20, min_tokens=3, logit_bias={0: 100.0})
+        out = eng.generate([[5, 6, 7], [8, 9, 10, 11]], [ends, SamplingParams(max_tokens=12)])
+        assert out[0].token_ids[-1] == 0 and len(out[0].token_ids) == 4
+        assert out[0].finish_reason == "stop" and len(out[1].token_ids) == 12
+        eng.generate([[5, 6, 7]], SamplingParams(max_tokens=3))  # ranks still in step
+    finally:
+        eng.close()
+
+
 def test_a_dead_rank_fails_the_engine(tiny_model: Callable[[str], Path]) -> None:
     engine = create_engine(tiny_model("llama-gqa"), EngineConfig(
         num_blocks=64, num_threads=1, tensor_parallel_size=2))
