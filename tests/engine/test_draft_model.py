@@ -17,14 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine.config import EngineConfig, SpeculativeConfig
+from pdserve.engine.config import SpeculativeConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.tensor_parallel import create_engine
 from tests.engine.handoff import decode_to_end, disaggregate
-from tests.engine.test_spec_decode import GREEDY, _run, copy_prompts, engine
+from tests.engine.test_spec_decode import GREEDY, _run, copy_prompts, engine, tp_engine
 from tests.engine.test_spec_decode import backend as backend
 
 
@@ -141,10 +140,7 @@ def test_a_draft_model_under_tensor_parallelism(tiny_model: Callable[[str], Path
     path = tiny_model("llama-gqa")
     ps = copy_prompts(2, seed=14)
     seeded = [SamplingParams(**SAMPLED, seed=s) for s in (4, 5)]  # type: ignore[arg-type]
-    eng = create_engine(path, EngineConfig(
-        num_blocks=128, attention_backend="torch", linear_backend="torch", num_threads=1,
-        tensor_parallel_size=2, speculative_config=draft(path)))  # type: ignore[arg-type]
-    try:
+    with tp_engine(path, draft(path)) as eng:
         assert eng.draft is not None
         for params in (GREEDY, seeded):
             want = _run(engine(path, "torch", spec=None), ps, params)
@@ -152,11 +148,6 @@ def test_a_draft_model_under_tensor_parallelism(tiny_model: Callable[[str], Path
         stats = eng.stats().spec
         assert stats is not None and stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens
         drained(eng)
-        eng.add_request("after", ps[0], SamplingParams(max_tokens=3))  # ranks still in step
-        while eng.has_unfinished():
-            eng.step()
-    finally:
-        eng.close()
 
 
 def test_every_draft_is_the_draft_models_own_greedy_continuation(

@@ -4,10 +4,11 @@ without it (greedy, seeded sampling, stops, preemption, hand-off, tensor paralle
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,22 @@ def engine(path: Path, backend: str = "cpu", spec: dict[str, object] | None = NG
     cfg = {"num_blocks": 256, "attention_backend": backend, "linear_backend": backend,
            "speculative_config": spec, **kw}
     return LLMEngine(path, EngineConfig(**cfg))  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def tp_engine(path: Path, spec: dict[str, object]) -> Iterator[LLMEngine]:
+    """A two-rank engine (torch kernels) speculating with ``spec``; on leaving, one
+    more request checks that the ranks are still in step, then it closes."""
+    eng = create_engine(path, EngineConfig(
+        num_blocks=128, attention_backend="torch", linear_backend="torch", num_threads=1,
+        tensor_parallel_size=2, speculative_config=spec))  # type: ignore[arg-type]
+    try:
+        yield eng
+        eng.add_request("after", [5, 6, 7], SamplingParams(max_tokens=3))
+        while eng.has_unfinished():
+            eng.step()
+    finally:
+        eng.close()
 
 
 def copy_prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -257,17 +274,9 @@ def test_structured_outputs_speculate_under_tensor_parallelism(
     ps = copy_prompts(2, seed=4)
     params = SamplingParams(max_tokens=40, structured=SENTENCES)
     want = _run(engine(path, "torch", spec=None), ps, params)
-    eng = create_engine(path, EngineConfig(
-        num_blocks=128, attention_backend="torch", linear_backend="torch", num_threads=1,
-        tensor_parallel_size=2, speculative_config=NGRAM))  # type: ignore[arg-type]
-    try:
+    with tp_engine(path, NGRAM) as eng:
         assert _run(eng, ps, params) == want
         assert eng.stats().spec.num_accepted_tokens > 0  # type: ignore[union-attr]
-        eng.add_request("after", ps[0], SamplingParams(max_tokens=3))  # ranks still in step
-        while eng.has_unfinished():
-            eng.step()
-    finally:
-        eng.close()
 
 
 def test_a_draft_the_grammar_rejects_is_cut(tiny_model: Callable[[str], Path]) -> None:
@@ -311,17 +320,9 @@ def test_tensor_parallel_ranks_agree_on_drafts(tiny_model: Callable[[str], Path]
     path = tiny_model("llama-gqa")
     ps = copy_prompts(2, seed=13)
     want = _run(engine(path, backend="torch", spec=None), ps, GREEDY)
-    eng = create_engine(path, EngineConfig(
-        num_blocks=128, attention_backend="torch", linear_backend="torch", num_threads=1,
-        tensor_parallel_size=2, speculative_config=NGRAM))  # type: ignore[arg-type]
-    try:
+    with tp_engine(path, NGRAM) as eng:
         assert _run(eng, ps, GREEDY) == want
         assert eng.stats().spec.num_accepted_tokens > 0  # type: ignore[union-attr]
-        eng.add_request("after", ps[0], SamplingParams(max_tokens=3))  # ranks still in step
-        while eng.has_unfinished():
-            eng.step()
-    finally:
-        eng.close()
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
