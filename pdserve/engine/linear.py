@@ -145,8 +145,12 @@ class Linear(nn.Module):
             return
         if w8a8:
             w8 = quantize_w8(self.weight.data)
-            self.kernel = (CpuW8A8(w8, self.bias, int_family) if cpu
-                           else TorchW8A8(w8, self.bias))
+            if cpu:
+                w8k = CpuW8A8(w8, self.bias, int_family)
+                self.kernel = w8k
+                self.fused_silu_mul = w8k.silu_mul if w8k.fuses_silu_mul else None
+            else:
+                self.kernel = TorchW8A8(w8, self.bias)
         elif cpu:
             dense = CpuDense(self.weight.data, self.bias, backend.removeprefix("cpu-"))
             self.kernel = dense
@@ -230,6 +234,17 @@ class CpuW8A8:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.k.w8a8_gemm(x, self.packed, self.scale, self.colsum, self.family, self.bias)
+
+    @property
+    def fuses_silu_mul(self) -> bool:
+        """The amx family writes silu(gate) * up itself (csrc/amx.cpp), for gates and
+        ups of whole 64-output groups."""
+        return self.family == INT_FAMILIES["amx"] and self.scale.numel() % 128 == 0
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this gate/up layer's [gate | up] output, [M, out / 2]."""
+        return self.k.w8a8_gemm_silu_mul(x, self.packed, self.scale, self.colsum, self.family,
+                                         self.bias)
 
 
 class TorchW8A8:

@@ -240,6 +240,36 @@ def test_w8a8_families_agree_bit_for_bit(n: int, k: int) -> None:
         assert torch.equal(out, outs[0])
 
 
+@pytest.mark.parametrize(("m", "k"), [(1, 96), (5, 576), (16, 96), (131, 576), (1100, 576)])
+def test_w8a8_fused_silu_mul_is_gemm_then_silu_mul_bit_for_bit(m: int, k: int) -> None:
+    # amx's gate/up layer writes silu(gate) * up itself: the same bits as its gemm then
+    # the pointwise silu_mul (groups of 32 and 64 inputs; a last tile of fewer rows;
+    # more than one 128-row chunk)
+    int_runnable("amx")
+    kk = kernels.require()
+    g = torch.Generator().manual_seed(m + k)
+    i = 192
+    lin = CpuW8A8(quant.quantize_w8(torch.randn(2 * i, k, generator=g)),
+                  torch.randn(2 * i, generator=g), "amx")
+    assert lin.fuses_silu_mul
+    x = torch.randn(m, k, generator=g) * 3
+    assert torch.equal(lin.silu_mul(x), kk.silu_mul(lin(x)))
+
+
+def test_w8a8_fuses_silu_mul_on_amx_of_whole_groups_only() -> None:
+    w8 = quant.quantize_w8(torch.randn(2 * 96, 64))
+    for family in int_families():
+        assert CpuW8A8(w8, None, family).fuses_silu_mul is False  # 96 gates: not whole groups
+        lin = CpuW8A8(quant.quantize_w8(torch.randn(256, 64)), None, family)
+        assert lin.fuses_silu_mul == (family == "amx")
+        if family != "amx":
+            with pytest.raises(RuntimeError, match="W8A8 amx family only"):
+                lin.silu_mul(torch.randn(2, 64))
+    if "amx" in int_families():
+        with pytest.raises(RuntimeError, match="multiple of 64"):
+            CpuW8A8(w8, None, "amx").silu_mul(torch.randn(2, 64))
+
+
 def test_w8a8_groups_agree_with_the_reference() -> None:
     k = kernels.require()
     for width in (576, 1536, 96, 80, 48, 16):

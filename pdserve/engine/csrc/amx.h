@@ -32,6 +32,11 @@ void amx_gemm_silu_mul(const bf16_t* x, int64_t M, int64_t K, const bf16_t* P, f
 void amx_w8a8(const int8_t* qx, int64_t M, int64_t K, int64_t G, const int8_t* P,
               int64_t n_pad, const float* sx, const float* sw, const float* bias, float* y,
               int64_t N);
+// silu(gate) * up from a fused gate/up W8A8 weight packed like amx_w8a8's (2I
+// outputs: I gates, then their ups; I a multiple of 64) -> y float32 [M, I].
+void amx_w8a8_silu_mul(const int8_t* qx, int64_t M, int64_t K, int64_t G, const int8_t* P,
+                       const float* sx, const float* sw, const float* bias, float* y,
+                       int64_t I);
 // Peak loops (operations of `iters` steps): TDPBF16PS, TDPBSSD.
 double amx_peak_loop(int64_t iters);
 double amx_int8_peak_loop(int64_t iters);

@@ -14,6 +14,8 @@ int64_t w8a8_group(int64_t);
 double w8a8_peak(int64_t);
 at::Tensor w8a8_gemm(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                      const c10::optional<at::Tensor>&);
+at::Tensor w8a8_gemm_silu_mul(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                              const at::Tensor&, int64_t, const c10::optional<at::Tensor>&);
 at::Tensor gemm(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const c10::optional<at::Tensor>&);
 at::Tensor gemm_silu_mul(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
                          const c10::optional<at::Tensor>&);
@@ -58,6 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_ready", &pdk::amx_ready);
   m.def("pack_w8", &pdk::pack_w8, nogil);
   m.def("w8a8_gemm", &pdk::w8a8_gemm, nogil);
+  m.def("w8a8_gemm_silu_mul", &pdk::w8a8_gemm_silu_mul, nogil);
   m.def("w8a8_group", &pdk::w8a8_group);
   m.def("w8a8_peak", &pdk::w8a8_peak, nogil);
   m.def("paged_attention", &pdk::paged_attention, nogil);

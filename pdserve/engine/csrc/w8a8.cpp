@@ -43,6 +43,8 @@
 
 namespace pdk {
 
+at::Tensor silu_mul(const at::Tensor& gate_up);  // pointwise.cpp
+
 namespace {
 
 enum W8Family : int64_t { kW8Avx2 = 0, kW8Vnni = 1, kW8Amx = 2 };
@@ -316,11 +318,18 @@ int64_t w8a8_group(int64_t K) {
   TORCH_CHECK(false, "W8A8: K must be a multiple of 16, got ", K);
 }
 
-// y = x @ (sw * qw)^T (+ bias), x quantized per row and group; packed by pack_w8 for
-// `family`; colsum[g][n] = sum over group g of qw[n, k] (int32; used by avx512vnni).
-at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sw,
-                     const at::Tensor& colsum, int64_t family,
-                     const c10::optional<at::Tensor>& bias) {
+namespace {
+
+// x quantized per row and group for `family`'s kernel: qx, its scales and G.
+struct QuantizedX {
+  at::Tensor q;  // avx2, amx: int8 qx; avx512vnni: qx + 128 (64-byte aligned rows'
+                 // start: a 64-byte group is then one cache line, amx's tile rows)
+  std::vector<float> sx;  // [M, K / G]
+  int64_t G;
+};
+
+QuantizedX quantized_x(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sw,
+                       const at::Tensor& colsum, int64_t family) {
   TORCH_CHECK(known(family), "unknown W8A8 family ", family);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
@@ -334,42 +343,78 @@ at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   TORCH_CHECK(packed.scalar_type() == at::kChar && packed.dim() == 1 && packed.is_contiguous() &&
                   packed.numel() == n_pad * K,
               "the packed weight must be pack_w8's of a [", N, ", ", K, "] weight");
-  const float* b = bias_ptr(bias, N);
-  auto y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  std::vector<float> sx(M * ng);
+  QuantizedX q{at::empty({M * K}, x.options().dtype(at::kByte)), std::vector<float>(M * ng), G};
+  quantize_rows(x.data_ptr<float>(), M, K, G,
+                family == kW8Vnni ? QxForm::kU8Offset : QxForm::kS8, q.q.data_ptr<uint8_t>(),
+                q.sx.data());
+  return q;
+}
+
+}  // namespace
+
+// y = x @ (sw * qw)^T (+ bias), x quantized per row and group; packed by pack_w8 for
+// `family`; colsum[g][n] = sum over group g of qw[n, k] (int32; used by avx512vnni).
+at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sw,
+                     const at::Tensor& colsum, int64_t family,
+                     const c10::optional<at::Tensor>& bias) {
   // Every family gives the same bits, so amx hands a few rows (decode) to avx512vnni,
   // which is faster there (one 64-deep step per tile leaves little to amortise the
   // tiles' loads and stores over: 1 row ~0.5x, 6 rows ~1.7x vnni's speed).
-  if (family == kW8Amx && M < kAmxMinRows) family = kW8Vnni;
-  std::vector<uint8_t> q8(M * K);  // avx2, amx: int8 qx; avx512vnni: qx + 128
-  quantize_rows(x.data_ptr<float>(), M, K, G,
-                family == kW8Vnni ? QxForm::kU8Offset : QxForm::kS8, q8.data(), sx.data());
+  if (family == kW8Amx && x.dim() == 2 && x.size(0) < kAmxMinRows) family = kW8Vnni;
+  const QuantizedX q = quantized_x(x, packed, sw, colsum, family);
+  const int64_t M = x.size(0), K = x.size(1), N = sw.numel(), n_pad = padded16(N);
+  const int64_t G = q.G, ng = K / G;
+  const float* b = bias_ptr(bias, N);
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const uint8_t* q8 = q.q.data_ptr<uint8_t>();
   const int8_t* P = packed.data_ptr<int8_t>();
   const float* swp = sw.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   if (family == kW8Amx) {
-    amx_w8a8(reinterpret_cast<const int8_t*>(q8.data()), M, K, G, P, n_pad, sx.data(), swp, b,
-             yp, N);
+    amx_w8a8(reinterpret_cast<const int8_t*>(q8), M, K, G, P, n_pad, q.sx.data(), swp, b, yp, N);
     return y;
   }
   const int64_t group = group_of(family), groups = (n_pad + group - 1) / group;
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t m0 = 0; m0 < M; m0 += kChunkM) {
       const int64_t mm = std::min(kChunkM, M - m0);
-      const float* sxm = sx.data() + m0 * ng;
+      const float* sxm = q.sx.data() + m0 * ng;
       if (family == kW8Vnni) {
-        vnni_groups(q8.data() + m0 * K, mm, K, G, P, n_pad, sxm, swp,
-                    colsum.data_ptr<int32_t>(), b, yp + m0 * N, N, g0, g1);
+        vnni_groups(q8 + m0 * K, mm, K, G, P, n_pad, sxm, swp, colsum.data_ptr<int32_t>(), b,
+                    yp + m0 * N, N, g0, g1);
         continue;
       }
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t n0 = g * kAvx2Group, width = std::min(kAvx2Group, n_pad - n0);
-        const auto* xr = reinterpret_cast<const int8_t*>(q8.data() + m0 * K);
+        const auto* xr = reinterpret_cast<const int8_t*>(q8 + m0 * K);
         avx2_group(xr, mm, K, G, P + n0 * K, width, sxm, swp, b, yp + m0 * N, N, n0);
       }
     }
   });
+  return y;
+}
+
+// silu(gate) * up from a fused gate/up W8A8 weight (N = 2I outputs: I gates, then
+// their ups; I a multiple of 64) on the amx family -> [M, I], the same bits as
+// w8a8_gemm then pointwise.cpp's silu_mul.
+at::Tensor w8a8_gemm_silu_mul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sw,
+                              const at::Tensor& colsum, int64_t family,
+                              const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(family == kW8Amx, "silu_mul is fused into the W8A8 amx family only");
+  TORCH_CHECK(sw.numel() % 128 == 0, "a fused silu_mul needs 2 x a multiple of 64 outputs, got ",
+              sw.numel());
+  // a few rows: w8a8_gemm hands them to avx512vnni (the same bits)
+  if (x.dim() == 2 && x.size(0) < kAmxMinRows)
+    return silu_mul(w8a8_gemm(x, packed, sw, colsum, family, bias));
+  const QuantizedX q = quantized_x(x, packed, sw, colsum, family);
+  const int64_t M = x.size(0), K = x.size(1), N = sw.numel(), I = N / 2;
+  const float* b = bias_ptr(bias, N);
+  auto y = at::empty({M, I}, x.options());
+  if (M == 0) return y;
+  amx_w8a8_silu_mul(reinterpret_cast<const int8_t*>(q.q.data_ptr<uint8_t>()), M, K, q.G,
+                    packed.data_ptr<int8_t>(), q.sx.data(), sw.data_ptr<float>(), b,
+                    y.data_ptr<float>(), I);
   return y;
 }
 
