@@ -108,6 +108,10 @@ class LinearKernel(Protocol):
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
+class SiluMulKernel(Protocol):
+    def __call__(self, x: torch.Tensor, bf16_out: bool) -> torch.Tensor: ...
+
+
 class Linear(nn.Module):
     """y = x @ weight.T + bias, weight [out, in] as checkpoints store it."""
 
@@ -120,7 +124,11 @@ class Linear(nn.Module):
         self.kernel: LinearKernel | None = None  # None: the reference F.linear
         # silu(gate) * up of this (fused gate/up) layer's output in one kernel, where
         # its kernel family fuses it (CpuDense.silu_mul); else None (see silu_mul)
-        self.fused_silu_mul: LinearKernel | None = None
+        self.fused_silu_mul: SiluMulKernel | None = None
+        # whether the kernel rounds its input to bfloat16 itself (the avx512bf16 and amx
+        # families): a producer may hand it bfloat16 rows, rounded as the kernel would
+        # (to_bf16), the same bits at half the bytes
+        self.takes_bf16 = False
         self.qweight: QuantizedWeight | None = None
 
     def quantize(self, qweight: QuantizedWeight) -> None:
@@ -138,6 +146,7 @@ class Linear(nn.Module):
         weight."""
         cpu = backend.startswith("cpu-")
         self.fused_silu_mul = None
+        self.takes_bf16 = False
         if self.qweight is not None:
             self.kernel = (CpuQuantized(self.qweight, self.bias, int_family) if cpu
                            else TorchQuantized(self.qweight, self.bias))
@@ -155,6 +164,7 @@ class Linear(nn.Module):
             dense = CpuDense(self.weight.data, self.bias, backend.removeprefix("cpu-"))
             self.kernel = dense
             self.fused_silu_mul = dense.silu_mul if dense.fuses_silu_mul else None
+            self.takes_bf16 = dense.rounds_x
         else:
             self.kernel = None
             return
@@ -165,11 +175,13 @@ class Linear(nn.Module):
             return self.kernel(x)
         return F.linear(x, self.weight, self.bias)
 
-    def silu_mul(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+    def silu_mul(self, x: torch.Tensor, ops: LayerOps, bf16_out: bool = False) -> torch.Tensor:
         """``ops.silu_mul`` of this gate/up projection's output ([gate | up]): in the
-        GEMM's epilogue where the kernel family fuses it, the same bits either way."""
+        GEMM's epilogue where the kernel family fuses it, the same bits either way;
+        ``bf16_out``: in bfloat16 where the fused epilogue can (for a layer that
+        ``takes_bf16``), else float32."""
         if self.fused_silu_mul is not None:
-            return self.fused_silu_mul(x)
+            return self.fused_silu_mul(x, bf16_out)
         return ops.silu_mul(self(x))
 
     # Called ~120 times per decode step: skip nn.Module's hook machinery (~2 us a call).
@@ -191,15 +203,22 @@ class CpuDense:
         return self.k.gemm(x, self.packed, self.out_features, self.family, self.bias)
 
     @property
+    def rounds_x(self) -> bool:
+        """The avx512bf16 and amx families round x to bfloat16 first (so take it in
+        bfloat16 too)."""
+        return self.family in (FAMILIES["avx512bf16"], FAMILIES["amx"])
+
+    @property
     def fuses_silu_mul(self) -> bool:
         """The avx512bf16 and amx families write silu(gate) * up themselves
         (csrc/gemm.cpp, csrc/amx.cpp), for gates and ups of whole 64-output groups."""
-        return (self.family in (FAMILIES["avx512bf16"], FAMILIES["amx"])
-                and self.out_features % 128 == 0)
+        return self.rounds_x and self.out_features % 128 == 0
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of this gate/up layer's [gate | up] output, [M, out / 2]."""
-        return self.k.gemm_silu_mul(x, self.packed, self.out_features, self.family, self.bias)
+    def silu_mul(self, x: torch.Tensor, bf16_out: bool = False) -> torch.Tensor:
+        """silu(gate) * up of this gate/up layer's [gate | up] output, [M, out / 2]
+        (bf16_out: rounded to bfloat16 as ``to_bf16`` rounds)."""
+        return self.k.gemm_silu_mul(x, self.packed, self.out_features, self.family, self.bias,
+                                    bf16_out)
 
 
 class CpuQuantized:
@@ -241,8 +260,10 @@ class CpuW8A8:
         ups of whole 64-output groups."""
         return self.family == INT_FAMILIES["amx"] and self.scale.numel() % 128 == 0
 
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of this gate/up layer's [gate | up] output, [M, out / 2]."""
+    def silu_mul(self, x: torch.Tensor, bf16_out: bool = False) -> torch.Tensor:
+        """silu(gate) * up of this gate/up layer's [gate | up] output, [M, out / 2],
+        float32 (``bf16_out`` is for the bf16 families; W8A8's next layer quantizes
+        float32)."""
         return self.k.w8a8_gemm_silu_mul(x, self.packed, self.scale, self.colsum, self.family,
                                          self.bias)
 
@@ -309,10 +330,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LayerOps(Protocol):
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+    """The decoder layer's pointwise ops. ``bf16_out``: the normed rows go to a layer
+    that ``takes_bf16``; an implementation may return them rounded to bfloat16."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 bf16_out: bool = False) -> torch.Tensor: ...
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float, bf16_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """residual + x, and its RMSNorm: (normed, new residual)."""
         ...
 
@@ -322,11 +347,12 @@ class LayerOps(Protocol):
 class TorchOps:
     """Reference: plain torch, activations in the model's dtype."""
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 bf16_out: bool = False) -> torch.Tensor:
         return rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     eps: float, bf16_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         residual = residual + x
         return rms_norm(residual, weight, eps), residual
 
@@ -336,17 +362,19 @@ class TorchOps:
 
 
 class CpuOps:
-    """The fused kernels; float32 activations, the residual updated in place."""
+    """The fused kernels; float32 activations (a norm's output in bfloat16 on request),
+    the residual updated in place."""
 
     def __init__(self) -> None:
         self.k = kernels.require()
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return self.k.rms_norm(x, weight, eps)
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 bf16_out: bool = False) -> torch.Tensor:
+        return self.k.rms_norm(x, weight, eps, bf16_out)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k.add_rms_norm(x, residual, weight, eps), residual
+                     eps: float, bf16_out: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k.add_rms_norm(x, residual, weight, eps, bf16_out), residual
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.k.silu_mul(gate_up)

@@ -82,14 +82,17 @@ class LlamaModel(nn.Module):
         eps, ops = self.cfg.rms_norm_eps, self.ops
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         residual = self._embed(input_ids)
-        x = ops.rms_norm(residual, layers[0].input_norm, eps)
+        # Rows bound for a layer that takes_bf16 are handed over in bfloat16, rounded as
+        # that layer would round them: the same bits, half the bytes, no rounding pass.
+        x = ops.rms_norm(residual, layers[0].input_norm, eps, layers[0].qkv.takes_bf16)
         for i, layer in enumerate(layers):
             o = self.attn(layer.qkv(x), kv_cache, i, meta)
             x, residual = ops.add_rms_norm(self._reduce(layer.o(o)), residual,
-                                           layer.post_attn_norm, eps)
-            d = self._reduce(layer.down(layer.gate_up.silu_mul(x, ops)))
+                                           layer.post_attn_norm, eps, layer.gate_up.takes_bf16)
+            d = self._reduce(layer.down(layer.gate_up.silu_mul(x, ops, layer.down.takes_bf16)))
             if i + 1 < len(layers):
-                x, residual = ops.add_rms_norm(d, residual, layers[i + 1].input_norm, eps)
+                x, residual = ops.add_rms_norm(d, residual, layers[i + 1].input_norm, eps,
+                                               layers[i + 1].qkv.takes_bf16)
             else:
                 residual = residual + d
         return ops.rms_norm(residual[rows].contiguous(), self.norm, eps)

@@ -13,7 +13,7 @@ from pdserve.engine import kernels
 from pdserve.engine.attention import attention_families
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.linear import FAMILIES, cpu_families
+from pdserve.engine.linear import FAMILIES, Linear, cpu_families
 from pdserve.engine.sampling_params import SamplingParams
 from tests.engine.handoff import hand_off
 
@@ -131,11 +131,37 @@ def test_fused_silu_mul_changes_no_token(tiny_model: Callable[[str], Path], fami
         kernel = layer.gate_up.fused_silu_mul  # type: ignore[union-attr]
         assert kernel is not None
         layer.gate_up.fused_silu_mul = (  # type: ignore[union-attr]
-            lambda x, kernel=kernel: calls.append(len(x)) or kernel(x))
+            lambda x, bf16_out, kernel=kernel: calls.append(len(x)) or kernel(x, bf16_out))
     ps = prompts(6, [5, 30, 64], fused.model_config.vocab_size, seed=8)
     assert [o.token_ids for o in fused.generate(ps, GREEDY48)] == \
         [o.token_ids for o in plain.generate(ps, GREEDY48)]
     assert calls  # the model went through the fused kernel
+
+
+@pytest.mark.parametrize("family", ["avx512bf16", "amx"])
+def test_bf16_handover_changes_no_logprob(tiny_model: Callable[[str], Path], family: str) -> None:
+    """The norms and the fused gate/up hand these families' layers their inputs in
+    bfloat16, rounded as the layers round them: tokens and logprobs equal an engine's
+    that hands over float32 rows."""
+    if family not in cpu_families(torch.bfloat16):
+        pytest.skip(f"this CPU does not run the {family} family")
+    path = tiny_model("llama-gqa")
+    bf16, f32 = (engine(path, "cpu", dtype="bfloat16", linear_backend=f"cpu-{family}")
+                 for _ in range(2))
+    for m in f32.model.modules():
+        if isinstance(m, Linear):
+            m.takes_bf16 = False
+    seen: set[torch.dtype] = set()
+    for layer in bf16.model.layers:
+        for lin in (layer.qkv, layer.down):  # type: ignore[union-attr]
+            assert lin.takes_bf16
+            lin.kernel = (lambda x, kernel=lin.kernel: seen.add(x.dtype) or kernel(x))
+    ps = prompts(6, [5, 30, 64], bf16.model_config.vocab_size, seed=9)
+    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2)
+    got, want = bf16.generate(ps, params), f32.generate(ps, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.logprobs for o in got] == [o.logprobs for o in want]
+    assert seen == {torch.bfloat16}
 
 
 def test_attention_backend_resolves_to_a_family_for_the_cache(

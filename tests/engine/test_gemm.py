@@ -136,6 +136,27 @@ def test_fused_silu_mul_is_gemm_then_silu_mul_bit_for_bit(family: str, m: int) -
     assert torch.equal(lin.silu_mul(x), k.silu_mul(lin(x)))
 
 
+@pytest.mark.parametrize("family", ["avx512bf16", "amx"])
+def test_bf16_families_take_bfloat16_x_and_give_bfloat16_silu_mul(family: str) -> None:
+    # x handed over in bfloat16 (a producer's to_bf16) gives the bits of x in float32;
+    # bf16_out rounds the fused silu_mul's float32 result as those families round x
+    runnable(family, torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    i, d = 192, 576
+    lin = CpuDense((torch.randn(2 * i, d, generator=g) * 0.05).bfloat16(),
+                   torch.randn(2 * i, generator=g), family)
+    for m in (1, 5, 37, 300):
+        x = torch.randn(m, d, generator=g)
+        assert torch.equal(lin(x.bfloat16()), lin(x))
+        out = lin.silu_mul(x, bf16_out=True)
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, lin.silu_mul(x).bfloat16())
+        assert torch.equal(lin.silu_mul(x.bfloat16(), bf16_out=True), out)
+    avx2 = CpuDense(torch.randn(32, 64).bfloat16(), None, "avx2")
+    with pytest.raises(RuntimeError, match="float32"):
+        avx2(torch.randn(2, 64).bfloat16())  # float32 FMA: x must stay float32
+
+
 def test_bf16_families_fuse_silu_mul_of_whole_groups_only() -> None:
     k = kernels.require()
     w = torch.randn(2 * 96, 64).bfloat16()

@@ -83,6 +83,22 @@ def test_rms_norm_and_fused_residual(k, wdtype: torch.dtype) -> None:  # type: i
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif("avx512_bf16" not in kernels.cpu_flags(), reason="needs AVX512-BF16")
+def test_norms_give_bfloat16_rows_rounded_as_the_bf16_gemms_round(k) -> None:  # type: ignore[no-untyped-def]
+    # bf16_out: the float32 result rounded to nearest even (for normal values, as
+    # torch rounds); the residual is updated as before
+    g = torch.Generator().manual_seed(2)
+    x, res = torch.randn(9, 576, generator=g), torch.randn(9, 576, generator=g)
+    w = torch.randn(576, generator=g).bfloat16()
+    out = k.rms_norm(x, w, 1e-5, True)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, k.rms_norm(x, w, 1e-5).bfloat16())
+    res2 = res.clone()
+    want = k.add_rms_norm(x, res2, w, 1e-5)
+    out = k.add_rms_norm(x, res, w, 1e-5, True)
+    assert torch.equal(out, want.bfloat16()) and torch.equal(res, res2)
+
+
 def test_silu_mul(k) -> None:  # type: ignore[no-untyped-def]
     gu = torch.randn(7, 2 * 48) * 4
     gate, up = gu.chunk(2, dim=-1)

@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "amx.h"
@@ -48,7 +49,7 @@ void require_tiles() {
 }  // namespace
 
 #pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512dq")
+#pragma GCC target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 
 void amx_configure(int64_t rows, int64_t a_bytes, int64_t b_rows, int64_t tail_bytes) {
   struct alignas(64) TileConfig {
@@ -168,6 +169,7 @@ inline void store16(float* dst, __m512 v, __mmask16 mask, bool stream) {
   else
     _mm512_mask_storeu_ps(dst, mask, v);
 }
+inline void store16(bf16_t* dst, __m512 v, __mmask16 mask, bool) { store16_bf16(dst, v, mask); }
 
 // `rows` rows of x times one group of NP blocks -> y[:, n0 ..] (+ bias).
 template <int NP>
@@ -210,8 +212,9 @@ void tile_group_2x2(const bf16_t* x, int64_t K, const bf16_t* P, float* y, int64
 // y[:, n0 ..] = silu(x Wg^T + bg) * (x Wu^T + bu), y [rows, I]. The sums and the bias
 // are tile_group's, the rest pointwise.cpp's silu_mul, lane for lane (silu_mul16): the
 // same bits as gemm then silu_mul, without the [rows, 2I] float32 round trip.
+template <typename T>  // float, or bf16_t (store16_bf16)
 void silu_group(const bf16_t* x, int64_t rows, int64_t K, const bf16_t* Pg, const bf16_t* Pu,
-                float* y, int64_t I, int64_t n0, const float* bias, bool stream) {
+                T* y, int64_t I, int64_t n0, const float* bias, bool stream) {
   alignas(64) float cg[4 * kBlock * kBlock], cu[4 * kBlock * kBlock];
   constexpr int NP = 4;
   tile_sums<NP>(x, K, Pg, cg);
@@ -230,7 +233,8 @@ void silu_group(const bf16_t* x, int64_t rows, int64_t K, const bf16_t* Pg, cons
 }
 
 // silu_group for two full tiles of rows (32), K a multiple of 32: the same bits.
-void silu_group_2x2(const bf16_t* x, int64_t K, const bf16_t* Pg, const bf16_t* Pu, float* y,
+template <typename T>
+void silu_group_2x2(const bf16_t* x, int64_t K, const bf16_t* Pg, const bf16_t* Pu, T* y,
                     int64_t I, int64_t n0, const float* bias, bool stream) {
   alignas(64) float cg[4 * kBlock * kBlock], cu[4 * kBlock * kBlock];
   constexpr int64_t ldp = 4 * 2 * kBlock;
@@ -433,12 +437,13 @@ void amx_gemm(const bf16_t* x, int64_t M, int64_t K, const bf16_t* P, int64_t n_
   });
 }
 
-void amx_gemm_silu_mul(const bf16_t* x, int64_t M, int64_t K, const bf16_t* P, float* y,
+template <typename T>
+void amx_gemm_silu_mul(const bf16_t* x, int64_t M, int64_t K, const bf16_t* P, T* y,
                        int64_t I, const float* bias) {
   require_tiles();
   TORCH_CHECK(I % kGroup == 0, "amx silu_mul: the intermediate size must be a multiple of 64");
   const int64_t groups = I / kGroup;
-  const bool stream = streams(y, M, I);
+  const bool stream = std::is_same_v<T, float> && streams(reinterpret_cast<const float*>(y), M, I);
   memory_fence();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     over_rows(M, dense_chunk(K), 64, kStepK / 2, K % kStepK * 2, [&](int64_t m0, int64_t m1) {
@@ -456,6 +461,11 @@ void amx_gemm_silu_mul(const bf16_t* x, int64_t M, int64_t K, const bf16_t* P, f
     if (stream) _mm_sfence();
   });
 }
+
+template void amx_gemm_silu_mul(const bf16_t*, int64_t, int64_t, const bf16_t*, float*,
+                                int64_t, const float*);
+template void amx_gemm_silu_mul(const bf16_t*, int64_t, int64_t, const bf16_t*, bf16_t*,
+                                int64_t, const float*);
 
 void amx_w8a8(const int8_t* qx, int64_t M, int64_t K, int64_t G, const int8_t* P,
               int64_t n_pad, const float* sx, const float* sw, const float* bias, float* y,

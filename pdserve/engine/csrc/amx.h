@@ -24,9 +24,11 @@ inline void memory_fence() { asm volatile("" ::: "memory"); }
 void amx_gemm(const bf16_t* x, int64_t M, int64_t K, const bf16_t* P, int64_t n_pad, float* y,
               int64_t N, const float* bias);
 // silu(gate) * up from a fused gate/up weight packed like amx_gemm's (2I outputs:
-// I gates, then their ups; I a multiple of 64) -> y float32 [M, I], the same bits as
-// amx_gemm then pointwise.cpp's silu_mul.
-void amx_gemm_silu_mul(const bf16_t* x, int64_t M, int64_t K, const bf16_t* P, float* y,
+// I gates, then their ups; I a multiple of 64) -> y [M, I], float32 (T = float: the
+// same bits as amx_gemm then pointwise.cpp's silu_mul) or bfloat16 (T = bf16_t: those
+// through to_bf16).
+template <typename T>
+void amx_gemm_silu_mul(const bf16_t* x, int64_t M, int64_t K, const bf16_t* P, T* y,
                        int64_t I, const float* bias);
 // qx int8 [M, K] with scales sx [M, K / G] times avx512vnni's packed W8A8 weight -> y.
 void amx_w8a8(const int8_t* qx, int64_t M, int64_t K, int64_t G, const int8_t* P,

@@ -18,12 +18,12 @@ at::Tensor w8a8_gemm_silu_mul(const at::Tensor&, const at::Tensor&, const at::Te
                               const at::Tensor&, int64_t, const c10::optional<at::Tensor>&);
 at::Tensor gemm(const at::Tensor&, const at::Tensor&, int64_t, int64_t, const c10::optional<at::Tensor>&);
 at::Tensor gemm_silu_mul(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
-                         const c10::optional<at::Tensor>&);
+                         const c10::optional<at::Tensor>&, bool);
 bool attention_supports_head_dim(int64_t);
 void paged_attention(const at::Tensor&, const at::Tensor&, int64_t, const at::Tensor&, const at::Tensor&,
                      const at::Tensor&, const at::Tensor&, const at::Tensor&, double, at::Tensor&, int64_t);
-at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double);
-at::Tensor add_rms_norm(const at::Tensor&, at::Tensor&, const at::Tensor&, double);
+at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double, bool);
+at::Tensor add_rms_norm(const at::Tensor&, at::Tensor&, const at::Tensor&, double, bool);
 void rope_write_kv(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
                    int64_t, const at::Tensor&, int64_t, int64_t);
 at::Tensor silu_mul(const at::Tensor&);
@@ -55,7 +55,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_gemm", &pdk::quant_gemm, nogil);
   m.def("pack_weight", &pdk::pack_weight, nogil);
   m.def("gemm", &pdk::gemm, nogil);
-  m.def("gemm_silu_mul", &pdk::gemm_silu_mul, nogil);
+  m.def("gemm_silu_mul", &pdk::gemm_silu_mul, py::arg("x"), py::arg("packed"), py::arg("n"),
+        py::arg("family"), py::arg("bias"), py::arg("bf16_out") = false, nogil);
   m.def("family_peak", &pdk::family_peak, nogil);
   m.def("amx_ready", &pdk::amx_ready);
   m.def("pack_w8", &pdk::pack_w8, nogil);
@@ -65,8 +66,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w8a8_peak", &pdk::w8a8_peak, nogil);
   m.def("paged_attention", &pdk::paged_attention, nogil);
   m.def("attention_supports_head_dim", &pdk::attention_supports_head_dim);
-  m.def("rms_norm", &pdk::rms_norm, nogil);
-  m.def("add_rms_norm", &pdk::add_rms_norm, nogil);
+  m.def("rms_norm", &pdk::rms_norm, py::arg("x"), py::arg("w"), py::arg("eps"),
+        py::arg("bf16_out") = false, nogil);
+  m.def("add_rms_norm", &pdk::add_rms_norm, py::arg("x"), py::arg("residual"), py::arg("w"),
+        py::arg("eps"), py::arg("bf16_out") = false, nogil);
   m.def("rope_write_kv", &pdk::rope_write_kv, nogil);
   m.def("silu_mul", &pdk::silu_mul, nogil);
   m.def("argmax_rows", &pdk::argmax_rows, nogil);

@@ -37,6 +37,7 @@
 #include <ATen/ops/zeros.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 #include "amx.h"
@@ -135,6 +136,19 @@ void fma_tile(const float* x, int64_t K, const T* P, int64_t ldp, float* y, int6
 // header is ever instantiated with AVX512 code.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+// vec.h
+void to_bf16(const float* x, int64_t count, bf16_t* out) {
+  int64_t i = 0;
+  for (; i + 16 <= count; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+  if (i < count) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (count - i)) - 1);
+    _mm256_mask_storeu_epi16(out + i, mask,
+                             (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, x + i)));
+  }
+}
+
 namespace {
 
 // MR rows x NP blocks. P: the first block's first pair; ldp: elements per pair of K.
@@ -182,18 +196,6 @@ void dp_tile(const uint32_t* x2, int64_t K2, const bf16_t* P, int64_t ldp, float
     }
 }
 
-// x float32 [count] -> bfloat16, round to nearest even (as torch does).
-void to_bf16(const float* x, int64_t count, bf16_t* out) {
-  int64_t i = 0;
-  for (; i + 16 <= count; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
-  if (i < count) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (count - i)) - 1);
-    _mm256_mask_storeu_epi16(out + i, mask,
-                             (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, x + i)));
-  }
-}
 
 // Rows [0, M) of one group: MR = 6 rows a tile, all its blocks at once.
 template <int NP, bool PF>
@@ -242,8 +244,9 @@ void dp_groups(const uint32_t* x2, int64_t M, int64_t K, const bf16_t* P, int64_
 // groups [g0, g1) of 64 gates: kMC rows at a time, dp_group's sums of the gates and
 // of their ups (bias added) into two buffers, then pointwise.cpp's silu_mul on 16
 // lanes (silu_mul16). The same bits as dp_groups then silu_mul.
+template <typename T>  // float, or bf16_t (store16_bf16)
 void dp_silu_groups(const uint32_t* x2, int64_t M, int64_t K, const bf16_t* P, int64_t I,
-                    float* y, int64_t g0, int64_t g1, const float* bias) {
+                    T* y, int64_t g0, int64_t g1, const float* bias) {
   std::vector<float> tg(kMC * kDpGroup), tu(kMC * kDpGroup);
   const int64_t K2 = K / 2, ng = I / kDpGroup;
   for (int64_t g = g0; g < g1; ++g) {
@@ -262,10 +265,14 @@ void dp_silu_groups(const uint32_t* x2, int64_t M, int64_t K, const bf16_t* P, i
         dp_group<4, false>(xm, rows, K2, Pu, tu.data(), kDpGroup, 0, bu);
       }
       for (int64_t m = 0; m < rows; ++m)
-        for (int64_t c = 0; c < kDpGroup; c += kBlock)
-          _mm512_storeu_ps(y + (m0 + m) * I + g * kDpGroup + c,
-                           silu_mul16(_mm512_loadu_ps(tg.data() + m * kDpGroup + c),
-                                      _mm512_loadu_ps(tu.data() + m * kDpGroup + c)));
+        for (int64_t c = 0; c < kDpGroup; c += kBlock) {
+          const __m512 v = silu_mul16(_mm512_loadu_ps(tg.data() + m * kDpGroup + c),
+                                      _mm512_loadu_ps(tu.data() + m * kDpGroup + c));
+          if constexpr (std::is_same_v<T, float>)
+            _mm512_storeu_ps(y + (m0 + m) * I + g * kDpGroup + c, v);
+          else
+            store16_bf16(y + (m0 + m) * I + g * kDpGroup + c, v, 0xFFFF);
+        }
     }
   }
 }
@@ -414,8 +421,10 @@ at::Tensor pack_weight(const at::Tensor& w, int64_t family) {
 
 namespace {
 void check_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t family) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == at::kFloat ||
+                   (x.scalar_type() == at::kBFloat16 && family != kFma)),
+              "x must be a contiguous float32 [M, K] tensor (or bfloat16 for the bf16 families)");
   const int64_t K = x.size(1);
   TORCH_CHECK(N >= 1 && K >= 1, "empty weight");
   TORCH_CHECK(packed.dim() == 1 && packed.is_contiguous() && packed.numel() == padded_rows(N) * K,
@@ -432,6 +441,7 @@ void check_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_
 // Measured on the AMX Xeon (one thread, 1024 rows, alternated three times): the
 // 576 -> 960 qkv 1.42-1.45 -> 1.14-1.23 ms, 1536 -> 576 down 2.09-2.16 -> 1.92-2.08.
 at::Tensor rounded(const at::Tensor& x) {
+  if (x.scalar_type() == at::kBFloat16) return x;  // rounded by its producer (to_bf16)
   at::Tensor xb = at::empty({x.numel()}, x.options().dtype(at::kBFloat16));
   to_bf16(x.data_ptr<float>(), x.numel(), reinterpret_cast<bf16_t*>(xb.data_ptr<at::BFloat16>()));
   return xb;
@@ -447,7 +457,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_
   check_gemm(x, packed, N, family);
   const int64_t M = x.size(0), K = x.size(1), n_pad = padded_rows(N);
   const float* b = bias_ptr(bias, N);
-  auto y = at::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0) return y;
   float* yp = y.data_ptr<float>();
   if (family != kFma) {
@@ -483,28 +493,34 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_
 }
 
 // silu(gate) * up of a fused gate/up layer (W: N = 2I rows, I gates then their ups)
-// in one call: the avx512bf16 or amx family's gemm and silu_mul, the same bits, y [M, I].
+// in one call: the avx512bf16 or amx family's gemm and silu_mul, the same bits, y [M, I]
+// (bf16_out: to_bf16 of those bits, what the next bf16 GEMM makes of them).
 at::Tensor gemm_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                         int64_t family, const c10::optional<at::Tensor>& bias) {
+                         int64_t family, const c10::optional<at::Tensor>& bias, bool bf16_out) {
   check_gemm(x, packed, N, family);
   TORCH_CHECK(family == kAmx || family == kBf16Dp,
               "silu_mul is fused into the avx512bf16 and amx families' gemm only");
   TORCH_CHECK(N % 128 == 0, "a fused silu_mul needs 2 x a multiple of 64 outputs, got ", N);
   const float* b = bias_ptr(bias, N);
   const int64_t M = x.size(0), K = x.size(1), I = N / 2;
-  auto y = at::empty({M, I}, x.options());
+  auto y = at::empty({M, I}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (M == 0) return y;
   const at::Tensor xb = rounded(x);
   const auto* P = reinterpret_cast<const bf16_t*>(packed.data_ptr<at::BFloat16>());
-  float* yp = y.data_ptr<float>();
-  if (family == kAmx) {
-    amx_gemm_silu_mul(bf16_data(xb), M, K, P, yp, I, b);
-    return y;
-  }
-  const auto* x2 = reinterpret_cast<const uint32_t*>(bf16_data(xb));
-  at::parallel_for(0, I / kDpGroup, 1, [&](int64_t g0, int64_t g1) {
-    dp_silu_groups(x2, M, K, P, I, yp, g0, g1, b);
-  });
+  const auto run = [&](auto* yp) {
+    if (family == kAmx) {
+      amx_gemm_silu_mul(bf16_data(xb), M, K, P, yp, I, b);
+      return;
+    }
+    const auto* x2 = reinterpret_cast<const uint32_t*>(bf16_data(xb));
+    at::parallel_for(0, I / kDpGroup, 1, [&](int64_t g0, int64_t g1) {
+      dp_silu_groups(x2, M, K, P, I, yp, g0, g1, b);
+    });
+  };
+  if (bf16_out)
+    run(reinterpret_cast<bf16_t*>(y.data_ptr<at::BFloat16>()));
+  else
+    run(y.data_ptr<float>());
   return y;
 }
 

@@ -1,6 +1,8 @@
 // Fused per-token ops of the decoder layer, float32 activations:
 //   rms_norm          out = x * rsqrt(mean(x^2) + eps) * w
 //   add_rms_norm      residual += x; out = rms_norm(residual)   (residual in place)
+//                     (either norm's out in bfloat16 on request: to_bf16 of the
+//                     float32 row, what a bf16 GEMM family makes of its input)
 //   rope_write_kv     rotary ("rotate half") on the q and k heads of a fused qkv row,
 //                     in place, then k and v stored into their cache slots
 //   silu_mul          out = silu(gate) * up for gate_up = [gate | up]
@@ -16,6 +18,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 #include "kv_rows.h"
 #include "vec.h"
@@ -56,39 +59,74 @@ void with_weight(const at::Tensor& w, int64_t n, Fn fn) {
 
 }  // namespace
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+namespace {
+
+// The norms' output: float32 [T, n], or (bf16) its rows through to_bf16. Row t of
+// the float32 result goes to at(t) (for bf16: a buffer of the thread's), then done(t).
+class NormOut {
+ public:
+  NormOut(const at::Tensor& x, bool bf16) : bf16_(bf16), n_(x.size(1)) {
+    TORCH_CHECK(!bf16 || __builtin_cpu_supports("avx512bf16"),
+                "a bfloat16 norm output needs AVX512-BF16");
+    out_ = bf16 ? at::empty(x.sizes(), x.options().dtype(at::kBFloat16)) : at::empty_like(x);
+  }
+  float* at(int64_t t, std::vector<float>& row) {
+    if (!bf16_) return out_.data_ptr<float>() + t * n_;
+    row.resize(n_);
+    return row.data();
+  }
+  void done(int64_t t, const std::vector<float>& row) {
+    if (bf16_)
+      to_bf16(row.data(), n_, reinterpret_cast<bf16_t*>(out_.data_ptr<at::BFloat16>()) + t * n_);
+  }
+  at::Tensor tensor() const { return out_; }
+
+ private:
+  bool bf16_;
+  int64_t n_;
+  at::Tensor out_;
+};
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool bf16_out) {
   check_rows(x, "x");
   const int64_t T = x.size(0), n = x.size(1);
-  auto out = at::empty_like(x);
+  NormOut out(x, bf16_out);
   const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   with_weight(w, n, [&](auto* wp) {
     at::parallel_for(0, T, kTokenGrain, [&](int64_t a, int64_t b) {
-      for (int64_t t = a; t < b; ++t) norm_row(xp + t * n, wp, op + t * n, n, static_cast<float>(eps));
+      std::vector<float> row;
+      for (int64_t t = a; t < b; ++t) {
+        norm_row(xp + t * n, wp, out.at(t, row), n, static_cast<float>(eps));
+        out.done(t, row);
+      }
     });
   });
-  return out;
+  return out.tensor();
 }
 
-at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps) {
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Tensor& w, double eps,
+                        bool bf16_out) {
   check_rows(x, "x");
   check_rows(residual, "residual");
   TORCH_CHECK(x.sizes() == residual.sizes(), "x and residual differ in shape");
   const int64_t T = x.size(0), n = x.size(1);
-  auto out = at::empty_like(x);
+  NormOut out(x, bf16_out);
   const float* xp = x.data_ptr<float>();
   float* rp = residual.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   with_weight(w, n, [&](auto* wp) {
     at::parallel_for(0, T, kTokenGrain, [&](int64_t a, int64_t b) {
+      std::vector<float> row;
       for (int64_t t = a; t < b; ++t) {
         float* r = rp + t * n;
         for (int64_t i = 0; i < n; i += 8) store8(r + i, _mm256_add_ps(load8(r + i), load8(xp + t * n + i)));
-        norm_row(r, wp, op + t * n, n, static_cast<float>(eps));
+        norm_row(r, wp, out.at(t, row), n, static_cast<float>(eps));
+        out.done(t, row);
       }
     });
   });
-  return out;
+  return out.tensor();
 }
 
 // qkv [T, (H + 2 KVH) * D] float32 (rows contiguous); cos/sin [P, D] float32;

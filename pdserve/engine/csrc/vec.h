@@ -26,6 +26,10 @@ inline __m256 load8(const bf16_t* p) {
 
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 
+// x float32 [count] -> bfloat16, round to nearest even (VCVTNEPS2BF16, which reads and
+// writes subnormals as zero). gemm.cpp; callable on AVX512-BF16 CPUs only.
+void to_bf16(const float* x, int64_t count, bf16_t* out);
+
 // Round to nearest even, as torch's float -> bfloat16 conversion (NaNs stay NaNs
 // because their exponent bits are kept; the mantissa rounding cannot carry them to inf).
 inline void store8(bf16_t* p, __m256 v) {

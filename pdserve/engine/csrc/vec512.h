@@ -4,6 +4,8 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace pdk {
 
 #pragma GCC push_options
@@ -35,6 +37,17 @@ inline __m512 silu_mul16(__m512 g, __m512 u) {
   const __m512 one = _mm512_set1_ps(1.f);
   const __m512 sig = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
   return _mm512_mul_ps(_mm512_mul_ps(g, sig), u);
+}
+
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+
+// 16 floats to bfloat16 (round to nearest even, VCVTNEPS2BF16: gemm.cpp's to_bf16), the
+// lanes of `mask` stored.
+inline void store16_bf16(uint16_t* dst, __m512 v, __mmask16 mask) {
+  _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
 #pragma GCC pop_options
