@@ -385,8 +385,9 @@ void w8_rows_times_groups(const int8_t* qx, int64_t m0, int64_t m1, int64_t K, i
       const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + n) : _mm512_setzero_ps();
       for (int64_t m = m0; m < m1; m += kBlock) {
         float* ym = y + m * N + n;
-        w8_tile_block(qx + m * K, std::min(kBlock, m1 - m), K, G, P + g * kGroup * K + (n % kGroup) * 4,
-                      width * 4, st.data() + (m - m0) / kBlock * ng * kBlock, sc, b,
+        w8_tile_block(qx + m * K, std::min(kBlock, m1 - m), K, G,
+                      P + g * kGroup * K + (n % kGroup) * 4, width * 4,
+                      st.data() + (m - m0) / kBlock * ng * kBlock, sc, b,
                       [=](int r, __m512 v) { _mm512_mask_storeu_ps(ym + r * N, mask, v); });
       }
     }
@@ -414,9 +415,10 @@ void w8_silu_rows(const int8_t* qx, int64_t m0, int64_t m1, int64_t K, int64_t G
       float* ym = y + m * I + n;
       w8_tile_block(qx + m * K, rows, K, G, Pg, kGroup * 4, sm, sg, bg,
                     [&gate](int r, __m512 v) { _mm512_store_ps(gate[r], v); });
-      w8_tile_block(qx + m * K, rows, K, G, Pu, kGroup * 4, sm, su, bu, [&gate, ym, I](int r, __m512 v) {
-        _mm512_storeu_ps(ym + r * I, silu_mul16(_mm512_load_ps(gate[r]), v));
-      });
+      w8_tile_block(qx + m * K, rows, K, G, Pu, kGroup * 4, sm, su, bu,
+                    [&gate, ym, I](int r, __m512 v) {
+                      _mm512_storeu_ps(ym + r * I, silu_mul16(_mm512_load_ps(gate[r]), v));
+                    });
     }
   }
 }

@@ -136,7 +136,7 @@ void fma_tile(const float* x, int64_t K, const T* P, int64_t ldp, float* y, int6
 // header is ever instantiated with AVX512 code.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
-// vec.h
+// (declared in vec.h)
 void to_bf16(const float* x, int64_t count, bf16_t* out) {
   int64_t i = 0;
   for (; i + 16 <= count; i += 16)
@@ -195,7 +195,6 @@ void dp_tile(const uint32_t* x2, int64_t K2, const bf16_t* P, int64_t ldp, float
       }
     }
 }
-
 
 // Rows [0, M) of one group: MR = 6 rows a tile, all its blocks at once.
 template <int NP, bool PF>

@@ -57,12 +57,8 @@ void with_weight(const at::Tensor& w, int64_t n, Fn fn) {
   }
 }
 
-}  // namespace
-
-namespace {
-
 // The norms' output: float32 [T, n], or (bf16) its rows through to_bf16. Row t of
-// the float32 result goes to at(t) (for bf16: a buffer of the thread's), then done(t).
+// the float32 result goes to dst(t) (for bf16: a buffer of the thread's), then done(t).
 class NormOut {
  public:
   NormOut(const at::Tensor& x, bool bf16) : bf16_(bf16), n_(x.size(1)) {
@@ -70,7 +66,7 @@ class NormOut {
                 "a bfloat16 norm output needs AVX512-BF16");
     out_ = bf16 ? at::empty(x.sizes(), x.options().dtype(at::kBFloat16)) : at::empty_like(x);
   }
-  float* at(int64_t t, std::vector<float>& row) {
+  float* dst(int64_t t, std::vector<float>& row) {
     if (!bf16_) return out_.data_ptr<float>() + t * n_;
     row.resize(n_);
     return row.data();
@@ -98,7 +94,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool b
     at::parallel_for(0, T, kTokenGrain, [&](int64_t a, int64_t b) {
       std::vector<float> row;
       for (int64_t t = a; t < b; ++t) {
-        norm_row(xp + t * n, wp, out.at(t, row), n, static_cast<float>(eps));
+        norm_row(xp + t * n, wp, out.dst(t, row), n, static_cast<float>(eps));
         out.done(t, row);
       }
     });
@@ -121,7 +117,7 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor& residual, const at::Ten
       for (int64_t t = a; t < b; ++t) {
         float* r = rp + t * n;
         for (int64_t i = 0; i < n; i += 8) store8(r + i, _mm256_add_ps(load8(r + i), load8(xp + t * n + i)));
-        norm_row(r, wp, out.at(t, row), n, static_cast<float>(eps));
+        norm_row(r, wp, out.dst(t, row), n, static_cast<float>(eps));
         out.done(t, row);
       }
     });
