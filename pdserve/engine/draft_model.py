@@ -18,6 +18,10 @@ of the tokens the target rejected (its computed tokens are cut back to the longe
 prefix it shares with the target's), catches up on what the target appended (at
 first the whole prompt, in chunks within the token budget), then runs one
 single-token step per further draft token, every speculating request batched in each.
+A structured-output request drafts under its grammar: each draft token is sampled
+under the mask of a copy of the request's matcher advanced over the draft so far (as
+verification masks each position), so a close draft's guesses stay allowed; the
+draft ends where the grammar stops.
 
 Disaggregated, the draft's prompt KV is made on the prefill worker and travels with
 the target's (``kv_transfer/with_draft.py``). The prefill worker's draft cache is
@@ -40,17 +44,22 @@ import dataclasses
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ModelConfig, ceil_div
+from pdserve.engine.grammar import Grammars
 from pdserve.engine.input_batch import InputBatch
 from pdserve.engine.kv_cache import new_kv_cache
 from pdserve.engine.loader import load_model
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import llguidance
 
 _PARAMS = SamplingParams(max_tokens=1)  # a mirror's own (its samples follow its request's)
 
@@ -62,7 +71,8 @@ def draft_model_id(model_dir: str | Path) -> str:
 
 class DraftModel:
     def __init__(self, model_dir: str | Path, config: EngineConfig, target: ModelConfig,
-                 max_model_len: int, num_blocks: int, eos_token_ids: frozenset[int]) -> None:
+                 max_model_len: int, num_blocks: int, eos_token_ids: frozenset[int],
+                 grammars: Grammars) -> None:
         model_dir = Path(model_dir)
         if not model_dir.is_dir():
             raise ValueError(f"speculative_config.model: draft model directory {str(model_dir)!r} "
@@ -91,6 +101,7 @@ class DraftModel:
                                  config.device)
         self.sampler = Sampler()
         self.eos_token_ids = eos_token_ids  # the target's (masked during min_tokens)
+        self.grammars = grammars  # the target's: the masks of structured-output drafts
         self.mirrors: OrderedDict[str, Request] = OrderedDict()  # least recently used first
         self._synced: dict[str, int] = {}  # request id -> tokens known equal to the target's
         self._landing: set[str] = set()  # mirrors whose prompt KV a transfer writes (reserve)
@@ -253,6 +264,9 @@ class DraftModel:
         want = {req.request_id: k for req, k in wanted}
         rows = {req.request_id: self._row(req, m)
                 for (req, _), m in zip(wanted, mirrors, strict=True) if m is not None}
+        # structured outputs: a copy of each request's matcher, advanced over its draft
+        grammar = {req.request_id: req.grammar.deep_copy() for (req, _), m
+                   in zip(wanted, mirrors, strict=True) if m is not None and req.grammar}
         active = [m for m in mirrors if m is not None]
         while active:
             budget, work = self.max_tokens, []
@@ -262,12 +276,29 @@ class DraftModel:
                     break
                 work.append((m, n))
                 budget -= n
+            self._mask(work, rows, grammar)
             for rid, token in self._run(work, rows).items():
                 drafts[rid].append(token)
                 self.mirrors[rid].token_ids.append(token)
+                if rid in grammar:
+                    ok = grammar[rid].consume_token(token)  # sampled under its mask
+                    assert ok, grammar[rid].get_error()
+                    if grammar[rid].is_stopped():  # nothing may follow: the draft ends
+                        want[rid] = len(drafts[rid])
             # the last draft token is never computed: its KV is not needed
             active = [m for m in active if len(drafts[m.request_id]) < want[m.request_id]]
         return [drafts[req.request_id] for req, _ in wanted]
+
+    def _mask(self, work: list[tuple[Request, int]], rows: dict[str, SamplingRow],
+              grammar: dict[str, llguidance.LLMatcher]) -> None:
+        """The grammar masks of this step's structured-output rows that sample (the
+        mirrors that catch up with their tokens)."""
+        due = [m.request_id for m, n in work
+               if n == m.num_new_tokens and m.request_id in grammar]
+        if due:
+            masks = self.grammars.fill([grammar[rid] for rid in due])
+            for rid, mask in zip(due, masks, strict=True):
+                rows[rid].allowed = mask
 
     def check_integrity(self) -> None:
         """Every block is held by one live mirror or free."""

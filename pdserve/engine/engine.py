@@ -144,7 +144,7 @@ class LLMEngine:
             assert spec.model is not None
             if tp is None or tp.rank == 0:
                 self.draft = DraftModel(spec.model, self.config, mc, self.max_model_len,
-                                        self.num_blocks, self.eos_token_ids)
+                                        self.num_blocks, self.eos_token_ids, self.grammars)
                 self.draft_model_id = self.draft.model_id
             else:
                 self.draft_model_id = draft_model_id(spec.model)

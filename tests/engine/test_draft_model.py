@@ -23,7 +23,14 @@ from pdserve.engine.request import Request
 from pdserve.engine.sampler import SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
 from tests.engine.handoff import decode_to_end, disaggregate
-from tests.engine.test_spec_decode import GREEDY, _run, copy_prompts, engine, tp_engine
+from tests.engine.test_spec_decode import (
+    GREEDY,
+    SENTENCES,
+    _run,
+    copy_prompts,
+    engine,
+    tp_engine,
+)
 from tests.engine.test_spec_decode import backend as backend
 
 
@@ -105,6 +112,31 @@ def test_a_sampled_draft_is_the_token_the_target_samples(tiny_model: Callable[[s
         assert stats is not None and stats.num_drafts > 0
         assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens, stats
         drained(eng)
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "top_k": 20, "seed": 5},
+                                      {"temperature": 0.8}], ids=["greedy", "seeded", "unseeded"])
+def test_a_structured_output_drafts_under_its_grammar(tiny_model: Callable[[str], Path],
+                                                      sampling: dict[str, object]) -> None:
+    """The target as its own draft, a regex-constrained request: each draft token is
+    sampled under the grammar's mask after the draft before it, as verification
+    samples that position, so the guesses are the target's tokens (unmasked, the
+    random tiny model would guess off-grammar tokens and its drafts be cut to
+    nothing). Greedy and seeded, the tokens are the unspeculated ones."""
+    path = tiny_model("llama-gqa")
+    ps = copy_prompts(2, seed=4)
+    params = SamplingParams(max_tokens=40, structured=SENTENCES, **sampling)  # type: ignore[arg-type]
+    want = engine(path, "cpu", spec=None).generate(ps, params)
+    eng = engine(path, "cpu", spec=draft(path))
+    got = eng.generate(ps, params)
+    if "seed" in sampling or not sampling:
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+    for c in got:
+        assert ("the cat sat on the mat. " * 8).startswith(c.text), c.text
+    stats = eng.stats().spec
+    assert stats is not None and stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens, stats
+    drained(eng)
 
 
 def test_unseeded_sampling_with_a_draft_keeps_the_targets_distribution(
