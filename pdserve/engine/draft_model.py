@@ -265,8 +265,9 @@ class DraftModel:
         rows = {req.request_id: self._row(req, m)
                 for (req, _), m in zip(wanted, mirrors, strict=True) if m is not None}
         # structured outputs: a copy of each request's matcher, advanced over its draft
-        grammar = {req.request_id: req.grammar.deep_copy() for (req, _), m
-                   in zip(wanted, mirrors, strict=True) if m is not None and req.grammar is not None}
+        grammar = {req.request_id: req.grammar.deep_copy()
+                   for (req, _), m in zip(wanted, mirrors, strict=True)
+                   if m is not None and req.grammar is not None}
         active = [m for m in mirrors if m is not None]
         while active:
             budget, work = self.max_tokens, []
