@@ -31,7 +31,7 @@ from tests.integration.procs import (
     marked_env,
 )
 from tests.integration.test_two_node import CLUSTER_ENV, RayNode
-from tests.waiting import until
+from tests.waiting import POLL_S, until
 
 HEAD_IP = "127.0.0.5"
 DEPLOYMENT = "restart-test"
@@ -39,16 +39,40 @@ PROMPTS = [[5 + (i * 17 + j) % 400 for j in range(6 + 9 * i)] for i in range(4)]
 MAX_TOKENS = 12
 
 
+HEAD_START_S = 60  # a head that has not said it started by then is started again
+HEAD_ATTEMPTS = 3
+HEAD_UP = "Ray runtime started"  # what ``ray start`` prints once the node is up
+
+
 class Head:
-    """A one-node Ray cluster of its own (``ray start --head --block``)."""
+    """A one-node Ray cluster of its own (``ray start --head --block``), up (its log
+    says so). A head that does not come up (its ports are free when chosen, not when
+    Ray binds them; or its start failed) is stopped and started again on fresh ports,
+    at most HEAD_ATTEMPTS times; the last one's log is in the failure."""
 
     def __init__(self, tmp: Path) -> None:
-        port = free_port(HEAD_IP)
-        self.address = f"{HEAD_IP}:{port}"
-        self.node = RayNode([
-            "--head", "--node-ip-address", HEAD_IP, "--port", str(port),
-            "--ray-client-server-port", str(free_port(HEAD_IP)), "--include-dashboard", "false",
-            "--num-cpus", "3", "--temp-dir", str(tmp)], tmp / "head.log")
+        for attempt in range(HEAD_ATTEMPTS):
+            port = free_port(HEAD_IP)
+            self.address = f"{HEAD_IP}:{port}"
+            self.log = tmp / f"head-{attempt}.log"
+            self.node = RayNode([
+                "--head", "--node-ip-address", HEAD_IP, "--port", str(port),
+                "--ray-client-server-port", str(free_port(HEAD_IP)), "--include-dashboard",
+                "false", "--num-cpus", "3", "--temp-dir", str(tmp)], self.log)
+            if self._came_up():
+                return
+            self.stop()
+        raise AssertionError(f"the Ray head did not come up in {HEAD_ATTEMPTS} starts; the "
+                             f"last one's log:\n{self.log.read_text(errors='replace')[-3000:]}")
+
+    def _came_up(self) -> bool:
+        deadline = time.monotonic() + HEAD_START_S
+        while HEAD_UP not in self.log.read_text(errors="replace"):
+            assert self.node.proc is not None
+            if self.node.proc.poll() is not None or time.monotonic() >= deadline:
+                return False
+            time.sleep(POLL_S)
+        return True
 
     def stop(self) -> None:
         kill_marked(self.node.mark)
