@@ -139,13 +139,10 @@ void fma_tile(const float* x, int64_t K, const T* P, int64_t ldp, float* y, int6
 // (declared in vec.h)
 void to_bf16(const float* x, int64_t count, bf16_t* out) {
   int64_t i = 0;
-  for (; i + 16 <= count; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+  for (; i + 16 <= count; i += 16) store16_bf16(out + i, _mm512_loadu_ps(x + i), 0xFFFF);
   if (i < count) {
     const __mmask16 mask = static_cast<__mmask16>((1u << (count - i)) - 1);
-    _mm256_mask_storeu_epi16(out + i, mask,
-                             (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, x + i)));
+    store16_bf16(out + i, _mm512_maskz_loadu_ps(mask, x + i), mask);
   }
 }
 

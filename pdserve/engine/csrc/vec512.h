@@ -44,7 +44,7 @@ inline __m512 silu_mul16(__m512 g, __m512 u) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
 
-// 16 floats to bfloat16 (round to nearest even, VCVTNEPS2BF16: gemm.cpp's to_bf16), the
+// 16 floats to bfloat16 (round to nearest even, VCVTNEPS2BF16; to_bf16's step), the
 // lanes of `mask` stored.
 inline void store16_bf16(uint16_t* dst, __m512 v, __mmask16 mask) {
   _mm256_mask_storeu_epi16(dst, mask, (__m256i)_mm512_cvtneps_pbh(v));
