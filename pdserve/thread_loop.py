@@ -40,6 +40,7 @@ class ThreadLoop:
         self._cv = threading.Condition()
         self._calls: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._stop = False
+        self._iterating = False  # set by start: the body iterates (calls run before it)
         self.idle_wait_s = idle_wait_s
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.error: BaseException | None = None
@@ -48,7 +49,21 @@ class ThreadLoop:
         self.on_crash: Callable[[BaseException], None] | None = None
 
     def start(self) -> None:
-        self._thread.start()
+        """Begin iterating the body (starting the thread, unless ``run`` has)."""
+        with self._cv:
+            self._iterating = True
+            self._cv.notify()
+        if self._thread.ident is None:
+            self._thread.start()
+
+    def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the loop's thread and return its result (or raise its
+        exception), starting the thread if it is not running yet; before ``start`` the
+        body does not iterate. For state the loop's thread must own from the outset
+        (the module docstring says why an engine is)."""
+        if self._thread.ident is None:
+            self._thread.start()
+        return self.call(fn).result()
 
     def call(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn`` on the loop thread between steps; its result or exception
@@ -92,7 +107,7 @@ class ThreadLoop:
                 with self._cv:
                     if self._stop:
                         break
-                    if not self._calls and not self.body.busy():
+                    if not self._calls and not (self._iterating and self.body.busy()):
                         self._cv.wait(self.idle_wait_s)
                     calls = list(self._calls)
                     self._calls.clear()
@@ -102,7 +117,8 @@ class ThreadLoop:
                             fut.set_result(fn())
                         except Exception as exc:  # the caller gets it
                             fut.set_exception(exc)
-                self.body.iterate()
+                if self._iterating:
+                    self.body.iterate()
         except BaseException as exc:  # a crashed loop must not look alive
             self.error = exc
             if self.on_crash is not None:

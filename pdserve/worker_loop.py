@@ -60,7 +60,8 @@ class WorkerLoop:
         self.role = role
         self.model_dir = str(model_dir)  # what it serves (a re-attaching router checks it)
         self.incarnation = uuid.uuid4().hex  # new for every process that builds a worker
-        self.engine = create_engine(model_dir, config)  # tensor parallel: its ranks too
+        # Built on the loop's thread, which steps it (thread_loop.py says why).
+        self.engine = self._on_loop_now(lambda: create_engine(model_dir, config))
         threading.Thread(target=self.engine.grammars.warm, name="pdserve-grammar-warm",
                          daemon=True).start()
         # This rank's KV cache; ``layout`` is the whole model's (what a request's KV is).
@@ -84,6 +85,15 @@ class WorkerLoop:
             return main
         return with_draft(role, main, transfer, draft.kv_cache,
                           KVLayout(**draft.layout_spec()), options)  # type: ignore[arg-type]
+
+    def _on_loop_now(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the loop thread and wait for it (while the worker is built:
+        whatever does torch work goes there); a failure stops the loop."""
+        try:
+            return self.loop.run(fn)
+        except BaseException:
+            self.loop.stop()
+            raise
 
     # ------------------------------------------------------------ async API
     async def load(self) -> WorkerLoad:

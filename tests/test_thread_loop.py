@@ -63,3 +63,31 @@ def test_a_stopped_loop_refuses_calls(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.ERROR, logger="pdserve.thread_loop"):
         loop.post(lambda: None)  # shutting down is not a failure worth a log line
     assert not caplog.records
+
+
+class Counting:
+    def __init__(self) -> None:
+        self.iterations = 0
+
+    def iterate(self) -> None:
+        self.iterations += 1
+
+    def busy(self) -> bool:
+        return True
+
+
+def test_run_builds_on_the_loop_thread_before_the_body_iterates() -> None:
+    """``run`` is for what the loop's thread must own from the outset (an engine): it
+    runs there and returns, and the body's first iteration waits for ``start``."""
+    body = Counting()
+    loop = ThreadLoop("test-loop", body, idle_wait_s=0.001)
+    try:
+        assert loop.run(lambda: threading.current_thread().name) == "test-loop"
+        with pytest.raises(KeyError, match="no such weights"):
+            loop.run(lambda: {}["no such weights"])
+        assert loop.call(lambda: body.iterations).result(10) == 0  # a busy body, not started
+        loop.start()
+        loop.call(lambda: None).result(10)  # its pass iterates after it
+        assert loop.call(lambda: body.iterations).result(10) >= 1
+    finally:
+        loop.stop()

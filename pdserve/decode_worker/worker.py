@@ -51,8 +51,8 @@ class DecodeWorker(WorkerLoop):
                  kv_timeout_s: float = 30.0, host: str = "127.0.0.1") -> None:
         super().__init__("decode", worker_id, model_dir, config)
         self.kv_timeout_s = kv_timeout_s
-        self.receiver = cast(KVReceiver, self._open_channel("recv", transfer,
-                                                            transfer_options))
+        self.receiver = cast(KVReceiver, self._on_loop_now(
+            lambda: self._open_channel("recv", transfer, transfer_options)))
         self.transfer = ChannelThread(self.receiver, self._on_recv_events,
                                       f"kv-recv-{worker_id}")
         self.outputs = OutputServer(host, f"outputs-{worker_id}", self._abort_orphans)

@@ -80,7 +80,7 @@ class Cluster:
 
     def pools(self) -> dict[str, PoolConfig]:
         cfg = self.config
-        return {"prefill": cfg.prefill_pool, "decode": cfg.decode, "colocated": cfg.colocated_pool}
+        return {"prefill": cfg.prefill_pool, "decode": cfg.decode_pool, "colocated": cfg.colocated_pool}
 
     def start(self) -> None:
         cfg = self.config

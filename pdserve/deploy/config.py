@@ -59,9 +59,11 @@ class PoolConfig:
     engine: dict[str, Any] = field(default_factory=dict)  # EngineConfig overrides
     # CPU: engine threads beyond num_cpus, on cores that another pool on the same node
     # reserved in Ray. Prefill is bursty and compute-bound, decode continuous and
-    # memory-bound: while a prefill runs, the decode workers' cores are often idle, and
-    # where they are not the OS shares them. None: the embedded cluster's prefill pool
-    # (one machine) takes the decode pool's CPUs, split among its workers; else 0.
+    # memory-bound: a lone decode stream reads its weights faster on two cores than on
+    # one, a prefill burst finishes sooner on them, and where both run the OS shares
+    # the cores. None: on the embedded cluster (one machine) each of the prefill and
+    # decode pools takes the other's CPUs, split among its workers; else 0. A worker
+    # with shared CPUs spins less between parallel regions (deploy/actors.py).
     shared_cpus: float | None = None
 
     def __post_init__(self) -> None:
@@ -229,12 +231,19 @@ class ClusterConfig:
     @property
     def prefill_pool(self) -> PoolConfig:
         """The prefill pool with ``shared_cpus`` resolved (see PoolConfig)."""
-        p = self.prefill
-        if p.shared_cpus is not None:
-            return p
-        shared = (int(self.decode.num_cpus) * self.decode.workers // p.workers
-                  if self.address is None and p.workers else 0)
-        return replace(p, shared_cpus=shared)
+        return self._sharing(self.prefill, self.decode)
+
+    @property
+    def decode_pool(self) -> PoolConfig:
+        """The decode pool with ``shared_cpus`` resolved (see PoolConfig)."""
+        return self._sharing(self.decode, self.prefill)
+
+    def _sharing(self, pool: PoolConfig, other: PoolConfig) -> PoolConfig:
+        if pool.shared_cpus is not None:
+            return pool
+        shared = (int(other.num_cpus) * other.workers // pool.workers
+                  if self.address is None and pool.workers else 0)
+        return replace(pool, shared_cpus=shared)
 
     @property
     def colocated_pool(self) -> PoolConfig:

@@ -34,8 +34,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
-
+from pdserve.engine import kernels
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ceil_div
 from pdserve.engine.draft_model import DraftModel, draft_model_id
@@ -84,7 +83,7 @@ class LLMEngine:
         if not self.model_dir.is_dir():
             raise FileNotFoundError(f"model directory not found: {self.model_dir}")
         if self.config.num_threads is not None and self.config.device == "cpu":
-            torch.set_num_threads(self.config.num_threads)
+            kernels.set_num_threads(self.config.num_threads)
         loaded = load_model(self.model_dir, self.config, tp)
         self.model_config, self.max_model_len = loaded.config, loaded.max_model_len
         self.attention_backend = loaded.attention_backend

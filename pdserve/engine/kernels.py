@@ -163,6 +163,19 @@ def reason() -> str | None:
     return _why
 
 
+def set_num_threads(n: int) -> None:
+    """``torch.set_num_threads(n)`` for the calling thread, fixed there now. torch sets a
+    process-wide count too and gives it to a thread at its first parallel work (in torch
+    and, separately, in these kernels): a thread that set its count but had not yet
+    multiplied would otherwise take whatever count another thread set since (a worker's
+    KV channel threads set 1: kv_transfer/driver.py)."""
+    torch.set_num_threads(n)
+    torch.get_num_threads()  # torch's own flag
+    module = load()
+    if module is not None:
+        module.set_num_threads(n)
+
+
 def require() -> ModuleType:
     module = load()
     if module is None:

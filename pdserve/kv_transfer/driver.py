@@ -14,6 +14,13 @@ under the tracker's lock and may be called from the engine loop directly, and a 
 ``on_events(events, when)`` on this thread, with the monotonic time of the poll that
 found them; the worker forwards them to its engine loop.
 
+The thread's own torch work (copying blocks in and out of the cache) runs on one
+thread: an OpenMP pool of its own beside the engine's would put the engine's workers to
+sleep between parallel regions (``thread_loop.py``: the process would hold more OpenMP
+threads than cores). ``torch.set_num_threads`` also sets the count for threads that have
+not yet run parallel work, so a worker builds its engine (on its loop thread, which keeps
+its own count) before opening a channel.
+
 While requests are pending the thread polls every ``MIN_POLL_S``, backing off to
 ``MAX_POLL_S`` over polls that find nothing; with nothing pending it sleeps until a
 call arrives.
@@ -27,6 +34,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Generic, TypeVar
+
+import torch
 
 from pdserve.thread_loop import ThreadLoop
 
@@ -51,6 +60,7 @@ class ChannelThread(Generic[C]):
         self._wait = MIN_POLL_S
         self._pending = 0
         self._loop = ThreadLoop(name, self, IDLE_S)
+        self._loop.post(lambda: torch.set_num_threads(1))  # (the module docstring)
         self._loop.start()
 
     def call(self, fn: Callable[[], T]) -> Future[T]:

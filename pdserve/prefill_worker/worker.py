@@ -76,7 +76,8 @@ class PrefillWorker(WorkerLoop):
     def __init__(self, worker_id: str, model_dir: str | Path, config: EngineConfig,
                  transfer: str = "local", transfer_options: dict[str, Any] | None = None) -> None:
         super().__init__("prefill", worker_id, model_dir, config)
-        self.sender = cast(KVSender, self._open_channel("send", transfer, transfer_options))
+        self.sender = cast(KVSender, self._on_loop_now(
+            lambda: self._open_channel("send", transfer, transfer_options)))
         self.transfer = ChannelThread(self.sender, self._on_send_events,
                                       f"kv-send-{worker_id}")
         self._peers: dict[str, tuple[str, dict[str, Any]]] = {}  # decode id -> (peer, endpoint)

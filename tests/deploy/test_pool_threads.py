@@ -1,6 +1,7 @@
 """How many engine threads a CPU worker runs (deploy/config.py ``PoolConfig``):
 ``num_cpus`` of its own plus ``shared_cpus``, which on the embedded cluster (one
-machine) lets the prefill pool run on the decode pool's cores too."""
+machine) lets the prefill pool run on the decode pool's cores and the decode pool on
+the prefill pool's."""
 
 from __future__ import annotations
 
@@ -10,17 +11,20 @@ from pdserve.deploy.config import ClusterConfig, PoolConfig
 
 
 def threads(cfg: ClusterConfig, role: str) -> int | None:
-    pool = {"prefill": cfg.prefill_pool, "decode": cfg.decode}[role]
+    pool = {"prefill": cfg.prefill_pool, "decode": cfg.decode_pool}[role]
     return pool.engine_config(role, "cpu").num_threads
 
 
-def test_the_embedded_prefill_pool_shares_the_decode_pools_cores() -> None:
+def test_the_embedded_pools_share_each_others_cores() -> None:
     cfg = ClusterConfig()  # embedded, 1P + 1D of one CPU each
-    assert (threads(cfg, "prefill"), threads(cfg, "decode")) == (2, 1)
+    assert (threads(cfg, "prefill"), threads(cfg, "decode")) == (2, 2)
     big = ClusterConfig.from_dict({"prefill": {"workers": 2, "num_cpus": 2},
                                    "decode": {"workers": 2, "num_cpus": 3}})
-    assert (threads(big, "prefill"), threads(big, "decode")) == (5, 3)  # 2 + 6 // 2
+    assert (threads(big, "prefill"), threads(big, "decode")) == (5, 5)  # 2 + 6 // 2, 3 + 4 // 2
     assert big.prefill_pool.bundle(False) == {"CPU": 2}  # nothing more reserved in Ray
+    assert big.decode_pool.bundle(False) == {"CPU": 3}
+    lopsided = ClusterConfig.from_dict({"decode": {"workers": 3}})
+    assert threads(lopsided, "decode") == 1  # 1 // 3: no whole core each
 
 
 def test_a_cluster_shares_only_what_it_is_told() -> None:
@@ -28,8 +32,9 @@ def test_a_cluster_shares_only_what_it_is_told() -> None:
     assert threads(joined, "prefill") == 1
     told = ClusterConfig.from_dict({"address": "auto", "prefill": {"shared_cpus": 3}})
     assert threads(told, "prefill") == 4
-    off = ClusterConfig.from_dict({"prefill": {"shared_cpus": 0}})
-    assert threads(off, "prefill") == 1
+    assert threads(joined, "decode") == 1
+    off = ClusterConfig.from_dict({"prefill": {"shared_cpus": 0}, "decode": {"shared_cpus": 0}})
+    assert (threads(off, "prefill"), threads(off, "decode")) == (1, 1)
     explicit = ClusterConfig.from_dict({"prefill": {"engine": {"num_threads": 7}}})
     assert threads(explicit, "prefill") == 7  # the engine key wins
     tp = ClusterConfig.from_dict({"prefill": {"tensor_parallel_size": 2, "num_cpus": 2},

@@ -115,6 +115,33 @@ def generate_all(pair: Pair, prompts: list[list[int]]) -> list[tuple[list[int], 
     return run(pair, body)  # type: ignore[return-value]
 
 
+def test_each_worker_multiplies_on_its_loop_thread_with_its_threads(
+        pair_factory: Callable[..., Pair], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU engine's multi-threaded torch work all comes from its worker's loop thread
+    (thread_loop.py: another thread's OpenMP pool would put the engine's to sleep
+    between parallel regions): the engine is built there, and after a request's KV went
+    through the channel threads (which set one thread for themselves) the loops still
+    have the engine's count, also once the native kernels have run on them."""
+    import torch
+
+    import pdserve.worker_loop
+
+    built_on: list[str] = []
+    create = pdserve.worker_loop.create_engine
+
+    def recording(*args: Any, **kwargs: Any) -> LLMEngine:
+        built_on.append(threading.current_thread().name)
+        return create(*args, **kwargs)
+
+    monkeypatch.setattr(pdserve.worker_loop, "create_engine", recording)
+    pair = pair_factory(prefill_engine={"num_threads": 2}, decode_engine={"num_threads": 2})
+    assert built_on == ["prefill-prefill-0", "decode-decode-0"]
+    [(tokens, _, final)] = generate_all(pair, [[5, 6, 7, 8] * 8])
+    assert final.finish_reason == "length" and len(tokens) == GREEDY.max_tokens
+    for w in pair.workers:
+        assert w.loop.call(torch.get_num_threads).result(10) == 2, w.worker_id
+
+
 @pytest.mark.parametrize("mode", ["pair", "colocated"])
 def test_served_equals_the_engine(pair_factory: Callable[..., Pair],
                                   tiny_model: Callable[[str], Path], mode: str) -> None:

@@ -46,11 +46,21 @@ at::Tensor attention_step(at::Tensor& qkv, const at::Tensor& positions, const at
                   family);
   return out.view({T, num_heads * D});
 }
+
+// torch's intra-op thread count for the calling thread, fixed in this library too. A
+// library keeps its own per-thread flag "this thread has its count" (at::parallel_for's
+// lazy_init_num_threads, inline): a thread's first parallel_for here would otherwise
+// give it the count some other thread set last (kernels.set_num_threads).
+void set_num_threads(int64_t n) {
+  at::set_num_threads(static_cast<int>(n));
+  at::internal::lazy_init_num_threads();
+}
 }  // namespace pdk
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
   auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("set_num_threads", &pdk::set_num_threads);
   m.def("pack_quantized", &pdk::pack_quantized, nogil);
   m.def("quant_gemm", &pdk::quant_gemm, nogil);
   m.def("pack_weight", &pdk::pack_weight, nogil);
