@@ -215,17 +215,6 @@ REMOTE: dict[str, Any] = {"prefill": ray.remote(PrefillActor), "decode": ray.rem
           "colocated": ray.remote(ColocatedActor)}
 
 
-# The OpenMP environment of a worker whose engine threads share cores with another
-# pool's (PoolConfig.shared_cpus). libgomp's threads spin 300,000 times (~3 ms) after a
-# parallel region before they sleep; on shared cores those spins take the other
-# worker's core. 10,000 keeps what spinning buys a step's back-to-back regions: the
-# engine alone on 2 threads (SmolLM2-135M bf16) decoded 15.8 / 17.1 / 30.4 ms a token
-# at the default / 10,000 / 0 spins. Served 1P+1D, both pools on the same 2 cores, 32
-# streams: 261 / 254 tok/s (TTFT p50 3.0 / 3.4 s) at the default, 393 / 378 tok/s
-# (1.27 / 1.11 s) at 10,000.
-SHARED_CPU_ENV = {"GOMP_SPINCOUNT": "10000"}
-
-
 def actor_options(pool: PoolConfig, cluster_has_gpus: bool, name: str,
                   max_restarts: int, detached: bool = False) -> dict[str, Any]:
     """Ray options of one worker actor; ``detached``: it outlives the router that
@@ -234,12 +223,9 @@ def actor_options(pool: PoolConfig, cluster_has_gpus: bool, name: str,
     placement = {"label_selector": dict(pool.labels)} if pool.labels else {}
     lifetime = ({"lifetime": "detached", "namespace": NAMESPACE, "get_if_exists": True}
                 if detached else {})
-    # (Ray merges these env_vars with the job's)
-    env = {"runtime_env": {"env_vars": SHARED_CPU_ENV}} if pool.shared_cpus else {}
     return {
         **placement,
         **lifetime,
-        **env,
         "num_cpus": bundle.get("CPU", 0),
         "num_gpus": bundle.get("GPU", 0),
         "resources": dict(pool.resources),

@@ -15,6 +15,7 @@ import logging
 import signal
 import sys
 import uuid
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
@@ -45,9 +46,7 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
+    _on_stop_signals(loop, stop.set)
     keys = ApiKeys.load(cfg.api_key, cfg.api_key_file)  # a bad key file fails before start-up
     profile = (Profile.load(cfg.autoscale_profile)  # and so does a bad profile
                if cfg.autoscale and cfg.autoscale_profile else None)
@@ -62,6 +61,12 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
     try:
         if not await _start(cluster, stop):
             return
+        # ray.init (in cluster.start) put Ray's failure-signal handler (absl's) in front
+        # of ours: on SIGTERM it printed a stack trace, armed alarm(3) and passed the
+        # signal on, and 3 s later SIGALRM aborted the process (SIGABRT) whatever the
+        # drain was doing: every graceful shutdown that took longer than that cut its
+        # streams. Ours alone again:
+        _on_stop_signals(loop, stop.set)
         assert cluster.model_dir is not None
         registry = CollectorRegistry()
         router = cluster.make_router(RouterMetrics(
@@ -133,9 +138,7 @@ async def _drain(router: Router, timeout_s: float, loop: asyncio.AbstractEventLo
     if not router.num_in_flight or timeout_s <= 0:
         return
     again = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, again.set)
+    _on_stop_signals(loop, again.set)
     _progress(f"draining: {router.num_in_flight} request(s) in flight get up to "
               f"{timeout_s:g} s to finish (signal again to stop now)")
     waiting = asyncio.ensure_future(router.drained(timeout_s))
@@ -145,6 +148,13 @@ async def _drain(router: Router, timeout_s: float, loop: asyncio.AbstractEventLo
     waiting.cancel()
     if router.num_in_flight:
         _progress(f"{router.num_in_flight} request(s) still in flight: ending them")
+
+
+def _on_stop_signals(loop: asyncio.AbstractEventLoop, handler: Callable[[], object]) -> None:
+    """SIGINT and SIGTERM call ``handler`` on ``loop`` (where the platform allows)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, handler)
 
 
 async def _start(cluster: Cluster, stop: asyncio.Event) -> bool:

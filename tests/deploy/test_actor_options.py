@@ -48,15 +48,20 @@ def test_deployment_workers_are_detached_and_named() -> None:
     assert "lifetime" not in actor_options(PoolConfig(), False, "p", 0)
 
 
-def test_workers_on_shared_cores_spin_less_between_parallel_regions() -> None:
-    """A worker whose engine threads run on another pool's cores too gets libgomp's
-    short spin (deploy/actors.py says what the default spin cost); one on its own
-    cores keeps the default."""
-    from pdserve.deploy.config import ClusterConfig
 
-    embedded = ClusterConfig()
-    for pool in (embedded.prefill_pool, embedded.decode_pool):
-        env = actor_options(pool, False, "w", 0)["runtime_env"]["env_vars"]
-        assert env == {"GOMP_SPINCOUNT": "10000"}
-    joined = ClusterConfig.from_dict({"address": "auto"})
-    assert "runtime_env" not in actor_options(joined.decode_pool, False, "w", 0)
+class EnvProbe:
+    def get(self, name: str) -> str | None:
+        import os
+
+        return os.environ.get(name)
+
+
+def test_embedded_workers_spin_less_between_parallel_regions(ray_address: str) -> None:
+    """The embedded cluster's pools share its cores: its worker processes start with
+    libgomp's short spin (deploy/cluster.py says what the default spin cost)."""
+    handle = ray.remote(EnvProbe).options(
+        **actor_options(PoolConfig(), False, "probe-env", 0)).remote()
+    try:
+        assert ray.get(handle.get.remote("GOMP_SPINCOUNT")) == "3000"
+    finally:
+        ray.kill(handle)

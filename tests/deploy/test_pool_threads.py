@@ -1,4 +1,5 @@
-"""How many engine threads a CPU worker runs (deploy/config.py ``PoolConfig``):
+"""What a CPU worker's engine gets from its pool (deploy/config.py ``PoolConfig``): its
+prefill step's token budget, and how many engine threads it runs:
 ``num_cpus`` of its own plus ``shared_cpus``, which on the embedded cluster (one
 machine) lets the prefill pool run on the decode pool's cores and the decode pool on
 the prefill pool's."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.deploy.config import ClusterConfig, PoolConfig
+from pdserve.engine.config import EngineConfig
 
 
 def threads(cfg: ClusterConfig, role: str) -> int | None:
@@ -45,3 +47,17 @@ def test_a_cluster_shares_only_what_it_is_told() -> None:
 def test_shared_cpus_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="shared_cpus must be >= 0"):
         PoolConfig(shared_cpus=-1)
+
+
+def test_cpu_prefill_steps_take_512_tokens_unless_the_pool_says() -> None:
+    """A CPU prefill step's prompts get their first tokens when the step ends: the
+    prefill pool's default budget is 512 tokens (config.py says what it measured);
+    the other roles, GPUs and a pool's own engine key keep theirs."""
+    cfg = ClusterConfig()
+    assert cfg.prefill_pool.engine_config("prefill", "cpu").max_num_batched_tokens == 512
+    engine_default = EngineConfig().max_num_batched_tokens
+    assert engine_default == 2048
+    assert cfg.decode_pool.engine_config("decode", "cpu").max_num_batched_tokens == engine_default
+    assert cfg.prefill_pool.engine_config("prefill", "cuda").max_num_batched_tokens == engine_default
+    told = ClusterConfig.from_dict({"prefill": {"engine": {"max_num_batched_tokens": 4096}}})
+    assert told.prefill_pool.engine_config("prefill", "cpu").max_num_batched_tokens == 4096

@@ -91,11 +91,12 @@ def test_sigterm_lets_admitted_requests_finish(tiny_model: Callable[[str], Path]
         code = proc.wait(timeout=60)
         log = (tmp_path / "serve.log").read_text()
         assert "draining: " in log
-        # Known, not yet fixed (issue 23's note): once in a few busy CI runs the process
-        # aborts (SIGABRT) during interpreter teardown after a complete shutdown. That is
-        # tolerated only after the HTTP server finished; any other exit is a failure.
-        assert code == 0 or (code == -signal.SIGABRT and "Finished server process" in log), (
-            code, log[-3000:])
+        # Ray's failure-signal handler (absl's), which ray.init puts in front of ours,
+        # armed a 3 s alarm on SIGTERM that aborted the process (SIGABRT) mid-drain or
+        # mid-teardown, whichever came 3 s later; serve takes the signals back after
+        # start-up, so Ray neither dumps a stack for SIGTERM nor aborts.
+        assert "SIGTERM received" not in log, log[-3000:]
+        assert code == 0, (code, log[-3000:])
         # Ray's node processes exit after the driver; on a loaded machine that takes a while.
         try:
             until("no process left behind", lambda: not processes_with(mark), 60, poll_s=0.2)
