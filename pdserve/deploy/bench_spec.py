@@ -8,8 +8,8 @@ measured in the same run.
    step, and whether the tokens are the same; then output tokens/s at 1..32
    concurrent streams with and without speculation (where it stops paying:
    ``disable_by_batch_size``).
-2. Served (``pdserve serve``, colocated on 2 threads and 1P+1D on one thread each,
-   through the HTTP chat endpoint as a client sees it): single-stream TPOT and text
+2. Served (``pdserve serve``, colocated on 2 threads and 1P+1D, each worker's threads
+   on both cores, through the HTTP chat endpoint as a client sees it): single-stream TPOT and text
    with and without ``--speculative-config``; with ``--llama-server PATH``, llama.cpp's
    server on the same GGUF and prompts, without and with its n-gram speculation
    (``ngram-simple`` as it comes, and ``ngram-mod``), against pdserve in bf16 and with
