@@ -122,7 +122,8 @@ def test_filters_keep_exactly_the_reference_support(fast: bool) -> None:
         assert got == want, (i, p)
 
 
-def test_fast_and_reference_paths_agree_on_mixed_batches() -> None:
+@pytest.mark.parametrize("mix", ["mixed", "all-random"])
+def test_fast_and_reference_paths_agree_on_mixed_batches(mix: str) -> None:
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(10, 600, generator=gen) * torch.linspace(0.5, 8, 10)[:, None]
     params = [
@@ -132,6 +133,9 @@ def test_fast_and_reference_paths_agree_on_mixed_batches() -> None:
         SamplingParams(repetition_penalty=1.3),
         SamplingParams(temperature=1.2, min_p=0.1, top_p=0.95, seed=4, presence_penalty=1.0),
     ] * 2
+    if mix == "all-random":
+        params = [p for p in params if not p.greedy] + [
+            SamplingParams(temperature=0.7, seed=s) for s in range(4)]
     outs = []
     for fast in (True, False):
         rows = [row(p, [1, 2, 3], [4, 5, 5]) for p in params]
@@ -340,6 +344,35 @@ def test_uniform_rounding_up_to_total_picks_a_token_with_mass(
     monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones_like(real_rand(*a, **k)))
     logits = torch.tensor([[0.0, 1.0, -math.inf, -math.inf]])
     assert Sampler()(logits, [row(SamplingParams(temperature=1.0))]).token_ids == [1]
+
+
+@pytest.mark.skipif(not kernels.available(), reason="the CPU kernels do not run here")
+@pytest.mark.parametrize("vocab", [1, 511, 512, 513, 4099, 49152])
+def test_inverse_cdf_kernel_draws_the_references_tokens(vocab: int) -> None:
+    """The sampler's one-pass draw (C++) answers the cumsum + searchsorted reference's
+    token for every row: flat, peaked and one-hot rows, zero-mass tokens, uniforms at 0,
+    near and at 1, and uniforms that put the target exactly on a cdf value (the search
+    is strict there). Rows with no mass or a NaN answer -1 (the sampler's reference
+    takes those)."""
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(12, vocab, generator=gen) * torch.tensor(
+        [0.1, 1.0, 3.0, 8.0, 30.0, 1.0, 1.0, 1.0, 4.0, 4.0, 4.0, 1.0])[:, None]
+    logits[5, torch.rand(vocab, generator=gen) < 0.9] = -math.inf  # most tokens masked
+    logits[5, 0] = 0.0
+    logits[6] = -math.inf
+    logits[6, vocab // 2] = 0.0  # one token with all the mass
+    probs = logits.softmax(dim=-1)
+    u = torch.rand(12, generator=gen, dtype=torch.float64)
+    u[7], u[8], u[9], u[10] = 0.0, 1.0 - 2.0**-53, 1.0, 0.999999
+    cdf = probs.double().cumsum(dim=-1)
+    u[11] = cdf[11, vocab // 3] / cdf[11, -1]  # target on a cdf value
+    k = kernels.load()
+    assert k is not None
+    got = k.inverse_cdf_rows(probs, u)
+    assert got.tolist() == sampler_mod._inverse_cdf(probs, u).tolist()
+    empty = torch.zeros(2, vocab)
+    empty[1, 0] = math.nan
+    assert k.inverse_cdf_rows(empty, torch.full((2,), 0.5, dtype=torch.float64)).tolist() == [-1, -1]
 
 
 def test_mask_min_tokens_ignores_out_of_vocab_ids() -> None:

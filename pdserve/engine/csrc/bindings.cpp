@@ -28,6 +28,7 @@ void rope_write_kv(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::
                    int64_t, const at::Tensor&, int64_t, int64_t);
 at::Tensor silu_mul(const at::Tensor&);
 at::Tensor argmax_rows(const at::Tensor&);
+at::Tensor inverse_cdf_rows(const at::Tensor&, const at::Tensor&);
 void apply_token_bitmask(at::Tensor&, const at::Tensor&, const at::Tensor&);
 
 // One layer's attention for a step: rotary on q/k in the fused qkv, K/V into their
@@ -83,6 +84,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_kv", &pdk::rope_write_kv, nogil);
   m.def("silu_mul", &pdk::silu_mul, nogil);
   m.def("argmax_rows", &pdk::argmax_rows, nogil);
+  m.def("inverse_cdf_rows", &pdk::inverse_cdf_rows, nogil);
   m.def("attention_step", &pdk::attention_step, nogil);
   m.def("apply_token_bitmask", &pdk::apply_token_bitmask, nogil);
 }
