@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import tempfile
@@ -213,6 +214,16 @@ def _served(config: dict[str, Any], max_tokens: int) -> dict[str, tuple[list[str
                 for w, ps in WORKLOADS.items()}
 
 
+def _ended(proc: subprocess.Popen[bytes]) -> str:
+    """How a child process ended, or that it is still running."""
+    code = proc.poll()
+    if code is None:
+        return "still running after 120 s"
+    if code < 0:  # a native build for instructions this CPU lacks dies with SIGILL
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
 def _llama_server(binary: str, gguf: Path, threads: int, max_tokens: int,
                   spec_flags: list[str]) -> dict[str, tuple[list[str], float]]:
     port = _free_port()
@@ -225,7 +236,8 @@ def _llama_server(binary: str, gguf: Path, threads: int, max_tokens: int,
         deadline = time.monotonic() + 120
         while b"listening on" not in log.read_bytes():
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server did not start:\n{log.read_text()[-2000:]}")
+                raise RuntimeError(f"llama-server did not start ({_ended(proc)}):\n"
+                                   f"{log.read_text()[-2000:]}")
             time.sleep(0.2)
         return {w: asyncio.run(_chat_tpot(f"http://127.0.0.1:{port}", ps, max_tokens, "x"))
                 for w, ps in WORKLOADS.items()}
