@@ -58,14 +58,27 @@ int64_t block_bytes(int64_t bits) { return bits == 4 ? block_bytes<4>() : block_
 int64_t gguf_block_bytes(int64_t bits) { return bits == 4 ? 20 : 34; }  // Q4_1, Q8_0
 
 int64_t group_of(int64_t family) { return family == kQAvx2 ? 32 : 64; }
+
 int64_t padded16(int64_t N) { return (N + 15) / 16 * 16; }
+
+// A group's first row tile streams its weights from memory (a decode step reads each
+// weight once; later tiles find the group in cache): each block of it prefetches the
+// block kPrefetchBlocks ahead, past the group's end into the thread's next group.
+// The hardware prefetcher alone left one decode row at 13.6 GB/s of 22 on two threads
+// (AMX-class Xeon, int4); 4 blocks ahead took the matmuls of a step ~28% (avx2) and
+// 10-24% (avx512vnni) faster. Results are unchanged: it only loads lines early.
+constexpr int64_t kPrefetchBlocks = 4;
+inline void prefetch_ahead(const uint8_t* block, int64_t bytes) {
+  const char* p = reinterpret_cast<const char*>(block) + kPrefetchBlocks * bytes;
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+}
 
 // Rows [0, MR) of x against NP registers of 8 outputs from column `col` of a group
 // of w outputs (P: the group's first block).
 template <int BITS, int MR, int NP>
 void avx2_tile(const int8_t* x, int64_t K, const uint8_t* P, int64_t w, int64_t col,
                const float* dx, const float* sx, const float* bias, float* y, int64_t N,
-               int64_t n0) {
+               int64_t n0, bool pf) {
   constexpr int64_t WB = weight_bytes<BITS>(), BB = block_bytes<BITS>();
   const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const auto* x4 = reinterpret_cast<const int32_t*>(x);
@@ -75,6 +88,7 @@ void avx2_tile(const int8_t* x, int64_t K, const uint8_t* P, int64_t w, int64_t 
     for (int p = 0; p < NP; ++p) acc[m][p] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = P + b * w * BB;
+    if (pf) prefetch_ahead(blk, w * BB);
     __m256i t[MR][NP];  // int4: int16 pair sums; int8: int32 sums
     for (int m = 0; m < MR; ++m)
       for (int p = 0; p < NP; ++p) t[m][p] = _mm256_setzero_si256();
@@ -147,10 +161,10 @@ void avx2_group(const int8_t* x, int64_t M, int64_t K, const uint8_t* P, int64_t
     int64_t m = 0;
     for (; m + 2 <= M; m += 2)
       avx2_tile<BITS, 2, 2>(x + m * K, K, P, w, col, dx + m * nb, sx + m * nb, bias, y + m * N,
-                            N, n0 + col);
+                            N, n0 + col, m == 0 && col == 0);
     if (m < M)
       avx2_tile<BITS, 1, 2>(x + m * K, K, P, w, col, dx + m * nb, sx + m * nb, bias, y + m * N,
-                            N, n0 + col);
+                            N, n0 + col, m == 0 && col == 0);
   }
 }
 
@@ -164,7 +178,7 @@ namespace {
 
 template <int BITS, int MR, int NP>
 void vnni_tile(const uint8_t* x, int64_t K, const uint8_t* P, int64_t w, const float* dx,
-               const float* sx, const float* bias, float* y, int64_t N, int64_t n0) {
+               const float* sx, const float* bias, float* y, int64_t N, int64_t n0, bool pf) {
   constexpr int64_t WB = weight_bytes<BITS>(), BB = block_bytes<BITS>();
   const __m512i low = _mm512_set1_epi8(0x0F);
   const auto* x4 = reinterpret_cast<const int32_t*>(x);
@@ -176,6 +190,7 @@ void vnni_tile(const uint8_t* x, int64_t K, const uint8_t* P, int64_t w, const f
     for (int p = 0; p < NP; ++p) acc[m][p] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = P + b * w * BB;
+    if (pf) prefetch_ahead(blk, w * BB);
     __m512i t[MR][NP];
 #pragma GCC unroll 4
     for (int m = 0; m < MR; ++m)
@@ -258,9 +273,11 @@ void vnni_group(const uint8_t* x, int64_t M, int64_t K, const uint8_t* P, const 
   const int64_t nb = K / 32;
   int64_t m = 0;
   for (; m + 2 <= M; m += 2)
-    vnni_tile<BITS, 2, NP>(x + m * K, K, P, w, dx + m * nb, sx + m * nb, bias, y + m * N, N, n0);
+    vnni_tile<BITS, 2, NP>(x + m * K, K, P, w, dx + m * nb, sx + m * nb, bias, y + m * N, N, n0,
+                           m == 0);
   if (m < M)
-    vnni_tile<BITS, 1, NP>(x + m * K, K, P, w, dx + m * nb, sx + m * nb, bias, y + m * N, N, n0);
+    vnni_tile<BITS, 1, NP>(x + m * K, K, P, w, dx + m * nb, sx + m * nb, bias, y + m * N, N, n0,
+                           m == 0);
 }
 
 template <int BITS>
