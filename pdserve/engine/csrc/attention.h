@@ -22,11 +22,6 @@ struct Geometry {  // of one layer's cache
   int KVH, G, BS;
 };
 
-inline void prefetch_region(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
-}
-
 // out[qi, head] = O[row] / l[row] for a task's rows r = (kvh * nq + qi) * G + gi
 // (head kvh * G + gi of query token qi); rows that attended to nothing are zeros.
 template <int D>

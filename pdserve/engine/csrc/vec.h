@@ -97,4 +97,10 @@ inline __m256 exp8(__m256 x) {
   return _mm256_andnot_ps(below, out);
 }
 
+// Asks for every cache line of [p, p + bytes) ahead of its use.
+inline void prefetch_region(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
+}
+
 }  // namespace pdk
