@@ -292,6 +292,49 @@ def test_paged_attention_rows_do_not_depend_on_the_step(  # type: ignore[no-unty
     assert torch.equal(attend([33, 37], beside=True), whole)
 
 
+@pytest.mark.parametrize(("dtype", "family"), FAMILY_CASES)
+@pytest.mark.parametrize("q_len", [1, 5])
+def test_a_long_sequence_alone_is_split_by_kv_head_to_the_same_bits(  # type: ignore[no-untyped-def]
+        k, dtype: torch.dtype, family: str, q_len: int) -> None:
+    # One long sequence's tile (a decode, a verification) with fewer tiles than threads
+    # is one task per kv head (attention.cpp, kSplitContext): the same bits as one task
+    # of every head (on one thread, or beside other sequences that fill the threads).
+    _runs(family, dtype)
+    fam = kernels.ATTENTION_FAMILIES[family]
+    h, kvh, head_dim, block_size, ctx = 9, 3, 64, 16, 1100
+    g = torch.Generator().manual_seed(5)
+    nb = -(-ctx // block_size)
+    cache = torch.randn(nb + 2, 1, 2, kvh, block_size, head_dim, generator=g)
+    cache = quantize_rows(cache) if dtype == torch.int8 else cache.to(dtype)
+    table = torch.zeros(3, nb, dtype=torch.int32)
+    table[0] = torch.randperm(nb + 2, generator=g)[:nb].int()
+    table[1:, 0] = torch.tensor([nb, nb + 1], dtype=torch.int32)
+    q = torch.randn(q_len, h, head_dim, generator=g)
+    others = torch.randn(2, h, head_dim, generator=g)  # two short decodes
+
+    def attend(threads: int, beside: bool) -> torch.Tensor:
+        qq = torch.cat([others, q]) if beside else q
+        seqs = [(1, 1, 9), (2, 1, 12)] if beside else []
+        seqs.append((0, q_len, ctx))
+        starts = [0, 1, 2] if beside else [0]
+        o = torch.empty_like(qq)
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(threads)
+            k.paged_attention(
+                qq, cache, 0, table, torch.tensor([s[0] for s in seqs], dtype=torch.int32),
+                torch.tensor(starts, dtype=torch.int32),
+                torch.tensor([s[1] for s in seqs], dtype=torch.int32),
+                torch.tensor([s[2] for s in seqs], dtype=torch.int32), head_dim ** -0.5, o, fam)
+        finally:
+            torch.set_num_threads(before)
+        return o[2:] if beside else o
+
+    split = attend(2, beside=False)
+    assert torch.equal(split, attend(1, beside=False))
+    assert torch.equal(split, attend(2, beside=True))
+
+
 @pytest.mark.parametrize("vocab", [1, 7, 16, 37, 49152])
 def test_argmax_rows_answers_as_torch(k, vocab: int) -> None:  # type: ignore[no-untyped-def]
     # random rows, ties (the first index wins), all -inf, a NaN (its first index wins),

@@ -17,10 +17,20 @@ namespace pdk {
 constexpr int kMaxBlock = 64;   // slots per KV block the kernel handles
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-struct Geometry {  // of one layer's cache
+struct Geometry {  // of one layer's cache, as a task sees it (KVH: the task's kv heads)
   int64_t slot_stride, head_stride, kv_stride, block_stride;  // elements
   int KVH, G, BS;
 };
+
+// Loads the keys and values of the task's kv heads in cache block `block` (a task's
+// cache pointer is at its first head's keys; values are kv_stride after them).
+template <typename T>
+inline void prefetch_kv(const T* cache, const Geometry& g, int32_t block) {
+  const T* k = cache + static_cast<int64_t>(block) * g.block_stride;
+  const int64_t bytes = g.KVH * g.head_stride * static_cast<int64_t>(sizeof(T));
+  prefetch_region(k, bytes);
+  prefetch_region(k + g.kv_stride, bytes);
+}
 
 // out[qi, head] = O[row] / l[row] for a task's rows r = (kvh * nq + qi) * G + gi
 // (head kvh * G + gi of query token qi); rows that attended to nothing are zeros.

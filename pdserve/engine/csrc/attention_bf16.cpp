@@ -265,7 +265,6 @@ void attend_tile_bf16(const float* q, int64_t q_row_stride, float* out, int64_t 
         for (int d = 0; d < D; d += 8) store8(dst + d, _mm256_mul_ps(load8(src + d), sv));
       }
   const int64_t nblocks = (first_pos + nq - 1) / BS + 1;
-  const int64_t region = g.kv_stride * 2 * static_cast<int64_t>(sizeof(bf16_t));
   const int per_chunk = CS / BS;
   auto row_limit = [&](int rr, int64_t c0, int cslots) {
     return static_cast<int>(std::min<int64_t>(cslots, first_pos + rr / G - c0 + 1));
@@ -280,7 +279,7 @@ void attend_tile_bf16(const float* q, int64_t q_row_stride, float* out, int64_t 
     const int n_ks = (cslots + 31) / 32;      // P V steps of 32 slots
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t nb = b + per_chunk;
-      if (nb < nblocks) prefetch_region(cache + static_cast<int64_t>(blocks[nb]) * g.block_stride, region);
+      if (nb < nblocks) prefetch_kv(cache, g, blocks[nb]);
     }
     for (int kvh = 0; kvh < KVH; ++kvh) {
       const bf16_t* kr[kMaxBlock];
