@@ -377,10 +377,13 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t la
   }
   if (static_cast<int64_t>(tasks.size()) < at::get_num_threads() && KVH > 1) {
     std::vector<Task> split;
-    for (const Task& t : tasks)
-      for (int32_t h = 0; h < KVH; ++h)
-        if (cl[t.s] >= kSplitContext) split.push_back({t.s, t.t0, h, 1});
-        else if (h == 0) split.push_back(t);
+    for (const Task& t : tasks) {
+      if (cl[t.s] < kSplitContext) {
+        split.push_back(t);
+        continue;
+      }
+      for (int32_t h = 0; h < KVH; ++h) split.push_back({t.s, t.t0, h, 1});
+    }
     tasks.swap(split);
   }
   Geometry g;
