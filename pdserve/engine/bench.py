@@ -9,8 +9,9 @@ Per thread count, and per weight format (float32, bfloat16, int8, int4, w8a8):
 - prefill: TTFT, tokens/s and MFU (model FLOPs / the peak of the linear layers'
   kernel family, ``bench_gemm``; torch's float32 matmul peak on the reference
   path) for 128, 1024 and 4096-token prompts;
-- a per-op profile of a decode step (calls per step; share of time in matmuls,
-  attention and everything else);
+- a per-op profile of a decode step through the per-layer Python loop (calls per
+  step; share of time in matmuls, attention and everything else; served engines
+  run the layers as one C++ call, ``csrc/decoder.cpp``);
 - transformers' single-stream, throughput and prefill on the same weights, and
   every pdserve figure as a ratio against its reference.
 
@@ -137,6 +138,7 @@ def profile_decode(eng: LLMEngine, prompt: list[int], steps: int = 32) -> OpProf
         return run
 
     model = eng.model
+    model.decoder = None  # the per-layer loop, whose kernels the wrappers can time
     for m in model.modules():
         if isinstance(m, Linear) and m.kernel is not None:
             m.kernel = timed(m.kernel, "lm head" if m is model.lm_head else "matmuls")
@@ -278,7 +280,8 @@ def bench_format(model_dir: Path, fmt: str, threads: int, bw: float, peak: float
     calls = sum(prof.calls_per_step.values())
     shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(prof.shares().items(),
                                                         key=lambda kv: -kv[1]))
-    print(f"   decode step profile ({prof.step_ms:.1f} ms, {calls:.0f} kernel calls): {shares}")
+    print(f"   decode step profile, per-layer loop ({prof.step_ms:.1f} ms, {calls:.0f} kernel "
+          f"calls): {shares}")
     return FormatResult(fmt, threads, spt * 1e3, cost.step_weight_bytes / 1e6, frac, tps,
                         {k: v * 1e3 for k, v in ttft.items()}, mfu, asdict(prof))
 

@@ -28,8 +28,7 @@ NAME = "pdserve_kernels"
 _SRC = Path(__file__).with_name("csrc")
 _OUT = Path(__file__).with_name("_kernels")
 _SOURCES = ("bindings.cpp", "gemm.cpp", "amx.cpp", "quant_gemm.cpp", "w8a8.cpp", "attention.cpp",
-            "attention_bf16.cpp",
-            "pointwise.cpp")
+            "attention_bf16.cpp", "pointwise.cpp", "decoder.cpp")
 # -ffp-contract=off: a * b + c is never fused behind our back, so that the same
 # source line rounds the same in every inlined or vectorised copy (batch invariance).
 _CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-std=c++17")

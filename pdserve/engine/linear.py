@@ -36,7 +36,7 @@ SiLU-and-multiply: ``TorchOps`` is the reference, ``CpuOps`` the fused kernels.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -187,6 +187,13 @@ class Linear(nn.Module):
     # Called ~120 times per decode step: skip nn.Module's hook machinery (~2 us a call).
     __call__ = forward
 
+    def cpu_op(self) -> Any | None:
+        """This layer's kernel as csrc/decoder.h's ``LinearOp`` (with whether it writes
+        silu(gate) * up itself), or None where it is not one of the C++ kernels."""
+        if not isinstance(self.kernel, (CpuDense, CpuQuantized, CpuW8A8)):
+            return None
+        return self.kernel.op(self.fused_silu_mul is not None)
+
 
 class CpuDense:
     """Dense float32 / bfloat16 weight packed for one kernel family (``FAMILIES``);
@@ -201,6 +208,11 @@ class CpuDense:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.k.gemm(x, self.packed, self.out_features, self.family, self.bias)
+
+    def op(self, fuses_silu_mul: bool) -> Any:
+        """This kernel as csrc/decoder.h's ``LinearOp`` (the same call)."""
+        return self.k.LinearOp(0, self.packed, self.out_features, self.family, self.bias,
+                               fuses_silu_mul=fuses_silu_mul)
 
     @property
     def rounds_x(self) -> bool:
@@ -237,6 +249,12 @@ class CpuQuantized:
         return self.k.quant_gemm(x, self.packed, self.out_features, self.bits, self.family,
                                  self.bias)
 
+    def op(self, fuses_silu_mul: bool) -> Any:
+        """This kernel as csrc/decoder.h's ``LinearOp`` (the same call)."""
+        assert not fuses_silu_mul, "the integer families do not fuse silu_mul"
+        return self.k.LinearOp(1, self.packed, self.out_features, self.family, self.bias,
+                               bits=self.bits)
+
 
 class CpuW8A8:
     """int8 weight x int8 activations (scales per row and group), float32 in and out."""
@@ -253,6 +271,12 @@ class CpuW8A8:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.k.w8a8_gemm(x, self.packed, self.scale, self.colsum, self.family, self.bias)
+
+    def op(self, fuses_silu_mul: bool) -> Any:
+        """This kernel as csrc/decoder.h's ``LinearOp`` (the same call)."""
+        return self.k.LinearOp(2, self.packed, self.scale.numel(), self.family, self.bias,
+                               scale=self.scale, colsum=self.colsum,
+                               fuses_silu_mul=fuses_silu_mul)
 
     @property
     def fuses_silu_mul(self) -> bool:

@@ -122,6 +122,7 @@ def test_fused_silu_mul_changes_no_token(tiny_model: Callable[[str], Path], fami
     path = tiny_model("llama-gqa")
     fused, plain = (engine(path, "cpu", dtype="bfloat16", linear_backend=f"cpu-{family}")
                     for _ in range(2))
+    fused.model.decoder = plain.model.decoder = None  # the loop, whose kernels these wrap
     layers = [layer.gate_up for layer in plain.model.layers]  # type: ignore[union-attr]
     assert all(gate_up.fused_silu_mul is not None for gate_up in layers)
     for gate_up in layers:
@@ -148,6 +149,7 @@ def test_bf16_handover_changes_no_logprob(tiny_model: Callable[[str], Path], fam
     path = tiny_model("llama-gqa")
     bf16, f32 = (engine(path, "cpu", dtype="bfloat16", linear_backend=f"cpu-{family}")
                  for _ in range(2))
+    bf16.model.decoder = f32.model.decoder = None  # the loop, whose kernels these wrap
     for m in f32.model.modules():
         if isinstance(m, Linear):
             m.takes_bf16 = False
@@ -162,6 +164,44 @@ def test_bf16_handover_changes_no_logprob(tiny_model: Callable[[str], Path], fam
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.logprobs for o in got] == [o.logprobs for o in want]
     assert seen == {torch.bfloat16}
+
+
+class _Counted:
+    """A fused decoder that counts its calls."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner, self.calls = inner, 0
+
+    def forward(self, *args: object) -> torch.Tensor:
+        self.calls += 1
+        return self.inner.forward(*args)  # type: ignore[attr-defined,no-any-return]
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4", "w8a8"])
+def test_fused_decoder_equals_the_layer_loop(tiny_model: Callable[[str], Path],
+                                             quantization: str) -> None:
+    """The C++ decoder (every layer in one call, csrc/decoder.cpp) gives the tokens
+    and logprobs of the Python loop over the layers, on every linear family this CPU
+    runs, in steps that mix prefill chunks and decodes (biases included)."""
+    if kernels.cpu_supported() is not None:
+        pytest.skip("the cpu kernels run on x86-64 CPUs only")
+    # qwen2-bias: the biases travel too; llama3-rope: sizes that int4 / int8 groups divide
+    path = tiny_model("llama3-rope" if quantization in ("int8", "int4") else "qwen2-bias")
+    dtypes = ["bfloat16", "float32"] if quantization == "none" else ["bfloat16"]
+    params = SamplingParams(max_tokens=16, ignore_eos=True, logprobs=2)
+    for dtype in dtypes:
+        for family in cpu_families(getattr(torch, dtype)):
+            kw = {"dtype": dtype, "linear_backend": f"cpu-{family}",
+                  "quantization": quantization, "max_num_batched_tokens": 40}
+            fused, loop = engine(path, "cpu", **kw), engine(path, "cpu", **kw)
+            assert fused.model.decoder is not None, (dtype, family)
+            counted = fused.model.decoder = _Counted(fused.model.decoder)
+            loop.model.decoder = None
+            ps = prompts(5, [3, 29, 64], fused.model_config.vocab_size, seed=12)
+            got, want = fused.generate(ps, params), loop.generate(ps, params)
+            assert [o.token_ids for o in got] == [o.token_ids for o in want], (dtype, family)
+            assert [o.logprobs for o in got] == [o.logprobs for o in want], (dtype, family)
+            assert counted.calls > 0
 
 
 def test_attention_backend_resolves_to_a_family_for_the_cache(

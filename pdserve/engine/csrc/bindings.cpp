@@ -2,6 +2,8 @@
 // releases the GIL while it runs.
 #include <torch/extension.h>
 
+#include "decoder.h"
+
 namespace pdk {
 at::Tensor pack_quantized(const at::Tensor&, int64_t, int64_t);
 at::Tensor quant_gemm(const at::Tensor&, const at::Tensor&, int64_t, int64_t, int64_t,
@@ -87,4 +89,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("inverse_cdf_rows", &pdk::inverse_cdf_rows, nogil);
   m.def("attention_step", &pdk::attention_step, nogil);
   m.def("apply_token_bitmask", &pdk::apply_token_bitmask, nogil);
+  py::class_<pdk::LinearOp>(m, "LinearOp")
+      .def(py::init([](int64_t kind, at::Tensor packed, int64_t n, int64_t family,
+                       c10::optional<at::Tensor> bias, int64_t bits,
+                       c10::optional<at::Tensor> scale, c10::optional<at::Tensor> colsum,
+                       bool fuses_silu_mul) {
+             TORCH_CHECK(kind >= pdk::LinearOp::kDense && kind <= pdk::LinearOp::kW8A8,
+                         "unknown linear kind ", kind);
+             TORCH_CHECK(kind != pdk::LinearOp::kW8A8 || (scale && colsum),
+                         "a W8A8 layer needs its scale and colsum");
+             return pdk::LinearOp{kind, n, family, bits, std::move(packed),
+                                  scale.value_or(at::Tensor()), colsum.value_or(at::Tensor()),
+                                  std::move(bias), fuses_silu_mul};
+           }),
+           py::arg("kind"), py::arg("packed"), py::arg("n"), py::arg("family"), py::arg("bias"),
+           py::arg("bits") = 0, py::arg("scale") = py::none(), py::arg("colsum") = py::none(),
+           py::arg("fuses_silu_mul") = false);
+  py::class_<pdk::DecoderLayer>(m, "DecoderLayer")
+      .def(py::init<pdk::LinearOp, pdk::LinearOp, pdk::LinearOp, pdk::LinearOp, at::Tensor,
+                    at::Tensor, bool, bool, bool>());
+  py::class_<pdk::Decoder>(m, "Decoder")
+      .def(py::init<std::vector<pdk::DecoderLayer>, at::Tensor, at::Tensor, int64_t, int64_t,
+                    double, int64_t, double>())
+      .def("forward", &pdk::Decoder::forward, nogil);
 }
