@@ -185,7 +185,6 @@ class CpuPagedAttention:
         return out if in_dtype == torch.float32 else out.to(in_dtype)
 
 
-
 def attention_families(kv_cache_dtype: str) -> list[str]:
     """The families this CPU runs for a KV cache of ``kv_cache_dtype``, fastest last:
     for a bfloat16 cache also avx512bf16 and amx, where the dense GEMM's families of
@@ -215,21 +214,7 @@ def resolve_attention_backend(name: str, device: str, head_dim: int, block_size:
         "attention", name, device, fits,
         "head_dim a multiple of 16 (<= 256) and block_size a multiple of 8 (<= 64)",
         lambda: attention_families(kv_cache_dtype), lambda: f"the {family} family {why}")
-    if device != "cpu":
-        raise ValueError(f"attention backend {name!r} runs on the CPU only")
-    if kernels.reason() is not None:
-        raise ValueError(f"attention backend {name!r} cannot run here: {kernels.reason()}")
-    if not fits:
-        raise ValueError(f"attention backend {name!r} needs head_dim a multiple of 16 (<= 256) "
-                         "and block_size a multiple of 8 (<= 64)")
-    families = attention_families(kv_cache_dtype)
-    if name == "cpu":
-        return f"cpu-{families[-1]}"
-    if name.removeprefix("cpu-") not in families:
-        why = ("needs a bfloat16 KV cache" if kv_cache_dtype != "bfloat16"
-               else "needs AMX-BF16 and the tile state from Linux")
-        raise ValueError(f"attention backend {name!r} cannot run here: the amx family {why}")
-    return name
+
 
 
 def make_attention(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
