@@ -2,9 +2,11 @@
 model, greedy chat prompts, against the same engine or server without speculation
 measured in the same run.
 
-1. Engine (one colocated engine in this process): per workload, single-stream TPOT
-   (first token to last / tokens after the first) without and with each proposer
-   setting, the ratio, acceptance (accepted / draft tokens), tokens per verifying
+1. Engine (colocated engines in this process, one per setting): per workload,
+   single-stream TPOT (first token to last / tokens after the first) without and with
+   each proposer setting, every prompt run on each engine in turn for ``--repeats``
+   rounds (this machine drifts over minutes: interleaved, the ratio is one sitting's),
+   the ratio, acceptance (accepted / draft tokens), tokens per verifying
    step, and whether the tokens are the same; then output tokens/s at 1..32
    concurrent streams with and without speculation (where it stops paying:
    ``disable_by_batch_size``).
@@ -51,6 +53,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.gguf_convert import default_gguf_path, resolve_model
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.spec_decode import SuffixCache
 from pdserve.engine.tokenizer import Tokenizer
 
 PARAGRAPH = (
@@ -119,38 +122,56 @@ def part1(model: Path, tok: Tokenizer, threads: int, max_tokens: int,
                for w, ps in WORKLOADS.items()}
     configs: dict[str, dict[str, Any] | None] = {"none": None, **PROPOSERS}
     result: dict[str, Any] = {"single_stream": {}, "throughput": {}}
-    base: dict[str, list[list[int]]] = {}
-    print(f"\n1. engine, {threads} thread(s), greedy, max_tokens {max_tokens}")
+    print(f"\n1. engine, {threads} thread(s), greedy, max_tokens {max_tokens}, "
+          f"{repeats} round(s), every prompt on every engine in turn")
     print(f"   {'workload':8} {'proposer':10} {'TPOT ms':>8} {'vs none':>8} {'accept':>7} "
           f"{'tok/step':>8}  same tokens")
-    for name, spec in configs.items():
-        eng = LLMEngine(model, EngineConfig(dtype="auto", num_threads=threads,
-                                            speculative_config=spec), tokenizer=tok)  # type: ignore[arg-type]
+    engines = {name: LLMEngine(model, EngineConfig(dtype="auto", num_threads=threads,
+                                                   speculative_config=spec), tokenizer=tok)  # type: ignore[arg-type]
+               for name, spec in configs.items()}
+    for eng in engines.values():
         single_stream(eng, prompts["open"][0], 8)  # warm-up
+    # Per workload and engine: tokens, seconds after the first token, and speculation
+    # counters, summed over rounds in which every prompt runs on every engine in turn,
+    # so that this machine's drift (minutes long) falls on all of them alike.
+    runs: dict[tuple[str, str], list[tuple[list[int], float]]] = {}
+    spec: dict[tuple[str, str], list[int]] = {}
+    for _ in range(repeats):
+        for eng in engines.values():  # suffix: each round from an empty cache, as the
+            cache = eng.suffix_cache  # first (else it drafts the last round's answers)
+            if cache is not None:
+                eng.suffix_cache = SuffixCache(cache.capacity, cache.min_n, cache.max_n)
         for workload, ps in prompts.items():
-            before = eng.stats().spec
-            runs = [single_stream(eng, p, max_tokens) for p in ps]
-            tokens = [t for t, _ in runs]
-            tpot = sum(s * (len(t) - 1) for t, s in runs) / sum(len(t) - 1 for t in tokens)
+            for p in ps:
+                for name, eng in engines.items():
+                    before = eng.stats().spec
+                    tokens, tpot = single_stream(eng, p, max_tokens)
+                    runs.setdefault((workload, name), []).append((tokens, tpot))
+                    after = eng.stats().spec
+                    if before is not None and after is not None:
+                        got = spec.setdefault((workload, name), [0, 0, 0])
+                        got[0] += after.num_drafts - before.num_drafts
+                        got[1] += after.num_draft_tokens - before.num_draft_tokens
+                        got[2] += after.num_accepted_tokens - before.num_accepted_tokens
+    for name in configs:
+        for workload in prompts:
+            rs = runs[(workload, name)]
+            tpot = sum(t * (len(ts) - 1) for ts, t in rs) / sum(len(ts) - 1 for ts, _ in rs)
             row: dict[str, Any] = {"tpot_ms": tpot * 1e3}
+            result["single_stream"].setdefault(workload, {})[name] = row
             if name == "none":
-                base[workload] = tokens
-                result["single_stream"].setdefault(workload, {})["none"] = row
                 print(f"   {workload:8} {name:10} {tpot * 1e3:8.2f}")
                 continue
-            after = eng.stats().spec
-            assert before is not None and after is not None
-            drafts = after.num_drafts - before.num_drafts
-            drafted = after.num_draft_tokens - before.num_draft_tokens
-            accepted = after.num_accepted_tokens - before.num_accepted_tokens
+            drafts, drafted, accepted = spec[(workload, name)]
             none_tpot = result["single_stream"][workload]["none"]["tpot_ms"]
             row.update(speedup=none_tpot / row["tpot_ms"],
                        acceptance=accepted / drafted if drafted else 0.0,
                        tokens_per_step=1 + accepted / drafts if drafts else 1.0,
-                       same_tokens=tokens == base[workload])
-            result["single_stream"][workload][name] = row
+                       same_tokens=[ts for ts, _ in rs] ==
+                       [ts for ts, _ in runs[(workload, "none")]])
             print(f"   {workload:8} {name:10} {row['tpot_ms']:8.2f} {row['speedup']:7.2f}x "
                   f"{row['acceptance']:7.0%} {row['tokens_per_step']:8.2f}  {row['same_tokens']}")
+    del engines
     mixed = [p for ps in prompts.values() for p in ps]
     print(f"   output tokens/s by concurrent streams (mixed workload, max_tokens {max_tokens}, "
           f"best of {repeats}):")
@@ -368,7 +389,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--concurrency", default="1,2,4,8,32")
-    ap.add_argument("--repeats", type=int, default=3, help="throughput runs per point (best)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="single-stream rounds (summed) and throughput runs per point (best)")
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
                     help="llama.cpp's llama-server binary, to compare against (default: "
                          "$LLAMA_SERVER; skipped when unset)")
