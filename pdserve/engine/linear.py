@@ -211,8 +211,8 @@ class CpuDense:
 
     def op(self, fuses_silu_mul: bool) -> Any:
         """This kernel as csrc/decoder.h's ``LinearOp`` (the same call)."""
-        return self.k.LinearOp(0, self.packed, self.out_features, self.family, self.bias,
-                               fuses_silu_mul=fuses_silu_mul)
+        return self.k.LinearOp(self.k.LINEAR_DENSE, self.packed, self.out_features, self.family,
+                               self.bias, fuses_silu_mul=fuses_silu_mul)
 
     @property
     def rounds_x(self) -> bool:
@@ -252,8 +252,8 @@ class CpuQuantized:
     def op(self, fuses_silu_mul: bool) -> Any:
         """This kernel as csrc/decoder.h's ``LinearOp`` (the same call)."""
         assert not fuses_silu_mul, "the integer families do not fuse silu_mul"
-        return self.k.LinearOp(1, self.packed, self.out_features, self.family, self.bias,
-                               bits=self.bits)
+        return self.k.LinearOp(self.k.LINEAR_QUANTIZED, self.packed, self.out_features,
+                               self.family, self.bias, bits=self.bits)
 
 
 class CpuW8A8:
@@ -274,8 +274,8 @@ class CpuW8A8:
 
     def op(self, fuses_silu_mul: bool) -> Any:
         """This kernel as csrc/decoder.h's ``LinearOp`` (the same call)."""
-        return self.k.LinearOp(2, self.packed, self.scale.numel(), self.family, self.bias,
-                               scale=self.scale, colsum=self.colsum,
+        return self.k.LinearOp(self.k.LINEAR_W8A8, self.packed, self.scale.numel(), self.family,
+                               self.bias, scale=self.scale, colsum=self.colsum,
                                fuses_silu_mul=fuses_silu_mul)
 
     @property

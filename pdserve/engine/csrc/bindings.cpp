@@ -89,6 +89,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("inverse_cdf_rows", &pdk::inverse_cdf_rows, nogil);
   m.def("attention_step", &pdk::attention_step, nogil);
   m.def("apply_token_bitmask", &pdk::apply_token_bitmask, nogil);
+  m.attr("LINEAR_DENSE") = static_cast<int64_t>(pdk::LinearOp::kDense);
+  m.attr("LINEAR_QUANTIZED") = static_cast<int64_t>(pdk::LinearOp::kQuantized);
+  m.attr("LINEAR_W8A8") = static_cast<int64_t>(pdk::LinearOp::kW8A8);
   py::class_<pdk::LinearOp>(m, "LinearOp")
       .def(py::init([](int64_t kind, at::Tensor packed, int64_t n, int64_t family,
                        c10::optional<at::Tensor> bias, int64_t bits,

@@ -59,7 +59,7 @@ at::Tensor Decoder::forward(const at::Tensor& x_in, at::Tensor& residual, at::Te
                             const at::Tensor& ctx_len) const {
   at::Tensor x = x_in;
   const int64_t n = static_cast<int64_t>(layers_.size());
-  for (int64_t i = 0; i < n; ++i) {
+  for (int64_t i = 0;; ++i) {
     const DecoderLayer& l = layers_[i];
     at::Tensor qkv = l.qkv(x);
     at::Tensor o = attention_step(qkv, positions, cos_, sin_, kv_cache, i, slots, block_table,
@@ -67,14 +67,10 @@ at::Tensor Decoder::forward(const at::Tensor& x_in, at::Tensor& residual, at::Te
                                   scale_, attn_family_);
     x = add_rms_norm(l.o(o), residual, l.post_norm, eps_, l.gate_up_bf16);
     at::Tensor d = l.down(l.gate_up.silu_mul(x, l.down_bf16));
-    if (i + 1 < n) {
-      const DecoderLayer& next = layers_[i + 1];
-      x = add_rms_norm(d, residual, next.input_norm, eps_, next.qkv_bf16);
-    } else {
-      return at::add(residual, d);
-    }
+    if (i + 1 == n) return at::add(residual, d);  // (the constructor refuses no layers)
+    const DecoderLayer& next = layers_[i + 1];
+    x = add_rms_norm(d, residual, next.input_norm, eps_, next.qkv_bf16);
   }
-  return residual;  // not reached: the last layer returns
 }
 
 }  // namespace pdk
