@@ -135,7 +135,7 @@ def part1(model: Path, tok: Tokenizer, threads: int, max_tokens: int,
     # counters, summed over rounds in which every prompt runs on every engine in turn,
     # so that this machine's drift (minutes long) falls on all of them alike.
     runs: dict[tuple[str, str], list[tuple[list[int], float]]] = {}
-    spec: dict[tuple[str, str], list[int]] = {}
+    counts: dict[tuple[str, str], list[int]] = {}  # drafts, draft tokens, accepted
     for _ in range(repeats):
         for eng in engines.values():  # suffix: each round from an empty cache, as the
             cache = eng.suffix_cache  # first (else it drafts the last round's answers)
@@ -149,7 +149,7 @@ def part1(model: Path, tok: Tokenizer, threads: int, max_tokens: int,
                     runs.setdefault((workload, name), []).append((tokens, tpot))
                     after = eng.stats().spec
                     if before is not None and after is not None:
-                        got = spec.setdefault((workload, name), [0, 0, 0])
+                        got = counts.setdefault((workload, name), [0, 0, 0])
                         got[0] += after.num_drafts - before.num_drafts
                         got[1] += after.num_draft_tokens - before.num_draft_tokens
                         got[2] += after.num_accepted_tokens - before.num_accepted_tokens
@@ -162,7 +162,7 @@ def part1(model: Path, tok: Tokenizer, threads: int, max_tokens: int,
             if name == "none":
                 print(f"   {workload:8} {name:10} {tpot * 1e3:8.2f}")
                 continue
-            drafts, drafted, accepted = spec[(workload, name)]
+            drafts, drafted, accepted = counts[(workload, name)]
             none_tpot = result["single_stream"][workload]["none"]["tpot_ms"]
             row.update(speedup=none_tpot / row["tpot_ms"],
                        acceptance=accepted / drafted if drafted else 0.0,

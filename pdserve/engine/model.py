@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pdserve.engine import kernels
 from pdserve.engine.attention import AttentionBackend, AttentionMetadata, CpuPagedAttention
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.linear import CpuOps, LayerOps, Linear, TorchOps
@@ -60,8 +61,8 @@ class LlamaModel(nn.Module):
         # of the full ``vocab`` (cfg.vocab_size is then the padded shard width).
         self.tp: TPGroup | None = None
         self.vocab_range = (0, cfg.vocab_size)
-        # All decoder layers in one C++ call (``fused_decoder``), or None: the loop in
-        # ``forward``. Whoever wraps a layer's kernels from Python sets it to None.
+        # All decoder layers in one C++ call (``_fused_decoder``), or None: ``_layers``,
+        # the loop in Python. Whoever wraps a layer's kernels from Python sets it to None.
         self.decoder: Any = None
         self.vocab = cfg.vocab_size
 
@@ -77,28 +78,29 @@ class LlamaModel(nn.Module):
         self.ops = CpuOps() if fast else TorchOps()
         self.act_dtype = torch.float32 if fast else None
         self.attn = attn
-        self.decoder = self.fused_decoder()
+        self.decoder = self._fused_decoder()
 
-    def fused_decoder(self) -> Any:
-        """``forward``'s loop over the layers as one C++ call (csrc/decoder.cpp: the
-        same kernels in the same order, the same bits) where every layer runs the C++
-        kernels and the model is not tensor parallel; else None. A single-stream
+    def _fused_decoder(self) -> Any:
+        """``_layers`` as one C++ call (csrc/decoder.cpp: the same kernels in the same
+        order, the same bits) where every layer runs the C++ kernels and the model is
+        not tensor parallel; else None. A single-stream
         decode step spends ~1 ms of ~5 in the loop's Python and bindings otherwise."""
         attn = self.attn
         if self.tp is not None or not isinstance(self.ops, CpuOps) or \
                 not isinstance(attn, CpuPagedAttention):
             return None
-        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        k = kernels.require()
         built = []
+        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         for layer in layers:
             ops = [lin.cpu_op() for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             if any(op is None for op in ops):
                 return None
-            built.append(attn.k.DecoderLayer(
+            built.append(k.DecoderLayer(
                 *ops, layer.input_norm, layer.post_attn_norm, layer.qkv.takes_bf16,
                 layer.gate_up.takes_bf16, layer.down.takes_bf16))
-        return attn.k.Decoder(built, attn.cos, attn.sin, attn.h, attn.kvh, attn.scale,
-                              attn.family, self.cfg.rms_norm_eps)
+        return k.Decoder(built, attn.cos, attn.sin, attn.h, attn.kvh, attn.scale, attn.family,
+                         self.cfg.rms_norm_eps)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -107,16 +109,26 @@ class LlamaModel(nn.Module):
         final-normed hidden states of the token indices ``rows`` (see ``logits``)."""
         assert self.attn is not None, "call use() first"
         eps, ops = self.cfg.rms_norm_eps, self.ops
-        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        first: DecoderLayer = self.layers[0]  # type: ignore[assignment]
         residual = self._embed(input_ids)
         # Rows bound for a layer that takes_bf16 are handed over in bfloat16, rounded as
         # that layer would round them: the same bits, half the bytes, no rounding pass.
-        x = ops.rms_norm(residual, layers[0].input_norm, eps, layers[0].qkv.takes_bf16)
+        x = ops.rms_norm(residual, first.input_norm, eps, first.qkv.takes_bf16)
         if self.decoder is not None:
             residual = self.decoder.forward(
                 x, residual, kv_cache, meta.positions, meta.slot_mapping, meta.block_table,
                 meta.seq_rows, meta.query_start, meta.query_len, meta.context_len)
-            return ops.rms_norm(residual[rows].contiguous(), self.norm, eps)
+        else:
+            residual = self._layers(x, residual, kv_cache, meta)
+        return ops.rms_norm(residual[rows].contiguous(), self.norm, eps)
+
+    def _layers(self, x: torch.Tensor, residual: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """The decoder layers one by one (what ``decoder`` does in one call); returns the
+        residual stream after the last."""
+        assert self.attn is not None
+        eps, ops = self.cfg.rms_norm_eps, self.ops
+        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         for i, layer in enumerate(layers):
             o = self.attn(layer.qkv(x), kv_cache, i, meta)
             x, residual = ops.add_rms_norm(self._reduce(layer.o(o)), residual,
@@ -127,7 +139,7 @@ class LlamaModel(nn.Module):
                                                layers[i + 1].qkv.takes_bf16)
             else:
                 residual = residual + d
-        return ops.rms_norm(residual[rows].contiguous(), self.norm, eps)
+        return residual
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
