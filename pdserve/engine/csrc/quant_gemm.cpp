@@ -365,11 +365,13 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, 
   quantize_rows(x.data_ptr<float>(), M, K, 32, offset ? QxForm::kU8Offset : QxForm::kS8,
                 q.data(), dx.data());
   if (bits == 4)  // the min term's sum of x, from the quantized x
-    for (int64_t i = 0; i < M * nb; ++i) {
-      int32_t s = 0;
-      for (int64_t j = 0; j < 32; ++j) s += q[i * 32 + j];
-      sx[i] = dx[i] * static_cast<float>(s);
-    }
+    at::parallel_for(0, M * nb, kQuantizeGrain / 32, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        int32_t s = 0;
+        for (int64_t j = 0; j < 32; ++j) s += q[i * 32 + j];
+        sx[i] = dx[i] * static_cast<float>(s);
+      }
+    });
   const uint8_t* P = packed.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t group = group_of(family), groups = (n_pad + group - 1) / group;
