@@ -16,6 +16,11 @@ measured in the same run.
    server on the same GGUF and prompts, without and with its n-gram speculation
    (``ngram-simple`` as it comes, and ``ngram-mod``), against pdserve in bf16 and with
    an int4 decode pool (the GGUF's own Q4_1 blocks, the weights llama-server runs).
+   The servers compared run side by side (a pdserve server and its speculating twin,
+   with llama-server + ``ngram-mod`` beside every pair, started anew each round: its
+   n-grams outlive a request and would learn the same prompts' earlier answers), every
+   prompt on each in turn for ``--repeats`` rounds: one server after another, this
+   VM's drift (up to 4x between runs minutes apart) decided the ratios.
 
 3. Draft rules at temperature 0.8, top-p 0.9, top-k 50 (no server, no engine: the
    target's and a draft's full distributions over the default model's own sampled
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -44,6 +50,9 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +108,8 @@ PROPOSERS: dict[str, dict[str, Any]] = {
                    "prompt_lookup_min": 2},
 }
 SERVED_SPEC = PROPOSERS["ngram k=8"]
+SERVED_MODEL = "SmolLM2-135M-Instruct"
+WARM_UP = "Say hello in one sentence."  # a server's first request (not a measured prompt)
 
 
 def single_stream(eng: LLMEngine, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
@@ -209,30 +220,58 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def _chat_tpot(base_url: str, prompts: list[str], max_tokens: int,
-                     model: str) -> tuple[list[str], float]:
-    """Each prompt alone through the chat endpoint; texts and TPOT over all of them."""
-    texts, spent, counted = [], 0.0, 0
-    for i, prompt in enumerate([prompts[0], *prompts]):  # the first one twice: warm-up
-        body = {"model": model, "messages": [{"role": "user", "content": prompt}],
-                "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
-        # a connection per request: llama-server closes a streamed one after it
-        async with OpenAIStreamClient(base_url) as client:
-            out = await client.stream(CHAT_COMPLETIONS, body)
-        if not out.success:
-            raise RuntimeError(f"request failed: {out.error}")
-        if i:
-            texts.append(out.generated_text)
-            spent += out.latency - out.ttft
-            counted += out.output_tokens - 1
-    return texts, spent / max(1, counted)
+async def _chat_once(base_url: str, prompt: str, max_tokens: int,
+                     model: str) -> tuple[str, float, int]:
+    """One prompt through the chat endpoint: its text, the seconds from its first token
+    to its last and the tokens after the first."""
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    # a connection per request: llama-server closes a streamed one after it
+    async with OpenAIStreamClient(base_url) as client:
+        out = await client.stream(CHAT_COMPLETIONS, body)
+    if not out.success:
+        raise RuntimeError(f"request to {base_url} failed: {out.error}")
+    return out.generated_text, out.latency - out.ttft, out.output_tokens - 1
 
 
-def _served(config: dict[str, Any], max_tokens: int) -> dict[str, tuple[list[str], float]]:
-    with Served(config) as served:
-        return {w: asyncio.run(_chat_tpot(served.url, ps, max_tokens, "SmolLM2-135M-Instruct"))
-                for w, ps in WORKLOADS.items()}
+def _interleaved(servers: dict[str, tuple[str, str]], max_tokens: int, repeats: int,
+                 fresh: Mapping[str, Callable[[], AbstractContextManager[tuple[str, str]]]]
+                 | None = None) -> dict[str, dict[str, tuple[list[str], float]]]:
+    """Single-stream TPOT of each server (name -> (base URL, model)) per workload: every
+    prompt on each server in turn (the order alternating), ``repeats`` rounds, time and
+    tokens summed, so that the machine's drift over minutes falls on all of them alike.
+    ``fresh``: servers started anew for each round (name -> what starts one), whose
+    drafts would otherwise learn the earlier rounds' answers to the same prompts
+    (llama-server's ngram-mod keeps its n-grams across requests). Texts are the first
+    round's (greedy)."""
+    fresh = fresh or {}
+    names = [*servers, *fresh]
+    for url, model in servers.values():
+        asyncio.run(_chat_once(url, WARM_UP, max_tokens, model))
+    spent = {n: {w: 0.0 for w in WORKLOADS} for n in names}
+    counted = {n: {w: 0 for w in WORKLOADS} for n in names}
+    texts: dict[str, dict[str, list[str]]] = {n: {w: [] for w in WORKLOADS} for n in names}
+    turn = 0
+    for r in range(repeats):
+        with contextlib.ExitStack() as started:
+            running = dict(servers)
+            for name, start in fresh.items():
+                running[name] = started.enter_context(start())
+                url, model = running[name]
+                asyncio.run(_chat_once(url, WARM_UP, max_tokens, model))
+            for w, prompts in WORKLOADS.items():
+                for prompt in prompts:
+                    turn += 1
+                    for name in names if turn % 2 else names[::-1]:
+                        url, model = running[name]
+                        text, sec, n = asyncio.run(_chat_once(url, prompt, max_tokens, model))
+                        spent[name][w] += sec
+                        counted[name][w] += n
+                        if r == 0:
+                            texts[name][w].append(text)
+    return {n: {w: (texts[n][w], spent[n][w] / max(1, counted[n][w])) for w in WORKLOADS}
+            for n in names}
 
 
 def _ended(proc: subprocess.Popen[bytes]) -> str:
@@ -245,8 +284,10 @@ def _ended(proc: subprocess.Popen[bytes]) -> str:
     return f"exit code {code}"
 
 
-def _llama_server(binary: str, gguf: Path, threads: int, max_tokens: int,
-                  spec_flags: list[str]) -> dict[str, tuple[list[str], float]]:
+@contextlib.contextmanager
+def _llama_server(binary: str, gguf: Path, threads: int,
+                  spec_flags: list[str]) -> Iterator[tuple[str, str]]:
+    """llama.cpp's server on ``gguf`` while the block runs: (its base URL, model)."""
     port = _free_port()
     log = Path(tempfile.mkdtemp(prefix="pdserve-llama-")) / "server.log"
     with log.open("wb") as out:
@@ -260,19 +301,19 @@ def _llama_server(binary: str, gguf: Path, threads: int, max_tokens: int,
                 raise RuntimeError(f"llama-server did not start ({_ended(proc)}):\n"
                                    f"{log.read_text()[-2000:]}")
             time.sleep(0.2)
-        return {w: asyncio.run(_chat_tpot(f"http://127.0.0.1:{port}", ps, max_tokens, "x"))
-                for w, ps in WORKLOADS.items()}
+        yield f"http://127.0.0.1:{port}", "x"
     finally:
         proc.terminate()
         proc.wait(30)
 
 
-def part2(threads: int, max_tokens: int, llama_server: str | None) -> dict[str, Any]:
+def part2(threads: int, max_tokens: int, llama_server: str | None,
+          repeats: int) -> dict[str, Any]:
     spec = json.loads(json.dumps(SERVED_SPEC))
     colocated = {"prefill": {"workers": 0}, "decode": {"workers": 0},
                  "colocated": {"workers": 1, "num_cpus": threads}}
     pair = {"prefill": {"num_cpus": 1}, "decode": {"num_cpus": 1}}
-    runs: dict[str, dict[str, Any]] = {
+    configs: dict[str, dict[str, Any]] = {
         "pdserve colocated": colocated,
         "pdserve colocated + ngram": {**colocated, "colocated": {
             **colocated["colocated"], "engine": {"speculative_config": spec}}},
@@ -285,19 +326,33 @@ def part2(threads: int, max_tokens: int, llama_server: str | None) -> dict[str, 
         "pdserve 1P+1D int4 + ngram": {**pair, "decode": {"num_cpus": 1, "engine": {
             "quantization": "int4", "speculative_config": spec}}},
     }
-    results: dict[str, dict[str, tuple[list[str], float]]] = {
-        name: _served(cfg, max_tokens) for name, cfg in runs.items()}
-    if llama_server:
-        gguf = default_gguf_path()
-        results["llama-server"] = _llama_server(llama_server, gguf, threads, max_tokens, [])
-        # its n-gram speculation: ngram-simple with its defaults, and ngram-mod (the
-        # faster of its n-gram types on this workload, measured)
-        results["llama-server + ngram-simple"] = _llama_server(
-            llama_server, gguf, threads, max_tokens, ["--spec-type", "ngram-simple"])
-        results["llama-server + ngram"] = _llama_server(
-            llama_server, gguf, threads, max_tokens, ["--spec-type", "ngram-mod"])
-    print(f"\n2. served, single stream, chat, greedy, max_tokens {max_tokens} "
-          f"(client TPOT: first token to last / tokens after the first)")
+    # Each server runs beside the one it is compared with, a prompt on each in turn;
+    # llama-server with ngram-mod (the faster of its n-gram types on this workload,
+    # measured) beside every pair, started anew each round, so that each comparison is
+    # one sitting's.
+    print(f"\n2. served, single stream, chat, greedy, max_tokens {max_tokens}, {repeats} "
+          f"round(s), every prompt on each server of a group in turn (client TPOT: first "
+          f"token to last / tokens after the first)", flush=True)
+    results: dict[str, dict[str, tuple[list[str], float]]] = {}
+    versus: dict[str, dict[str, float]] = {}
+    llama = None if not llama_server else partial(
+        _llama_server, llama_server, default_gguf_path(), threads)
+    mod = {} if llama is None else {"llama-server + ngram": partial(llama, ["--spec-type",
+                                                                            "ngram-mod"])}
+    for base in ("pdserve colocated", "pdserve 1P+1D", "pdserve 1P+1D int4"):
+        ours = f"{base} + ngram"
+        with Served(configs[base]) as plain, Served(configs[ours]) as fast:
+            got = _interleaved({base: (plain.url, SERVED_MODEL), ours: (fast.url, SERVED_MODEL)},
+                               max_tokens, repeats, mod)
+        results[base], results[ours] = got[base], got[ours]
+        if mod:
+            versus[ours] = {w: got["llama-server + ngram"][w][1] / got[ours][w][1]
+                            for w in WORKLOADS}
+    if llama is not None:
+        with llama([]) as plain_url, llama(["--spec-type", "ngram-simple"]) as simple_url:
+            results.update(_interleaved({"llama-server": plain_url,
+                                         "llama-server + ngram-simple": simple_url},
+                                        max_tokens, repeats, mod))
     out: dict[str, Any] = {}
     for name, res in results.items():
         row = {w: {"tpot_ms": tpot * 1e3} for w, (_, tpot) in res.items()}
@@ -311,14 +366,10 @@ def part2(threads: int, max_tokens: int, llama_server: str | None) -> dict[str, 
             f"{w}: {r['tpot_ms']:6.2f} ms" + (f" ({r['speedup']:.2f}x, same text "
                                               f"{r['same_text']})" if "speedup" in r else "")
             for w, r in row.items()))
-    if "llama-server + ngram" in out:
-        for ours_name in ("pdserve colocated + ngram", "pdserve 1P+1D + ngram",
-                          "pdserve 1P+1D int4 + ngram"):
-            ratios = {w: out["llama-server + ngram"][w]["tpot_ms"] / out[ours_name][w]["tpot_ms"]
-                      for w in WORKLOADS}
-            out[f"{ours_name} vs llama-server + ngram-mod"] = ratios
-            print(f"   {ours_name} vs llama-server + ngram-mod (TPOT ratio, > 1: pdserve "
-                  f"faster): " + "  ".join(f"{w} {r:.2f}x" for w, r in ratios.items()))
+    for ours, ratios in versus.items():
+        out[f"{ours} vs llama-server + ngram-mod"] = ratios
+        print(f"   {ours} vs llama-server + ngram-mod (TPOT ratio in the same rounds, > 1: "
+              f"pdserve faster): " + "  ".join(f"{w} {r:.2f}x" for w, r in ratios.items()))
     return out
 
 
@@ -390,7 +441,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--concurrency", default="1,2,4,8,32")
     ap.add_argument("--repeats", type=int, default=3,
-                    help="single-stream rounds (summed) and throughput runs per point (best)")
+                    help="single-stream rounds (summed; engines and servers) and throughput runs "
+                         "per point (best)")
     ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
                     help="llama.cpp's llama-server binary, to compare against (default: "
                          "$LLAMA_SERVER; skipped when unset)")
@@ -404,7 +456,8 @@ def main() -> None:
         report["engine"] = part1(model, tok, args.threads, args.max_tokens,
                                  [int(c) for c in args.concurrency.split(",")], args.repeats)
     if 2 in parts:
-        report["served"] = part2(args.threads, args.max_tokens, args.llama_server)
+        report["served"] = part2(args.threads, args.max_tokens, args.llama_server,
+                                 args.repeats)
     if 3 in parts:
         report["draft_rules"] = part3(model, tok, args.max_tokens)
     if args.json:

@@ -16,8 +16,9 @@ def test_a_llama_server_killed_at_start_is_named_with_its_signal(tmp_path: Path)
     fake = tmp_path / "llama-server"
     fake.write_text("#!/bin/sh\necho loading model\nkill -ILL $$\n")
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
-    with pytest.raises(RuntimeError, match=r"did not start \(killed by SIGILL\)") as err:
-        _llama_server(str(fake), tmp_path / "model.gguf", 1, 1, [])
+    with (pytest.raises(RuntimeError, match=r"did not start \(killed by SIGILL\)") as err,
+          _llama_server(str(fake), tmp_path / "model.gguf", 1, [])):
+        pass
     assert "loading model" in str(err.value)
 
 
@@ -25,5 +26,6 @@ def test_a_llama_server_that_exits_at_start_is_named_with_its_code(tmp_path: Pat
     fake = tmp_path / "llama-server"
     fake.write_text("#!/bin/sh\necho no such model\nexit 3\n")
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
-    with pytest.raises(RuntimeError, match=r"did not start \(exit code 3\)"):
-        _llama_server(str(fake), tmp_path / "model.gguf", 1, 1, [])
+    with (pytest.raises(RuntimeError, match=r"did not start \(exit code 3\)"),
+          _llama_server(str(fake), tmp_path / "model.gguf", 1, [])):
+        pass
