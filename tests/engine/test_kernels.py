@@ -335,6 +335,26 @@ def test_a_long_sequence_alone_is_split_by_kv_head_to_the_same_bits(  # type: ig
     assert torch.equal(split, attend(2, beside=True))
 
 
+@pytest.mark.parametrize(("dtype", "family"), FAMILY_CASES)
+def test_a_step_s_bits_do_not_depend_on_the_threads(dtype: torch.dtype, family: str) -> None:
+    # Threads take the tasks one at a time, longest first (attention.cpp): which thread
+    # runs which tile of a causal prefill, and in what order, never shows in the bits.
+    _runs(family, dtype)
+    seqs = [(1, 40), (1, 700), (1, 5), (160, 300), (70, 70)]
+    seqs = sorted(seqs, key=lambda s: s[0] != 1)
+    cache, qkv, meta, rotary = _case(dtype, 64, 16, (9, 3), seqs, seed=11)
+    attend = CpuPagedAttention(9, 3, 64, rotary, family)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for threads in (1, 2, 2):
+            kernels.set_num_threads(threads)
+            outs.append(attend(qkv.clone(), cache.clone(), 1, meta))
+    finally:
+        kernels.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 @pytest.mark.parametrize("vocab", [1, 7, 16, 37, 49152])
 def test_argmax_rows_answers_as_torch(k, vocab: int) -> None:  # type: ignore[no-untyped-def]
     # random rows, ties (the first index wins), all -inf, a NaN (its first index wins),
