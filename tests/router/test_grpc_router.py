@@ -11,6 +11,7 @@ reported to its owner.)"""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -148,9 +149,44 @@ def test_a_real_routers_errors_have_their_status(
     serve(pair, scenario)
 
 
+class HeldDecode:
+    """Within ``with``, the decode workers' engine steps wait (their loop threads, up to
+    60 s) until the block ends: a request's deadline then passes mid-decode however
+    fast this machine decodes (a fast one finished 1,500 tokens inside a 1 s deadline)."""
+
+    def __init__(self, pair: Pair) -> None:
+        self.holding, self.released = threading.Event(), threading.Event()
+        for w in pair.decode:
+            step = w.engine.step
+
+            def held(step: Callable[[], Any] = step) -> Any:
+                if self.holding.is_set():
+                    self.released.wait(60)
+                return step()
+
+            w.engine.step = held  # type: ignore[method-assign]
+
+    def __enter__(self) -> None:
+        self.released.clear()
+        self.holding.set()
+
+    def __exit__(self, *exc: object) -> None:
+        self.holding.clear()
+        self.released.set()
+
+
+async def error_of(call: Any) -> grpc.aio.AioRpcError:
+    """The error that ends a streaming call (reading on until it comes)."""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        while await call.read() is not grpc.aio.EOF:
+            pass
+    return info.value
+
+
 def test_leaving_clients_free_their_blocks(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
     pair = pair_factory()
     long = pb.SamplingParameters(max_tokens=1500, ignore_eos=True)
+    held = HeldDecode(pair)
 
     async def running() -> None:
         for _ in range(200):  # the request reaches the decode worker asynchronously
@@ -172,11 +208,16 @@ def test_leaving_clients_free_their_blocks(pair_factory: Callable[..., Pair]) ->
                                                 params=long), timeout=2.0)
         await call.read()
         await running()
-        assert await call.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        with held:
+            assert await call.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         await wait_freed(pair)
         # So does the request's own deadline (timeout_s), mid-decode.
-        err = await status_of(stub, pb.GenerateRequest(
-            token_ids=pb.TokenIds(ids=[7] * 40), params=long, timeout_s=1.0))
+        call = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[7] * 40),
+                                                params=long, timeout_s=1.0))
+        await call.read()
+        await running()
+        with held:
+            err = await error_of(call)
         assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "passed its deadline" in err.details()
         await wait_freed(pair)
