@@ -236,8 +236,8 @@ async def _chat_once(base_url: str, prompt: str, max_tokens: int,
 
 
 def _interleaved(servers: dict[str, tuple[str, str]], max_tokens: int, repeats: int,
-                 fresh: Mapping[str, Callable[[], AbstractContextManager[tuple[str, str]]]]
-                 | None = None) -> dict[str, dict[str, tuple[list[str], float]]]:
+                 fresh: Mapping[str, Callable[[], AbstractContextManager[tuple[str, str]]]],
+                 ) -> dict[str, dict[str, tuple[list[str], float]]]:
     """Single-stream TPOT of each server (name -> (base URL, model)) per workload: every
     prompt on each server in turn (the order alternating), ``repeats`` rounds, time and
     tokens summed, so that the machine's drift over minutes falls on all of them alike.
@@ -245,7 +245,6 @@ def _interleaved(servers: dict[str, tuple[str, str]], max_tokens: int, repeats: 
     drafts would otherwise learn the earlier rounds' answers to the same prompts
     (llama-server's ngram-mod keeps its n-grams across requests). Texts are the first
     round's (greedy)."""
-    fresh = fresh or {}
     names = [*servers, *fresh]
     for url, model in servers.values():
         asyncio.run(_chat_once(url, WARM_UP, max_tokens, model))

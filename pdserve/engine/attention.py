@@ -216,7 +216,6 @@ def resolve_attention_backend(name: str, device: str, head_dim: int, block_size:
         lambda: attention_families(kv_cache_dtype), lambda: f"the {family} family {why}")
 
 
-
 def make_attention(name: str, num_heads: int, num_kv_heads: int, head_dim: int,
                    rotary: RotaryEmbedding) -> AttentionBackend:
     """The backend ``resolve_attention_backend`` named (``torch`` or ``cpu-FAMILY``)."""
