@@ -15,6 +15,7 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import logging
+import os
 import platform
 import sys
 from collections.abc import Callable
@@ -66,15 +67,23 @@ def cpu_supported() -> str | None:
     return None
 
 
+# Flags to take no notice of (space- or comma-separated), so that this machine picks
+# the kernel families a CPU without them would: a Zen 4 or Zen 3 run of the suite on
+# an AMX Xeon, or one family across a fleet of mixed CPUs (docs/internals.md).
+HIDE_FLAGS_ENV = "PDSERVE_HIDE_CPU_FLAGS"
+
+
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere)."""
+    """The CPU's feature flags (Linux /proc/cpuinfo; empty elsewhere), less those
+    ``PDSERVE_HIDE_CPU_FLAGS`` names."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return frozenset()
+    hidden = set(os.environ.get(HIDE_FLAGS_ENV, "").replace(",", " ").split())
     for line in text.splitlines():
         if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
+            return frozenset(line.split(":", 1)[1].split()) - hidden
     return frozenset()
 
 

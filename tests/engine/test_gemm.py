@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine import kernels, quant
+from pdserve.engine.attention import attention_families
 from pdserve.engine.linear import (
     FAMILIES,
     INT_FAMILIES,
@@ -208,6 +209,28 @@ def test_integer_families_follow_the_cpu_flags() -> None:
     assert int_family("cpu-avx2") == "avx2"
     assert int_family("cpu-avx512bf16") == ("avx512vnni" if vnni else "avx2")
     assert [blocks_family(f) for f in INT_FAMILIES] == ["avx2", "avx512vnni", "avx512vnni"]
+
+
+# The flags a Zen 4 (AVX512-BF16 class) and a Zen 3 (AVX2 class) lack of an AMX Xeon's.
+NO_AMX = "amx_tile amx_bf16 amx_int8"
+AVX2_CLASS = NO_AMX + " avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni avx_vnni"
+
+
+@pytest.mark.parametrize("hidden", [NO_AMX, AVX2_CLASS])
+def test_hidden_flags_choose_the_families_of_a_cpu_without_them(
+        monkeypatch: pytest.MonkeyPatch, hidden: str) -> None:
+    real = kernels.cpu_flags()
+    monkeypatch.setenv(kernels.HIDE_FLAGS_ENV, hidden.replace(" ", ", "))
+    assert kernels.cpu_flags() == real - set(hidden.split())
+    bf16 = "avx512_bf16" in real and hidden == NO_AMX
+    vnni = "avx512_vnni" in real and hidden == NO_AMX
+    assert cpu_families(torch.bfloat16) == ["avx2", *(["avx512bf16"] if bf16 else [])]
+    assert int_families() == ["avx2", *(["avx512vnni"] if vnni else [])]
+    assert attention_families("bfloat16") == cpu_families(torch.bfloat16)
+    assert resolve_linear_backend("auto", "cpu", torch.bfloat16, (64,)) == (
+        "cpu-avx512bf16" if bf16 else "cpu-avx2")
+    with pytest.raises(ValueError, match=r"cpu-amx.*cannot run here"):
+        resolve_linear_backend("cpu-amx", "cpu", torch.bfloat16, (64,))
 
 
 @pytest.mark.parametrize("family", INT_FAMILY_NAMES)
