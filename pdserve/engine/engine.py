@@ -49,7 +49,7 @@ from pdserve.engine.runner import ModelRunner, Sampled
 from pdserve.engine.sampler import TokenLogprobs, make_generator, own_generator, skip_draws
 from pdserve.engine.sampling_params import SamplingParams, request_problem
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.spec_decode import SpecState, SpecStats, SuffixCache
+from pdserve.engine.spec_decode import PREDICTION_DEFAULTS, SpecState, SpecStats, SuffixCache
 from pdserve.engine.stop import StopChecker
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.tp.collectives import TPGroup
@@ -197,7 +197,11 @@ class LLMEngine:
         if self.tp is None or self.tp.rank == 0:  # rank 0 samples for every rank
             req.grammar = self.grammars.matcher(params, req.prompt_token_ids)
         req.generator = make_generator(params, self.config.device)
-        if self.spec_config is not None:
+        if params.prediction and self.role != "prefill" and self.draft_model_id is None:
+            output_start = len(prompt_token_ids) - params.resumed_tokens
+            req.spec = SpecState.predicted(params.prediction, output_start, self.spec_config,
+                                           self.suffix_cache)
+        elif self.spec_config is not None:
             req.spec = SpecState.of(self.spec_config, self.suffix_cache)
         skip_draws(params, req.generator, params.resumed_tokens)
         self._stops[request_id] = StopChecker(params, self.eos_token_ids)
@@ -357,8 +361,8 @@ class LLMEngine:
     @replicated
     def step(self) -> StepOutput:
         """Schedule, run the model once, sample, and report what changed."""
-        if self.spec_config is not None:
-            self._propose(self.spec_config.disable_by_batch_size)
+        if self.role != "prefill":  # drafts: the pool's speculation, or predictions
+            self._propose((self.spec_config or PREDICTION_DEFAULTS).disable_by_batch_size)
         batch = self.scheduler.schedule()
         if not batch:
             return StepOutput([], None)
@@ -535,7 +539,8 @@ class LLMEngine:
             prefix_queries=pool.prefix_queries,
             prefix_hits=pool.prefix_hits,
             num_preemptions=sch.num_preemptions,
-            spec=self.spec_stats.snapshot() if self.spec_config is not None else None,
+            spec=self.spec_stats.snapshot()
+            if self.spec_config is not None or self.spec_stats.num_drafts else None,
         )
 
     def kv_layout_spec(self) -> dict[str, object]:

@@ -58,6 +58,10 @@ class SamplingParams:
     * ``resumed_tokens``: the last N prompt tokens are output an earlier attempt of this
       request already produced (a retry on another worker): a grammar continues after
       them. The router sets it; clients do not.
+    * ``prediction`` (OpenAI's predicted outputs, tokenized): what the output is
+      expected to be, e.g. a file being edited. A decoding engine drafts from it
+      (``spec_decode.PredictionProposer``) and verifies as any speculation: the output
+      is the one without it, token for token; a good prediction only makes it faster.
     * ``priority`` (vLLM's field): lower runs first, in the router's admission queue and
       in each worker's waiting queue (with aging, so a low priority never starves). It
       rides here so that every hop that carries the request carries it.
@@ -83,6 +87,7 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     resumed_tokens: int = 0
     priority: int = 0
+    prediction: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         # Types first (normalising ints/floats/lists), then ranges.
@@ -107,7 +112,8 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {_tname(getattr(self, name))}")
         self._set("stop", _as_stop(self.stop))
-        self._set("stop_token_ids", _as_stop_token_ids(self.stop_token_ids))
+        self._set("stop_token_ids", _as_token_ids("stop_token_ids", self.stop_token_ids))
+        self._set("prediction", _as_token_ids("prediction", self.prediction))
         self._set("logit_bias", _as_logit_bias(self.logit_bias))
         self._set("resumed_tokens", _as_int("resumed_tokens", self.resumed_tokens))
         self._set("priority", _as_int("priority", self.priority))
@@ -208,6 +214,8 @@ def request_problem(prompt_token_ids: Sequence[int], params: SamplingParams, voc
         return f"stop_token_ids must be < vocab size {vocab}"
     if any(t >= vocab for t, _ in params.logit_bias):
         return f"logit_bias token ids must be < vocab size {vocab}"
+    if any(t >= vocab for t in params.prediction):
+        return f"prediction token ids must be < vocab size {vocab}"
     if params.resumed_tokens >= n:
         return (f"resumed_tokens ({params.resumed_tokens}) must be shorter than the "
                 f"prompt ({n})")
@@ -284,11 +292,11 @@ def _as_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out.items()))
 
 
-def _as_stop_token_ids(value: object) -> tuple[int, ...]:
+def _as_token_ids(name: str, value: object) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)):
-        raise ValueError(f"stop_token_ids must be a list of ints, got {_tname(value)}")
-    ids = tuple(_as_int("stop_token_ids element", t) for t in value)
+        raise ValueError(f"{name} must be a list of ints, got {_tname(value)}")
+    ids = tuple(_as_int(f"{name} element", t) for t in value)
     for t in ids:
         if t < 0:
-            raise ValueError(f"stop_token_ids must be non-negative, got {t}")
+            raise ValueError(f"{name} must be non-negative, got {t}")
     return ids

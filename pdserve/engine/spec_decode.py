@@ -58,6 +58,8 @@ from pdserve.engine.config import SpeculativeConfig
 from pdserve.engine.sampler import Sampler, SamplingRow, TokenLogprobs, is_plain_greedy
 
 MAX_PAUSE_STEPS = 32  # longest pause of a request whose drafts were all rejected
+# A pool without a speculative config drafts from a request's prediction with these.
+PREDICTION_DEFAULTS = SpeculativeConfig(num_speculative_tokens=8)
 
 
 class NgramProposer:
@@ -181,11 +183,69 @@ class SuffixProposer:
         return _continuation(source, at, min(k, max(1, int(self.factor * length))), repeat)
 
 
+class PredictionProposer:
+    """Drafts from the client's predicted output (OpenAI's ``prediction``): the output
+    is expected to follow the prediction, so the draft is the prediction's next tokens
+    from where the output stands in it (from its first token on: no n-gram needed to
+    start). Where the output leaves it, its last tokens are looked up in the
+    prediction (the longest n-gram, ``max_n`` .. ``min_n``; the first occurrence past
+    the last place the two were in step, else the first) and it is followed from
+    there; with no match, ``fallback`` (the pool's own proposer, if any) drafts."""
+
+    def __init__(self, prediction: Sequence[int], start: int, min_n: int, max_n: int,
+                 fallback: NgramProposer | SuffixProposer | None) -> None:
+        self.prediction = list(prediction)
+        self.min_n, self.max_n = min_n, max_n
+        self.fallback = fallback
+        self._seen = start  # the request's tokens taken in (the output starts here)
+        self._at: int | None = 0  # the prediction's token the output should match next
+        self._last = 0  # where the output was last in step with the prediction
+        self._starts: dict[tuple[int, ...], list[int]] = {}  # n-gram -> continuations
+        for n in range(min_n, max_n + 1):
+            for e in range(n, len(self.prediction)):
+                self._starts.setdefault(tuple(self.prediction[e - n : e]), []).append(e)
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        pred = self.prediction
+        for t in tokens[self._seen :]:
+            if self._at is not None and self._at < len(pred) and pred[self._at] == t:
+                self._at += 1
+                self._last = self._at
+            else:
+                self._at = None
+        self._seen = len(tokens)
+        if self._at is None or self._at >= len(pred):
+            self._at = self._realign(tokens)
+        if self._at is not None:
+            return pred[self._at : self._at + k]
+        return [] if self.fallback is None else self.fallback.propose(tokens, k)
+
+    def _realign(self, tokens: Sequence[int]) -> int | None:
+        end = len(tokens)
+        for n in range(min(self.max_n, end), self.min_n - 1, -1):
+            starts = self._starts.get(tuple(tokens[end - n :]))
+            if starts:
+                later = [at for at in starts if at > self._last]
+                return later[0] if later else starts[0]
+        return None
+
+
+def _proposer(config: SpeculativeConfig, cache: SuffixCache | None,
+              ) -> NgramProposer | SuffixProposer | None:
+    """A new request's proposer for ``config`` (None: the engine's draft model)."""
+    lo, hi = config.prompt_lookup_min, config.prompt_lookup_max
+    if config.method == "suffix":
+        assert cache is not None
+        return SuffixProposer(lo, hi, config.suffix_decoding_max_tree_depth,
+                              config.suffix_decoding_max_spec_factor, cache)
+    return None if config.method == "draft_model" else NgramProposer(lo, hi)
+
+
 @dataclass
 class SpecState:
     """One request's proposer and adaptive draft length (see the module doc)."""
 
-    proposer: NgramProposer | SuffixProposer | None  # None: the engine's draft model
+    proposer: NgramProposer | SuffixProposer | PredictionProposer | None  # None: the draft model
     max_k: int
     k: int = 0
     misses: int = 0  # drafts in a row with nothing accepted
@@ -197,14 +257,20 @@ class SpecState:
     @classmethod
     def of(cls, config: SpeculativeConfig, cache: SuffixCache | None = None) -> SpecState:
         """A new request's state (``suffix``: drafts from ``cache`` too)."""
-        n, lo, hi = config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
-        if config.method == "suffix":
-            assert cache is not None
-            return cls(SuffixProposer(lo, hi, config.suffix_decoding_max_tree_depth,
-                                      config.suffix_decoding_max_spec_factor, cache), n, n)
-        if config.method == "draft_model":
-            return cls(None, n, n)
-        return cls(NgramProposer(lo, hi), n, n)
+        n = config.num_speculative_tokens
+        return cls(_proposer(config, cache), n, n)
+
+    @classmethod
+    def predicted(cls, prediction: Sequence[int], start: int, config: SpeculativeConfig | None,
+                  cache: SuffixCache | None = None) -> SpecState:
+        """A request's state that drafts from its ``prediction`` (its output from token
+        ``start`` of its tokens), then as the pool's ``config`` does (ngram or suffix;
+        None: a pool that does not speculate otherwise: ``PREDICTION_DEFAULTS``)."""
+        spec = config or PREDICTION_DEFAULTS
+        fallback = None if config is None else _proposer(config, cache)
+        n = spec.num_speculative_tokens
+        return cls(PredictionProposer(prediction, start, spec.prompt_lookup_min,
+                                      spec.prompt_lookup_max, fallback), n, n)
 
     def draft_length(self, limit: int) -> int:
         """How many tokens to draft this step: at most ``limit``, none while paused."""

@@ -166,7 +166,7 @@ def _params(r: SamplingFields, max_tokens: int | None, logprobs: int | None,
     if r.timeout_s is not None and not (math.isfinite(r.timeout_s) and r.timeout_s > 0):
         raise InvalidRequest(f"timeout_s must be > 0 and finite, got {r.timeout_s}", "timeout_s")
     stop = [r.stop] if isinstance(r.stop, str) else (r.stop or [])
-    extra = {} if max_tokens is None else {"max_tokens": max_tokens}
+    extra: dict[str, Any] = {} if max_tokens is None else {"max_tokens": max_tokens}
     try:
         return SamplingParams(
             **extra, min_tokens=r.min_tokens, temperature=r.temperature, top_p=r.top_p,

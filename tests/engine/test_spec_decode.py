@@ -5,6 +5,7 @@ without it (greedy, seeded sampling, stops, preemption, hand-off, tensor paralle
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import re
 from collections import Counter
@@ -19,7 +20,14 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledBatch
-from pdserve.engine.spec_decode import NgramProposer, SpecState, SuffixCache, SuffixProposer, verify
+from pdserve.engine.spec_decode import (
+    NgramProposer,
+    PredictionProposer,
+    SpecState,
+    SuffixCache,
+    SuffixProposer,
+    verify,
+)
 from pdserve.engine.structured import StructuredOutput
 from pdserve.tensor_parallel import create_engine
 from tests.engine.handoff import decode_to_end, disaggregate
@@ -87,6 +95,23 @@ def test_ngram_continuation_stops_at_the_end_and_index_is_incremental() -> None:
     tokens += [5]  # suffix [6, 5] at 1..2, followed by 6, 5
     assert p.propose(tokens, 3) == [6, 5, 6]
     assert NgramProposer(2, 4).propose([1, 2], 4) == []  # too short to have a match
+
+
+def test_a_prediction_drafts_from_its_start_and_finds_its_place_again() -> None:
+    prompt = [90, 91, 92]
+    p = PredictionProposer([1, 2, 3, 4, 5, 6, 7, 8], len(prompt), 2, 3, fallback=None)
+    assert p.propose(prompt, 3) == [1, 2, 3]  # no output yet: the prediction's start
+    tokens = [*prompt, 1, 2]
+    assert p.propose(tokens, 3) == [3, 4, 5]  # in step: what follows
+    tokens += [40, 41]  # left the prediction (a word inserted), no n-gram of it matches
+    assert p.propose(tokens, 3) == []
+    tokens += [4, 5]  # back in it: [4, 5] is followed by 6
+    assert p.propose(tokens, 2) == [6, 7]
+    tokens += [6, 7, 8]  # its end: nothing more to draft, and no fallback
+    assert p.propose(tokens, 2) == []
+    # with a fallback (the pool's n-grams over the request's own tokens)
+    q = PredictionProposer([1, 2], 2, 2, 2, fallback=NgramProposer(2, 2))
+    assert q.propose([5, 6, 1, 2, 5, 6], 2) == [1, 2]  # past the end: [5, 6] came before
 
 
 def test_spec_state_adapts_the_draft_length_and_pauses_after_misses() -> None:
@@ -312,6 +337,47 @@ def test_decode_worker_speculates_from_its_first_step(tiny_model: Callable[[str]
     tokens, steps = decode_to_end(decode)
     assert [first, *tokens] == want
     assert steps < len(want) - 1  # some steps gave more than one token
+    decode.check_integrity()
+    assert decode.pool.num_used == 0
+
+
+@pytest.mark.parametrize("spec", [None, NGRAM])
+def test_a_prediction_is_drafted_and_changes_no_token(tiny_model: Callable[[str], Path],
+                                                      spec: dict[str, object] | None) -> None:
+    path = tiny_model("llama-gqa")
+    ps = prompts(3, [11, 17, 9], 500, seed=21)  # nothing to copy from the prompt
+    greedy = SamplingParams(max_tokens=30, ignore_eos=True)
+    want = _run(engine(path, spec=None), ps, greedy)
+    seeded = [SamplingParams(max_tokens=30, temperature=0.8, top_k=20, seed=s, ignore_eos=True)
+              for s in (1, 2, 3)]
+    sampled = _run(engine(path, spec=None), ps, seeded)
+    # the true output with one token changed, the true output, and noise
+    edited = [w[:10] + [(w[10] + 1) % 500] + w[11:] for w in want]
+    for predictions, accepted in ((edited, 40), (want, 60), ([list(range(30))] * 3, 0)):
+        eng = engine(path, spec=spec)
+        params = [dataclasses.replace(greedy, prediction=p) for p in predictions]
+        assert _run(eng, ps, params) == want
+        stats = eng.stats().spec  # None: nothing drafted (noise matches nothing)
+        assert (0 if stats is None else stats.num_accepted_tokens) >= accepted
+        eng = engine(path, spec=spec)
+        params = [dataclasses.replace(s, prediction=p) for s, p in zip(seeded, predictions,
+                                                                     strict=True)]
+        assert _run(eng, ps, params) == sampled
+
+
+def test_a_decode_worker_drafts_a_prediction_from_its_first_step(
+        tiny_model: Callable[[str], Path]) -> None:
+    path = tiny_model("llama-gqa")
+    prompt = prompts(1, [13], 500, seed=23)[0]
+    want = _run(engine(path, spec=None), [prompt], GREEDY)[0]
+    params = dataclasses.replace(GREEDY, prediction=want[1:])
+    prefill = engine(path, spec=None, role="prefill")
+    decode = engine(path, spec=None, role="decode", num_blocks=64)
+    first = disaggregate(prefill, decode, "r", prompt, params)
+    tokens, steps = decode_to_end(decode)
+    assert [first, *tokens] == want
+    assert steps <= len(want) // 4  # 8 tokens a step once the draft length has grown
+    assert prefill.stats().spec is None  # a prefill engine drafts nothing
     decode.check_integrity()
     assert decode.pool.num_used == 0
 
