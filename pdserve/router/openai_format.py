@@ -106,12 +106,17 @@ class TokenText:
 
 
 def usage_object(usage: Usage) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+    if usage.prediction_tokens is not None:
+        accepted, rejected = usage.prediction_tokens
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                            "rejected_prediction_tokens": rejected}
+    return out
 
 
 def _finite(logprob: float) -> float:
@@ -197,8 +202,11 @@ class _Choice:
 def merged_usage(finals: Sequence[FinalChunk]) -> Usage:
     """The usage of n choices of one prompt: the prompt counted once, outputs summed."""
     first = finals[0].usage
+    predicted = [f.usage.prediction_tokens for f in finals if f.usage.prediction_tokens]
     return Usage(first.prompt_tokens, sum(f.usage.completion_tokens for f in finals),
-                 first.cached_tokens)
+                 first.cached_tokens,
+                 (sum(a for a, _ in predicted), sum(r for _, r in predicted))
+                 if predicted else None)
 
 
 class ResponseBuilder:

@@ -177,6 +177,19 @@ class NamedToolChoice(_Body):
     function: FunctionName
 
 
+class Prediction(_Body):
+    """OpenAI's predicted output: what the answer is expected to be (a file being
+    edited, say). The decoding worker drafts from it; the answer is unchanged."""
+
+    type: Literal["content"]
+    content: str | Annotated[list[ContentPart], Field(min_length=1)]
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else \
+            "".join(part.text for part in self.content)
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     tools: Annotated[list[Tool], Field(min_length=1)] | None = None
@@ -186,6 +199,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: TopN | None = None  # needs logprobs
+    prediction: Prediction | None = None
 
 
 @dataclass(frozen=True)
@@ -221,7 +235,6 @@ REFUSED_CHAT = {
     "audio": EMPTY,
     "modalities": Refused(lambda v: v is None or v == ["text"],
                           {"anyOf": [{"type": "null"}, {"const": ["text"]}]}),
-    "prediction": EMPTY,
     "web_search_options": EMPTY,
 }
 

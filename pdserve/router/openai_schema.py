@@ -328,5 +328,6 @@ def chat_request(body: Any, request_id: str,
                      {"max_tokens": limit_name, "logprobs": "top_logprobs"},
                      structured=structured)
     return r, GenerateRequest(request_id, params, messages=messages, timeout_s=r.timeout_s,
-                              tools=template_tools), \
+                              tools=template_tools,
+                              prediction=None if r.prediction is None else r.prediction.text), \
         Plan(schemas + constraints, syntax if offered else None)

@@ -391,7 +391,10 @@ class RequestRun:
                 chunk = StreamChunk([], tail)
         t.e2e = time.monotonic() - self.arrival
         final = FinalChunk(decision.finish_reason,
-                           Usage(len(self.prompt), len(self.emitted), self.cached),
+                           Usage(len(self.prompt), len(self.emitted), self.cached,
+                                 (t.spec_accepted_tokens,
+                                  t.spec_draft_tokens - t.spec_accepted_tokens)
+                                 if self.req.params.prediction else None),
                            stop_reason=decision.stop_reason, timings=t, num_retries=attempt,
                            prompt_logprobs=self._take_prompt_logprobs())
         if self.s.metrics is not None:

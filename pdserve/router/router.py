@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams, request_problem
@@ -182,6 +182,9 @@ class Router:
                 raise RouterError(ErrorKind.NOT_READY, "the server is shutting down",
                                   retry_after_s=1.0)
             prompt = self._tokenize(req)
+            if req.prediction:
+                ids = self.tokenizer.encode(req.prediction, add_special_tokens=False)
+                req.params = replace(req.params, prediction=tuple(ids))
             self._validate(prompt, req.params)
             await self._wait_ready()
             if self.admission.full():

@@ -34,6 +34,8 @@ class GenerateRequest:
     # Another request with this prompt ran first (a choice of n > 1): prefill where its
     # prompt is cached, whatever the routing policy (``policies.RouteInput``).
     share_prefix: bool = False
+    # The client's predicted output (text): tokenized into ``params.prediction``.
+    prediction: str | None = None
 
 
 @dataclass
@@ -53,6 +55,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0  # prompt tokens served from the prefill worker's prefix cache
+    # With a prediction: its drafted tokens the model accepted / rejected (None: none given)
+    prediction_tokens: tuple[int, int] | None = None
 
 
 @dataclass

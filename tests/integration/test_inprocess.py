@@ -10,6 +10,7 @@ import re
 import shutil
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +188,42 @@ def test_speculative_serving_equals_the_engine_without_it(
         # deliveries after the first: fewer than the tokens when drafts were accepted
         assert len(t.inter_token) <= 23
     assert accepted > 0
+
+
+@pytest.mark.parametrize("mode", ["pair", "colocated"])
+def test_a_predicted_output_is_drafted_where_nothing_else_speculates(
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path], mode: str) -> None:
+    """A request's ``prediction`` drafts on a decode (or colocated) worker with no
+    speculative config: the same tokens, and its usage counts the drafted tokens accepted
+    and rejected. A prediction given as text (the HTTP API's) is tokenized by the router."""
+    pair = (pair_factory() if mode == "pair"
+            else pair_factory(n_prefill=0, n_decode=0, n_colocated=1))
+    eng = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=256))
+    prompts = [[7 + (i * 13 + j) % 40 for j in range(20)] for i in range(2)]
+    expected = eng.generate(prompts, GREEDY)
+    # the first: the true output; the second: the true output with a token changed
+    predictions = [expected[0].token_ids,
+                   [*expected[1].token_ids[:8], 1, *expected[1].token_ids[9:]]]
+
+    async def body(router: Router) -> list[tuple[list[int], str, FinalChunk]]:
+        runs = [collect(router.generate(GenerateRequest(
+            f"p{i}", replace(GREEDY, prediction=tuple(pred)), prompt_token_ids=p)))
+            for i, (p, pred) in enumerate(zip(prompts, predictions, strict=True))]
+        runs.append(collect(router.generate(GenerateRequest(
+            "text", GREEDY, prompt_token_ids=prompts[0], prediction=expected[0].text))))
+        return await asyncio.gather(*runs)
+
+    outcomes = run(pair, body)
+    for (tokens, _, final), exp in zip(outcomes, [*expected, expected[0]],  # type: ignore[call-overload]
+                                       strict=True):
+        assert tokens == exp.token_ids
+        accepted, rejected = final.usage.prediction_tokens
+        assert accepted == final.timings.spec_accepted_tokens
+        assert rejected == final.timings.spec_draft_tokens - accepted
+    (_, _, whole), (_, _, edited), _ = outcomes  # type: ignore[misc]
+    # every token after the first but a verification step's own (up to 8 drafted a step)
+    assert whole.usage.prediction_tokens[0] >= 23 - 23 // 2 and whole.usage.prediction_tokens[1] == 0
+    assert 0 < edited.usage.prediction_tokens[0] < 23 and edited.usage.prediction_tokens[1] > 0
 
 
 def draft_first_work(worker: DecodeWorker) -> dict[str, int]:

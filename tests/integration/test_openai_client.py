@@ -117,6 +117,13 @@ def test_chat_streamed_and_not_with_logprobs(served: Served) -> None:
                                               extra_body=IGNORE_EOS)
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == r.choices[0].message.content
+    # a predicted output (the SDK's typed parameter): the same answer, usage's details
+    p = s.client.chat.completions.create(model=s.model, messages=messages,  # type: ignore[arg-type]
+                                         max_tokens=8, temperature=0, extra_body=IGNORE_EOS,
+                                         prediction={"type": "content", "content": text})
+    assert p.choices[0].message.content == text
+    assert p.usage is not None and p.usage.completion_tokens_details is not None
+    assert p.usage.completion_tokens_details.accepted_prediction_tokens is not None
 
 
 def test_stop_strings(served: Served) -> None:

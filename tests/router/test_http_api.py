@@ -468,3 +468,43 @@ def test_n_choices_share_one_prefill(pair_factory: Callable[..., Pair]) -> None:
         await wait_freed(pair)
 
     serve(pair, body)
+
+
+def test_a_predicted_output_is_drafted_and_changes_nothing(
+        pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+    """OpenAI's ``prediction`` (text, or text parts): accepted, the answer the one without
+    it, usage with the drafted tokens accepted and rejected; a malformed one is a 400."""
+    pair = pair_factory()
+    chat = {**GREEDY, "messages": [{"role": "user", "content": "copy"}], "max_tokens": 24}
+
+    async def body(c: Client) -> None:
+        plain = (await c.post("/v1/chat/completions", json=chat)).json()
+        text = plain["choices"][0]["message"]["content"]
+        assert "completion_tokens_details" not in plain["usage"]
+        half = len(text) // 2
+        for content in (text, [{"type": "text", "text": text[:half]},
+                               {"type": "text", "text": text[half:]}]):
+            r = await c.post("/v1/chat/completions", json={
+                **chat, "prediction": {"type": "content", "content": content}})
+            assert r.status_code == 200, r.text
+            got = r.json()
+            assert got["choices"][0]["message"]["content"] == text
+            # (the tiny model's tokens need not be the ones its text encodes to: how
+            # many are accepted is tests/integration/test_inprocess.py's business)
+            details = got["usage"]["completion_tokens_details"]
+            assert set(details) == {"accepted_prediction_tokens", "rejected_prediction_tokens"}
+            assert got["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+        events = await sse(c, "/v1/chat/completions", {
+            **chat, "stream": True, "stream_options": {"include_usage": True},
+            "prediction": {"type": "content", "content": "something else entirely"}})
+        assert "".join(e["choices"][0]["delta"].get("content", "")
+                       for e in events[:-2]) == text
+        assert set(events[-2]["usage"]["completion_tokens_details"]) == set(details)
+        for bad in ({"type": "text", "content": text}, {"type": "content"},
+                    {"type": "content", "content": []}, "text"):
+            r = await c.post("/v1/chat/completions", json={**chat, "prediction": bad})
+            assert r.status_code == 400, (bad, r.text)
+            assert r.json()["error"]["param"].startswith("prediction"), r.json()
+        await wait_freed(pair)
+
+    serve(pair, body)
