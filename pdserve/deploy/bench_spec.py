@@ -31,10 +31,16 @@ measured in the same run.
    the two inverse-CDF intervals of each token). Drafts: the model in bfloat16 (a
    close draft) and its first 24 and 20 of 30 layers (distant ones).
 
+4. Predicted outputs (OpenAI's ``prediction``): renaming a function in a snippet and
+   correcting a paragraph's spelling, the prediction the text given, and an open
+   question with an unrelated prediction; TPOT with and without the prediction on an
+   engine that does not speculate otherwise and on an ngram one, in turn for
+   ``--repeats`` rounds, the drafted tokens accepted and rejected, the same tokens.
+
 Workloads: *copy* (repeat a paragraph, copy a list adding numbers, repeat a code
 snippet) and *open* (open-ended questions: nothing to copy).
 
-Run: ``python -m pdserve.deploy.bench_spec [--parts 1,2,3] [--threads 2]
+Run: ``python -m pdserve.deploy.bench_spec [--parts 1,2,3,4] [--threads 2]
 [--max-tokens 160] [--llama-server PATH] [--json FILE]``.
 """
 
@@ -107,14 +113,25 @@ PROPOSERS: dict[str, dict[str, Any]] = {
     "suffix k=8": {"method": "suffix", "num_speculative_tokens": 8, "prompt_lookup_max": 4,
                    "prompt_lookup_min": 2},
 }
+TYPOS = ("The comittee met on Tuesday to discus the new budjet. After a long debate, the "
+         "members agreed to increse funding for the library and to reduse spending on travel.")
+# Predicted outputs (OpenAI's ``prediction``): (task, prompt, prediction).
+PREDICTED: list[tuple[str, str, str]] = [
+    ("rename in code", "Rename the function merge_sorted to merge everywhere in this code. "
+     f"Reply with the whole code only.\n\n```python\n{CODE}\n```", f"```python\n{CODE}\n```"),
+    ("fix spelling", "Correct the spelling mistakes in this paragraph. Reply with the corrected "
+     f"paragraph only.\n\n{TYPOS}", TYPOS),
+    ("unrelated", WORKLOADS["open"][2], CODE),
+]
 SERVED_SPEC = PROPOSERS["ngram k=8"]
 SERVED_MODEL = "SmolLM2-135M-Instruct"
 WARM_UP = "Say hello in one sentence."  # a server's first request (not a measured prompt)
 
 
-def single_stream(eng: LLMEngine, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
+def single_stream(eng: LLMEngine, prompt: list[int], max_tokens: int,
+                  prediction: tuple[int, ...] = ()) -> tuple[list[int], float]:
     """Tokens and TPOT (s) of one greedy request alone on ``eng``."""
-    eng.add_request("bench", prompt, SamplingParams(max_tokens=max_tokens))
+    eng.add_request("bench", prompt, SamplingParams(max_tokens=max_tokens, prediction=prediction))
     tokens: list[int] = []
     first = last = 0.0
     while eng.has_unfinished():
@@ -211,6 +228,57 @@ def part1(model: Path, tok: Tokenizer, threads: int, max_tokens: int,
         result["throughput"][f"{name} / none"] = ratios
         print(f"   {name + ' / none':28} " +
               "  ".join(f"c={c}: {r:5.2f}x" for c, r in ratios.items()))
+    return result
+
+
+def part4(model: Path, tok: Tokenizer, threads: int, max_tokens: int,
+          repeats: int) -> dict[str, Any]:
+    """Predicted outputs: each task with and without its prediction (tokenized as the
+    router does), on an engine that does not speculate otherwise and on an ngram one."""
+    engines = {name: LLMEngine(model, EngineConfig(dtype="auto", num_threads=threads,
+                                                   speculative_config=spec), tokenizer=tok)  # type: ignore[arg-type]
+               for name, spec in (("no speculation", None), ("ngram k=8", SERVED_SPEC))}
+    tasks = [(name, tok.apply_chat_template([{"role": "user", "content": prompt}]),
+              tuple(tok.encode(prediction, add_special_tokens=False)))
+             for name, prompt, prediction in PREDICTED]
+    print(f"\n4. predicted outputs, engine, {threads} thread(s), greedy, max_tokens "
+          f"{max_tokens}, {repeats} round(s), with and without the prediction in turn")
+    print(f"   {'task':16} {'engine':16} {'TPOT ms':>8} {'with':>8} {'ratio':>7} "
+          f"{'accepted':>9} {'rejected':>9}  same tokens")
+    for eng in engines.values():
+        single_stream(eng, tasks[0][1], 8)  # warm-up
+    # (task, engine, with prediction) -> tokens of each round, seconds after the first
+    runs: dict[tuple[str, str, bool], list[tuple[list[int], float]]] = {}
+    counts: dict[tuple[str, str], list[int]] = {}  # draft tokens, accepted (predicted)
+    for r in range(repeats):
+        for task, prompt, prediction in tasks:
+            for name, eng in engines.items():
+                for use in ((False, True) if r % 2 == 0 else (True, False)):
+                    before = eng.stats().spec
+                    runs.setdefault((task, name, use), []).append(single_stream(
+                        eng, prompt, max_tokens, prediction if use else ()))
+                    after = eng.stats().spec
+                    if use and after is not None:
+                        got = counts.setdefault((task, name), [0, 0])
+                        got[0] += after.num_draft_tokens - (before.num_draft_tokens if before else 0)
+                        got[1] += after.num_accepted_tokens - (
+                            before.num_accepted_tokens if before else 0)
+    result: dict[str, Any] = {}
+    for task, _, _ in tasks:
+        for name in engines:
+            tpot = {}
+            for use in (False, True):
+                rs = runs[(task, name, use)]
+                tpot[use] = sum(t * (len(ts) - 1) for ts, t in rs) / max(
+                    1, sum(len(ts) - 1 for ts, _ in rs))
+            drafted, accepted = counts.get((task, name), [0, 0])
+            same = runs[(task, name, True)][0][0] == runs[(task, name, False)][0][0]
+            row = {"tpot_ms": tpot[False] * 1e3, "tpot_with_ms": tpot[True] * 1e3,
+                   "speedup": tpot[False] / tpot[True], "accepted": accepted,
+                   "rejected": drafted - accepted, "same_tokens": same}
+            result.setdefault(task, {})[name] = row
+            print(f"   {task:16} {name:16} {row['tpot_ms']:8.2f} {row['tpot_with_ms']:8.2f} "
+                  f"{row['speedup']:6.2f}x {accepted:9d} {drafted - accepted:9d}  {same}")
     return result
 
 
@@ -435,7 +503,7 @@ def part3(model: Path, tok: Tokenizer, max_tokens: int) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--parts", default="1,2,3")
+    ap.add_argument("--parts", default="1,2,3,4")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--concurrency", default="1,2,4,8,32")
@@ -459,6 +527,8 @@ def main() -> None:
                                  args.repeats)
     if 3 in parts:
         report["draft_rules"] = part3(model, tok, args.max_tokens)
+    if 4 in parts:
+        report["predicted"] = part4(model, tok, args.threads, args.max_tokens, args.repeats)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
 
