@@ -365,6 +365,22 @@ def test_a_prediction_is_drafted_and_changes_no_token(tiny_model: Callable[[str]
         assert _run(eng, ps, params) == sampled
 
 
+def test_a_retried_request_finds_its_place_in_the_prediction(
+        tiny_model: Callable[[str], Path]) -> None:
+    """A retry's prompt ends with the output already sent (``resumed_tokens``): the
+    proposer walks those tokens and drafts what follows them in the prediction."""
+    path = tiny_model("llama-gqa")
+    prompt = prompts(1, [11], 500, seed=21)[0]
+    want = _run(engine(path, spec=None), [prompt], SamplingParams(max_tokens=30,
+                                                                 ignore_eos=True))[0]
+    eng = engine(path, spec=None)
+    params = SamplingParams(max_tokens=23, resumed_tokens=7, ignore_eos=True,
+                            prediction=want)
+    assert _run(eng, [prompt + want[:7]], params)[0] == want[7:]
+    stats = eng.stats().spec
+    assert stats is not None and stats.num_accepted_tokens == stats.num_draft_tokens > 10
+
+
 def test_a_decode_worker_drafts_a_prediction_from_its_first_step(
         tiny_model: Callable[[str], Path]) -> None:
     path = tiny_model("llama-gqa")
