@@ -500,7 +500,8 @@ def test_prefix_affinity_keeps_a_conversation_on_its_decode_worker(
         sent = (p.metrics().kv_transfer_bytes - sent_before) // p.layout.block_bytes
         assert sent < -(-len(second) // 16)  # the earlier turn stayed on `served`
         assert served.engine.pool.prefix_hits > 0 and other.engine.pool.num_cached == 0
-        await served.abort("hold")
+        await served.abort("hold")  # still expecting KV: freed via the transfer thread
+        await until_async("blocks freed", lambda: not any(pair.used_blocks().values()))
 
     run(pair, body)
 
