@@ -225,8 +225,7 @@ class PredictionProposer:
         for n in range(min(self.max_n, end), self.min_n - 1, -1):
             starts = self._starts.get(tuple(tokens[end - n :]))
             if starts:
-                later = [at for at in starts if at > self._last]
-                return later[0] if later else starts[0]
+                return next((at for at in starts if at > self._last), starts[0])
         return None
 
 
