@@ -13,6 +13,10 @@ and the ``structured`` oneof (``json_schema`` as JSON text, ``json_object``,
 request reaches the router, so a bad schema is INVALID_ARGUMENT naming the field
 and nothing is queued for it.
 
+The request's ``prediction`` oneof (OpenAI's predicted outputs): text, which the router
+tokenizes, or token ids -> ``params.prediction``; ``Usage`` then carries the drafted
+prediction tokens accepted and rejected.
+
 Bad input is INVALID_ARGUMENT, never INTERNAL or UNKNOWN: requests arrive as raw
 bytes and are parsed here, so a corrupt message (bad wire format, invalid UTF-8)
 is the client's error rather than a failed deserializer; a ``request_id`` must be
@@ -35,6 +39,7 @@ import asyncio
 import json
 import logging
 import math
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -202,7 +207,18 @@ def request_from_proto(request: Any, time_remaining: float | None) -> GenerateRe
         req.messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
     else:
         req.prompt_token_ids = list(request.token_ids.ids)
+    predicted = request.WhichOneof("prediction")
+    if predicted == "prediction_text":
+        req.prediction = request.prediction_text
+    elif predicted == "prediction_token_ids":
+        req.params = replace(req.params, prediction=tuple(request.prediction_token_ids.ids))
     return req
+
+
+def _prediction_usage(counts: tuple[int, int] | None) -> dict[str, int]:
+    if counts is None:
+        return {}
+    return {"accepted_prediction_tokens": counts[0], "rejected_prediction_tokens": counts[1]}
 
 
 def response_from_item(item: StreamChunk | FinalChunk) -> Any:
@@ -226,6 +242,7 @@ def response_from_item(item: StreamChunk | FinalChunk) -> Any:
             prompt_tokens=item.usage.prompt_tokens,
             completion_tokens=item.usage.completion_tokens,
             cached_tokens=item.usage.cached_tokens,
+            **_prediction_usage(item.usage.prediction_tokens),
         ),
         timings=pb.StageTimings(**{k: v for k, v in timings.items() if v is not None},
                                 spec_draft_tokens=item.timings.spec_draft_tokens,

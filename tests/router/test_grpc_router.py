@@ -111,6 +111,45 @@ def test_streams_what_the_engine_computes(pair_factory: Callable[..., Pair],  # 
     serve(pair, scenario)
 
 
+def test_a_prediction_drafts_and_usage_counts_it(pair_factory: Callable[..., Pair],  # noqa: F811
+                                                 tiny_model: Callable[[str], Path]) -> None:
+    """``prediction_token_ids`` / ``prediction_text`` (OpenAI's predicted outputs): the
+    same tokens as without, and ``Usage`` counts the drafted tokens accepted and
+    rejected (unset without a prediction); a prediction outside the vocabulary is
+    INVALID_ARGUMENT naming it."""
+    pair = pair_factory()
+    prompt = [7 + j % 40 for j in range(20)]
+    eng = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=256))
+    exp = eng.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    vocab = pair.router.tokenizer.vocab_size
+
+    async def scenario(stub: pb_grpc.GenerationStub) -> None:
+        ids, _, plain = await generate(stub, pb.GenerateRequest(
+            token_ids=pb.TokenIds(ids=prompt), params=GREEDY))
+        assert ids == exp.token_ids
+        assert not plain.usage.HasField("accepted_prediction_tokens")
+        assert not plain.usage.HasField("rejected_prediction_tokens")
+        whole = pb.TokenIds(ids=exp.token_ids)
+        edited = pb.TokenIds(ids=[*exp.token_ids[:5], 1, *exp.token_ids[6:]])
+        for given in ({"prediction_token_ids": whole}, {"prediction_token_ids": edited},
+                      {"prediction_text": exp.text}):
+            ids, _, final = await generate(stub, pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prompt), params=GREEDY, **given))
+            assert ids == exp.token_ids, given
+            u, t = final.usage, final.timings
+            assert u.HasField("accepted_prediction_tokens"), given
+            assert u.accepted_prediction_tokens == t.spec_accepted_tokens > 0
+            assert u.rejected_prediction_tokens == t.spec_draft_tokens - t.spec_accepted_tokens
+            if "prediction_token_ids" in given:  # (the tiny model's text may encode otherwise)
+                assert (u.rejected_prediction_tokens > 0) == (given["prediction_token_ids"]
+                                                              is edited)
+        err = await status_of(stub, pb.GenerateRequest(
+            text="x", params=GREEDY, prediction_token_ids=pb.TokenIds(ids=[vocab])))
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "prediction" in err.details()
+
+    serve(pair, scenario)
+
+
 def test_a_real_routers_errors_have_their_status(
         pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
     pair = pair_factory(decode_blocks=110, queue_timeout_s=0.3)
