@@ -9,7 +9,9 @@ measured in the same run.
    the ratio, acceptance (accepted / draft tokens), tokens per verifying
    step, and whether the tokens are the same; then output tokens/s at 1..32
    concurrent streams with and without speculation (where it stops paying:
-   ``disable_by_batch_size``).
+   ``disable_by_batch_size``), and at each of those batch sizes the time of a step
+   verifying 4 drafted tokens per request against a plain step's, and the acceptance
+   at which drafting breaks even there (``verification_cost``).
 2. Served (``pdserve serve``, colocated on 2 threads and 1P+1D, each worker's threads
    on both cores, through the HTTP chat endpoint as a client sees it): single-stream TPOT and text
    with and without ``--speculative-config``; with ``--llama-server PATH``, llama.cpp's
@@ -53,11 +55,13 @@ import json
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -228,6 +232,60 @@ def part1(model: Path, tok: Tokenizer, threads: int, max_tokens: int,
         result["throughput"][f"{name} / none"] = ratios
         print(f"   {name + ' / none':28} " +
               "  ".join(f"c={c}: {r:5.2f}x" for c, r in ratios.items()))
+    del engines
+    result["verification_cost"] = verification_cost(model, tok, threads, concurrency, 4,
+                                                    mixed, repeats)
+    return result
+
+
+def decode_step_seconds(eng: LLMEngine, prompts: list[list[int]],
+                        params: list[SamplingParams], rows: int) -> list[float]:
+    """Run ``prompts`` to the end on ``eng``; the seconds of each step that computed
+    exactly ``rows`` rows for all of them (decode steps, verifying drafts or not)."""
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        eng.add_request(f"cost-{i}", p, sp)
+    seconds = []
+    while eng.has_unfinished():
+        info = eng.step().info
+        if info is not None and info.num_seqs == len(prompts) and info.num_tokens == rows:
+            seconds.append(info.seconds)
+    return seconds
+
+
+def verification_cost(model: Path, tok: Tokenizer, threads: int, batch_sizes: list[int],
+                      k: int, prompts: list[list[int]], repeats: int) -> dict[int, dict[str, float]]:
+    """Where drafting stops paying on this machine, without a workload's noise: per
+    batch size, the median time of a plain decode step and of a step verifying ``k``
+    drafted tokens per request (each request's prediction is its own output, so every
+    draft is accepted and every verifying step has ``batch x (k + 1)`` rows), and the
+    acceptance at which drafting breaks even: a step verifying drafts makes
+    ``1 + a k`` tokens per request where a plain one makes 1, so it pays while the
+    acceptance ``a`` exceeds ``(t_verify / t_plain - 1) / k``."""
+    print(f"   verification cost (decode steps, {k} drafted tokens per request, all accepted; "
+          f"median of {repeats} round(s)):")
+    plain = LLMEngine(model, EngineConfig(dtype="auto", num_threads=threads), tokenizer=tok)
+    spec = {"method": "ngram", "num_speculative_tokens": k, "disable_by_batch_size": 1 << 20}
+    verifying = LLMEngine(model, EngineConfig(dtype="auto", num_threads=threads,
+                                              speculative_config=spec), tokenizer=tok)  # type: ignore[arg-type]
+    base = SamplingParams(max_tokens=12 * (k + 1) + 1, ignore_eos=True)
+    times: dict[int, tuple[list[float], list[float]]] = {b: ([], []) for b in batch_sizes}
+    for _ in range(repeats):  # interleaved: this machine drifts
+        for b in batch_sizes:
+            batch = [prompts[i % len(prompts)] for i in range(b)]
+            outs = plain.generate(batch, base)  # the outputs: the predictions below
+            times[b][0].extend(decode_step_seconds(plain, batch, [base] * b, b))
+            times[b][1].extend(decode_step_seconds(
+                verifying, batch, [replace(base, prediction=tuple(o.token_ids)) for o in outs],
+                b * (k + 1)))
+    result: dict[int, dict[str, float]] = {}
+    print(f"   {'batch':>5} {'plain ms':>9} {'verify ms':>10} {'ratio':>6}  break-even acceptance")
+    for b, (t_plain, t_verify) in times.items():
+        plain_s, verify_s = statistics.median(t_plain), statistics.median(t_verify)
+        ratio = verify_s / plain_s
+        result[b] = {"plain_ms": plain_s * 1e3, "verify_ms": verify_s * 1e3, "ratio": ratio,
+                     "break_even_acceptance": (ratio - 1) / k}
+        print(f"   {b:5} {plain_s * 1e3:9.2f} {verify_s * 1e3:10.2f} {ratio:6.2f}  "
+              f"{max(0.0, (ratio - 1) / k):.0%}")
     return result
 
 

@@ -1,13 +1,16 @@
-"""bench_spec's peer server: a llama-server that dies at start says how it died."""
+"""bench_spec: its peer server (a llama-server that dies at start says how it died) and
+its measure of what verifying drafts costs."""
 
 from __future__ import annotations
 
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from pdserve.deploy.bench_spec import _llama_server
+from pdserve.deploy.bench_spec import _llama_server, verification_cost
+from pdserve.engine.tokenizer import Tokenizer
 
 
 def test_a_llama_server_killed_at_start_is_named_with_its_signal(tmp_path: Path) -> None:
@@ -29,3 +32,18 @@ def test_a_llama_server_that_exits_at_start_is_named_with_its_code(tmp_path: Pat
     with (pytest.raises(RuntimeError, match=r"did not start \(exit code 3\)"),
           _llama_server(str(fake), tmp_path / "model.gguf", 1, [])):
         pass
+
+
+def test_verification_cost_times_steps_whose_drafts_were_all_accepted(
+        tiny_model: Callable[[str], Path]) -> None:
+    """Each batch size's verifying steps have every request's k drafted tokens (its
+    prediction is its own output): steps of exactly batch x (k + 1) rows were found and
+    timed (the median of none would raise), and the break-even follows from the ratio."""
+    path = tiny_model("llama-gqa")
+    prompts = [[5 + (i * 7 + j) % 90 for j in range(6 + 5 * i)] for i in range(3)]
+    got = verification_cost(path, Tokenizer.from_dir(path), 1, [1, 3], 3, prompts, 1)
+    assert set(got) == {1, 3}
+    for row in got.values():
+        assert row["plain_ms"] > 0 and row["verify_ms"] > 0
+        assert row["ratio"] == pytest.approx(row["verify_ms"] / row["plain_ms"])
+        assert row["break_even_acceptance"] == pytest.approx((row["ratio"] - 1) / 3)
