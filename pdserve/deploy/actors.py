@@ -11,9 +11,13 @@ model's: a dead or restarting actor -> ``WorkerGone``; an error the worker raise
 else -> ``AttemptFailed(TRANSPORT)``. ``abort`` is fire-and-forget: a stalled actor
 gets it when it resumes.
 
-Restarts: actors run with ``max_restarts`` (a cap); a restarted actor sleeps
-``restart_backoff_s * 2**(n-1)`` (at most ``MAX_BACKOFF_S``) before building its
-engine, ``n`` being its restart count, kept in Ray's GCS key-value store.
+Restarts: actors run with ``max_restarts`` (-1, the default: without limit); a
+restarted actor sleeps ``restart_backoff_s * 2**(n-1)`` (at most ``MAX_BACKOFF_S``)
+before building its engine, ``n`` being its restarts in a row, kept in Ray's GCS
+key-value store with the time its last incarnation started. An incarnation that ran
+``STABLE_S`` or longer starts the count over (``restart_backoff``), as Kubernetes resets
+a crash-looping container's back-off: a worker that crashes now and then comes back
+after the short wait every time, one that crashes as it starts waits ever longer.
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from pdserve.router.clients import ColocatedHandle, DecodeHandle, PrefillHandle
 from pdserve.worker_loop import WorkerLoop
 
 MAX_BACKOFF_S = 60.0
+STABLE_S = 600.0  # an incarnation that ran this long: its next restart is a first one
 NAMESPACE = "pdserve"  # where a deployment's (detached, named) worker actors live
 
 
@@ -84,20 +89,36 @@ def _device() -> str:
     return "cuda" if ray.get_gpu_ids() and torch.cuda.is_available() else "cpu"
 
 
+def restart_backoff(previous: tuple[int, float] | None, now: float,
+                    base_s: float) -> tuple[int, float]:
+    """(restarts in a row, seconds to wait) of an actor restarting at ``now``, after
+    ``previous`` = (restarts in a row, start time) of the incarnation that died (None:
+    not known): the wait doubles with each restart in a row, up to ``MAX_BACKOFF_S``,
+    and an incarnation that ran ``STABLE_S`` or longer makes this the first again."""
+    n = 1 if previous is None or now - previous[1] >= STABLE_S else previous[0] + 1
+    return n, min(MAX_BACKOFF_S, base_s * 2 ** (n - 1))
+
+
 def _restart_backoff(settings: ActorSettings) -> None:
-    """Sleep before rebuilding a restarted actor; counts its restarts in the GCS."""
+    """Sleep before rebuilding a restarted actor; keeps its restarts in a row and its
+    start time in the GCS."""
+    from ray.experimental import internal_kv
+
     ctx = ray.get_runtime_context()
     with warnings.catch_warnings():  # Ray's own property uses a deprecated one inside
         warnings.simplefilter("ignore", DeprecationWarning)
         restarted = ctx.was_current_actor_reconstructed
-    if not restarted:
-        return
-    from ray.experimental import internal_kv
-
     key = f"pdserve-restarts-{ctx.get_actor_id()}".encode()
-    n = int(internal_kv._internal_kv_get(key) or 0) + 1
-    internal_kv._internal_kv_put(key, str(n).encode(), overwrite=True)
-    time.sleep(min(MAX_BACKOFF_S, settings.restart_backoff_s * 2 ** (n - 1)))
+    n = 0
+    if restarted:
+        stored = internal_kv._internal_kv_get(key)
+        previous = None
+        if stored:
+            count, started = stored.decode().split()
+            previous = (int(count), float(started))
+        n, wait_s = restart_backoff(previous, time.time(), settings.restart_backoff_s)
+        time.sleep(wait_s)
+    internal_kv._internal_kv_put(key, f"{n} {time.time()}".encode(), overwrite=True)
 
 
 class _WorkerActor:

@@ -144,8 +144,11 @@ class ClusterConfig:
     # SIGTERM / SIGINT: admission stops at once (503 + Retry-After, /health 503) and the
     # requests in flight get this long to finish before the rest are ended (0: at once).
     shutdown_timeout_s: float = 30.0
-    max_restarts: int = 5  # Ray restarts a dead worker actor at most this often ...
-    restart_backoff_s: float = 1.0  # ... waiting this long, doubling with each restart
+    # Ray restarts a dead worker actor, at most this often (-1: without limit) ...
+    max_restarts: int = -1
+    # ... waiting this long, doubling with each restart in a row (at most 60 s; an
+    # incarnation that ran 10 minutes starts the count over)
+    restart_backoff_s: float = 1.0
     api_key: str | None = None  # HTTP + gRPC: required Bearer token (None = open) ...
     api_key_file: str | None = None  # ... and/or a file of them, one per line
     protect_probes: bool = False  # the keys guard /health, /metrics, grpc.health.v1 too
@@ -190,8 +193,9 @@ class ClusterConfig:
             raise ValueError("kv_timeout_s must be > 0")
         if not self.shutdown_timeout_s >= 0:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
-        if self.max_restarts < 0 or self.restart_backoff_s < 0:
-            raise ValueError("max_restarts and restart_backoff_s must be >= 0")
+        if self.max_restarts < -1 or self.restart_backoff_s < 0:
+            raise ValueError("max_restarts must be >= 0 or -1 (without limit), and "
+                             "restart_backoff_s >= 0")
         if (self.prefill.workers == 0) != (self.decode.workers == 0):
             raise ValueError("prefill and decode workers come in pairs: give both or neither "
                              f"(got {self.prefill.workers} prefill, {self.decode.workers} decode)")
