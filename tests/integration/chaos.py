@@ -9,6 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 from pdserve.deploy.cluster import Cluster
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.router import Router
 from pdserve.router.types import ErrorKind, GenerateRequest, RouterError, StreamChunk
@@ -36,14 +38,23 @@ async def request(router: Router, rid: str, ids: list[int], max_tokens: int) -> 
     return tokens
 
 
-def check_outcomes(results: list[Any], max_tokens: int) -> int:
-    """Each request finished with every token or a clear error; returns how many finished."""
+def greedy(cluster: Cluster, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The engine's own greedy tokens for ``prompts`` (computed here, in one batch)."""
+    assert cluster.model_dir is not None
+    engine = LLMEngine(cluster.model_dir, EngineConfig(num_blocks=1024, dtype="auto"))
+    return [o.token_ids for o in engine.generate(
+        prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
+
+
+def check_outcomes(results: list[Any], want: list[list[int]]) -> int:
+    """Each request finished with the engine's greedy tokens (``want``, in the same
+    order: a retry continues exactly) or a clear error; returns how many finished."""
     ok = 0
-    for r in results:
+    for i, (r, w) in enumerate(zip(results, want, strict=True)):
         if isinstance(r, RouterError):
             assert r.kind in CLEAR and r.message, r
         else:
-            assert len(r) == max_tokens, f"{len(r)} of {max_tokens} tokens"
+            assert r == w, f"request {i}: {len(r)} tokens {r} != the engine's {w}"
             ok += 1
     return ok
 

@@ -24,7 +24,15 @@ from pdserve.deploy.cluster import Cluster
 from pdserve.deploy.config import ClusterConfig
 from pdserve.router.router import Router
 from pdserve.router.types import RouterError
-from tests.integration.chaos import BOUND_S, check_outcomes, prompt, recovered, request, with_router
+from tests.integration.chaos import (
+    BOUND_S,
+    check_outcomes,
+    greedy,
+    prompt,
+    recovered,
+    request,
+    with_router,
+)
 from tests.integration.chaos_summary import SUMMARY, Case
 from tests.waiting import until_async
 
@@ -52,11 +60,12 @@ def cluster(tiny_model: Callable[[str], Path]) -> Iterator[Cluster]:
         c.shutdown()
 
 
-def record(case: str, results: list[Any], max_tokens: int, recovered_workers: int,
+def record(case: str, results: list[Any], want: list[list[int]], recovered_workers: int,
            fault_at: float) -> int:
-    """Check the outcomes (hung requests fail the test before: every wait is bounded)
-    and note the case for the summary; returns how many finished."""
-    ok = check_outcomes(results, max_tokens)
+    """Check the outcomes against the engine's tokens ``want`` (hung requests fail the
+    test before: every wait is bounded) and note the case for the summary; returns how
+    many finished."""
+    ok = check_outcomes(results, want)
     SUMMARY[case] = Case(ok, len(results) - ok, 0, recovered_workers, time.monotonic() - fault_at)
     return ok
 
@@ -102,7 +111,8 @@ def test_kill9_mid_prefill_and_transfer(cluster: Cluster, role: str) -> None:
 
         await until_async("a worker mid-prefill", transferring)
         results, fault_at = await kill9_and_settle(cluster, router, victim[0], tasks)
-        assert record(f"kill -9 {role} mid-prefill/transfer", results, 8, 1, fault_at) >= 1
+        assert record(f"kill -9 {role} mid-prefill/transfer", results,
+                      greedy(cluster, [prompt(i) for i in range(6)], 8), 1, fault_at) >= 1
 
     with_router(cluster, body)
 
@@ -121,7 +131,8 @@ def test_kill9_mid_decode(cluster: Cluster) -> None:
         await until_async("a decode worker decoding", decoding)
         results, fault_at = await kill9_and_settle(cluster, router, victim[0], tasks)
         # the other pair takes them all over
-        assert record("kill -9 decode mid-decode", results, 300, 1, fault_at) == 4
+        assert record("kill -9 decode mid-decode", results,
+                      greedy(cluster, [prompt(i, 40) for i in range(4)], 300), 1, fault_at) == 4
 
     with_router(cluster, body)
 
@@ -156,8 +167,8 @@ def test_sigstop_past_the_timeouts(cluster: Cluster, role: str) -> None:
             os.kill(pid, signal.SIGCONT)
         fault_at = time.monotonic()  # recovery counts from SIGCONT
         await recovered(router, cluster, {})
-        assert record(f"SIGSTOP {role} past KV + health timeouts", results, 8, 1,
-                      fault_at) >= 1
+        assert record(f"SIGSTOP {role} past KV + health timeouts", results,
+                      greedy(cluster, [prompt(i) for i in range(8)], 8), 1, fault_at) >= 1
         tokens = await request(router, f"after-{role}", prompt(99, 64), 8)
         assert not isinstance(tokens, RouterError) and len(tokens) == 8
 

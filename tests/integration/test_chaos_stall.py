@@ -17,7 +17,15 @@ import pytest
 from pdserve.deploy.cluster import Cluster
 from pdserve.deploy.config import ClusterConfig
 from pdserve.router.router import Router
-from tests.integration.chaos import BOUND_S, check_outcomes, prompt, recovered, request, with_router
+from tests.integration.chaos import (
+    BOUND_S,
+    check_outcomes,
+    greedy,
+    prompt,
+    recovered,
+    request,
+    with_router,
+)
 from tests.waiting import until_async
 
 pytestmark = pytest.mark.usefixtures("ray_address")
@@ -65,8 +73,10 @@ def test_a_stall_frees_its_blocks_once_known_not_at_the_kv_timeout(
             results = await asyncio.wait_for(asyncio.gather(*decoding, *moving), BOUND_S)
         finally:
             os.kill(pid, signal.SIGCONT)
-        assert check_outcomes(results[:4], 300) == 4
-        assert check_outcomes(results[4:], 8) == 4
+        want = greedy(cluster, [prompt(i, 40) for i in range(4)], 300)
+        assert check_outcomes(results[:4], want) == 4
+        assert check_outcomes(results[4:], greedy(cluster, [prompt(10 + i) for i in range(4)],
+                                                  8)) == 4
         await recovered(router, cluster, {})
 
     cluster = Cluster(cfg)
