@@ -99,6 +99,20 @@ def restart_backoff(previous: tuple[int, float] | None, now: float,
     return n, min(MAX_BACKOFF_S, base_s * 2 ** (n - 1))
 
 
+def restarts_key(actor_id: str) -> bytes:
+    """The GCS key of an actor's restart record (written at each of its starts)."""
+    return f"pdserve-restarts-{actor_id}".encode()
+
+
+def forget_restarts(handle: ray.actor.ActorHandle) -> None:
+    """Delete the restart record of a worker stopped for good (it would stay in the
+    GCS for the cluster's life: one per actor ever started)."""
+    from ray.experimental import internal_kv
+
+    with contextlib.suppress(Exception):  # Ray gone already: so is the record
+        internal_kv._internal_kv_del(restarts_key(handle._actor_id.hex()))
+
+
 def _restart_backoff(settings: ActorSettings) -> None:
     """Sleep before rebuilding a restarted actor; keeps its restarts in a row and its
     start time in the GCS."""
@@ -108,7 +122,9 @@ def _restart_backoff(settings: ActorSettings) -> None:
     with warnings.catch_warnings():  # Ray's own property uses a deprecated one inside
         warnings.simplefilter("ignore", DeprecationWarning)
         restarted = ctx.was_current_actor_reconstructed
-    key = f"pdserve-restarts-{ctx.get_actor_id()}".encode()
+    actor_id = ctx.get_actor_id()
+    assert actor_id is not None  # (called in an actor's constructor)
+    key = restarts_key(actor_id)
     n = 0
     if restarted:
         stored = internal_kv._internal_kv_get(key)

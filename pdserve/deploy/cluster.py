@@ -26,7 +26,14 @@ from typing import Any
 
 import ray
 
-from pdserve.deploy.actors import NAMESPACE, REMOTE, ActorSettings, RayWorker, actor_options
+from pdserve.deploy.actors import (
+    NAMESPACE,
+    REMOTE,
+    ActorSettings,
+    RayWorker,
+    actor_options,
+    forget_restarts,
+)
 from pdserve.deploy.config import ClusterConfig, PoolConfig
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.gguf_convert import resolve_model
@@ -154,6 +161,7 @@ class Cluster:
         self.roles.pop(worker_id)
         with contextlib.suppress(Exception):  # already dead
             ray.kill(handle, no_restart=True)
+        forget_restarts(handle)
 
     def _create(self, role: str) -> str:
         wid = f"{role}-{self._next_index[role]}"
@@ -309,6 +317,7 @@ class Cluster:
                     ray.kill(h, no_restart=True)
                 except Exception as exc:  # already dead
                     log.debug("kill failed: %r", exc)
+                forget_restarts(h)
         self.handles.clear()
         self.roles.clear()
         if self._owns_ray and ray.is_initialized():
@@ -336,7 +345,9 @@ def stop_deployment(address: str, deployment: str) -> list[str]:
         found = deployment_workers(deployment)
         for name in found.values():
             with contextlib.suppress(ValueError):  # gone meanwhile
-                ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+                handle = ray.get_actor(name, namespace=NAMESPACE)
+                ray.kill(handle, no_restart=True)
+                forget_restarts(handle)
         return sorted(found)
     finally:
         ray.shutdown()

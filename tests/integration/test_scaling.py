@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
+from ray.experimental import internal_kv
 
+from pdserve.deploy.actors import restarts_key
 from pdserve.deploy.cli import main as cli_main
 from pdserve.deploy.cluster import Cluster, StartupError
 from pdserve.deploy.config import ClusterConfig
@@ -56,6 +58,9 @@ def test_scale_out_and_in_under_load(tiny_model: Callable[[str], Path],
     # holds one would prefill it itself, and the new prefill worker would see few)
     cluster = start(model, "nixl", local_prefill_max_tokens=0)
     figures: list[str] = []
+    # every worker's restart record (in Ray's GCS), deleted once it is stopped for good
+    started = {h._actor_id.hex() for h in cluster.handles.values()}
+    assert all(internal_kv._internal_kv_get(restarts_key(a)) for a in started)
 
     async def body() -> None:
         router = cluster.make_router()
@@ -111,6 +116,7 @@ def test_scale_out_and_in_under_load(tiny_model: Callable[[str], Path],
                         and router.workers.workers[w].outstanding_requests > 0), 120)
                 await until_async("requests done at this size",
                                   lambda n=n0: len(done) >= n + 2 * CLIENTS, 120)
+                started.update(h._actor_id.hex() for h in cluster.handles.values())
                 figures.append(f"{status['current']}: {len(done) - n0} requests in "
                                f"{time.monotonic() - t0:.1f}s")
             stop.set()
@@ -134,6 +140,8 @@ def test_scale_out_and_in_under_load(tiny_model: Callable[[str], Path],
             s.num_free_blocks == s.num_blocks for s in cluster.stats().values()), 30)
     finally:
         cluster.shutdown()
+    assert len(started) == 4  # (decode-0, prefill-0, decode-1, prefill-1)
+    assert not [a for a in started if internal_kv._internal_kv_get(restarts_key(a))]
     print("scaling under load:", "; ".join(figures))
 
 
