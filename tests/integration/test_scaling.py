@@ -28,7 +28,8 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.api_keys import ApiKeys
 from pdserve.router.http_api import build_app, start_http_server
-from tests.integration.test_ray_cluster import run_one, start
+from pdserve.router.types import GenerateRequest, StreamChunk
+from tests.integration.test_ray_cluster import start
 from tests.waiting import until, until_async
 
 pytestmark = pytest.mark.usefixtures("ray_address")  # the session's shared Ray cluster
@@ -79,13 +80,25 @@ def test_scale_out_and_in_under_load(tiny_model: Callable[[str], Path],
             for n in range(MAX_PER_CLIENT):
                 if stop.is_set():
                     return
-                i = (c + n) % len(PROMPTS)
-                tokens, _, final = await run_one(router, f"l{c}-{n}", PROMPTS[i], PARAMS)
+                i, rid = (c + n) % len(PROMPTS), f"l{c}-{n}"
+                chunks: list[list[int]] = []
+                served: set[str] = set()  # the workers of its attempts, as they stream
+                final = None
+                async for item in router.generate(GenerateRequest(rid, PARAMS,
+                                                                  prompt_token_ids=PROMPTS[i])):
+                    served |= router.fanout.workers_of(rid)
+                    if isinstance(item, StreamChunk):
+                        chunks.append(item.token_ids)
+                    else:
+                        final = item
+                assert final is not None
+                tokens = [t for chunk in chunks for t in chunk]
                 done.append((i, tokens))
                 if tokens != want[i]:
-                    wrong.append(f"l{c}-{n} (prompt {i}, {final.num_retries} retries, "
-                                 f"{final.usage.cached_tokens} cached, {final.timings.kv_bytes} KV bytes, "
-                                 f"during step {len(figures)}): {tokens} != {want[i]}")
+                    wrong.append(f"{rid} (prompt {i}, {final.num_retries} retries, "
+                                 f"{final.usage.cached_tokens} cached, "
+                                 f"{final.timings.kv_bytes} KV bytes, on {sorted(served)}, "
+                                 f"during step {len(figures)}): chunks {chunks} != {want[i]}")
 
         def scale(*flags: str) -> dict[str, object]:
             capsys.readouterr()
