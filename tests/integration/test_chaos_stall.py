@@ -17,15 +17,7 @@ import pytest
 from pdserve.deploy.cluster import Cluster
 from pdserve.deploy.config import ClusterConfig
 from pdserve.router.router import Router
-from tests.integration.chaos import (
-    BOUND_S,
-    check_outcomes,
-    greedy,
-    prompt,
-    recovered,
-    request,
-    with_router,
-)
+from tests.integration import chaos
 from tests.waiting import until_async
 
 pytestmark = pytest.mark.usefixtures("ray_address")
@@ -51,7 +43,7 @@ def test_a_stall_frees_its_blocks_once_known_not_at_the_kv_timeout(
     })
 
     async def body(router: Router) -> None:
-        decoding = [asyncio.create_task(request(router, f"sd-{i}", prompt(i, 40), 300))
+        decoding = [asyncio.create_task(chaos.request(router, f"sd-{i}", chaos.prompt(i, 40), 300))
                     for i in range(4)]
         victim: list[str] = []
 
@@ -61,7 +53,7 @@ def test_a_stall_frees_its_blocks_once_known_not_at_the_kv_timeout(
             return bool(victim)
 
         await until_async("a decode worker decoding", busy)
-        moving = [asyncio.create_task(request(router, f"sm-{i}", prompt(10 + i), 8))
+        moving = [asyncio.create_task(chaos.request(router, f"sm-{i}", chaos.prompt(10 + i), 8))
                   for i in range(4)]
         await until_async("KV on the way to it", lambda: any(
             w.load and w.load.num_waiting_for_kv for w in router.workers.live("decode")))
@@ -70,18 +62,18 @@ def test_a_stall_frees_its_blocks_once_known_not_at_the_kv_timeout(
         try:
             await until_async("the stalled worker out of routing",
                               lambda: not router.worker_states()[victim[0]], 30)
-            results = await asyncio.wait_for(asyncio.gather(*decoding, *moving), BOUND_S)
+            results = await asyncio.wait_for(asyncio.gather(*decoding, *moving), chaos.BOUND_S)
         finally:
             os.kill(pid, signal.SIGCONT)
-        want = greedy(cluster, [prompt(i, 40) for i in range(4)], 300)
-        assert check_outcomes(results[:4], want) == 4
-        assert check_outcomes(results[4:], greedy(cluster, [prompt(10 + i) for i in range(4)],
-                                                  8)) == 4
-        await recovered(router, cluster, {})
+        want = chaos.greedy(cluster, [chaos.prompt(i, 40) for i in range(4)], 300)
+        assert chaos.check_outcomes(results[:4], want) == 4
+        moved = chaos.greedy(cluster, [chaos.prompt(10 + i) for i in range(4)], 8)
+        assert chaos.check_outcomes(results[4:], moved) == 4
+        await chaos.recovered(router, cluster, {})
 
     cluster = Cluster(cfg)
     cluster.start()
     try:
-        with_router(cluster, body)
+        chaos.with_router(cluster, body)
     finally:
         cluster.shutdown()
