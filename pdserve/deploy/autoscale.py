@@ -4,8 +4,11 @@
 Every ``interval_s`` the loop reads the live router and scaler into a
 ``LoadSnapshot``, asks ``Autoscaler.decide`` for the prefill and decode pools' sizes,
 and hands a decision that differs from the scaler's targets to
-``Scaler.set_targets``. Only the prefill and decode pools are autoscaled: a colocated
-pool keeps the size it was given (``pdserve scale`` still changes it).
+``Scaler.set_targets``. After a failed add the scaler waits for new targets, so a
+decision that still differs from the pools' sizes goes again even if it equals the
+failed targets: the add is tried every interval while the load needs it. Only the
+prefill and decode pools are autoscaled: a colocated pool keeps the size it was
+given (``pdserve scale`` still changes it).
 
 One snapshot, per pool (its workers in routing and not draining):
 
@@ -176,8 +179,9 @@ class AutoscaleLoop:
 
     # ------------------------------------------------------------- one period
     def step(self) -> dict[str, int] | None:
-        """One decision, applied when it differs from the scaler's targets. None
-        while the scaler is busy: nothing decided, the window keeps growing."""
+        """One decision, applied when it differs from the scaler's targets, or from
+        the pools' sizes after a failed add (tried again). None while the scaler is
+        busy: nothing decided, the window keeps growing."""
         status = self.scaler.status()
         if status["busy"]:
             log.debug("autoscale: the scaler is busy (targets %s); no decision", status["targets"])
@@ -191,15 +195,21 @@ class AutoscaleLoop:
         self.last_snapshot, self.last_decision = snap, decision
         targets = status["targets"]
         why = "; ".join(f"{p}: {self.autoscaler.reasons.get(p, '')}" for p in POOLS)
-        if all(decision[p] == targets[p] for p in POOLS):
+        # After a failed add the scaler waits for new targets: a decision equal to the
+        # failed ones (the load still needs the workers) tries again.
+        retry = status["error"] is not None and any(
+            decision[p] != status["current"][p] for p in POOLS)
+        if all(decision[p] == targets[p] for p in POOLS) and not retry:
             level = logging.DEBUG if why == self._last_hold else logging.INFO
             self._last_hold = why
             log.log(level, "autoscale: hold prefill %d, decode %d (%s)",
                     targets["prefill"], targets["decode"], why)
             return decision
         self._last_hold = None
-        log.info("autoscale: prefill %d -> %d, decode %d -> %d (%s)", targets["prefill"],
-                 decision["prefill"], targets["decode"], decision["decode"], why)
+        was = status["current"] if retry else targets
+        log.info("autoscale: prefill %d -> %d, decode %d -> %d%s (%s)", was["prefill"],
+                 decision["prefill"], was["decode"], decision["decode"],
+                 ", again after the failed add" if retry else "", why)
         try:
             self.scaler.set_targets(dict(decision))
         except ValueError as exc:

@@ -230,6 +230,43 @@ def test_load_scales_up_through_the_scaler(pair_factory: Callable[..., Pair],
     run(pair, body)
 
 
+def test_a_failed_add_is_tried_again_while_the_load_still_needs_it(
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:
+    """The scaler does not retry a failed add by itself, and while the load lasts each
+    decision equals the failed target: it goes to the scaler again (a "hold" would
+    leave the pool short for as long as the load lasts), and once there is room the
+    worker is added."""
+    pair = pair_factory()
+    cluster = LocalCluster(pair, tiny_model("llama-gqa"), fail=True)
+    clock = Clock()
+    loop, scaler = make_loop(pair, cluster, clock, autoscale_max_prefill=3)
+    prompts = [[5 + (i * 7 + j) % 300 for j in range(8 + i)] for i in range(24)]
+
+    async def body(router: Router) -> None:
+        async def one_second_of_load(tag: str) -> None:  # the plan needs 3 prefill workers
+            await asyncio.gather(*(collect(router.generate(GenerateRequest(
+                f"{tag}{i}", GREEDY, prompt_token_ids=p))) for i, p in enumerate(prompts)))
+            clock.now += 1.0
+
+        scaler.start()
+        try:
+            await one_second_of_load("a")
+            assert loop.step() == {"prefill": 2, "decode": 1}
+            await until_async("the add failing", lambda: scaler.status()["error"] is not None
+                              and not scaler.status()["busy"])
+            assert cluster.added == 0 and scaler.current()["prefill"] == 1
+            cluster.fail = False  # room now (say, a node joined)
+            await one_second_of_load("b")
+            assert loop.step() == {"prefill": 2, "decode": 1}  # the failed target, again
+            await until_async("the new prefill worker serving", lambda: scaler.status()["reached"]
+                              and "prefill-1" in {w.worker_id for w in router.workers.live("prefill")})
+            assert cluster.added == 1 and scaler.status()["error"] is None
+        finally:
+            await scaler.stop()
+
+    run(pair, body)
+
+
 def test_idle_scales_down_after_the_cooldown_within_bounds(
         pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:
     pair = pair_factory(n_decode=2)
