@@ -1,5 +1,5 @@
-"""bench_spec: its peer server (a llama-server that dies at start says how it died) and
-its measure of what verifying drafts costs."""
+"""bench_spec: its peer server (a llama-server that dies at start says how it died), its
+measure of what verifying drafts costs, and its sustained load."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.deploy.bench_spec import _llama_server, verification_cost
+from pdserve.deploy.bench_spec import _llama_server, sustained_load, verification_cost
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 
 
@@ -47,3 +50,19 @@ def test_verification_cost_times_steps_whose_drafts_were_all_accepted(
         assert row["plain_ms"] > 0 and row["verify_ms"] > 0
         assert row["ratio"] == pytest.approx(row["verify_ms"] / row["plain_ms"])
         assert row["break_even_acceptance"] == pytest.approx((row["ratio"] - 1) / 3)
+
+
+def test_sustained_load_counts_only_steps_with_every_stream_in_flight(
+        tiny_model: Callable[[str], Path]) -> None:
+    """2 streams, 5 requests of exactly 3 tokens: two at a time finish together, so the
+    window is 6 steps, 12 tokens and 4 finished requests; the fifth, alone (fewer than
+    2 in flight), is not counted, and is aborted: the engine is left empty."""
+    path = tiny_model("llama-gqa")
+    eng = LLMEngine(path, EngineConfig(dtype="float32", num_threads=1),
+                    tokenizer=Tokenizer.from_dir(path))
+    prompts = [[5 + (i * 7 + j) % 90 for j in range(6 + 5 * i)] for i in range(3)]
+    got = sustained_load(eng, prompts, 2, 5, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert (got.tokens, got.steps, got.finished) == (12, 6, 4)
+    assert got.rate == pytest.approx(12 / got.seconds)
+    assert not eng.has_unfinished()
+    eng.check_integrity()
