@@ -151,13 +151,14 @@ class SpeculativeConfig:
     as long. ``draft_model``: a smaller ``model`` (a checkpoint directory) of the same
     tokenizer drafts (``engine/draft_model.py``). ``disable_by_batch_size``: no
     speculation in a step with more running requests than this (decode is no longer
-    memory-bound there)."""
+    memory-bound there); unset, the engine's kernel family decides
+    (``spec_decode.batch_limit``)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
-    disable_by_batch_size: int = 4
+    disable_by_batch_size: int | None = None
     suffix_decoding_max_tree_depth: int = 24
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
@@ -183,7 +184,7 @@ class SpeculativeConfig:
             raise ValueError("speculative_config needs suffix_decoding_max_tree_depth in "
                              "[1, 256], suffix_decoding_max_cached_requests >= 0 and "
                              "suffix_decoding_max_spec_factor > 0")
-        if self.disable_by_batch_size < 1:
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError("speculative_config.disable_by_batch_size must be >= 1, got "
                              f"{self.disable_by_batch_size}")
 

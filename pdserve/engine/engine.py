@@ -49,7 +49,13 @@ from pdserve.engine.runner import ModelRunner, Sampled
 from pdserve.engine.sampler import TokenLogprobs, make_generator, own_generator, skip_draws
 from pdserve.engine.sampling_params import SamplingParams, request_problem
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.spec_decode import PREDICTION_DEFAULTS, SpecState, SpecStats, SuffixCache
+from pdserve.engine.spec_decode import (
+    PREDICTION_DEFAULTS,
+    SpecState,
+    SpecStats,
+    SuffixCache,
+    batch_limit,
+)
 from pdserve.engine.stop import StopChecker
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.tp.collectives import TPGroup
@@ -128,6 +134,9 @@ class LLMEngine:
         self.spec_config = None if self.role == "prefill" else self.config.speculative_config
         self.spec_stats = SpecStats()
         spec = self.spec_config
+        # Running requests above which no step drafts (the pool's, or this family's).
+        self.spec_batch_limit = batch_limit(spec or PREDICTION_DEFAULTS, self.linear_backend,
+                                            self.config.quantization)
         # suffix decoding: this worker's recent outputs, drafts for the requests after them
         self.suffix_cache = SuffixCache(
             spec.suffix_decoding_max_cached_requests, spec.prompt_lookup_min,
@@ -362,7 +371,7 @@ class LLMEngine:
     def step(self) -> StepOutput:
         """Schedule, run the model once, sample, and report what changed."""
         if self.role != "prefill":  # drafts: the pool's speculation, or predictions
-            self._propose((self.spec_config or PREDICTION_DEFAULTS).disable_by_batch_size)
+            self._propose(self.spec_batch_limit)
         batch = self.scheduler.schedule()
         if not batch:
             return StepOutput([], None)

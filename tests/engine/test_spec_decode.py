@@ -26,6 +26,7 @@ from pdserve.engine.spec_decode import (
     SpecState,
     SuffixCache,
     SuffixProposer,
+    batch_limit,
     verify,
 )
 from pdserve.engine.structured import StructuredOutput
@@ -261,6 +262,31 @@ def test_no_speculation_over_the_batch_limit(tiny_model: Callable[[str], Path]) 
     assert eng.stats().spec.num_drafts == 0  # type: ignore[union-attr]
     _run(eng, ps[:1], GREEDY)
     assert eng.stats().spec.num_drafts > 0  # type: ignore[union-attr]
+
+
+def test_an_unset_batch_limit_is_the_kernel_familys(tiny_model: Callable[[str], Path]) -> None:
+    """Without ``disable_by_batch_size`` the engine's linear family sets the limit:
+    8 on AMX's tile unit (bf16), where drafting still pays at 8 running requests, 4
+    for the other families and for quantized weights; a set limit wins. Each bf16
+    family this CPU runs: 6 running requests draft exactly where the limit is 8."""
+    from pdserve.engine import kernels
+    from pdserve.engine.linear import cpu_families
+
+    assert batch_limit(SpeculativeConfig(), "cpu-amx", "none") == 8
+    assert batch_limit(SpeculativeConfig(), "cpu-avx512bf16", "none") == 4
+    assert batch_limit(SpeculativeConfig(), "torch", "none") == 4
+    assert batch_limit(SpeculativeConfig(), "cpu-amx", "int4") == 4
+    assert batch_limit(SpeculativeConfig(disable_by_batch_size=2), "cpu-amx", "none") == 2
+    if kernels.cpu_supported() is not None:
+        pytest.skip("the cpu kernels run on x86-64 CPUs only")
+    path = tiny_model("llama-gqa")
+    ps = copy_prompts(6, seed=2)
+    for family in cpu_families(torch.bfloat16):
+        eng = engine(path, linear_backend=f"cpu-{family}", dtype="bfloat16")
+        assert eng.spec_batch_limit == (8 if family == "amx" else 4), family
+        _run(eng, ps, SamplingParams(max_tokens=12, ignore_eos=True))  # 6 running
+        drafts = eng.stats().spec.num_drafts  # type: ignore[union-attr]
+        assert (drafts > 0) == (family == "amx"), (family, drafts)
 
 
 SENTENCES = StructuredOutput.regex(r"(the cat sat on the mat\. ){3,8}")
