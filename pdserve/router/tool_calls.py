@@ -113,11 +113,14 @@ class _HermesStream(ToolStream):
         self._calls = 0
 
     def _call(self, raw: str) -> Event:
-        body = raw[len(self.OPEN):].removesuffix(self.CLOSE)
+        """``raw`` (OPEN, JSON, CLOSE or, where the output ended, part of it) as a
+        call; text as it is unless that is a whole call."""
+        body = raw[len(self.OPEN):]
         try:
-            call = _call_of(json.loads(body))
+            obj, end = _DECODER.raw_decode(body, len(body) - len(body.lstrip()))
         except ValueError:
-            call = None
+            return raw
+        call = _call_of(obj) if self.CLOSE.startswith(body[end:].strip()) else None
         if call is None:
             return raw
         self._calls += 1

@@ -63,6 +63,12 @@ def calls_of(events: list[Any]) -> list[tuple[str, str]]:
      '<tool_call>{"name": "f", "arguments": 3}</tool_call>', []),
     # the output ended before </tool_call>: a whole JSON still counts
     ('<tool_call>\n{"name": "f", "arguments": {}}\n', None, [("f", "{}")]),
+    # ... or inside it (max_tokens cut the tag, a few tokens long): still a call
+    ('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_', None, [("f", "{}")]),
+    (HERMES_CALL + '\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}</', None,
+     [("get_weather", '{"city": "Paris"}'), ("f", '{"a": 1}')]),
+    ('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_x',
+     '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_x', []),
     ('<tool_call>\n{"name": "f", "argu', '<tool_call>\n{"name": "f", "argu', []),
     ("a <tool_c", "a <tool_c", []),  # a held-back prefix of the marker comes out
 ])
@@ -97,6 +103,7 @@ def test_llama3_parse(text: str, content: str | None, calls: list[tuple[str, str
     "Checking.\n" + HERMES_CALL + "\n" + HERMES_CALL.replace("Paris", "Oslo") + "\nDone.",
     '{"name": "get_weather", "parameters": {"city": "Paris"}}',
     '<tool_call>\n{"name": "f", "arguments": {\n</tool_call> tail',
+    HERMES_CALL + '\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_',
 ])
 def test_streamed_parse_matches_whole(syntax: ToolSyntax, text: str) -> None:
     # Fed one character at a time: nothing shown early, the same calls and content.
