@@ -24,7 +24,8 @@ field, bounded in time).
 read as one (``_Choices``), the others started once the first has its first token so
 that they reuse its prompt's KV through the prefix cache; the response merges them, a
 stream interleaves their chunks by choice index, and one failing fails the request and
-cancels the others.
+cancels the others. A completions batch of prompts is the same with ``n`` choices per
+prompt, choice ``p * n + i``.
 
 Cancellation: a client that goes away, before or during the response, closes its
 ``RouterStream``s (one per choice), which abort the request on both workers (see
@@ -134,22 +135,25 @@ class _Api:
             max_len = self.router.models()[0].max_model_len
             parsed: ChatCompletionRequest | CompletionRequest
             plan: Plan
-            echo: tuple[str, list[int]] | None = None
+            echo: list[tuple[str, list[int]]] | None = None
             if chat:
                 parsed, req, plan = chat_request(body, rid, lambda m, t: len(
                     self.router.tokenizer.apply_chat_template(m, tools=t)), max_len, self.tools,
                     self.router.tokenizer.renders_tools)
+                reqs = [req]
                 logprobs = parsed.logprobs
             else:
-                parsed, req, plan = completion_request(body, rid)
+                parsed, reqs, plan = completion_request(body, rid)
                 logprobs = parsed.logprobs is not None
             n = parsed.n or 1
             if isinstance(parsed, CompletionRequest) and parsed.echo:
-                # the prompt leads the output: its text and its tokens
-                ids = self.router.prompt_ids(req)
-                echo = (req.prompt if req.prompt is not None
-                        else self.router.tokenizer.decode(ids), ids)
-                req.prompt, req.prompt_token_ids = None, ids  # tokenized once
+                # each prompt leads its choices' output: its text and its tokens
+                echo = []
+                for req in reqs:
+                    ids = self.router.prompt_ids(req)
+                    echo.append((req.prompt if req.prompt is not None
+                                 else self.router.tokenizer.decode(ids), ids))
+                    req.prompt, req.prompt_token_ids = None, ids  # tokenized once
             await check_grammars(plan.grammars)
         except InvalidRequest as exc:
             raise ApiError(400, error_object(public_message(ErrorKind.INVALID, exc.message, rid),
@@ -166,9 +170,9 @@ class _Api:
             chat=chat, request_id=rid, model=parsed.model or self.model_name,
             created=int(time.time()), text=self.text, logprobs=logprobs,
             include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
-            echo=echo, n=n, tools=plan.tools)
-        choices = self.in_flight[rid] = _Choices(self.router, choice_requests(req, n), self.tasks,
-                                                 rid)
+            echo=echo, n=n, prompts=len(reqs), tools=plan.tools)
+        choices = self.in_flight[rid] = _Choices(
+            self.router, [c for req in reqs for c in choice_requests(req, n)], n, self.tasks, rid)
         handed_over = False
         try:
             await _unless_disconnected(request, choices.start())
@@ -210,21 +214,22 @@ class _Api:
 
 
 class _Choices:
-    """The router streams of one request's choices read as one: ``start`` waits for
-    each choice's first item (so that admission errors keep their status), ``next``
-    gives (choice index, item) in arrival order and None once every choice has
-    finished. A choice's error is raised for the whole request; ``close`` then ends
-    the others.
+    """The router streams of one request's choices (``n`` per prompt, prompt-major)
+    read as one: ``start`` waits for each choice's first item (so that admission
+    errors keep their status), ``next`` gives (choice index, item) in arrival order
+    and None once every choice has finished. A choice's error is raised for the whole
+    request; ``close`` then ends the others.
 
-    Choices 1.. start when choice 0 has its first token: by then its prompt is in the
-    prefill worker's prefix cache (and a colocated worker's), so the prefix-affinity
-    policy sends the others where their prompt is computed already and each computes
-    only its last, partial block. One prefill, n decodes."""
+    Each prompt's first choice starts at once, its others when it has its first
+    token: by then its prompt is in the prefill worker's prefix cache (and a
+    colocated worker's), so the prefix-affinity policy sends the others where their
+    prompt is computed already and each computes only its last, partial block. One
+    prefill per prompt, n decodes."""
 
-    def __init__(self, router: RouterLike, reqs: list[GenerateRequest],
+    def __init__(self, router: RouterLike, reqs: list[GenerateRequest], n: int,
                  tasks: set[asyncio.Task[None]], request_id: str):
         self.request_id = request_id
-        self._router, self._reqs, self._tasks = router, reqs, tasks
+        self._router, self._reqs, self._n, self._tasks = router, reqs, n, tasks
         self._calls: list[RouterStream] = []
         self._pumps: list[asyncio.Task[None]] = []
         self._queue: asyncio.Queue[tuple[int, StreamChunk | FinalChunk | RouterError]] = (
@@ -232,7 +237,9 @@ class _Choices:
         self._ready: deque[tuple[int, StreamChunk | FinalChunk]] = deque()  # read by start
         self._finished = 0
         self._closed = False
-        self._launch(0)
+        self._waiting = set(range(0, len(reqs), n))  # first choices, their others not started
+        for index in sorted(self._waiting):
+            self._launch(index)
 
     def _launch(self, index: int) -> None:
         req = self._reqs[index]
@@ -257,8 +264,9 @@ class _Choices:
         if isinstance(item, RouterError):
             raise item
         self._finished += isinstance(item, FinalChunk)
-        if index == 0 and len(self._calls) == 1 and not self._closed:
-            for i in range(1, len(self._reqs)):  # choice 0 is prefilled: the rest now
+        if index in self._waiting and not self._closed:  # its prompt is prefilled: the rest
+            self._waiting.discard(index)
+            for i in range(index + 1, index + self._n):
                 self._launch(i)
         return index, item
 

@@ -187,7 +187,8 @@ def chat_logprobs(lps: list[TokenLogprob], text: TokenText) -> list[dict[str, An
 class _Choice:
     """One choice's progress through the response."""
 
-    def __init__(self, tools: ToolStream | None):
+    def __init__(self, tools: ToolStream | None, echo: tuple[str, list[int]] | None):
+        self.echo = echo  # completions with echo: its prompt's (text, token ids)
         self.echoed = False
         self.offset = 0  # completions text_offset: output characters so far
         self.started = False  # chat: the first chunk carries the role
@@ -199,29 +200,31 @@ class _Choice:
         self.calls = 0  # tool calls streamed so far
 
 
-def merged_usage(finals: Sequence[FinalChunk]) -> Usage:
-    """The usage of n choices of one prompt: the prompt counted once, outputs summed."""
-    first = finals[0].usage
+def merged_usage(finals: Sequence[FinalChunk], n: int = 1) -> Usage:
+    """The usage of a request's choices, ``n`` per prompt (prompt-major): each prompt
+    counted once, outputs summed."""
+    firsts = [f.usage for f in finals[::n]]
     predicted = [f.usage.prediction_tokens for f in finals if f.usage.prediction_tokens]
-    return Usage(first.prompt_tokens, sum(f.usage.completion_tokens for f in finals),
-                 first.cached_tokens,
+    return Usage(sum(u.prompt_tokens for u in firsts),
+                 sum(f.usage.completion_tokens for f in finals),
+                 sum(u.cached_tokens for u in firsts),
                  (sum(a for a, _ in predicted), sum(r for _, r in predicted))
                  if predicted else None)
 
 
 class ResponseBuilder:
     """One request's response objects, streamed (``chunk``/``final_chunks``) or whole
-    (``add`` then ``response``), for ``n`` choices of one prompt (each call names its
-    choice's index). ``chat`` picks the endpoint's shapes; ``tools``: the chat output's
-    tool calls are read with this syntax (``tool_calls`` instead of content)."""
+    (``add`` then ``response``), for ``n`` choices of each of ``prompts`` prompts
+    (choice ``p * n + i``; each call names its choice's index). ``chat`` picks the
+    endpoint's shapes; ``tools``: the chat output's tool calls are read with this
+    syntax (``tool_calls`` instead of content); ``echo`` (completions): each prompt's
+    (text, token ids), which lead its choices' output."""
 
     def __init__(self, *, chat: bool, request_id: str, model: str, created: int,
                  text: TokenText, logprobs: bool, include_usage: bool = False,
-                 echo: tuple[str, list[int]] | None = None, n: int = 1,
-                 tools: ToolSyntax | None = None):
+                 echo: Sequence[tuple[str, list[int]]] | None = None, n: int = 1,
+                 prompts: int = 1, tools: ToolSyntax | None = None):
         self.chat = chat
-        # completions with echo: the prompt's (text, token ids) lead each choice's output
-        self._echo = echo
         self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
         self.model = model
         self.created = created
@@ -229,8 +232,10 @@ class ResponseBuilder:
         self._logprobs = logprobs
         self._include_usage = include_usage
         self._tools = tools
-        self._choices = [_Choice(tools.stream() if tools is not None else None)
-                         for _ in range(n)]
+        self._n = n
+        self._choices = [_Choice(tools.stream() if tools is not None else None,
+                                 None if echo is None else echo[i // n])
+                         for i in range(n * prompts)]
         self._finals: dict[int, FinalChunk] = {}  # streamed: the choices finished so far
 
     def _envelope(self, choices: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
@@ -252,10 +257,10 @@ class ResponseBuilder:
     def _prompt_part(self, c: _Choice, lps: list[TokenLogprob | None] | None,
                      ) -> tuple[str, dict[str, Any] | None]:
         """The echoed prompt's text and logprobs (once; ("", None) without echo)."""
-        if self._echo is None or c.echoed:
+        if c.echo is None or c.echoed:
             return "", None
         c.echoed = True
-        text, ids = self._echo
+        text, ids = c.echo
         logprobs = None
         if self._logprobs:
             logprobs = prompt_completion_logprobs(lps or [None] * len(ids), ids, self._text)
@@ -334,7 +339,7 @@ class ResponseBuilder:
         out.append(self._envelope([choice], True))
         self._finals[index] = final
         if self._include_usage and len(self._finals) == len(self._choices):
-            usage = merged_usage([self._finals[i] for i in range(len(self._choices))])
+            usage = merged_usage([self._finals[i] for i in range(len(self._choices))], self._n)
             out.append({**self._envelope([], True), "usage": usage_object(usage)})
         return out
 
@@ -370,7 +375,8 @@ class ResponseBuilder:
             else:
                 choice["text"] = text
             choices.append(choice)
-        return {**self._envelope(choices, False), "usage": usage_object(merged_usage(finals))}
+        return {**self._envelope(choices, False),
+                "usage": usage_object(merged_usage(finals, self._n))}
 
 
 def _finish_reason(final: FinalChunk, calls: int) -> str:

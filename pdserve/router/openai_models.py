@@ -18,7 +18,8 @@ from pdserve.engine.sampling_params import (
 )
 from pdserve.engine.structured import MAX_CHOICES, StructuredOutput
 
-MAX_N = 16  # choices per request
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 64  # prompts per completions request (a batch, as lm-eval's batch_size sends)
 INT64 = 2**63
 TokenId = Annotated[int, Field(ge=0)]
 StopString = Annotated[str, Field(min_length=1)]
@@ -122,9 +123,10 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    # a text, token ids, or a batch of exactly one of either
-    prompt: (str | list[TokenId] | Annotated[list[str], Field(min_length=1, max_length=1)]
-             | Annotated[list[list[TokenId]], Field(min_length=1, max_length=1)])
+    # a text, token ids, or a batch of either (n choices of each, indexes prompt-major)
+    prompt: (str | list[TokenId]
+             | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[list[TokenId]], Field(min_length=1, max_length=MAX_PROMPTS)])
     logprobs: TopN | None = None  # top-N per token (OpenAI allows 0..5, we 0..20)
     # the prompt leads the output; with logprobs, its tokens' logprobs too (the first
     # token's are null), as in OpenAI's legacy API and vLLM

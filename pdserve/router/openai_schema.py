@@ -25,7 +25,9 @@ Rules:
 * Tools: declared tools reach the chat template as a system prompt in the model
   family's syntax, earlier calls and tool results as text in it (``chat_messages``).
 * ``n`` choices are ``n`` router requests ``{id}-{i}`` of one prompt; with a ``seed``,
-  choice i uses ``seed + i``.
+  choice i uses ``seed + i``. A completions batch of prompts is a request per prompt
+  (``{id}-{p}``, then its choices), choice ``p * n + i`` (vLLM's order); a prompt's
+  choices are seeded the same whatever the batch, so batching changes no answer.
 * Fields we cannot honour (``suffix``, legacy ``functions``, audio, ...) are refused
   unless they carry their harmless default; each `Refused` rule carries the JSON
   schema of its harmless values beside its test. Other unknown fields (``user``,
@@ -186,8 +188,9 @@ def _params(r: SamplingFields, max_tokens: int | None, logprobs: int | None,
 
 
 def completion_request(body: Any, request_id: str,
-                       ) -> tuple[CompletionRequest, GenerateRequest, Plan]:
-    """A ``/v1/completions`` body -> (parsed body, router request, plan); InvalidRequest."""
+                       ) -> tuple[CompletionRequest, list[GenerateRequest], Plan]:
+    """A ``/v1/completions`` body -> (parsed body, a router request per prompt, plan);
+    InvalidRequest. A batch of prompts: ids ``{id}-{i}``; one prompt: ``{id}``."""
     if isinstance(body, dict):
         refuse_unsupported(body, REFUSED_COMPLETION)
     r: CompletionRequest = validate_body(CompletionRequest, body)
@@ -202,19 +205,18 @@ def completion_request(body: Any, request_id: str,
     prompt_logprobs = (r.logprobs if r.logprobs is not None else 0 if r.max_tokens == 0
                        else None) if r.echo else None
     params = _params(r, r.max_tokens, r.logprobs, {}, prompt_logprobs, _only_one(constraints))
-    req = GenerateRequest(request_id, params, timeout_s=r.timeout_s)
-    prompt = r.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise InvalidRequest(
-                f"prompt is a batch of {len(prompt)} prompts; this server takes one prompt "
-                "per request (for several outputs of one prompt, use n)", "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        req.prompt = prompt
-    else:
-        req.prompt_token_ids = list(prompt)  # type: ignore[arg-type]
-    return r, req, Plan(constraints)
+    batch = isinstance(r.prompt, list) and bool(r.prompt) and isinstance(r.prompt[0], str | list)
+    prompts: list[Any] = list(r.prompt) if batch else [r.prompt]
+    reqs = []
+    for i, prompt in enumerate(prompts):
+        req = GenerateRequest(request_id if len(prompts) == 1 else f"{request_id}-{i}", params,
+                              timeout_s=r.timeout_s)
+        if isinstance(prompt, str):
+            req.prompt = prompt
+        else:
+            req.prompt_token_ids = list(prompt)
+        reqs.append(req)
+    return r, reqs, Plan(constraints)
 
 
 def chat_messages(r: ChatCompletionRequest, syntax: ToolSyntax,

@@ -119,7 +119,7 @@ def test_lm_eval_local_completions_loglikelihood(tiny_model: Callable[[str], Pat
             "num_concurrent=1", "max_retries=1"])
         run = subprocess.run(
             [str(Path(sys.executable).with_name("lm_eval")), "run",
-             "--model", "local-completions", "--model_args", args,
+             "--model", "local-completions", "--model_args", args, "--batch_size", "2",
              "--tasks", "pdserve_local_continuations", "--include_path", str(tmp_path),
              "--output_path", str(out), "--log_samples"],
             capture_output=True, text=True, timeout=300,

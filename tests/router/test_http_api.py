@@ -214,7 +214,8 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     ("/v1/completions", {"prompt": "x", "echo": 1}, 400, "echo"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),  # needs echo
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": ["a"] * 65}, 400, "prompt"),  # a batch of at most 64
+    ("/v1/completions", {"prompt": ["a", [5]]}, 400, "prompt"),  # texts or token ids
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ("/v1/completions", {"prompt": "x", "timeout_s": 0}, 400, "timeout_s"),

@@ -49,6 +49,12 @@ def completion(**body: Any) -> Any:
     return completion_request({"prompt": "x", **body}, "r")
 
 
+def one_completion(**body: Any) -> Any:
+    """``completion`` of one prompt, shaped as ``chat``: (body, its request, plan)."""
+    r, (req,), plan = completion(**body)
+    return r, req, plan
+
+
 def invalid(make: Callable[..., Any], **body: Any) -> InvalidRequest:
     with pytest.raises(InvalidRequest) as e:
         make(**body)
@@ -80,7 +86,7 @@ def invalid(make: Callable[..., Any], **body: Any) -> InvalidRequest:
 ])
 def test_each_field_maps_to_its_constraint(body: dict[str, Any],
                                            expected: StructuredOutput | None) -> None:
-    for make in (chat, completion):
+    for make in (chat, one_completion):
         _, req, plan = make(**body)
         assert req.params.structured == expected, (make, body)
         assert [c for _, c in plan.grammars] == ([] if expected is None else [expected])
@@ -161,7 +167,7 @@ def test_compiling_is_bounded_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
 # ---------------------------------------------------------------- logit_bias, priority, n
 
 def test_logit_bias_and_priority() -> None:
-    for make in (chat, completion):
+    for make in (chat, one_completion):
         _, req, _ = make(logit_bias={"5": -100, "17": 2.5}, priority=-3)
         assert req.params.logit_bias == ((5, -100.0), (17, 2.5))
         assert req.params.priority == -3
@@ -175,7 +181,7 @@ def test_logit_bias_and_priority() -> None:
 
 
 def test_n_choices_are_requests_with_their_own_seeds() -> None:
-    _, req, _ = completion(n=3, seed=7, best_of=3)
+    _, req, _ = one_completion(n=3, seed=7, best_of=3)
     reqs = choice_requests(req, 3)
     assert [(r.request_id, r.params.seed, r.prompt) for r in reqs] == [
         ("r-0", 7, "x"), ("r-1", 8, "x"), ("r-2", 9, "x")]
@@ -191,6 +197,21 @@ def test_n_choices_are_requests_with_their_own_seeds() -> None:
         e = invalid(completion, **body)
         assert e.param == param, e.message
     assert "must equal n" in invalid(completion, best_of=2).message
+
+
+def test_a_batch_of_prompts_is_a_request_per_prompt() -> None:
+    """Prompt-major, as vLLM: prompt p's choices are p * n + i; each prompt's choices
+    are seeded as if it came alone, so batching changes no answer."""
+    _, reqs, _ = completion(prompt=["a", "b"], n=2, seed=5)
+    assert [(q.request_id, q.prompt) for q in reqs] == [("r-0", "a"), ("r-1", "b")]
+    assert [(c.request_id, c.prompt, c.params.seed) for q in reqs
+            for c in choice_requests(q, 2)] == [
+        ("r-0-0", "a", 5), ("r-0-1", "a", 6), ("r-1-0", "b", 5), ("r-1-1", "b", 6)]
+    _, reqs, _ = completion(prompt=[[1, 2], [3]])
+    assert [(q.request_id, q.prompt_token_ids) for q in reqs] == [("r-0", [1, 2]), ("r-1", [3])]
+    _, (one,), _ = completion(prompt=["a"])  # a batch of one: the request as it is
+    assert (one.request_id, one.prompt) == ("r", "a")
+    assert invalid(completion, prompt=["a"] * 65).param == "prompt"
 
 
 # ---------------------------------------------------------------- merged responses
@@ -215,6 +236,20 @@ def test_whole_response_merges_the_choices(tiny_model: Callable[[str], Path]) ->
         assert [c["finish_reason"] for c in whole["choices"]] == ["stop", "length"]
         assert whole["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
                                   "prompt_tokens_details": {"cached_tokens": 4}}
+
+
+def test_usage_counts_each_prompt_once(tiny_model: Callable[[str], Path]) -> None:
+    out = builder(tiny_model, False, n=2, prompts=2)
+    for i in range(4):
+        out.add(StreamChunk([1], str(i)), i)
+    whole = out.response([FinalChunk("stop", Usage(5, 1, cached_tokens=4)),
+                          FinalChunk("stop", Usage(5, 2, cached_tokens=4)),
+                          FinalChunk("stop", Usage(7, 3, cached_tokens=0)),
+                          FinalChunk("stop", Usage(7, 4, cached_tokens=0))])
+    assert [(c["index"], c["text"]) for c in whole["choices"]] == [
+        (0, "0"), (1, "1"), (2, "2"), (3, "3")]
+    assert whole["usage"] == {"prompt_tokens": 12, "completion_tokens": 10, "total_tokens": 22,
+                              "prompt_tokens_details": {"cached_tokens": 4}}
 
 
 def test_stream_tags_chunks_and_counts_usage_once(tiny_model: Callable[[str], Path]) -> None:
@@ -305,6 +340,36 @@ def test_n_choices_over_http(tiny_model: Callable[[str], Path]) -> None:
                 break
             await asyncio.sleep(0.02)
         assert {"f-0", "f-1", "g-0", "g-1"} <= set(router.closed)
+
+    serve(router, run)
+
+
+def test_a_batch_of_prompts_over_http(tiny_model: Callable[[str], Path]) -> None:
+    """Each prompt's choices start together once its first choice has its first
+    token; the response lists every choice prompt-major, whole and streamed."""
+    router = ChoicesRouter(Tokenizer.from_dir(tiny_model("llama-gqa")))
+    router.script = [StreamChunk([5], "a"), FinalChunk("stop", Usage(4, 1))]
+    router.scripts = {"b-1-0": [StreamChunk([6], "b"), FinalChunk("stop", Usage(6, 1))],
+                      "b-1-1": [StreamChunk([6], "c"), FinalChunk("stop", Usage(6, 1))]}
+
+    async def run(c: Client) -> None:
+        r = await c.post("/v1/completions", json={"prompt": ["x", "y"], "n": 2, "seed": 3},
+                         headers={"X-Request-Id": "b"})
+        whole = r.json()
+        assert r.status_code == 200, whole
+        assert [(ch["index"], ch["text"]) for ch in whole["choices"]] == [
+            (0, "a"), (1, "a"), (2, "b"), (3, "c")]
+        assert whole["usage"]["prompt_tokens"] == 10 and whole["usage"]["completion_tokens"] == 4
+        seen = [(q.request_id, q.prompt, q.params.seed) for q in router.seen]
+        assert sorted(seen) == [("b-0-0", "x", 3), ("b-0-1", "x", 4), ("b-1-0", "y", 3),
+                                ("b-1-1", "y", 4)]
+        assert {s[0] for s in seen[:2]} == {"b-0-0", "b-1-0"}  # first choices first
+        events = await sse(c, "/v1/completions", {
+            "prompt": [[5, 6], [7]], "stream": True, "stream_options": {"include_usage": True}},
+            )
+        assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 2
+        assert sorted((e["choices"][0]["index"], e["choices"][0]["text"]) for e in events[:-2]
+                      if e["choices"][0]["text"]) == [(0, "a"), (1, "a")]
 
     serve(router, run)
 
