@@ -213,8 +213,10 @@ class Admission:
         except WorkerGone as exc:
             self._workers.gone(w.worker_id, str(exc))
             return None
-        except AttemptFailed:
-            await w.handle.abort(attempt_id)  # it may still reserve: free that (never waits)
+        except (AttemptFailed, asyncio.CancelledError):
+            # The call went out and may still reserve (or admit): free that (never
+            # waits). Cancelled: the client left, or another choice of its request failed.
+            await w.handle.abort(attempt_id)
             raise
         except Exception as exc:  # a transport error: this attempt fails, probes judge w
             raise AttemptFailed(FailReason.TRANSPORT,

@@ -172,6 +172,23 @@ def test_disconnect_aborts_on_both_workers(pair_factory: Callable[..., Pair]) ->
     serve(pair, body)
 
 
+def test_a_request_cancelled_while_reserving_frees_its_blocks(
+        pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+    """A batch whose second prompt is refused (empty) fails at once, cancelling the first
+    choice while its reservation is on its way to the decode worker: the router aborts
+    it there too, so its blocks are free long before the KV timeout (60 s) would free
+    them (before the fix: only then)."""
+    pair = pair_factory(kv_timeout_s=60)
+
+    async def body(c: Client) -> None:
+        for _ in range(3):
+            r = await c.post("/v1/completions", json={**GREEDY, "prompt": ["a b c", ""]})
+            assert r.status_code == 400, r.text
+            await wait_freed(pair)
+
+    serve(pair, body)
+
+
 def test_stop_ends_open_streams_cleanly(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
     pair = pair_factory()
 
@@ -216,6 +233,7 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": ["a"] * 65}, 400, "prompt"),  # a batch of at most 64
     ("/v1/completions", {"prompt": ["a", [5]]}, 400, "prompt"),  # texts or token ids
+    ("/v1/completions", {"prompt": ["a", ""]}, 400, None),  # the router: empty prompt
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ("/v1/completions", {"prompt": "x", "timeout_s": 0}, 400, "timeout_s"),
