@@ -61,15 +61,10 @@ MAX_PAUSE_STEPS = 32  # longest pause of a request whose drafts were all rejecte
 # A pool without a speculative config drafts from a request's prediction with these.
 PREDICTION_DEFAULTS = SpeculativeConfig(num_speculative_tokens=8)
 # No drafts in a step with more running requests than this, where
-# ``disable_by_batch_size`` is unset: where drafting stops paying under sustained load
-# (``bench_spec --parts 1``, the default model, 2 threads, mixed copy / open
-# requests). With bf16 weights on AMX's tile unit, ngram k = 4 gave 1.52x / 1.23x /
-# 0.93x / 1.08x the output tokens/s of no drafts at 4 / 8 / 16 / 32 running requests,
-# and 0.99x at 8 and 12 on open questions alone. The Zen 4 and Zen 3 classes'
-# families, run on that machine with its AMX (and AVX-512) hidden, gave 1.30x / 1.08x
-# / 0.96x / 0.91x and 1.10x / 1.06x / 1.04x (4 / 8 / 16): small gains above 4, on
-# another machine's memory, so they keep 4 until measured on their own classes
-# (docs/speculative-decoding.md).
+# ``disable_by_batch_size`` is unset: where drafting stops paying under sustained load,
+# measured per kernel family (``bench_spec --parts 1``; docs/speculative-decoding.md,
+# "Under sustained load"). On AMX's tile unit it pays up to 8; the other families
+# keep 4 until measured on their own classes.
 BATCH_LIMIT = 4
 BATCH_LIMITS = {"cpu-amx": 8}  # linear backend -> limit, bf16 / fp32 weights
 
