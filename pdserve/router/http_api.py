@@ -1,7 +1,9 @@
 """The router's OpenAI-compatible HTTP front door (FastAPI on uvicorn).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as SSE
-``data: {json}`` events ending with ``data: [DONE]``, or whole), ``GET /v1/models``,
+``data: {json}`` events ending with ``data: [DONE]``, or whole), ``POST
+/v1/responses`` (served as the chat body it maps to, answered in the Responses API's
+shapes and typed events: ``openai_responses``), ``GET /v1/models``,
 ``GET /health`` (200 only while ``router.ready()``), ``GET /metrics`` (the
 registry in Prometheus text format), ``GET /openapi.json`` (the request bodies as
 ``openapi_doc`` describes them), and with an ``Admin`` the operator's ``/admin/``
@@ -40,6 +42,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
@@ -67,7 +70,23 @@ from pdserve.router.openai_format import (
     error_object,
     router_error_object,
 )
-from pdserve.router.openai_models import ChatCompletionRequest, CompletionRequest, InvalidRequest
+from pdserve.router.openai_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    InvalidRequest,
+    refuse_unsupported,
+    validate_body,
+)
+from pdserve.router.openai_responses import (
+    REFUSED_RESPONSES,
+    ResponseEvents,
+    ResponsesRequest,
+    chat_body,
+    renamed,
+    response_object,
+    skeleton,
+    wants_logprobs,
+)
 from pdserve.router.openai_schema import (
     Plan,
     chat_request,
@@ -122,12 +141,26 @@ class _Api:
 
     async def generate(self, request: Request, chat: bool) -> Response:
         rid: str = request.state.request_id
-        _check_json_content_type(request)
+        return await self._serve(request, rid, await _json(request, rid), chat)
+
+    async def responses(self, request: Request) -> Response:
+        """``/v1/responses``: served as the chat body it maps to (``openai_responses``)."""
+        rid: str = request.state.request_id
+        body = await _json(request, rid)
         try:
-            body = parse_json(await request.body())
-        except BadJson as exc:
-            raise ApiError(400, error_object(public_message(ErrorKind.INVALID, exc.message, rid),
-                                             param=exc.param)) from exc
+            if isinstance(body, dict):
+                refuse_unsupported(body, REFUSED_RESPONSES)
+            r: ResponsesRequest = validate_body(ResponsesRequest, body)
+        except InvalidRequest as exc:
+            raise _invalid(exc, rid) from exc
+        base = skeleton(r, rid, r.model or self.model_name, int(time.time()))
+        return await self._serve(request, rid, chat_body(r), True, _Responses(
+            base, wants_logprobs(r)))
+
+    async def _serve(self, request: Request, rid: str, body: Any, chat: bool,
+                     responses: _Responses | None = None) -> Response:
+        """Serve a completions or chat ``body``; with ``responses``, answer as the
+        Responses API."""
         try:
             if isinstance(body, dict):
                 check_model(self.router, body.get("model") if isinstance(
@@ -156,8 +189,7 @@ class _Api:
                     req.prompt, req.prompt_token_ids = None, ids  # tokenized once
             await check_grammars(plan.grammars)
         except InvalidRequest as exc:
-            raise ApiError(400, error_object(public_message(ErrorKind.INVALID, exc.message, rid),
-                                             param=exc.param)) from exc
+            raise _invalid(exc if responses is None else renamed(exc), rid) from exc
         except RouterError as exc:
             raise ApiError.from_router(exc, rid) from exc
         if rid in self.in_flight:
@@ -180,11 +212,13 @@ class _Api:
                 handed_over = True
                 # The background task also runs when the client left before the
                 # body started (then _sse never ran and its finally cannot).
-                return StreamingResponse(self._sse(choices, out),
+                return StreamingResponse(self._sse(choices, out, responses),
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"},
                                          background=BackgroundTask(self._done, choices))
-            return JSONResponse(await _unless_disconnected(request, _collect(choices, out)))
+            whole = await _unless_disconnected(request, _collect(choices, out))
+            return JSONResponse(whole if responses is None else
+                                response_object(responses.base, whole, responses.logprobs))
         except RouterError as exc:
             raise ApiError.from_router(exc, rid) from exc
         finally:
@@ -195,22 +229,62 @@ class _Api:
         choices.close()
         self.in_flight.pop(choices.request_id, None)
 
-    async def _sse(self, choices: _Choices, out: ResponseBuilder) -> AsyncIterator[bytes]:
+    async def _sse(self, choices: _Choices, out: ResponseBuilder,
+                   responses: _Responses | None) -> AsyncIterator[bytes]:
         # Runs inside the response; a disconnect cancels it (Starlette) and the
         # finally closes the router streams.
-        try:
-            while (got := await choices.next()) is not None:
-                i, item = got
-                objs = (out.chunk(item, i) if isinstance(item, StreamChunk)
-                        else out.final_chunks(item, i))
-                for obj in objs:
-                    yield _event(obj)
-        except RouterError as exc:
+        def failed(exc: RouterError) -> dict[str, Any]:
             log.warning("request %s failed mid-stream: %s", choices.request_id, exc.message)
-            yield _event(router_error_object(exc, choices.request_id)[1])
+            error: dict[str, Any] = router_error_object(exc, choices.request_id)[1]["error"]
+            return error
+
+        try:
+            if responses is not None:
+                events = ResponseEvents(responses.base, responses.logprobs)
+                async for event in events.events(_chunks(choices, out), failed):
+                    yield event
+                return
+            try:
+                async for obj in _chunks(choices, out):
+                    yield _event(obj)
+            except RouterError as exc:
+                yield _event({"error": failed(exc)})
         finally:
             self._done(choices)
         yield b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class _Responses:
+    """A request of the Responses API: its response's settings (``skeleton``) and
+    whether it asked for logprobs."""
+
+    base: dict[str, Any]
+    logprobs: bool
+
+
+async def _json(request: Request, rid: str) -> Any:
+    """The request's JSON body; ApiError (415, 400) if it is not one."""
+    _check_json_content_type(request)
+    try:
+        return parse_json(await request.body())
+    except BadJson as exc:
+        raise ApiError(400, error_object(public_message(ErrorKind.INVALID, exc.message, rid),
+                                         param=exc.param)) from exc
+
+
+def _invalid(exc: InvalidRequest, rid: str) -> ApiError:
+    return ApiError(400, error_object(public_message(ErrorKind.INVALID, exc.message, rid),
+                                      param=exc.param))
+
+
+async def _chunks(choices: _Choices, out: ResponseBuilder) -> AsyncIterator[dict[str, Any]]:
+    """The stream's chunk objects, in arrival order; RouterError if a choice failed."""
+    while (got := await choices.next()) is not None:
+        i, item = got
+        for obj in (out.chunk(item, i) if isinstance(item, StreamChunk)
+                    else out.final_chunks(item, i)):
+            yield obj
 
 
 class _Choices:
@@ -364,6 +438,10 @@ def build_app(router: RouterLike, model_name: str, registry: CollectorRegistry,
     @v1.post("/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await api.generate(request, chat=True)
+
+    @v1.post("/responses")
+    async def responses(request: Request) -> Response:
+        return await api.responses(request)
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:

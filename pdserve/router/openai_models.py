@@ -88,19 +88,16 @@ class StructuredOutputs(_Body):
     json_object: bool | None = None
 
 
-class SamplingFields(_Body):
-    """Fields both endpoints share; the vLLM extensions are at the end."""
+class GenerationFields(_Body):
+    """Fields every generate endpoint shares (the Responses API's too); the vLLM
+    extensions are at the end."""
 
     model: str | None = None
     stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     seed: Int64 | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     logit_bias: LogitBias | None = None
-    response_format: ResponseFormat | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     presence_penalty: Penalty = 0.0
     frequency_penalty: Penalty = 0.0
@@ -113,13 +110,22 @@ class SamplingFields(_Body):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     priority: Int64 = 0  # lower runs first
+    # pdserve's: deadline in seconds from arrival (as the gRPC field); past it, 504
+    timeout_s: Annotated[float, Field(gt=0.0)] | None = None
+
+
+class SamplingFields(GenerationFields):
+    """Fields both completions endpoints share; vLLM's output constraints at the end."""
+
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    response_format: ResponseFormat | None = None
     guided_json: JsonSchema | str | None = None  # a schema, or its JSON text
     guided_regex: NonEmpty | None = None
     guided_choice: Choices | None = None
     guided_grammar: NonEmpty | None = None  # Lark (llguidance) or GBNF
     structured_outputs: StructuredOutputs | None = None
-    # pdserve's: deadline in seconds from arrival (as the gRPC field); past it, 504
-    timeout_s: Annotated[float, Field(gt=0.0)] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -212,6 +218,7 @@ class Refused:
 
     harmless: Callable[[Any], bool]
     schema: dict[str, Any]
+    why: str = ""  # said after "... is not supported by this server"
 
 
 def _only(*values: Any) -> Refused:
@@ -244,7 +251,9 @@ REFUSED_CHAT = {
 def refuse_unsupported(body: Mapping[str, Any], refused: Mapping[str, Refused]) -> None:
     for name, rule in refused.items():
         if name in body and not rule.harmless(body[name]):
-            raise InvalidRequest(f"{name}={body[name]!r} is not supported by this server", name)
+            why = f": {rule.why}" if rule.why else ""
+            raise InvalidRequest(f"{name}={body[name]!r} is not supported by this server{why}",
+                                 name)
 
 
 def validate_body(model: type[_Body], body: Any) -> Any:

@@ -1,7 +1,7 @@
 """The OpenAPI document of the HTTP API (``GET /openapi.json``), describing what
 the handlers really take and answer.
 
-The two generate routes read their bodies by hand (``openai_schema`` validates
+The generate routes read their bodies by hand (``openai_schema`` validates
 them strictly and maps errors to OpenAI's shape), so FastAPI alone would publish
 no request body at all. This module adds, per route:
 
@@ -33,6 +33,7 @@ from pdserve.router.openai_models import (
     CompletionRequest,
     Refused,
 )
+from pdserve.router.openai_responses import REFUSED_RESPONSES, ResponsesRequest
 
 ERROR_SCHEMA: dict[str, Any] = {
     "type": "object", "required": ["error"],
@@ -73,12 +74,14 @@ def openapi_document(app: FastAPI, served: Sequence[str], keyed: bool,
     keyed_errors = [401] if keyed else []
     paths = doc["paths"]
     for path, model, refused in (("/v1/completions", CompletionRequest, REFUSED_COMPLETION),
-                                 ("/v1/chat/completions", ChatCompletionRequest, REFUSED_CHAT)):
+                                 ("/v1/chat/completions", ChatCompletionRequest, REFUSED_CHAT),
+                                 ("/v1/responses", ResponsesRequest, REFUSED_RESPONSES)):
         op = paths[path]["post"]
         op["requestBody"] = _body(model, refused, served, schemas)
-        op["responses"] = {"200": {"description": "the completion, or its SSE stream", "content": {
+        op["responses"] = {"200": {"description": "the answer, or its SSE stream", "content": {
             "application/json": {"schema": {"type": "object"}},
-            # one schema per event: each event's data is a JSON chunk, the last "[DONE]"
+            # one schema per event: each event's data is JSON (completions and chat: a
+            # chunk, the last "[DONE]"; responses: a typed event, named by `event:`)
             "text/event-stream": {"schema": {"type": "object", "required": ["data"],
                                              "properties": {"data": {"type": "string"}}}}}},
             **_errors([*_GENERATE, *keyed_errors])}

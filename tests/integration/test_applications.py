@@ -1,10 +1,10 @@
 """Applications on the API, unchanged, against a real ``pdserve serve`` (subprocess,
 embedded Ray cluster, the default model SmolLM2-135M-Instruct), disaggregated (1P+1D)
 and colocated: the ``openai`` client's structured outputs and tool calls, LangChain's
-``with_structured_output`` and ``instructor``, plus n > 1, logit_bias and vLLM's
-guided fields. Every structured answer is sampled at temperature 0.8 and must parse
-and validate, every forced tool call must name a declared function with valid
-arguments."""
+``with_structured_output``, ``instructor`` and the Agents SDK's tool loop (over
+``/v1/responses`` and chat), plus n > 1, logit_bias and vLLM's guided fields. Every
+structured answer is sampled at temperature 0.8 and must parse and validate, every
+forced tool call must name a declared function with valid arguments."""
 
 from __future__ import annotations
 
@@ -232,3 +232,48 @@ def test_instructor(served: Served) -> None:
             model=served.model, response_model=CityWeather, max_retries=0,
             messages=ask("What is the weather in Lima?"), temperature=0.8, max_tokens=200)
         assert isinstance(result, CityWeather), (mode, result)
+
+
+def test_openai_agents_sdk_runs_a_tool_loop(served: Served) -> None:
+    """The Agents SDK's own run loop, over the Responses API (its default model) and
+    over chat completions: the model must call the tool, the SDK runs it and sends the
+    result back as input, and the model answers or (a small model may) calls again,
+    which again sends results back. Then the ``openai`` client's
+    ``responses.parse`` with a pydantic model."""
+    import asyncio
+
+    import agents
+
+    agents.set_tracing_disabled(True)
+    called: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Current weather in a city."""
+        called.append(city)
+        return f"Sunny and 21 C in {city}."
+
+    async def run(model: agents.Model) -> None:
+        agent = agents.Agent(name="weather", instructions="Answer with the get_weather tool.",
+                             tools=[get_weather], model=model, model_settings=agents.ModelSettings(
+                                 temperature=0.8, max_tokens=120, tool_choice="required"))
+        called.clear()
+        try:
+            result = await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3)
+        except agents.MaxTurnsExceeded:
+            assert len(called) >= 2, called  # each turn called the tool, got its result
+            return
+        kinds = [type(item).__name__ for item in result.new_items]
+        assert called and kinds[0] == "ToolCallItem" and "ToolCallOutputItem" in kinds, kinds
+        assert kinds[-1] == "MessageOutputItem" and isinstance(result.final_output, str), kinds
+
+    async def both() -> None:
+        client = openai.AsyncOpenAI(base_url=served.base_url, api_key="unused", max_retries=0)
+        await run(agents.OpenAIResponsesModel(served.model, client))
+        await run(agents.OpenAIChatCompletionsModel(served.model, client))
+
+    asyncio.run(both())
+    parsed = served.client.responses.parse(model=served.model, input="Weather in Rome?",
+                                           text_format=CityWeather, temperature=0.8,
+                                           max_output_tokens=200)
+    assert isinstance(parsed.output_parsed, CityWeather), parsed.output

@@ -1,0 +1,334 @@
+"""OpenAI's Responses API (``POST /v1/responses``, ``router/openai_responses.py``): a
+body maps to the chat body that asks for the same (messages, tools, format, limits),
+the chat result maps back to output items, whole and as the typed stream events, and
+bad input is a 400 naming the Responses field. Over HTTP with a scripted router (exact
+texts, tool calls, failures) and with a real in-process pair (the same answer as the
+chat endpoint, token for token)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdserve.engine.structured import StructuredOutput
+from pdserve.engine.tokenizer import Tokenizer
+from pdserve.router.openai_models import validate_body
+from pdserve.router.openai_responses import ResponsesRequest, chat_body
+from pdserve.router.types import ErrorKind, FinalChunk, RouterError, StreamChunk, Usage
+from tests.integration.test_inprocess import Pair, pair_factory  # noqa: F401  (fixture)
+from tests.router.test_http_api import GREEDY, LEAKY, Client, serve
+from tests.router.test_structured_api import ChoicesRouter
+from tests.router.test_tool_calls import HERMES_CALL
+
+WEATHER: dict[str, Any] = {"type": "function", "name": "get_weather", "description": "Weather",
+                           "parameters": {"type": "object", "properties": {
+                               "city": {"type": "string"}}, "required": ["city"]}}
+SCHEMA: dict[str, Any] = {"type": "object", "properties": {"a": {"type": "integer"}},
+                          "required": ["a"]}
+
+
+async def events(client: Client, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The (event, data) pairs of one streamed response."""
+    async with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        text = (await r.aread()).decode()
+    out = []
+    for block in text.strip().split("\n\n"):
+        event, data = block.split("\n")
+        assert event.startswith("event: ") and data.startswith("data: "), block
+        out.append((event[7:], json.loads(data[6:])))
+        assert out[-1][1]["type"] == out[-1][0]
+    assert [d["sequence_number"] for _, d in out] == list(range(len(out)))
+    return out
+
+
+def parsed(body: dict[str, Any]) -> dict[str, Any]:
+    return chat_body(validate_body(ResponsesRequest, body))
+
+
+def test_a_conversation_maps_to_chat_messages() -> None:
+    body = parsed({"instructions": "Be brief.", "input": [
+        {"role": "developer", "content": "Use tools."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in "},
+                                     {"type": "input_text", "text": "Paris?"}]},
+        {"type": "message", "role": "assistant", "id": "msg_1", "status": "completed",
+         "content": [{"type": "output_text", "text": "Checking.", "annotations": []}]},
+        {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}', "status": "completed"},
+        {"type": "function_call", "call_id": "call_2", "name": "get_weather",
+         "arguments": '{"city": "Lyon"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "call_2",
+         "output": [{"type": "input_text", "text": "rain"}]}],
+        "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"},
+        "parallel_tool_calls": False, "max_output_tokens": 7, "temperature": 0.5, "seed": 3,
+        "text": {"format": {"type": "json_schema", "name": "t", "schema": SCHEMA}},
+        "include": ["message.output_text.logprobs"], "top_logprobs": 2, "stream": True,
+        "store": True, "metadata": {"k": "v"}, "user": "u", "reasoning": {"effort": None},
+        "truncation": "disabled"})
+    calls = [{"id": f"call_{i}", "type": "function", "function": {
+        "name": "get_weather", "arguments": json.dumps({"city": city})}}
+        for i, city in ((1, "Paris"), (2, "Lyon"))]
+    assert body == {
+        "messages": [{"role": "system", "content": "Be brief."},
+                     {"role": "system", "content": "Use tools."},
+                     {"role": "user", "content": "Weather in Paris?"},
+                     {"role": "assistant", "content": "Checking.", "tool_calls": calls},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+                     {"role": "tool", "tool_call_id": "call_2", "content": "rain"}],
+        "tools": [{"type": "function", "function": {k: v for k, v in WEATHER.items()
+                                                    if k != "type"}}],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "parallel_tool_calls": False, "max_completion_tokens": 7, "temperature": 0.5,
+        "seed": 3, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "t", "schema": SCHEMA}},
+        "logprobs": True, "top_logprobs": 2, "stream": True,
+        "stream_options": {"include_usage": True}}
+    # calls with no text before them are an assistant message of their own
+    body = parsed({"input": [{"type": "function_call", "call_id": "c", "name": "f",
+                              "arguments": "{}"}]})
+    assert body["messages"] == [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]
+    assert parsed({"input": "hi"}) == {"messages": [{"role": "user", "content": "hi"}],
+                                       "parallel_tool_calls": True}
+
+
+def test_text_answers_whole_and_streamed(tiny_model: Callable[[str], Path]) -> None:
+    router = ChoicesRouter(Tokenizer.from_dir(tiny_model("llama-gqa")))
+    router.script = [StreamChunk([5], "Hello"), StreamChunk([6], " there"),
+                     FinalChunk("stop", Usage(4, 2, cached_tokens=2))]
+    body = {"input": "hi", "max_output_tokens": 9, "metadata": {"k": "v"}, "store": True,
+            "temperature": 0.3}
+
+    async def run(c: Client) -> None:
+        r = await c.post("/v1/responses", json=body, headers={"X-Request-Id": "q"})
+        assert r.status_code == 200, r.text
+        whole = r.json()
+        assert whole["id"] == "resp_q" and whole["object"] == "response"
+        assert whole["status"] == "completed" and whole["incomplete_details"] is None
+        assert whole["store"] is False and whole["metadata"] == {"k": "v"}
+        assert whole["max_output_tokens"] == 9 and whole["temperature"] == 0.3
+        assert whole["text"] == {"format": {"type": "text"}} and whole["tool_choice"] == "none"
+        assert whole["output"] == [{
+            "type": "message", "id": "msg_q", "status": "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": "Hello there", "annotations": [],
+                         "logprobs": []}]}]
+        assert whole["usage"] == {"input_tokens": 4, "input_tokens_details": {"cached_tokens": 2},
+                                  "output_tokens": 2,
+                                  "output_tokens_details": {"reasoning_tokens": 0},
+                                  "total_tokens": 6}
+        req = router.seen[-1]
+        assert req.params.max_tokens == 9 and req.params.temperature == 0.3
+        assert req.messages == [{"role": "user", "content": "hi"}]
+
+        got = await events(c, {**body, "stream": True})
+        assert [e for e, _ in got] == [
+            "response.created", "response.in_progress", "response.output_item.added",
+            "response.content_part.added", "response.output_text.delta",
+            "response.output_text.delta", "response.output_text.done",
+            "response.content_part.done", "response.output_item.done", "response.completed"]
+        assert got[0][1]["response"]["status"] == "in_progress"
+        assert [d["delta"] for e, d in got if e == "response.output_text.delta"] == [
+            "Hello", " there"]
+        assert got[6][1]["text"] == "Hello there"
+        assert got[6][1]["item_id"] == got[-1][1]["response"]["output"][0]["id"]
+        assert got[-1][1]["response"] == {**whole, "created_at": got[-1][1]["response"][
+            "created_at"], "id": got[-1][1]["response"]["id"],
+            "output": [{**whole["output"][0], "id": got[-1][1]["response"]["output"][0]["id"]}]}
+
+        # cut by max_output_tokens: incomplete, whole and streamed
+        router.script = [StreamChunk([5], "Hel"), FinalChunk("length", Usage(4, 1))]
+        whole = (await c.post("/v1/responses", json=body)).json()
+        assert whole["status"] == "incomplete" and whole["output"][0]["status"] == "incomplete"
+        assert whole["incomplete_details"] == {"reason": "max_output_tokens"}
+        got = await events(c, body)
+        assert got[-1][0] == "response.incomplete"
+        assert got[-1][1]["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+        # nothing came out: still one (empty) message
+        router.script = [FinalChunk("stop", Usage(4, 1))]
+        got = await events(c, body)
+        assert got[-1][1]["response"]["output"][0]["content"][0]["text"] == ""
+        assert (await c.post("/v1/responses", json=body)).json()["output"][0]["content"][0][
+            "text"] == ""
+
+    serve(router, run)
+
+
+def test_function_calls_whole_and_streamed(tiny_model: Callable[[str], Path]) -> None:
+    router = ChoicesRouter(Tokenizer.from_dir(tiny_model("llama-gqa")))
+    router.script = [StreamChunk([4], "Let me check. "), StreamChunk([5], HERMES_CALL[:15]),
+                     StreamChunk([6], HERMES_CALL[15:]), FinalChunk("stop", Usage(9, 3))]
+    body = {"input": "Weather in Paris?", "tools": [WEATHER], "tool_choice": "required"}
+
+    async def run(c: Client) -> None:
+        whole = (await c.post("/v1/responses", json=body)).json()
+        assert whole["status"] == "completed" and whole["tool_choice"] == "required"
+        assert whole["tools"] == [WEATHER]
+        message, call = whole["output"]
+        assert message["content"][0]["text"] == "Let me check."
+        assert call["type"] == "function_call" and call["name"] == "get_weather"
+        assert call["call_id"].startswith("call_") and call["id"].startswith("fc_")
+        assert json.loads(call["arguments"]) == {"city": "Paris"}
+        assert call["status"] == "completed"
+        (req,) = router.seen
+        assert req.params.structured is not None  # required: the call grammar
+        assert isinstance(req.params.structured, StructuredOutput)
+
+        got = await events(c, body)
+        kinds = [e for e, _ in got]
+        assert kinds[kinds.index("response.output_item.done") + 1:] == [
+            "response.output_item.added", "response.function_call_arguments.delta",
+            "response.function_call_arguments.done", "response.output_item.done",
+            "response.completed"]
+        added = got[kinds.index("response.output_item.added", 3)][1]
+        assert added["output_index"] == 1 and added["item"]["arguments"] == ""
+        done = got[kinds.index("response.function_call_arguments.done")][1]
+        assert json.loads(done["arguments"]) == {"city": "Paris"} and done["output_index"] == 1
+        final = got[-1][1]["response"]["output"]
+        assert [i["type"] for i in final] == ["message", "function_call"]
+        assert final[1]["arguments"] == done["arguments"]
+
+        # the calls' results, sent back as input items, reach the model as tool messages
+        r = await c.post("/v1/responses", json={**body, "tool_choice": "auto", "input": [
+            {"role": "user", "content": "Weather in Paris?"}, *whole["output"],
+            {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"}]})
+        assert r.status_code == 200, r.text
+        assert "sunny" in json.dumps(router.seen[-1].messages)
+
+    serve(router, run)
+
+
+def test_logprobs_and_structured_output(tiny_model: Callable[[str], Path]) -> None:
+    router = ChoicesRouter(Tokenizer.from_dir(tiny_model("llama-gqa")))
+    router.script = [StreamChunk([5], '{"a": 1}'), FinalChunk("stop", Usage(4, 1))]
+    body: dict[str, Any] = {"input": "x", "text": {"format": {"type": "json_schema", "name": "t",
+                                              "schema": SCHEMA, "strict": True}}}
+
+    async def run(c: Client) -> None:
+        whole = (await c.post("/v1/responses", json=body)).json()
+        assert whole["output"][0]["content"][0]["text"] == '{"a": 1}'
+        assert whole["text"]["format"] == body["text"]["format"]
+        assert router.seen[-1].params.structured == StructuredOutput.json_schema(SCHEMA)
+        assert router.seen[-1].params.logprobs is None
+        lp = {"include": ["message.output_text.logprobs"], "top_logprobs": 3}
+        await c.post("/v1/responses", json={"input": "x", **lp})
+        assert router.seen[-1].params.logprobs == 3
+
+    serve(router, run)
+
+
+def test_a_failure_mid_stream_is_response_failed(tiny_model: Callable[[str], Path]) -> None:
+    router = ChoicesRouter(Tokenizer.from_dir(tiny_model("llama-gqa")))
+    router.script = [StreamChunk([5], "a"), RouterError(ErrorKind.INTERNAL, LEAKY)]
+
+    async def run(c: Client) -> None:
+        got = await events(c, {"input": "x"})
+        assert got[-1][0] == "response.failed"
+        failed = got[-1][1]["response"]
+        assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+        assert failed["error"]["message"].startswith("internal error (request id ")
+        assert "4242" not in json.dumps(got)
+        assert failed["output"][0]["content"][0]["text"] == "a"
+        # before the first token: the error's status, as for chat
+        router.script = [RouterError(ErrorKind.OVERLOADED, "busy", retry_after_s=2.0)]
+        r = await c.post("/v1/responses", json={"input": "x", "stream": True})
+        assert r.status_code == 429 and r.headers["retry-after"] == "2"
+
+    serve(router, run)
+
+
+BAD = [
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id",
+     "not stored"),
+    ({"input": "x", "background": True}, "background", "background"),
+    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "reasoning"),
+    ({"input": "x", "truncation": "auto"}, "truncation", "truncation"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+     "input", "input"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "item_reference"),
+    ({"input": []}, "input", "input"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "tools"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
+    ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}},
+     "tool_choice", "nope"),
+    ({"input": "x", "tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"input": "x", "tools": [{**WEATHER, "parameters": {"type": "bogus"}}]}, "tools",
+     "tools[0].parameters"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "t",
+                                        "schema": {"type": "bogus"}}}}, "text", "text.format"),
+    ({"input": "x", "include": ["file_search_call.results"]}, "include", "include"),
+    ({"input": "x", "top_logprobs": 30}, "top_logprobs", "top_logprobs"),
+    ({"input": "x", "model": "other"}, None, "other"),
+    (["x"], None, "JSON object"),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "said"), BAD, ids=[str(p) for _, p, _ in BAD])
+def test_bad_input_is_a_400_naming_the_field(tiny_model: Callable[[str], Path], body: Any,
+                                             param: str | None, said: str) -> None:
+    router = ChoicesRouter(Tokenizer.from_dir(tiny_model("llama-gqa")))
+    router.script = [FinalChunk("stop", Usage(1, 0))]
+
+    async def run(c: Client) -> None:
+        r = await c.post("/v1/responses", json=body)
+        assert r.status_code in (400, 404), r.text
+        err = r.json()["error"]
+        assert err["param"] == param and said in err["message"], err
+        assert router.seen == []  # refused before reaching the router
+
+    serve(router, run)
+
+
+def test_the_same_answer_as_chat(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+    """A real pair: greedy, the response's text is the chat completion's, token for
+    token, whole and streamed, and the usage counts the same prompt."""
+    pair = pair_factory()
+    messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
+
+    async def run(c: Client) -> None:
+        chat = (await c.post("/v1/chat/completions", json={
+            **GREEDY, "messages": messages, "max_tokens": 12})).json()
+        body = {**GREEDY, "instructions": "sys", "input": "hi", "max_output_tokens": 12}
+        whole = (await c.post("/v1/responses", json=body)).json()
+        text = chat["choices"][0]["message"]["content"]
+        assert whole["output"][0]["content"][0]["text"] == text
+        assert whole["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+        assert whole["usage"]["output_tokens"] == 12 and whole["status"] == "incomplete"
+        got = await events(c, body)
+        assert "".join(d["delta"] for e, d in got if e == "response.output_text.delta") == text
+        assert got[-1][1]["response"]["usage"]["output_tokens"] == 12
+
+    serve(pair, run)
+
+
+def test_the_openai_sdk_reads_it(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+    """The ``openai`` client's own Responses types and stream helper accept the
+    answers (run in a thread: the SDK's sync client against the served app)."""
+    import asyncio
+
+    import openai
+
+    pair = pair_factory()
+
+    async def run(c: Client) -> None:
+        def use() -> None:
+            client = openai.OpenAI(base_url=str(c.base_url).rstrip("/") + "/v1", api_key="x")
+            r = client.responses.create(model="tiny", input="hi", max_output_tokens=5,
+                                        temperature=0, extra_body={"ignore_eos": True})
+            assert r.status == "incomplete" and r.usage is not None
+            assert r.usage.output_tokens == 5 and isinstance(r.output_text, str)
+            with client.responses.stream(model="tiny", input="hi", max_output_tokens=5,
+                                         temperature=0) as stream:
+                kinds = {event.type for event in stream}
+            assert {"response.created", "response.output_text.delta"} <= kinds
+            with pytest.raises(openai.BadRequestError) as exc:
+                client.responses.create(model="tiny", input="hi", previous_response_id="r")
+            assert "not stored" in str(exc.value)
+
+        await asyncio.to_thread(use)
+
+    serve(pair, run)
