@@ -292,7 +292,7 @@ class ResponseEvents:
     """The chat stream's chunks as the Responses stream's events (SSE ``event:`` +
     ``data:``, numbered by ``sequence_number``): created and in_progress, per output
     item its added / delta / done events (text, then each function call), then
-    completed or incomplete with the whole response, or failed."""
+    completed with the whole response (whose status may be incomplete), or failed."""
 
     def __init__(self, base: dict[str, Any], logprobs: bool):
         self._base, self._logprobs = base, logprobs
@@ -392,5 +392,7 @@ class ResponseEvents:
                 yield event
         for event in self._close():
             yield event
-        whole = _finished(self._base, self._items, self._finish, self._usage)
-        yield self._event(f"response.{whole['status']}", response=whole)
+        # response.completed even when its status is incomplete, as vLLM sends it:
+        # AIPerf reads usage only there and the SDK's get_final_response() needs it
+        yield self._event("response.completed",
+                          response=_finished(self._base, self._items, self._finish, self._usage))
