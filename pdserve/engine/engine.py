@@ -185,7 +185,8 @@ class LLMEngine:
         problem = request_problem(prompt_token_ids, params, self.model_config.vocab_size,
                                   self.max_model_len)
         if problem is not None:
-            raise ValueError(problem)
+            message, field = problem
+            raise ValueError(message if message.startswith(field) else f"{field}: {message}")
         n = len(prompt_token_ids)
         # A prefill engine holds only the prompt (its first token's KV is made later).
         need = n if self.role == "prefill" else n + params.max_tokens

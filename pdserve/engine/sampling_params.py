@@ -195,30 +195,31 @@ class SamplingParams:
 
 
 def request_problem(prompt_token_ids: Sequence[int], params: SamplingParams, vocab: int,
-                    max_model_len: int) -> str | None:
+                    max_model_len: int) -> tuple[str, str] | None:
     """Why a request can never be served by a model of ``vocab`` tokens and a context
-    of ``max_model_len``, or None. The one copy of these rules: the router refuses a
-    request with it before routing (400), the engine again on intake (``ValueError``)."""
+    of ``max_model_len`` and the field at fault (``prompt``, ``max_tokens``, ...), or
+    None. The one copy of these rules: the router refuses a request with it before
+    routing (400), the engine again on intake (``ValueError``)."""
     n = len(prompt_token_ids)
     if n == 0:
-        return "prompt is empty"
+        return "prompt is empty", "prompt"
     if any(not 0 <= t < vocab for t in prompt_token_ids):
-        return f"prompt token ids must be in [0, {vocab})"
+        return f"prompt token ids must be in [0, {vocab})", "prompt"
     if n >= max_model_len:
-        return f"prompt has {n} tokens; the model's context is {max_model_len} tokens"
+        return f"prompt has {n} tokens; the model's context is {max_model_len} tokens", "prompt"
     if n + params.max_tokens > max_model_len:
-        return (f"max_tokens={params.max_tokens} cannot fit: prompt ({n}) + max_tokens "
-                f"exceeds the context of {max_model_len} tokens "
-                f"(at most {max_model_len - n} new tokens)")
+        return (f"{params.max_tokens} new tokens cannot fit: the prompt ({n}) and they exceed "
+                f"the context of {max_model_len} tokens (at most {max_model_len - n} new "
+                "tokens)", "max_tokens")
     if any(t >= vocab for t in params.stop_token_ids):
-        return f"stop_token_ids must be < vocab size {vocab}"
+        return f"stop_token_ids must be < vocab size {vocab}", "stop_token_ids"
     if any(t >= vocab for t, _ in params.logit_bias):
-        return f"logit_bias token ids must be < vocab size {vocab}"
+        return f"logit_bias token ids must be < vocab size {vocab}", "logit_bias"
     if any(t >= vocab for t in params.prediction):
-        return f"prediction token ids must be < vocab size {vocab}"
+        return f"prediction token ids must be < vocab size {vocab}", "prediction"
     if params.resumed_tokens >= n:
         return (f"resumed_tokens ({params.resumed_tokens}) must be shorter than the "
-                f"prompt ({n})")
+                f"prompt ({n})", "prompt")
     return None
 
 

@@ -41,7 +41,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -84,6 +84,7 @@ from pdserve.router.openai_responses import (
     chat_body,
     renamed,
     response_object,
+    responses_field,
     skeleton,
     wants_logprobs,
 )
@@ -110,8 +111,12 @@ class ApiError(Exception):
         self.status, self.body, self.headers = status, body, headers or {}
 
     @classmethod
-    def from_router(cls, exc: RouterError, request_id: str) -> ApiError:
-        status, body = router_error_object(exc, request_id)
+    def from_router(cls, exc: RouterError, request_id: str,
+                    fields: Mapping[str, str] | None = None) -> ApiError:
+        """``fields``: the client's name of each router request field it sent
+        differently (chat's ``messages`` for ``prompt``, ...)."""
+        param = None if exc.param is None else (fields or {}).get(exc.param, exc.param)
+        status, body = router_error_object(exc, request_id, param)
         headers = {}
         if exc.kind is ErrorKind.OVERLOADED or (exc.kind is ErrorKind.NOT_READY
                                                 and exc.retry_after_s is not None):
@@ -179,6 +184,7 @@ class _Api:
                 parsed, reqs, plan = completion_request(body, rid)
                 logprobs = parsed.logprobs is not None
             n = parsed.n or 1
+            fields = _router_fields(parsed, responses is not None)
             if isinstance(parsed, CompletionRequest) and parsed.echo:
                 # each prompt leads its choices' output: its text and its tokens
                 echo = []
@@ -190,7 +196,7 @@ class _Api:
             await check_grammars(plan.grammars)
         except InvalidRequest as exc:
             raise _invalid(exc if responses is None else renamed(exc), rid) from exc
-        except RouterError as exc:
+        except RouterError as exc:  # echo: the prompt checked as it is tokenized
             raise ApiError.from_router(exc, rid) from exc
         if rid in self.in_flight:
             raise ApiError(400, error_object(f"request id {rid!r} is already in flight",
@@ -220,7 +226,7 @@ class _Api:
             return JSONResponse(whole if responses is None else
                                 response_object(responses.base, whole, responses.logprobs))
         except RouterError as exc:
-            raise ApiError.from_router(exc, rid) from exc
+            raise ApiError.from_router(exc, rid, fields) from exc
         finally:
             if not handed_over:
                 self._done(choices)
@@ -252,6 +258,17 @@ class _Api:
         finally:
             self._done(choices)
         yield b"data: [DONE]\n\n"
+
+
+def _router_fields(parsed: ChatCompletionRequest | CompletionRequest,
+                   responses: bool) -> dict[str, str]:
+    """The request's own name of each router request field that the API names
+    differently: a chat's prompt is its ``messages``, its limit the one it set."""
+    if isinstance(parsed, CompletionRequest):
+        return {}
+    fields = {"prompt": "messages", "max_tokens": "max_completion_tokens"
+              if parsed.max_completion_tokens is not None else "max_tokens"}
+    return {k: responses_field(v) for k, v in fields.items()} if responses else fields
 
 
 @dataclass(frozen=True)
@@ -336,6 +353,9 @@ class _Choices:
     async def _take(self) -> tuple[int, StreamChunk | FinalChunk]:
         index, item = await self._queue.get()
         if isinstance(item, RouterError):
+            if item.param == "prompt" and len(self._reqs) > self._n:  # which of the batch
+                raise RouterError(item.kind, f"prompt[{index // self._n}]: {item.message}",
+                                  item.retry_after_s, item.param)
             raise item
         self._finished += isinstance(item, FinalChunk)
         if index in self._waiting and not self._closed:  # its prompt is prefilled: the rest

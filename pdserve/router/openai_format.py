@@ -52,11 +52,13 @@ def error_object(message: str, type_: str = "invalid_request_error", param: str 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def router_error_object(exc: RouterError, request_id: str) -> tuple[int, dict[str, Any]]:
+def router_error_object(exc: RouterError, request_id: str,
+                        param: str | None = None) -> tuple[int, dict[str, Any]]:
     """(HTTP status, error object) of a router error, its message as
-    ``public_errors`` lets the client see it."""
+    ``public_errors`` lets the client see it; ``param``: the field at fault, as the
+    client named it."""
     status, type_, code = ERROR_STATUS[exc.kind]
-    return status, error_object(public_message(exc.kind, exc.message, request_id), type_, None,
+    return status, error_object(public_message(exc.kind, exc.message, request_id), type_, param,
                                 code)
 
 

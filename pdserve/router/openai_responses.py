@@ -145,16 +145,19 @@ _RENAMED = (("messages", "input"), ("max_completion_tokens", "max_output_tokens"
             ("response_format", "text.format"), ("logprobs", "include"))
 
 
+def responses_field(chat: str) -> str:
+    """The Responses field a chat body's field came from."""
+    return next((ours.split(".")[0] for name, ours in _RENAMED if name == chat), chat)
+
+
 def renamed(exc: InvalidRequest) -> InvalidRequest:
     """A chat error about the mapped body, naming the Responses field instead."""
-    message, param = exc.message, exc.param
+    message = exc.message
     for chat, ours in _RENAMED:
         if message.startswith(chat):
             message = ours + message[len(chat):]
-        if param == chat:
-            param = ours.split(".")[0]
     message = message.replace(".function.parameters", ".parameters")
-    return InvalidRequest(message, param)
+    return InvalidRequest(message, None if exc.param is None else responses_field(exc.param))
 
 
 def _text(content: str | list[TextPart]) -> str:

@@ -240,7 +240,8 @@ class Router:
             if req.messages is not None:
                 return self.tokenizer.apply_chat_template(req.messages, tools=req.tools)
         except (ValueError, TypeError, UnicodeError) as exc:  # e.g. lone surrogates
-            raise RouterError(ErrorKind.INVALID, f"cannot tokenize the prompt: {exc}") from exc
+            raise RouterError(ErrorKind.INVALID, f"cannot tokenize the prompt: {exc}",
+                              param="prompt") from exc
         return list(req.prompt_token_ids or [])
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
@@ -248,7 +249,7 @@ class Router:
         worker can serve is a 400 at once, not an attempt."""
         problem = request_problem(prompt, params, self.tokenizer.vocab_size, self.max_model_len)
         if problem:
-            raise RouterError(ErrorKind.INVALID, problem)
+            raise RouterError(ErrorKind.INVALID, problem[0], param=problem[1])
 
     def _worker_changed(self, w: WorkerState, what: str) -> None:
         if what in ("left", "removed"):  # its prefix cache is gone from routing

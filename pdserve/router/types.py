@@ -115,11 +115,14 @@ class ErrorKind(enum.Enum):
 class RouterError(Exception):
     """Raised by ``Router.generate`` before or during a stream."""
 
-    def __init__(self, kind: ErrorKind, message: str, retry_after_s: float | None = None):
+    def __init__(self, kind: ErrorKind, message: str, retry_after_s: float | None = None,
+                 param: str | None = None):
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.retry_after_s = retry_after_s  # OVERLOADED, shutting down: hint for Retry-After
+        # INVALID: the request's field at fault (``request_problem``'s: prompt, max_tokens, ...)
+        self.param = param
 
 
 @dataclass

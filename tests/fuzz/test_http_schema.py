@@ -28,10 +28,14 @@ MAX_EXAMPLES = 400
 # 400s for rules between fields, which a JSON schema of each field cannot state
 # (openai_schema's docstring lists them); any other field named in a 400 for a
 # schema-valid body means the document and the server disagree.
-# Constraints too: whether a regex, grammar or JSON schema compiles, one per request.
+# Constraints too: whether a regex, grammar or JSON schema compiles, one per request;
+# and the model's limits (context, vocabulary: request_problem's fields, as each API
+# names them).
 CROSS_FIELD = {"min_tokens", "stream_options", "top_logprobs", "messages", "max_tokens",
                "best_of", "response_format", "guided_json", "guided_regex", "guided_choice",
-               "guided_grammar", "structured_outputs", "tools", "tool_choice"}
+               "guided_grammar", "structured_outputs", "tools", "tool_choice",
+               "prompt", "max_completion_tokens", "logit_bias", "stop_token_ids",
+               "input", "max_output_tokens", "text"}
 
 
 def no_server_error(ctx: Any, response: Any, case: schemathesis.Case) -> None:

@@ -233,17 +233,28 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": ["a"] * 65}, 400, "prompt"),  # a batch of at most 64
     ("/v1/completions", {"prompt": ["a", [5]]}, 400, "prompt"),  # texts or token ids
-    ("/v1/completions", {"prompt": ["a", ""]}, 400, None),  # the router: empty prompt
+    ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt"),  # the router: empty prompt
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ("/v1/completions", {"prompt": "x", "timeout_s": 0}, 400, "timeout_s"),
-    ("/v1/completions", {"prompt": ""}, 400, None),  # the router: empty prompt
-    ("/v1/completions", {"prompt": [99999]}, 400, None),  # token id outside the vocabulary
+    ("/v1/completions", {"prompt": ""}, 400, "prompt"),  # the router: empty prompt
+    ("/v1/completions", {"prompt": [99999]}, 400, "prompt"),  # token id outside the vocabulary
     # echo decodes the prompt before the request runs (it overflowed the tokenizer: 500)
     ("/v1/completions", {"prompt": [2**63], "echo": True, "logprobs": 1, "max_tokens": 0},
-     400, None),
-    ("/v1/completions", {"prompt": [99999], "echo": True, "max_tokens": 1}, 400, None),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, None),  # past the context
+     400, "prompt"),
+    ("/v1/completions", {"prompt": [99999], "echo": True, "max_tokens": 1}, 400, "prompt"),
+    # the model's limits (context, vocabulary) name the field as the client sent it
+    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "max_tokens": 5000}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "max_completion_tokens": 5000}, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 3000}]}, 400,
+     "messages"),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 5000}, 400, "max_output_tokens"),
+    ("/v1/responses", {"input": "x" * 3000}, 400, "input"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, None),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "nobody", "content": "x"}]}, 400,
@@ -283,6 +294,9 @@ def test_bad_input_is_a_4xx_and_the_server_keeps_serving(
             assert r.status_code == status, (payload, r.text)
             err = r.json()["error"]
             assert err["message"] and err["type"] and err["param"] == param, (payload, err)
+        # Which prompt of a batch the router refused.
+        r = await c.post("/v1/completions", json={"prompt": ["a", "b", ""]}, headers=key)
+        assert r.json()["error"]["message"] == "prompt[2]: prompt is empty", r.text
         # Brackets inside strings do not count as nesting.
         r = await c.post("/v1/completions", json={**GREEDY, "prompt": "[{" * 500, "max_tokens": 1},
                          headers=key)
