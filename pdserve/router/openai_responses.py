@@ -117,6 +117,8 @@ class ResponsesRequest(GenerationFields):
     text: TextConfig | None = None
     include: list[Literal["message.output_text.logprobs"]] | None = None
     top_logprobs: TopN | None = None  # with include's logprobs
+    # calls of built-in tools, which are refused: any limit holds
+    max_tool_calls: Annotated[int, Field(ge=1)] | None = None
     store: bool | None = None  # answered false: nothing is stored
     metadata: dict[str, str] | None = None  # echoed
     user: str | None = None
@@ -132,7 +134,6 @@ REFUSED_RESPONSES = {
     "conversation": dataclasses.replace(EMPTY, why=STATELESS),
     "background": _only(None, False),
     "prompt": EMPTY,  # stored prompt templates
-    "max_tool_calls": EMPTY,
     "truncation": _only(None, "disabled"),
     # not a reasoning model: OpenAI answers its non-reasoning models the same
     "reasoning": Refused(_no_reasoning, {"anyOf": [
@@ -232,7 +233,8 @@ def skeleton(r: ResponsesRequest, request_id: str, model: str, created: int) -> 
         "tool_choice": (r.tool_choice.model_dump() if isinstance(r.tool_choice, FunctionChoice)
                         else r.tool_choice or ("auto" if r.tools else "none")),
         "tools": [t.model_dump(exclude_none=True) for t in r.tools or []],
-        "top_logprobs": r.top_logprobs, "truncation": "disabled", "usage": None,
+        "top_logprobs": r.top_logprobs, "max_tool_calls": r.max_tool_calls,
+        "truncation": "disabled", "usage": None,
         "user": r.user, "metadata": r.metadata or {},
     }
 

@@ -69,7 +69,7 @@ def test_a_conversation_maps_to_chat_messages() -> None:
         "text": {"format": {"type": "json_schema", "name": "t", "schema": SCHEMA}},
         "include": ["message.output_text.logprobs"], "top_logprobs": 2, "stream": True,
         "store": True, "metadata": {"k": "v"}, "user": "u", "reasoning": {"effort": None},
-        "truncation": "disabled"})
+        "truncation": "disabled", "max_tool_calls": 3})
     calls = [{"id": f"call_{i}", "type": "function", "function": {
         "name": "get_weather", "arguments": json.dumps({"city": city})}}
         for i, city in ((1, "Paris"), (2, "Lyon"))]
