@@ -46,30 +46,30 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class TextFormat(_Body):
+class TextFormat(Body):
     type: Literal["text"]
 
 
-class JsonObjectFormat(_Body):
+class JsonObjectFormat(Body):
     type: Literal["json_object"]
 
 
-class JsonSchemaSpec(_Body):
+class JsonSchemaSpec(Body):
     name: NonEmpty
     description: str | None = None
     schema_: JsonSchema | None = Field(default=None, alias="schema")  # None: any object
     strict: bool | None = None
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(Body):
     type: Literal["json_schema"]
     json_schema: JsonSchemaSpec
 
@@ -78,7 +78,7 @@ ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat,
                            Field(discriminator="type")]
 
 
-class StructuredOutputs(_Body):
+class StructuredOutputs(Body):
     """vLLM's ``structured_outputs``: one of its fields."""
 
     json_: JsonSchema | str | None = Field(default=None, alias="json")
@@ -88,7 +88,7 @@ class StructuredOutputs(_Body):
     json_object: bool | None = None
 
 
-class GenerationFields(_Body):
+class GenerationFields(Body):
     """Fields every generate endpoint shares (the Responses API's too); the vLLM
     extensions are at the end."""
 
@@ -141,51 +141,51 @@ class CompletionRequest(SamplingFields):
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None  # equal to n (no ranking)
 
 
-class ContentPart(_Body):
+class ContentPart(Body):
     type: Literal["text"]  # images, audio, files: not supported
     text: str
 
 
-class CalledFunction(_Body):
+class CalledFunction(Body):
     name: NonEmpty
     arguments: str  # JSON text
 
 
-class MessageToolCall(_Body):
+class MessageToolCall(Body):
     id: str
     type: Literal["function"]
     function: CalledFunction
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     role: Literal["system", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None  # None: assistant messages only
     tool_calls: list[MessageToolCall] | None = None  # assistant messages only
     tool_call_id: str | None = None  # tool messages: the call answered
 
 
-class FunctionDef(_Body):
+class FunctionDef(Body):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: str | None = None
     parameters: JsonSchema | None = None  # None: no parameters
     strict: bool | None = None
 
 
-class Tool(_Body):
+class Tool(Body):
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionName(_Body):
+class FunctionName(Body):
     name: NonEmpty
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(Body):
     type: Literal["function"]
     function: FunctionName
 
 
-class Prediction(_Body):
+class Prediction(Body):
     """OpenAI's predicted output: what the answer is expected to be (a file being
     edited, say). The decoding worker drafts from it; the answer is unchanged."""
 
@@ -221,7 +221,7 @@ class Refused:
     why: str = ""  # said after "... is not supported by this server"
 
 
-def _only(*values: Any) -> Refused:
+def only(*values: Any) -> Refused:
     # `x in (None, 1)` would accept True (== 1): compare types too.
     return Refused(lambda v: any(v == h and type(v) is type(h) for h in values),
                    {"enum": list(values)})
@@ -240,7 +240,7 @@ REFUSED_COMPLETION: dict[str, Refused] = {
 }
 REFUSED_CHAT = {
     "functions": EMPTY,
-    "function_call": _only(None, "none", "auto"),
+    "function_call": only(None, "none", "auto"),
     "audio": EMPTY,
     "modalities": Refused(lambda v: v is None or v == ["text"],
                           {"anyOf": [{"type": "null"}, {"const": ["text"]}]}),
@@ -256,7 +256,7 @@ def refuse_unsupported(body: Mapping[str, Any], refused: Mapping[str, Refused]) 
                                  name)
 
 
-def validate_body(model: type[_Body], body: Any) -> Any:
+def validate_body(model: type[Body], body: Any) -> Any:
     if not isinstance(body, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
     try:

@@ -25,39 +25,39 @@ from pydantic import Discriminator, Field, Tag
 
 from pdserve.router.openai_models import (
     EMPTY,
+    Body,
     GenerationFields,
     InvalidRequest,
     JsonSchema,
     NonEmpty,
     Refused,
     TopN,
-    _Body,
-    _only,
+    only,
 )
 from pdserve.router.types import RouterError
 
 LOGPROBS = "message.output_text.logprobs"
 
 
-class TextPart(_Body):
+class TextPart(Body):
     type: Literal["input_text", "output_text"]  # images, files, audio: not supported
     text: str
 
 
-class MessageItem(_Body):
+class MessageItem(Body):
     type: Literal["message"] = "message"  # the short form omits it
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[TextPart]
 
 
-class FunctionCallItem(_Body):
+class FunctionCallItem(Body):
     type: Literal["function_call"]
     call_id: NonEmpty
     name: NonEmpty
     arguments: str  # JSON text
 
 
-class FunctionCallOutputItem(_Body):
+class FunctionCallOutputItem(Body):
     type: Literal["function_call_output"]
     call_id: NonEmpty
     output: str | list[TextPart]
@@ -73,7 +73,7 @@ InputItem = Annotated[Annotated[MessageItem, Tag("message")]
                       Discriminator(_item_type)]
 
 
-class FunctionTool(_Body):
+class FunctionTool(Body):
     type: Literal["function"]  # built-in tools (web search, files, ...): not supported
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
     description: str | None = None
@@ -81,20 +81,20 @@ class FunctionTool(_Body):
     strict: bool | None = None
 
 
-class FunctionChoice(_Body):
+class FunctionChoice(Body):
     type: Literal["function"]
     name: NonEmpty
 
 
-class PlainText(_Body):
+class PlainText(Body):
     type: Literal["text"]
 
 
-class JsonObject(_Body):
+class JsonObject(Body):
     type: Literal["json_object"]
 
 
-class JsonSchemaText(_Body):
+class JsonSchemaText(Body):
     type: Literal["json_schema"]
     name: NonEmpty
     description: str | None = None
@@ -102,7 +102,7 @@ class JsonSchemaText(_Body):
     strict: bool | None = None
 
 
-class TextConfig(_Body):
+class TextConfig(Body):
     format: Annotated[PlainText | JsonObject | JsonSchemaText,
                       Field(discriminator="type")] | None = None
 
@@ -132,9 +132,9 @@ STATELESS = "responses are not stored; send the whole conversation as input"
 REFUSED_RESPONSES = {
     "previous_response_id": dataclasses.replace(EMPTY, why=STATELESS),
     "conversation": dataclasses.replace(EMPTY, why=STATELESS),
-    "background": _only(None, False),
+    "background": only(None, False),
     "prompt": EMPTY,  # stored prompt templates
-    "truncation": _only(None, "disabled"),
+    "truncation": only(None, "disabled"),
     # not a reasoning model: OpenAI answers its non-reasoning models the same
     "reasoning": Refused(_no_reasoning, {"anyOf": [
         {"type": "null"}, {"type": "object", "additionalProperties": {"type": "null"}}]}),
