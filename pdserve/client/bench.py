@@ -170,7 +170,8 @@ async def run_benchmark(cfg: BenchConfig) -> BenchOutcome:
              f"{sum(r.prompt_len for r in requests)} prompt tokens")
         setup: dict[str, Any] = {
             "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
-            "backend": "openai-chat" if cfg.is_chat else "openai",
+            "backend": ("openai-responses" if cfg.endpoint.rstrip("/").endswith("/responses")
+                        else "openai-chat" if cfg.is_chat else "openai"),
             "endpoint": cfg.endpoint,
             "base_url": cfg.base_url,
             "model_id": model,

@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--endpoint", default="/v1/completions",
-                     help="/v1/completions (default) or /v1/chat/completions")
+                     help="/v1/completions (default), /v1/chat/completions or /v1/responses")
     srv.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
     srv.add_argument("--tokenizer", default=None,
                      help="Hugging Face directory with tokenizer.json (default: the served "

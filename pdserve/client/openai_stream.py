@@ -1,7 +1,8 @@
 """A small async client for OpenAI-compatible servers (pdserve, vLLM, SGLang).
 
 This module owns the HTTP side of one request: building the completions / chat
-completions body, reading the Server-Sent-Events stream, and turning it into a
+completions / Responses API body, reading the Server-Sent-Events stream (chunks, or
+the Responses API's typed events), and turning it into a
 `RequestOutput` with the client-side timings (TTFT, inter-token gaps, end-to-end
 latency) and token counts. It also lists models and fetches plain text (the
 server's ``/metrics``). It never raises for a failed request: the error (HTTP
@@ -30,6 +31,9 @@ import aiohttp
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
+# A Responses stream's last event, its status as a chat finish_reason.
+_RESPONSE_END = {"completed": "stop", "incomplete": "length"}
 # Bodies of error answers are cut to this many characters in the recorded message.
 _MAX_ERROR_TEXT = 200
 
@@ -72,15 +76,20 @@ class RequestOutput:
 def request_body(endpoint: str, model: str, prompt: str, max_tokens: int | None,
                  ignore_eos: bool, extra_body: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The JSON body for `endpoint`: prompt as text, streaming with usage."""
-    body: dict[str, Any] = {"model": model, "stream": True,
-                            "stream_options": {"include_usage": True}}
-    if endpoint.rstrip("/").endswith("/chat/completions"):
-        body["messages"] = [{"role": "user", "content": prompt}]
+    body: dict[str, Any] = {"model": model, "stream": True}
+    if endpoint.rstrip("/").endswith("/responses"):  # its stream always ends with usage
+        body["input"] = prompt
+        if max_tokens is not None:
+            body["max_output_tokens"] = max_tokens
     else:
-        body["prompt"] = prompt
-    # max_tokens on both endpoints: vLLM, SGLang and pdserve all accept it for chat.
-    if max_tokens is not None:
-        body["max_tokens"] = max_tokens
+        body["stream_options"] = {"include_usage": True}
+        if endpoint.rstrip("/").endswith("/chat/completions"):
+            body["messages"] = [{"role": "user", "content": prompt}]
+        else:
+            body["prompt"] = prompt
+        # max_tokens on both endpoints: vLLM, SGLang and pdserve all accept it for chat.
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
     if ignore_eos:
         body["ignore_eos"] = True
     body.update(extra_body or {})
@@ -88,7 +97,10 @@ def request_body(endpoint: str, model: str, prompt: str, max_tokens: int | None,
 
 
 def chunk_text(chunk: Mapping[str, Any]) -> str:
-    """Generated text in one streamed chunk (completions ``text`` or chat ``delta``)."""
+    """Generated text in one streamed chunk (completions ``text``, chat ``delta``, a
+    Responses ``output_text.delta`` event)."""
+    if chunk.get("type") == "response.output_text.delta":
+        return str(chunk.get("delta") or "")
     choices = chunk.get("choices") or []
     if not choices or not isinstance(choices[0], Mapping):
         return ""
@@ -102,6 +114,34 @@ def chunk_text(chunk: Mapping[str, Any]) -> str:
             if isinstance(delta.get(key), str) and delta[key]:
                 return str(delta[key])
     return ""
+
+
+def chunk_end(chunk: Mapping[str, Any]) -> tuple[str | None, Mapping[str, Any] | None]:
+    """(finish_reason, usage as chat's ``completion_tokens`` / ``prompt_tokens``) that
+    one chunk reports, each None when it reports none."""
+    if isinstance(chunk.get("type"), str):  # a Responses event: its last one says both
+        response = chunk.get("response")
+        if chunk["type"] != "response.completed" or not isinstance(response, Mapping):
+            return None, None
+        usage = response.get("usage")
+        return _RESPONSE_END.get(str(response.get("status"))), (
+            {"completion_tokens": usage.get("output_tokens"),
+             "prompt_tokens": usage.get("input_tokens")} if isinstance(usage, Mapping) else None)
+    choices = chunk.get("choices") or []
+    finish = (str(choices[0]["finish_reason"]) if choices and isinstance(choices[0], Mapping)
+              and choices[0].get("finish_reason") else None)
+    usage = chunk.get("usage")
+    return finish, usage if isinstance(usage, Mapping) else None
+
+
+def chunk_error(chunk: Mapping[str, Any]) -> str | None:
+    """The error a chunk reports: chat's ``error`` object, a failed response."""
+    if chunk.get("type") == "response.failed":
+        response = chunk.get("response")
+        return _error_message(response.get("error") if isinstance(response, Mapping) else None)
+    if chunk.get("type") == "error" or "error" in chunk:
+        return _error_message(chunk)
+    return None
 
 
 def _error_message(payload: Any) -> str:
@@ -196,8 +236,8 @@ class OpenAIStreamClient:
                     chunk = json.loads(data)
                     if not isinstance(chunk, Mapping):
                         continue
-                    if "error" in chunk:
-                        out.error = f"stream error: {_error_message(chunk)}"
+                    if (error := chunk_error(chunk)) is not None:
+                        out.error = f"stream error: {error}"
                         break
                     now = time.perf_counter()
                     text = chunk_text(chunk)
@@ -209,12 +249,9 @@ class OpenAIStreamClient:
                         last = now
                         chunks += 1
                         text_parts.append(text)
-                    choices = chunk.get("choices") or []
-                    if choices and isinstance(choices[0], Mapping) and choices[0].get(
-                            "finish_reason"):
-                        out.finish_reason = str(choices[0]["finish_reason"])
-                    usage = chunk.get("usage")
-                    if isinstance(usage, Mapping) and usage.get("completion_tokens") is not None:
+                    finish, usage = chunk_end(chunk)
+                    out.finish_reason = finish or out.finish_reason
+                    if usage is not None and usage.get("completion_tokens") is not None:
                         out.usage_reported = True
                         out.output_tokens = int(usage["completion_tokens"])
                         if usage.get("prompt_tokens") is not None:

@@ -336,3 +336,29 @@ def test_the_openai_sdk_reads_it(pair_factory: Callable[..., Pair]) -> None:  # 
         await asyncio.to_thread(use)
 
     serve(pair, run)
+
+
+def test_pdserve_bench_client_reads_the_stream(tiny_model: Callable[[str], Path]) -> None:
+    """``pdserve bench --endpoint /v1/responses``: its client takes the text from the
+    delta events, usage and finish from response.completed, an error from
+    response.failed."""
+    from pdserve.client.openai_stream import OpenAIStreamClient, request_body
+
+    router = ChoicesRouter(Tokenizer.from_dir(tiny_model("llama-gqa")))
+    router.script = [StreamChunk([5], "Hel"), StreamChunk([6], "lo"),
+                     FinalChunk("length", Usage(4, 2))]
+
+    async def run(c: Client) -> None:
+        body = request_body("/v1/responses", "tiny", "hi", 2, True)
+        assert body["input"] == "hi" and body["max_output_tokens"] == 2
+        async with OpenAIStreamClient(str(c.base_url)) as client:
+            out = await client.stream("/v1/responses", body)
+            assert out.success and out.generated_text == "Hello", out.error
+            assert out.usage_reported and out.output_tokens == 2 and out.prompt_len == 4
+            assert out.finish_reason == "length" and len(out.itl) == 1
+            router.script = [StreamChunk([5], "a"), RouterError(ErrorKind.INTERNAL, "boom")]
+            out = await client.stream("/v1/responses", body)
+            assert not out.success and out.error.startswith("stream error: internal error")
+        assert router.seen[0].params.max_tokens == 2 and router.seen[0].params.ignore_eos
+
+    serve(router, run)
