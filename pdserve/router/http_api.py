@@ -3,7 +3,8 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as SSE
 ``data: {json}`` events ending with ``data: [DONE]``, or whole), ``POST
 /v1/responses`` (served as the chat body it maps to, answered in the Responses API's
-shapes and typed events: ``openai_responses``), ``GET /v1/models``,
+shapes and typed events: ``openai_responses``; ``GET`` / ``DELETE
+/v1/responses/{id}`` for the ones kept), ``GET /v1/models``,
 ``GET /health`` (200 only while ``router.ready()``), ``GET /metrics`` (the
 registry in Prometheus text format), ``GET /openapi.json`` (the request bodies as
 ``openapi_doc`` describes them), and with an ``Admin`` the operator's ``/admin/``
@@ -41,7 +42,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -81,6 +82,7 @@ from pdserve.router.openai_responses import (
     REFUSED_RESPONSES,
     ResponseEvents,
     ResponsesRequest,
+    ResponseStore,
     chat_body,
     renamed,
     response_object,
@@ -133,6 +135,7 @@ class _Api:
         self.registry = registry
         self.text = TokenText(router.tokenizer)
         self.tools = syntax_for(router.tokenizer.chat_template)  # the model's tool calls
+        self.stored = ResponseStore()  # /v1/responses kept for previous_response_id
         self.tasks: set[asyncio.Task[None]] = set()  # RouterStream tasks until cleaned up
         self.in_flight: dict[str, _Choices] = {}  # by request id (ids must be unique)
         self.closing = False
@@ -155,12 +158,25 @@ class _Api:
         try:
             if isinstance(body, dict):
                 refuse_unsupported(body, REFUSED_RESPONSES)
-            r: ResponsesRequest = validate_body(ResponsesRequest, body)
+            r: ResponsesRequest = self.stored.continued(validate_body(ResponsesRequest, body))
         except InvalidRequest as exc:
             raise _invalid(exc, rid) from exc
-        base = skeleton(r, rid, r.model or self.model_name, int(time.time()))
+        base = skeleton(r, r.model or self.model_name, int(time.time()))
+        log.info("request %s: response %s", rid, base["id"])
         return await self._serve(request, rid, chat_body(r), True, _Responses(
-            base, wants_logprobs(r)))
+            base, wants_logprobs(r), lambda whole: self.stored.keep(r, whole)))
+
+    def stored_response(self, response_id: str, forget: bool) -> Response:
+        """``GET`` / ``DELETE /v1/responses/{id}``: a kept response, or a 404."""
+        whole = self.stored.get(response_id)
+        if whole is None:
+            return JSONResponse(error_object(
+                f"no response {response_id!r} is kept here (store false, forgotten, or "
+                "answered before a restart)", code="not_found"), status_code=404)
+        if forget:
+            self.stored.delete(response_id)
+            return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+        return JSONResponse(whole)
 
     async def _serve(self, request: Request, rid: str, body: Any, chat: bool,
                      responses: _Responses | None = None) -> Response:
@@ -223,8 +239,10 @@ class _Api:
                                          headers={"Cache-Control": "no-cache"},
                                          background=BackgroundTask(self._done, choices))
             whole = await _unless_disconnected(request, _collect(choices, out))
-            return JSONResponse(whole if responses is None else
-                                response_object(responses.base, whole, responses.logprobs))
+            if responses is not None:
+                whole = response_object(responses.base, whole, responses.logprobs)
+                responses.done(whole)
+            return JSONResponse(whole)
         except RouterError as exc:
             raise ApiError.from_router(exc, rid, fields) from exc
         finally:
@@ -247,7 +265,7 @@ class _Api:
         try:
             if responses is not None:
                 events = ResponseEvents(responses.base, responses.logprobs)
-                async for event in events.events(_chunks(choices, out), failed):
+                async for event in events.events(_chunks(choices, out), failed, responses.done):
                     yield event
                 return
             try:
@@ -273,11 +291,12 @@ def _router_fields(parsed: ChatCompletionRequest | CompletionRequest,
 
 @dataclass(frozen=True)
 class _Responses:
-    """A request of the Responses API: its response's settings (``skeleton``) and
-    whether it asked for logprobs."""
+    """A request of the Responses API: its response's settings (``skeleton``), whether
+    it asked for logprobs, and what to do with the whole response (keep it)."""
 
     base: dict[str, Any]
     logprobs: bool
+    done: Callable[[dict[str, Any]], None]
 
 
 async def _json(request: Request, rid: str) -> Any:
@@ -462,6 +481,14 @@ def build_app(router: RouterLike, model_name: str, registry: CollectorRegistry,
     @v1.post("/responses")
     async def responses(request: Request) -> Response:
         return await api.responses(request)
+
+    @v1.get("/responses/{response_id}")
+    async def get_response(response_id: str) -> Response:
+        return api.stored_response(response_id, forget=False)
+
+    @v1.delete("/responses/{response_id}")
+    async def delete_response(response_id: str) -> Response:
+        return api.stored_response(response_id, forget=True)
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:

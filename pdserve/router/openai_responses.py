@@ -4,10 +4,13 @@ completions body (``chat_body``), served as chat, and the chat result mapped bac
 whole (``response_object``) or as the Responses stream's typed events
 (``ResponseEvents``).
 
-Stateless: responses are not stored, so ``previous_response_id``, ``conversation``
-and ``background`` are refused and ``store`` is answered false; a client sends the
-whole conversation as ``input`` (earlier output items, function calls and their
-outputs included), as the Agents SDK does. Function tools only; ``text.format``
+State: a response is kept (unless ``store`` is false) in the router's memory, the
+last ``STORED`` of them (``ResponseStore``), with the conversation that led to it
+as input items; ``previous_response_id`` continues it (its instructions are not
+carried over, as OpenAI does), ``GET`` / ``DELETE /v1/responses/{id}`` read and
+forget it. A client may instead send the whole conversation as ``input`` (earlier
+output items, function calls and their outputs included), as the Agents SDK does.
+``conversation`` objects and ``background`` are refused. Function tools only; ``text.format``
 (``json_schema``, ``json_object``) is chat's ``response_format``; logprobs come with
 ``include: ["message.output_text.logprobs"]``; ``developer`` messages are system
 messages. A stopped output is ``completed``, one cut by ``max_output_tokens`` (or the
@@ -18,10 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag, TypeAdapter
 
 from pdserve.router.openai_models import (
     EMPTY,
@@ -119,7 +124,8 @@ class ResponsesRequest(GenerationFields):
     top_logprobs: TopN | None = None  # with include's logprobs
     # calls of built-in tools, which are refused: any limit holds
     max_tool_calls: Annotated[int, Field(ge=1)] | None = None
-    store: bool | None = None  # answered false: nothing is stored
+    store: bool = True  # kept for previous_response_id and GET (ResponseStore)
+    previous_response_id: NonEmpty | None = None
     metadata: dict[str, str] | None = None  # echoed
     user: str | None = None
 
@@ -128,10 +134,9 @@ def _no_reasoning(value: Any) -> bool:
     return value is None or (isinstance(value, dict) and all(v is None for v in value.values()))
 
 
-STATELESS = "responses are not stored; send the whole conversation as input"
 REFUSED_RESPONSES = {
-    "previous_response_id": dataclasses.replace(EMPTY, why=STATELESS),
-    "conversation": dataclasses.replace(EMPTY, why=STATELESS),
+    "conversation": dataclasses.replace(
+        EMPTY, why="use previous_response_id, or send the whole conversation as input"),
     "background": only(None, False),
     "prompt": EMPTY,  # stored prompt templates
     "truncation": only(None, "disabled"),
@@ -169,8 +174,7 @@ def _messages(r: ResponsesRequest) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if r.instructions:
         out.append({"role": "system", "content": r.instructions})
-    items = [MessageItem(role="user", content=r.input)] if isinstance(r.input, str) else r.input
-    for item in items:
+    for item in _own_items(r):
         if isinstance(item, MessageItem):
             out.append({"role": "system" if item.role == "developer" else item.role,
                         "content": _text(item.content)})
@@ -219,15 +223,17 @@ def chat_body(r: ResponsesRequest) -> dict[str, Any]:
     return body
 
 
-def skeleton(r: ResponsesRequest, request_id: str, model: str, created: int) -> dict[str, Any]:
-    """The response object before any output: the request's settings echoed."""
+def skeleton(r: ResponsesRequest, model: str, created: int) -> dict[str, Any]:
+    """The response object before any output: the request's settings echoed. Its id
+    is random, not the request id a client may choose: knowing it reads the kept
+    response (``GET /v1/responses/{id}``)."""
     fmt = r.text.format if r.text and r.text.format else PlainText(type="text")
     return {
-        "id": f"resp_{request_id}", "object": "response", "created_at": created,
+        "id": f"resp_{uuid.uuid4().hex}", "object": "response", "created_at": created,
         "status": "in_progress", "error": None, "incomplete_details": None,
         "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
         "model": model, "output": [], "parallel_tool_calls": r.parallel_tool_calls,
-        "previous_response_id": None, "reasoning": None, "store": False,
+        "previous_response_id": r.previous_response_id, "reasoning": None, "store": r.store,
         "temperature": r.temperature, "top_p": r.top_p,
         "text": {"format": fmt.model_dump(exclude_none=True, by_alias=True)},
         "tool_choice": (r.tool_choice.model_dump() if isinstance(r.tool_choice, FunctionChoice)
@@ -375,9 +381,11 @@ class ResponseEvents:
         return out
 
     async def events(self, chunks: AsyncIterator[dict[str, Any]],
-                     describe: Callable[[RouterError], dict[str, Any]]) -> AsyncIterator[bytes]:
+                     describe: Callable[[RouterError], dict[str, Any]],
+                     done: Callable[[dict[str, Any]], None]) -> AsyncIterator[bytes]:
         """The events of the chat ``chunks``; a RouterError raised while reading them
-        ends the stream with ``response.failed`` (``describe(exc)``: its error object)."""
+        ends the stream with ``response.failed`` (``describe(exc)``: its error object).
+        ``done(response)`` is called with the whole response before its last event."""
         yield self._event("response.created", response=self._base)
         yield self._event("response.in_progress", response=self._base)
         try:
@@ -399,5 +407,57 @@ class ResponseEvents:
             yield event
         # response.completed even when its status is incomplete, as vLLM sends it:
         # AIPerf reads usage only there and the SDK's get_final_response() needs it
-        yield self._event("response.completed",
-                          response=_finished(self._base, self._items, self._finish, self._usage))
+        whole = _finished(self._base, self._items, self._finish, self._usage)
+        done(whole)
+        yield self._event("response.completed", response=whole)
+
+
+STORED = 1024  # responses kept for previous_response_id (each with its conversation)
+_ITEMS: TypeAdapter[list[Any]] = TypeAdapter(list[InputItem])
+
+
+class ResponseStore:
+    """The last ``limit`` responses that asked to be stored, with the conversation
+    that led to each (input items, its own output last), oldest forgotten first. One
+    router's memory: a restart forgets them."""
+
+    def __init__(self, limit: int = STORED):
+        self._limit = limit
+        self._kept: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = (
+            OrderedDict())
+
+    def get(self, response_id: str) -> dict[str, Any] | None:
+        kept = self._kept.get(response_id)
+        return None if kept is None else kept[0]
+
+    def delete(self, response_id: str) -> bool:
+        return self._kept.pop(response_id, None) is not None
+
+    def continued(self, r: ResponsesRequest) -> ResponsesRequest:
+        """``r`` with the conversation of its ``previous_response_id`` before its own
+        input; InvalidRequest when that response is not kept."""
+        if r.previous_response_id is None:
+            return r
+        kept = self._kept.get(r.previous_response_id)
+        if kept is None:
+            raise InvalidRequest(
+                f"previous_response_id {r.previous_response_id!r} is not a response this "
+                f"server keeps (the last {self._limit} stored, until it restarts)",
+                "previous_response_id")
+        self._kept.move_to_end(r.previous_response_id)
+        return r.model_copy(update={"input": [*_ITEMS.validate_python(kept[1]),
+                                              *_own_items(r)]})
+
+    def keep(self, r: ResponsesRequest, response: dict[str, Any]) -> None:
+        """Keep a finished ``response`` to ``r`` (already continued), if it asked."""
+        if not r.store:
+            return
+        conversation = [item.model_dump(by_alias=True, exclude_none=True)
+                        for item in _own_items(r)]
+        self._kept[response["id"]] = (response, [*conversation, *response["output"]])
+        while len(self._kept) > self._limit:
+            self._kept.popitem(last=False)
+
+
+def _own_items(r: ResponsesRequest) -> list[Any]:
+    return [MessageItem(role="user", content=r.input)] if isinstance(r.input, str) else r.input

@@ -42,7 +42,8 @@ ERROR_SCHEMA: dict[str, Any] = {
         "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
 _ERROR = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
 _WHY = {
-    400: "invalid request", 401: "missing or invalid API key", 404: "unknown model",
+    400: "invalid request", 401: "missing or invalid API key",
+    404: "unknown model (a kept response: unknown id)",
     413: "body too large", 415: "body not application/json", 429: "overloaded (Retry-After)",
     500: "internal error", 503: "not ready", 504: "deadline passed",
 }
@@ -85,6 +86,11 @@ def openapi_document(app: FastAPI, served: Sequence[str], keyed: bool,
             "text/event-stream": {"schema": {"type": "object", "required": ["data"],
                                              "properties": {"data": {"type": "string"}}}}}},
             **_errors([*_GENERATE, *keyed_errors])}
+    for method, what in (("get", "the kept response"), ("delete", "the response forgotten")):
+        paths["/v1/responses/{response_id}"][method]["responses"] = {
+            "200": {"description": what,
+                    "content": {"application/json": {"schema": {"type": "object"}}}},
+            **_errors([404, *keyed_errors])}
     paths["/v1/models"]["get"]["responses"] = {
         "200": {"description": "the served models",
                 "content": {"application/json": {"schema": {"type": "object"}}}},

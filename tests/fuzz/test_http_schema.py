@@ -35,7 +35,8 @@ CROSS_FIELD = {"min_tokens", "stream_options", "top_logprobs", "messages", "max_
                "best_of", "response_format", "guided_json", "guided_regex", "guided_choice",
                "guided_grammar", "structured_outputs", "tools", "tool_choice",
                "prompt", "max_completion_tokens", "logit_bias", "stop_token_ids",
-               "input", "max_output_tokens", "text"}
+               "input", "max_output_tokens", "text",
+               "previous_response_id"}  # a response this server keeps: state, not schema
 
 
 def no_server_error(ctx: Any, response: Any, case: schemathesis.Case) -> None:

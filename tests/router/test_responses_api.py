@@ -17,7 +17,7 @@ import pytest
 from pdserve.engine.structured import StructuredOutput
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.openai_models import validate_body
-from pdserve.router.openai_responses import ResponsesRequest, chat_body
+from pdserve.router.openai_responses import ResponsesRequest, ResponseStore, chat_body
 from pdserve.router.types import ErrorKind, FinalChunk, RouterError, StreamChunk, Usage
 from tests.integration.test_inprocess import Pair, pair_factory  # noqa: F401  (fixture)
 from tests.router.test_http_api import GREEDY, LEAKY, Client, serve
@@ -108,13 +108,15 @@ def test_text_answers_whole_and_streamed(tiny_model: Callable[[str], Path]) -> N
         r = await c.post("/v1/responses", json=body, headers={"X-Request-Id": "q"})
         assert r.status_code == 200, r.text
         whole = r.json()
-        assert whole["id"] == "resp_q" and whole["object"] == "response"
+        assert whole["id"].startswith("resp_") and whole["object"] == "response"
+        assert whole["id"] != "resp_q" and len(whole["id"]) == 37  # random: resp_ + 32 hex
         assert whole["status"] == "completed" and whole["incomplete_details"] is None
-        assert whole["store"] is False and whole["metadata"] == {"k": "v"}
+        assert whole["store"] is True and whole["metadata"] == {"k": "v"}
         assert whole["max_output_tokens"] == 9 and whole["temperature"] == 0.3
         assert whole["text"] == {"format": {"type": "text"}} and whole["tool_choice"] == "none"
         assert whole["output"] == [{
-            "type": "message", "id": "msg_q", "status": "completed", "role": "assistant",
+            "type": "message", "id": "msg_" + whole["id"][5:], "status": "completed",
+            "role": "assistant",
             "content": [{"type": "output_text", "text": "Hello there", "annotations": [],
                          "logprobs": []}]}]
         assert whole["usage"] == {"input_tokens": 4, "input_tokens_details": {"cached_tokens": 2},
@@ -203,6 +205,76 @@ def test_function_calls_whole_and_streamed(tiny_model: Callable[[str], Path]) ->
     serve(router, run)
 
 
+def test_previous_response_id_continues_a_kept_conversation(
+        tiny_model: Callable[[str], Path]) -> None:
+    router = ChoicesRouter(Tokenizer.from_dir(tiny_model("llama-gqa")))
+    router.script = [StreamChunk([5], "Paris."), FinalChunk("stop", Usage(4, 1))]
+
+    async def run(c: Client) -> None:
+        first = (await c.post("/v1/responses", json={"instructions": "Be brief.",
+                                                     "input": "Capital of France?"},
+                              headers={"X-Request-Id": "a"})).json()
+        assert first["id"] != "resp_a" and first["store"] is True  # random, not the request id
+        assert (await c.get(f"/v1/responses/{first['id']}")).json() == first
+        assert (await c.get("/v1/responses/resp_a")).status_code == 404
+        # continued, streamed: the first turn (not its instructions), its answer, then this
+        router.script = [StreamChunk([6], HERMES_CALL), FinalChunk("stop", Usage(9, 2))]
+        got = await events(c, {"input": "And its weather?", "previous_response_id": first["id"],
+                               "tools": [WEATHER], "stream": True})
+        assert [m for m in router.seen[-1].messages if m["role"] != "system"] == [
+            {"role": "user", "content": "Capital of France?"},
+            {"role": "assistant", "content": "Paris."},
+            {"role": "user", "content": "And its weather?"}]
+        second = got[-1][1]["response"]
+        assert second["previous_response_id"] == first["id"]
+        seen = json.dumps(router.seen[-1].messages)
+        assert "Capital of France?" in seen and "Paris." in seen and "And its weather?" in seen
+        assert "Be brief." not in seen  # instructions are not carried over
+        call = second["output"][0]
+        assert call["type"] == "function_call"
+        # a third turn answers the call by its call_id alone
+        router.script = [StreamChunk([5], "Sunny."), FinalChunk("stop", Usage(9, 1))]
+        third = (await c.post("/v1/responses", json={
+            "previous_response_id": second["id"], "input": [
+                {"type": "function_call_output", "call_id": call["call_id"],
+                 "output": "sunny"}]})).json()
+        assert third["output"][0]["content"][0]["text"] == "Sunny."
+        roles = [m["role"] for m in router.seen[-1].messages]
+        assert roles == ["user", "assistant", "user", "assistant", "tool"], roles
+        assert "get_weather" in router.seen[-1].messages[3]["content"]
+        assert "sunny" in router.seen[-1].messages[4]["content"]
+        # store false: answered, not kept; an unknown or forgotten id is a 404 / 400
+        r = (await c.post("/v1/responses", json={"input": "x", "store": False})).json()
+        assert r["store"] is False
+        assert (await c.get(f"/v1/responses/{r['id']}")).status_code == 404
+        r = await c.delete(f"/v1/responses/{third['id']}")
+        assert r.json() == {"id": third["id"], "object": "response", "deleted": True}
+        assert (await c.delete(f"/v1/responses/{third['id']}")).status_code == 404
+        r = await c.post("/v1/responses", json={"input": "x",
+                                                "previous_response_id": third["id"]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+
+    serve(router, run)
+
+
+def test_the_store_keeps_the_last_ones() -> None:
+    store = ResponseStore(limit=2)
+    for i in range(3):
+        r = validate_body(ResponsesRequest, {"input": f"q{i}"})
+        store.keep(r, {"id": f"resp_{i}", "output": []})
+    assert store.get("resp_0") is None and store.get("resp_2") is not None
+    continued = store.continued(validate_body(ResponsesRequest, {
+        "input": "next", "previous_response_id": "resp_1"}))
+    assert chat_body(continued)["messages"] == [{"role": "user", "content": "q1"},
+                                                {"role": "user", "content": "next"}]
+    # using one keeps it longest: resp_1 was used, so resp_2 goes first
+    store.keep(continued, {"id": "resp_3", "output": []})
+    assert store.get("resp_1") is not None and store.get("resp_2") is None
+    r = validate_body(ResponsesRequest, {"input": "x", "store": False})
+    store.keep(r, {"id": "resp_4", "output": []})
+    assert store.get("resp_4") is None
+
+
 def test_logprobs_and_structured_output(tiny_model: Callable[[str], Path]) -> None:
     router = ChoicesRouter(Tokenizer.from_dir(tiny_model("llama-gqa")))
     router.script = [StreamChunk([5], '{"a": 1}'), FinalChunk("stop", Usage(4, 1))]
@@ -244,7 +316,8 @@ def test_a_failure_mid_stream_is_response_failed(tiny_model: Callable[[str], Pat
 
 BAD = [
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id",
-     "not stored"),
+     "not a response this server keeps"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation", "previous_response_id"),
     ({"input": "x", "background": True}, "background", "background"),
     ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "reasoning"),
     ({"input": "x", "truncation": "auto"}, "truncation", "truncation"),
@@ -329,9 +402,13 @@ def test_the_openai_sdk_reads_it(pair_factory: Callable[..., Pair]) -> None:  # 
                 final = stream.get_final_response()  # also when the limit cut it
             assert {"response.created", "response.output_text.delta"} <= kinds
             assert final.status == "incomplete" and final.output_text == r.output_text
-            with pytest.raises(openai.BadRequestError) as exc:
-                client.responses.create(model="tiny", input="hi", previous_response_id="r")
-            assert "not stored" in str(exc.value)
+            again = client.responses.create(model="tiny", input="more", max_output_tokens=3,
+                                            previous_response_id=r.id)
+            assert again.previous_response_id == r.id and again.store
+            assert client.responses.retrieve(again.id).output_text == again.output_text
+            client.responses.delete(again.id)
+            with pytest.raises(openai.NotFoundError):
+                client.responses.retrieve(again.id)
 
         await asyncio.to_thread(use)
 
