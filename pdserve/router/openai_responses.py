@@ -413,17 +413,21 @@ class ResponseEvents:
 
 
 STORED = 1024  # responses kept for previous_response_id (each with its conversation)
+STORED_BYTES = 256 << 20  # and their JSON at most (a long context's chain is large)
 _ITEMS: TypeAdapter[list[Any]] = TypeAdapter(list[InputItem])
 
 
 class ResponseStore:
     """The last ``limit`` responses that asked to be stored, with the conversation
-    that led to each (input items, its own output last), oldest forgotten first. One
-    router's memory: a restart forgets them."""
+    that led to each (input items, its own output last), at most ``max_bytes`` of
+    JSON in all, the least recently used forgotten first. One router's memory: a
+    restart forgets them."""
 
-    def __init__(self, limit: int = STORED):
-        self._limit = limit
-        self._kept: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]]]] = (
+    def __init__(self, limit: int = STORED, max_bytes: int = STORED_BYTES):
+        self._limit, self._max_bytes = limit, max_bytes
+        self._bytes = 0
+        # id -> (response, conversation, their JSON size)
+        self._kept: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]], int]] = (
             OrderedDict())
 
     def get(self, response_id: str) -> dict[str, Any] | None:
@@ -431,7 +435,9 @@ class ResponseStore:
         return None if kept is None else kept[0]
 
     def delete(self, response_id: str) -> bool:
-        return self._kept.pop(response_id, None) is not None
+        kept = self._kept.pop(response_id, None)
+        self._bytes -= 0 if kept is None else kept[2]
+        return kept is not None
 
     def continued(self, r: ResponsesRequest) -> ResponsesRequest:
         """``r`` with the conversation of its ``previous_response_id`` before its own
@@ -452,11 +458,14 @@ class ResponseStore:
         """Keep a finished ``response`` to ``r`` (already continued), if it asked."""
         if not r.store:
             return
-        conversation = [item.model_dump(by_alias=True, exclude_none=True)
-                        for item in _own_items(r)]
-        self._kept[response["id"]] = (response, [*conversation, *response["output"]])
-        while len(self._kept) > self._limit:
-            self._kept.popitem(last=False)
+        conversation = [*(item.model_dump(by_alias=True, exclude_none=True)
+                          for item in _own_items(r)), *response["output"]]
+        size = len(json.dumps(conversation)) + len(json.dumps(response))
+        self.delete(response["id"])
+        self._kept[response["id"]] = (response, conversation, size)
+        self._bytes += size
+        while len(self._kept) > self._limit or self._bytes > self._max_bytes:
+            self._bytes -= self._kept.popitem(last=False)[1][2]
 
 
 def _own_items(r: ResponsesRequest) -> list[Any]:

@@ -273,6 +273,15 @@ def test_the_store_keeps_the_last_ones() -> None:
     r = validate_body(ResponsesRequest, {"input": "x", "store": False})
     store.keep(r, {"id": "resp_4", "output": []})
     assert store.get("resp_4") is None
+    # a bound on bytes too: a long conversation pushes older ones out
+    store = ResponseStore(limit=10, max_bytes=3000)
+    for i in range(3):
+        store.keep(validate_body(ResponsesRequest, {"input": "x" * 1000}),
+                   {"id": f"resp_{i}", "output": []})
+    assert store.get("resp_0") is None and store.get("resp_1") and store.get("resp_2")
+    store.keep(validate_body(ResponsesRequest, {"input": "x" * 5000}),
+               {"id": "resp_big", "output": []})  # alone over the bound: not even itself
+    assert all(store.get(f"resp_{i}") is None for i in (1, 2, "big"))
 
 
 def test_logprobs_and_structured_output(tiny_model: Callable[[str], Path]) -> None:
