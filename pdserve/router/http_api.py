@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -136,6 +136,13 @@ class _Api:
         self.text = TokenText(router.tokenizer)
         self.tools = syntax_for(router.tokenizer.chat_template)  # the model's tool calls
         self.stored = ResponseStore()  # /v1/responses kept for previous_response_id
+        for name, doc, value in (
+                ("pdserve_responses_kept", "Responses kept for previous_response_id.",
+                 lambda: len(self.stored)),
+                ("pdserve_responses_kept_bytes", "JSON bytes of the kept responses and "
+                 "their conversations.", lambda: self.stored.bytes)):
+            Gauge(name, doc, ("model",), registry=registry).labels(
+                model=model_name).set_function(value)
         self.tasks: set[asyncio.Task[None]] = set()  # RouterStream tasks until cleaned up
         self.in_flight: dict[str, _Choices] = {}  # by request id (ids must be unique)
         self.closing = False

@@ -430,6 +430,13 @@ class ResponseStore:
         self._kept: OrderedDict[str, tuple[dict[str, Any], list[dict[str, Any]], int]] = (
             OrderedDict())
 
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    @property
+    def bytes(self) -> int:
+        return self._bytes
+
     def get(self, response_id: str) -> dict[str, Any] | None:
         kept = self._kept.get(response_id)
         return None if kept is None else kept[0]

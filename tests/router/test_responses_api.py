@@ -8,6 +8,7 @@ chat endpoint, token for token)."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -216,6 +217,9 @@ def test_previous_response_id_continues_a_kept_conversation(
                               headers={"X-Request-Id": "a"})).json()
         assert first["id"] != "resp_a" and first["store"] is True  # random, not the request id
         assert (await c.get(f"/v1/responses/{first['id']}")).json() == first
+        metrics = (await c.get("/metrics")).text
+        assert 'pdserve_responses_kept{model="tiny"} 1.0' in metrics
+        assert re.search(r'pdserve_responses_kept_bytes\{model="tiny"\} [1-9]', metrics)
         assert (await c.get("/v1/responses/resp_a")).status_code == 404
         # continued, streamed: the first turn (not its instructions), its answer, then this
         router.script = [StreamChunk([6], HERMES_CALL), FinalChunk("stop", Usage(9, 2))]
