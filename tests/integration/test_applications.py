@@ -238,8 +238,10 @@ def test_openai_agents_sdk_runs_a_tool_loop(served: Served) -> None:
     """The Agents SDK's own run loop, over the Responses API (its default model) and
     over chat completions: the model must call the tool, the SDK runs it and sends the
     result back as input, and the model answers or (a small model may) calls again,
-    which again sends results back. Then the ``openai`` client's
-    ``responses.parse`` with a pydantic model."""
+    which again sends results back. The SDK refuses an answer that ``max_tokens`` cut
+    (status incomplete: ``ModelBehaviorError``), which a rambling small model may give
+    after the tool's result; that too is after the loop's round trip. Then the
+    ``openai`` client's ``responses.parse`` with a pydantic model."""
     import asyncio
 
     import agents
@@ -256,12 +258,16 @@ def test_openai_agents_sdk_runs_a_tool_loop(served: Served) -> None:
     async def run(model: agents.Model) -> None:
         agent = agents.Agent(name="weather", instructions="Answer with the get_weather tool.",
                              tools=[get_weather], model=model, model_settings=agents.ModelSettings(
-                                 temperature=0.8, max_tokens=120, tool_choice="required"))
+                                 temperature=0.8, max_tokens=200, tool_choice="required",
+                                 parallel_tool_calls=False))
         called.clear()
         try:
             result = await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3)
         except agents.MaxTurnsExceeded:
             assert len(called) >= 2, called  # each turn called the tool, got its result
+            return
+        except agents.ModelBehaviorError as exc:
+            assert called and "incomplete" in str(exc), (called, exc)  # the answer was cut
             return
         kinds = [type(item).__name__ for item in result.new_items]
         assert called and kinds[0] == "ToolCallItem" and "ToolCallOutputItem" in kinds, kinds
