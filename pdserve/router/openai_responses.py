@@ -245,9 +245,12 @@ def skeleton(r: ResponsesRequest, model: str, created: int) -> dict[str, Any]:
     }
 
 
-def _message_item(request_id: str, text: str, logprobs: list[Any]) -> dict[str, Any]:
-    return {"type": "message", "id": f"msg_{request_id}", "status": "in_progress",
-            "role": "assistant", "content": [_text_part(text, logprobs)]}
+def _message_item(response_id: str, text: str = "", logprobs: list[Any] | None = None,
+                  ) -> dict[str, Any]:
+    """The response's message item (its id: the response's, ``msg_`` for ``resp_``)."""
+    return {"type": "message", "id": "msg_" + response_id.removeprefix("resp_"),
+            "status": "in_progress",
+            "role": "assistant", "content": [_text_part(text, logprobs or [])]}
 
 
 def _text_part(text: str, logprobs: list[Any]) -> dict[str, Any]:
@@ -292,7 +295,7 @@ def response_object(base: dict[str, Any], chat: dict[str, Any],
     items = []
     if message["content"] or not calls:
         lps = (choice["logprobs"] or {}).get("content") or [] if logprobs else []
-        items.append(_message_item(base["id"].removeprefix("resp_"), message["content"] or "",
+        items.append(_message_item(base["id"], message["content"] or "",
                                    lps))
     items += [_call_item(c["id"], c["function"]["name"], c["function"]["arguments"])
               for c in calls]
@@ -362,8 +365,7 @@ class ResponseEvents:
             lps = ((choice.get("logprobs") or {}).get("content") or []) if self._logprobs else []
             if delta.get("content"):
                 if self._open is None or self._open["type"] != "message":
-                    out += self._add(_message_item(self._base["id"].removeprefix("resp_"), "",
-                                                   []))
+                    out += self._add(_message_item(self._base["id"]))
                 part = self._open["content"][0]  # type: ignore[index]
                 part["text"] += delta["content"]
                 part["logprobs"] += lps
@@ -400,8 +402,7 @@ class ResponseEvents:
                           "message": error["message"]}})
             return
         if not self._items:  # nothing at all came out: an empty message
-            for event in self._add(_message_item(self._base["id"].removeprefix("resp_"), "",
-                                                 [])):
+            for event in self._add(_message_item(self._base["id"])):
                 yield event
         for event in self._close():
             yield event
