@@ -137,6 +137,7 @@ def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
 
 
 SPEC_METHODS = ("ngram", "suffix", "draft_model")
+QUANTIZATIONS = ("none", "int8", "int4", "w8a8")
 
 
 @dataclass(frozen=True)
@@ -148,8 +149,11 @@ class SpeculativeConfig:
     tokens. ``suffix``: the same lookup, also in the worker's last
     ``suffix_decoding_max_cached_requests`` outputs, the match measured up to
     ``suffix_decoding_max_tree_depth`` tokens and the draft ``..._max_spec_factor`` x
-    as long. ``draft_model``: a smaller ``model`` (a checkpoint directory) of the same
-    tokenizer drafts (``engine/draft_model.py``). ``disable_by_batch_size``: no
+    as long. ``draft_model``: a smaller ``model`` (a checkpoint directory, or the
+    default model's name) of the same tokenizer drafts (``engine/draft_model.py``),
+    its linear layers in ``quantization`` (``none``, ``int8``, ``int4``, ``w8a8``;
+    unset: the target's), so the target's own int4 copy is a draft of any model.
+    ``disable_by_batch_size``: no
     speculation in a step with more running requests than this (decode is no longer
     memory-bound there); unset, the engine's kernel family decides
     (``spec_decode.batch_limit``)."""
@@ -163,11 +167,18 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     model: str | None = None  # draft_model: the draft's checkpoint directory
+    quantization: str | None = None  # draft_model: the draft's weights (unset: the target's)
 
     def __post_init__(self) -> None:
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError("speculative_config.model (a draft checkpoint directory) goes "
                              "with method draft_model, and only with it")
+        if self.quantization is not None and self.method != "draft_model":
+            raise ValueError("speculative_config.quantization is the draft model's: it goes "
+                             "with method draft_model")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"speculative_config.quantization must be one of {QUANTIZATIONS}, "
+                             f"got {self.quantization!r}")
         if self.method not in SPEC_METHODS:
             raise ValueError(f"speculative_config.method must be one of {SPEC_METHODS}, got "
                              f"{self.method!r}")
@@ -275,7 +286,7 @@ class EngineConfig:
             raise ValueError("num_threads must be >= 1")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.quantization not in ("none", "int8", "int4", "w8a8"):
+        if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be none, int8, int4 or w8a8, got "
                              f"{self.quantization!r}")
         if self.quantization_group_size not in (32, 64, 128):

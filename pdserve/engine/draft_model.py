@@ -50,6 +50,7 @@ import torch
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ModelConfig, ceil_div
+from pdserve.engine.gguf_convert import resolve_model
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.input_batch import InputBatch
 from pdserve.engine.kv_cache import new_kv_cache
@@ -64,21 +65,37 @@ if TYPE_CHECKING:
 _PARAMS = SamplingParams(max_tokens=1)  # a mirror's own (its samples follow its request's)
 
 
-def draft_model_id(model_dir: str | Path) -> str:
-    """The draft's name in KV layouts (its config's, else its directory's)."""
-    return ModelConfig.from_dir(Path(model_dir)).name or Path(model_dir).name
+def draft_dir(model: str) -> Path:
+    """``speculative_config.model``'s directory: a checkpoint directory, or the default
+    model's name (as ``--model`` takes it); ValueError if neither."""
+    try:
+        return resolve_model(model)
+    except FileNotFoundError as exc:
+        raise ValueError(f"speculative_config.model: {exc}") from exc
+
+
+def draft_quantization(config: EngineConfig) -> str:
+    """The draft's weight format: ``speculative_config.quantization``, else the target's."""
+    spec = config.speculative_config
+    return (spec.quantization if spec is not None and spec.quantization is not None
+            else config.quantization)
+
+
+def draft_model_id(model_dir: Path, config: EngineConfig) -> str:
+    """The draft's name in KV layouts (its config's, else its directory's), and its
+    weight format where quantized: a prefill worker's draft makes the prompt KV the
+    decode worker's drafts from, so both must load the same weights."""
+    name = ModelConfig.from_dir(model_dir).name or model_dir.name
+    quant = draft_quantization(config)
+    return name if quant == "none" else f"{name} ({quant})"
 
 
 class DraftModel:
-    def __init__(self, model_dir: str | Path, config: EngineConfig, target: ModelConfig,
+    def __init__(self, model_dir: Path, config: EngineConfig, target: ModelConfig,
                  max_model_len: int, num_blocks: int, eos_token_ids: frozenset[int],
                  grammars: Grammars) -> None:
-        model_dir = Path(model_dir)
-        if not model_dir.is_dir():
-            raise ValueError(f"speculative_config.model: draft model directory {str(model_dir)!r} "
-                             "not found")
         mc = self.model_config = ModelConfig.from_dir(model_dir)
-        self.model_id = draft_model_id(model_dir)
+        self.model_id = draft_model_id(model_dir, config)
         if mc.vocab_size != target.vocab_size:
             raise ValueError(f"draft model {str(model_dir)!r} has a vocabulary of "
                              f"{mc.vocab_size} tokens, the target {target.vocab_size}: a draft "
@@ -86,8 +103,9 @@ class DraftModel:
         if mc.max_position_embeddings < max_model_len:
             raise ValueError(f"draft model {str(model_dir)!r} takes {mc.max_position_embeddings} "
                              f"positions, fewer than the target's max_model_len {max_model_len}")
-        # The target's dtype, backends, quantization and KV cache dtype.
-        loaded = load_model(model_dir, dataclasses.replace(config, max_model_len=max_model_len))
+        # The target's dtype, backends and KV cache dtype; its own quantization.
+        loaded = load_model(model_dir, dataclasses.replace(
+            config, max_model_len=max_model_len, quantization=draft_quantization(config)))
         self.model = loaded.model
         self.block_size = config.block_size
         self.kv_dtype = config.kv_cache_dtype

@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 from pdserve.engine import kernels
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ceil_div
-from pdserve.engine.draft_model import DraftModel, draft_model_id
+from pdserve.engine.draft_model import DraftModel, draft_dir, draft_model_id
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.input_batch import InputBatch
 from pdserve.engine.kv_cache import new_kv_cache
@@ -150,12 +150,13 @@ class LLMEngine:
         spec = self.config.speculative_config
         if spec is not None and spec.method == "draft_model":
             assert spec.model is not None
+            draft = draft_dir(spec.model)
             if tp is None or tp.rank == 0:
-                self.draft = DraftModel(spec.model, self.config, mc, self.max_model_len,
+                self.draft = DraftModel(draft, self.config, mc, self.max_model_len,
                                         self.num_blocks, self.eos_token_ids, self.grammars)
                 self.draft_model_id = self.draft.model_id
             else:
-                self.draft_model_id = draft_model_id(spec.model)
+                self.draft_model_id = draft_model_id(draft, self.config)
 
     def check_ranks(self) -> None:
         """``RuntimeError`` if one of this engine's tensor-parallel ranks is gone (the

@@ -187,8 +187,10 @@ class KVLayout:
             if f.name != "heads" and getattr(self, f.name) != getattr(peer, f.name)
         ]
         if self.draft != peer.draft:
-            diffs.append("both workers need speculative_config's draft model: its prompt KV "
-                         "is made by the prefill worker and moves with the target's")
+            diffs.append("both workers need speculative_config's draft model, in the same "
+                         "weight format (speculative_config.quantization, else each pool's "
+                         "own): its prompt KV is made by the prefill worker and moves with "
+                         "the target's")
         raise KVLayoutMismatch("KV layout mismatch: " + "; ".join(diffs))
 
     def check_tensor(self, kv: torch.Tensor) -> int:
