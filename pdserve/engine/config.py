@@ -155,7 +155,7 @@ class SpeculativeConfig:
     unset: the target's), so the target's own int4 copy is a draft of any model.
     ``disable_by_batch_size``: no
     speculation in a step with more running requests than this (decode is no longer
-    memory-bound there); unset, the engine's kernel family decides
+    memory-bound there); unset, the method and the engine's kernel family decide
     (``spec_decode.batch_limit``)."""
 
     method: str = "ngram"

@@ -67,13 +67,20 @@ PREDICTION_DEFAULTS = SpeculativeConfig(num_speculative_tokens=8)
 # keep 4 until measured on their own classes.
 BATCH_LIMIT = 4
 BATCH_LIMITS = {"cpu-amx": 8}  # linear backend -> limit, bf16 / fp32 weights
+# A draft model's own steps cost at every batch size (one forward per draft token),
+# where an n-gram draft is free: the default model's int4 copy drafting for it paid
+# 1.3x at 2 running requests and lost at 3-4 (k = 6; ``bench_spec --parts 1``).
+DRAFT_MODEL_BATCH_LIMIT = 2
 
 
 def batch_limit(config: SpeculativeConfig, linear_backend: str, quantization: str) -> int:
     """The running requests above which an engine drafts nothing: ``config``'s, else
-    its kernel family's (``BATCH_LIMITS``; quantized weights: ``BATCH_LIMIT``)."""
+    a draft model's (``DRAFT_MODEL_BATCH_LIMIT``), else its kernel family's
+    (``BATCH_LIMITS``; quantized weights: ``BATCH_LIMIT``)."""
     if config.disable_by_batch_size is not None:
         return config.disable_by_batch_size
+    if config.method == "draft_model":
+        return DRAFT_MODEL_BATCH_LIMIT
     if quantization != "none":
         return BATCH_LIMIT
     return BATCH_LIMITS.get(linear_backend, BATCH_LIMIT)

@@ -36,7 +36,10 @@ from tests.engine.test_spec_decode import backend as backend
 
 
 def draft(path: Path | str, k: int = 4, **kw: object) -> dict[str, object]:
-    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k, **kw}
+    """A draft model's config that drafts at any batch (its default limit is 2 running
+    requests): these tests batch several mirrors in a step."""
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": k,
+            "disable_by_batch_size": 64, **kw}
 
 
 def drained(eng: LLMEngine) -> None:

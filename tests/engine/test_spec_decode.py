@@ -267,7 +267,8 @@ def test_no_speculation_over_the_batch_limit(tiny_model: Callable[[str], Path]) 
 def test_an_unset_batch_limit_is_the_kernel_familys(tiny_model: Callable[[str], Path]) -> None:
     """Without ``disable_by_batch_size`` the engine's linear family sets the limit:
     8 on AMX's tile unit (bf16), where drafting still pays at 8 running requests, 4
-    for the other families and for quantized weights; a set limit wins. Each bf16
+    for the other families and for quantized weights, 2 for a draft model on any
+    family; a set limit wins. Each bf16
     family this CPU runs: 6 running requests draft exactly where the limit is 8."""
     from pdserve.engine import kernels
     from pdserve.engine.linear import cpu_families
@@ -277,6 +278,10 @@ def test_an_unset_batch_limit_is_the_kernel_familys(tiny_model: Callable[[str], 
     assert batch_limit(SpeculativeConfig(), "torch", "none") == 4
     assert batch_limit(SpeculativeConfig(), "cpu-amx", "int4") == 4
     assert batch_limit(SpeculativeConfig(disable_by_batch_size=2), "cpu-amx", "none") == 2
+    drafted = SpeculativeConfig(method="draft_model", model="d")  # its own steps cost
+    assert batch_limit(drafted, "cpu-amx", "none") == 2
+    assert batch_limit(dataclasses.replace(drafted, disable_by_batch_size=6), "cpu-amx",
+                       "none") == 6
     if kernels.cpu_supported() is not None:
         pytest.skip("the cpu kernels run on x86-64 CPUs only")
     path = tiny_model("llama-gqa")

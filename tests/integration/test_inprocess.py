@@ -252,7 +252,8 @@ def test_a_draft_models_prompt_kv_moves_with_the_targets(
     none of a prompt, only the tokens after it; the text is the engine's without
     speculation, token for token; the transfer's bytes count the draft's blocks."""
     spec = {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 4,
-                                   "model": str(tiny_model("llama-mha"))}}
+                                   "model": str(tiny_model("llama-mha")),
+                                   "disable_by_batch_size": 64}}  # every request drafts
     pair = pair_factory(prefill_engine=spec, decode_engine=spec, transfer=transfer)
     p = pair.prefill[0]
     assert isinstance(p.sender, DraftSender)
@@ -842,7 +843,8 @@ def test_a_retry_rebuilds_the_draft_models_state(
     retry's transfer, so its draft too starts from one token; the lost worker's
     draft mirror and blocks go."""
     spec = {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 4,
-                                   "model": str(tiny_model("llama-mha"))}}
+                                   "model": str(tiny_model("llama-mha")),
+                                   "disable_by_batch_size": 64}}  # every request drafts
     pair = pair_factory(n_decode=2, prefill_engine=spec, decode_engine=spec)
     first_work = {d.worker_id: draft_first_work(d) for d in pair.decode}
     dead, final = lose_the_decode_worker_after_the_first_token(pair, tiny_model)

@@ -59,7 +59,8 @@ def test_a_draft_model_with_tp_pools(pair_factory: Callable[..., Pair],
     model = tiny_model("llama-gqa")
     want = [o.token_ids for o in LLMEngine(model, EngineConfig(num_blocks=256)).generate(
         PROMPTS, GREEDY)]
-    spec = {"method": "draft_model", "num_speculative_tokens": 4, "model": str(model)}
+    spec = {"method": "draft_model", "num_speculative_tokens": 4, "model": str(model),
+            "disable_by_batch_size": 64}  # every request drafts
     pair = pair_factory(
         prefill_engine={"tensor_parallel_size": prefill_tp, "num_threads": 1,
                         "speculative_config": spec},
