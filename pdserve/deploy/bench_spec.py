@@ -1,6 +1,7 @@
-"""``make bench`` for speculative decoding (n-gram prompt lookup), on the default
-model, greedy chat prompts, against the same engine or server without speculation
-measured in the same run.
+"""``make bench`` for speculative decoding (n-gram prompt lookup, suffix decoding,
+and the model's own int4 copy as draft model), on the default model, greedy chat
+prompts, against the same engine or server without speculation measured in the same
+run.
 
 1. Engine (colocated engines in this process, one per setting): per workload,
    single-stream TPOT (first token to last / tokens after the first) without and with
@@ -15,7 +16,8 @@ measured in the same run.
    at which drafting breaks even there (``verification_cost``).
 2. Served (``pdserve serve``, colocated on 2 threads and 1P+1D, each worker's threads
    on both cores, through the HTTP chat endpoint as a client sees it): single-stream TPOT and text
-   with and without ``--speculative-config``; with ``--llama-server PATH``, llama.cpp's
+   with and without ``--speculative-config`` (1P+1D: ngram, and the int4 copy as
+   draft, both pools loading it); with ``--llama-server PATH``, llama.cpp's
    server on the same GGUF and prompts, without and with its n-gram speculation
    (``ngram-simple`` as it comes, and ``ngram-mod``), against pdserve in bf16 and with
    an int4 decode pool (the GGUF's own Q4_1 blocks, the weights llama-server runs).
@@ -129,6 +131,14 @@ PREDICTED: list[tuple[str, str, str]] = [
     ("unrelated", WORKLOADS["open"][2], CODE),
 ]
 SERVED_SPEC = PROPOSERS["ngram k=8"]
+SELF_DRAFT = "int4 draft k=6"
+
+
+def self_draft(model: Path | str) -> dict[str, Any]:
+    """The model drafted by its own int4 copy (for the default model, its GGUF's Q4_1
+    blocks): a draft of any bf16 model, close enough that most guesses are accepted."""
+    return {"method": "draft_model", "model": str(model), "quantization": "int4",
+            "num_speculative_tokens": 6}
 SERVED_MODEL = "SmolLM2-135M-Instruct"
 WARM_UP = "Say hello in one sentence."  # a server's first request (not a measured prompt)
 
@@ -153,11 +163,12 @@ def part1(model: Path, tok: Tokenizer, threads: int, max_tokens: int,
           concurrency: list[int], repeats: int) -> dict[str, Any]:
     prompts = {w: [tok.apply_chat_template([{"role": "user", "content": p}]) for p in ps]
                for w, ps in WORKLOADS.items()}
-    configs: dict[str, dict[str, Any] | None] = {"none": None, **PROPOSERS}
+    configs: dict[str, dict[str, Any] | None] = {"none": None, **PROPOSERS,
+                                                 SELF_DRAFT: self_draft(model)}
     result: dict[str, Any] = {"single_stream": {}, "throughput": {}}
     print(f"\n1. engine, {threads} thread(s), greedy, max_tokens {max_tokens}, "
           f"{repeats} round(s), every prompt on every engine in turn")
-    print(f"   {'workload':8} {'proposer':10} {'TPOT ms':>8} {'vs none':>8} {'accept':>7} "
+    print(f"   {'workload':8} {'proposer':14} {'TPOT ms':>8} {'vs none':>8} {'accept':>7} "
           f"{'tok/step':>8}  same tokens")
     engines = {name: LLMEngine(model, EngineConfig(dtype="auto", num_threads=threads,
                                                    speculative_config=spec), tokenizer=tok)  # type: ignore[arg-type]
@@ -193,7 +204,7 @@ def part1(model: Path, tok: Tokenizer, threads: int, max_tokens: int,
             row: dict[str, Any] = {"tpot_ms": tpot * 1e3}
             result["single_stream"].setdefault(workload, {})[name] = row
             if name == "none":
-                print(f"   {workload:8} {name:10} {tpot * 1e3:8.2f}")
+                print(f"   {workload:8} {name:14} {tpot * 1e3:8.2f}")
                 continue
             drafts, drafted, accepted = counts[(workload, name)]
             none_tpot = result["single_stream"][workload]["none"]["tpot_ms"]
@@ -202,7 +213,7 @@ def part1(model: Path, tok: Tokenizer, threads: int, max_tokens: int,
                        tokens_per_step=1 + accepted / drafts if drafts else 1.0,
                        same_tokens=[ts for ts, _ in rs] ==
                        [ts for ts, _ in runs[(workload, "none")]])
-            print(f"   {workload:8} {name:10} {row['tpot_ms']:8.2f} {row['speedup']:7.2f}x "
+            print(f"   {workload:8} {name:14} {row['tpot_ms']:8.2f} {row['speedup']:7.2f}x "
                   f"{row['acceptance']:7.0%} {row['tokens_per_step']:8.2f}  {row['same_tokens']}")
     del engines
     mixed = [p for ps in prompts.values() for p in ps]
@@ -210,7 +221,8 @@ def part1(model: Path, tok: Tokenizer, threads: int, max_tokens: int,
           f"sustained: a finished request replaced at once; best of {repeats}):")
     throughput_configs: dict[str, dict[str, Any] | None] = {
         "none": None, "ngram k=4": PROPOSERS["ngram k=4"],
-        "ngram k=4, any batch": {**PROPOSERS["ngram k=4"], "disable_by_batch_size": 64}}
+        "ngram k=4, any batch": {**PROPOSERS["ngram k=4"], "disable_by_batch_size": 64},
+        SELF_DRAFT: self_draft(model)}
     engines = {name: LLMEngine(model, EngineConfig(dtype="auto", num_threads=threads,
                                                    speculative_config=spec), tokenizer=tok)  # type: ignore[arg-type]
                for name, spec in throughput_configs.items()}
@@ -499,6 +511,9 @@ def part2(threads: int, max_tokens: int, llama_server: str | None,
         "pdserve 1P+1D": pair,
         "pdserve 1P+1D + ngram": {**pair, "decode": {"num_cpus": 1, "engine": {
             "speculative_config": spec}}},
+        # both pools: the prefill worker makes the draft's prompt KV
+        f"pdserve 1P+1D + {SELF_DRAFT}": {pool: {"num_cpus": 1, "engine": {
+            "speculative_config": self_draft(SERVED_MODEL)}} for pool in ("prefill", "decode")},
         # int4 decode: the GGUF's own Q4_1 blocks, the weights llama-server runs
         "pdserve 1P+1D int4": {**pair, "decode": {"num_cpus": 1, "engine": {
             "quantization": "int4"}}},
@@ -518,13 +533,19 @@ def part2(threads: int, max_tokens: int, llama_server: str | None,
         _llama_server, llama_server, default_gguf_path(), threads)
     mod = {} if llama is None else {"llama-server + ngram": partial(llama, ["--spec-type",
                                                                             "ngram-mod"])}
-    for base in ("pdserve colocated", "pdserve 1P+1D", "pdserve 1P+1D int4"):
-        ours = f"{base} + ngram"
-        with Served(configs[base]) as plain, Served(configs[ours]) as fast:
-            got = _interleaved({base: (plain.url, SERVED_MODEL), ours: (fast.url, SERVED_MODEL)},
+    # each base beside its speculating twins
+    groups = {"pdserve colocated": ["+ ngram"],
+              "pdserve 1P+1D": ["+ ngram", f"+ {SELF_DRAFT}"],
+              "pdserve 1P+1D int4": ["+ ngram"]}
+    for base, twins in groups.items():
+        names = [base, *(f"{base} {t}" for t in twins)]
+        with contextlib.ExitStack() as stack:
+            urls = {n: stack.enter_context(Served(configs[n])).url for n in names}
+            got = _interleaved({n: (url, SERVED_MODEL) for n, url in urls.items()},
                                max_tokens, repeats, mod)
-        results[base], results[ours] = got[base], got[ours]
+        results.update({n: got[n] for n in names})
         if mod:
+            ours = f"{base} + ngram"
             versus[ours] = {w: got["llama-server + ngram"][w][1] / got[ours][w][1]
                             for w in WORKLOADS}
     if llama is not None:
@@ -535,13 +556,13 @@ def part2(threads: int, max_tokens: int, llama_server: str | None,
     out: dict[str, Any] = {}
     for name, res in results.items():
         row = {w: {"tpot_ms": tpot * 1e3} for w, (_, tpot) in res.items()}
-        ref = name.removesuffix(" + ngram").removesuffix(" + ngram-simple")
+        ref = name.split(" + ")[0]
         if ref != name:
             for w, (texts, tpot) in res.items():
                 row[w]["speedup"] = results[ref][w][1] / tpot
                 row[w]["same_text"] = texts == results[ref][w][0]
         out[name] = row
-        print(f"   {name:26} " + "  ".join(
+        print(f"   {name:34} " + "  ".join(
             f"{w}: {r['tpot_ms']:6.2f} ms" + (f" ({r['speedup']:.2f}x, same text "
                                               f"{r['same_text']})" if "speedup" in r else "")
             for w, r in row.items()))
