@@ -93,7 +93,7 @@ def draft_model_id(model_dir: Path, config: EngineConfig) -> str:
 class DraftModel:
     def __init__(self, model_dir: Path, config: EngineConfig, target: ModelConfig,
                  max_model_len: int, num_blocks: int, eos_token_ids: frozenset[int],
-                 grammars: Grammars) -> None:
+                 grammars: Grammars, target_kv: torch.Tensor | None = None) -> None:
         mc = self.model_config = ModelConfig.from_dir(model_dir)
         self.model_id = draft_model_id(model_dir, config)
         if mc.vocab_size != target.vocab_size:
@@ -113,6 +113,13 @@ class DraftModel:
                                      self.block_size, mc.head_dim, config.kv_cache_dtype,
                                      config.device)
         self.pool = BlockPool(num_blocks, enable_prefix_caching=False)
+        # The target's KV cache, where the draft is the target's own checkpoint (in
+        # another weight format: ``speculative_config.quantization``): the same layout,
+        # so a mirror copies the KV of the tokens the target computed instead of
+        # computing them itself (a prompt's, in int4 prefill, cost more than the
+        # target's own bf16 prefill on AMX), and a prefill worker sends it as the draft's.
+        same = target_kv is not None and target_kv.shape == self.kv_cache.shape
+        self.target_kv = target_kv if same else None
         self.max_rows = config.max_num_seqs
         self.max_tokens = config.max_num_batched_tokens
         self.inputs = InputBatch(self.max_rows, max_model_len, self.max_tokens, self.block_size,
@@ -120,6 +127,7 @@ class DraftModel:
         self.sampler = Sampler()
         self.eos_token_ids = eos_token_ids  # the target's (masked during min_tokens)
         self.grammars = grammars  # the target's: the masks of structured-output drafts
+        self.forwards = 0  # the draft model's forward passes so far
         self.mirrors: OrderedDict[str, Request] = OrderedDict()  # least recently used first
         self._synced: dict[str, int] = {}  # request id -> tokens known equal to the target's
         self._landing: set[str] = set()  # mirrors whose prompt KV a transfer writes (reserve)
@@ -172,7 +180,20 @@ class DraftModel:
                 break
             if not self._evict(keep | {rid}):
                 return None
+        if self.target_kv is not None and m.num_computed_tokens < req.num_computed_tokens:
+            self._copy_target(req.block_ids, m.block_ids, m.num_computed_tokens,
+                              req.num_computed_tokens)
+            m.num_computed_tokens = req.num_computed_tokens
         return m
+
+    def _copy_target(self, src: Sequence[int], dst: Sequence[int], start: int, end: int) -> None:
+        """The target's KV of positions [start, end) into the draft's cache: the whole
+        blocks that hold them (a block's other positions are either the same context or
+        not yet computed: the draft writes those before it reads them)."""
+        first, last = start // self.block_size, ceil_div(end, self.block_size)
+        if first < last:
+            self.kv_cache[torch.tensor(dst[first:last])] = self.target_kv[  # type: ignore[index]
+                torch.tensor(src[first:last])]
 
     def _new_mirror(self, rid: str, keep: set[str]) -> Request | None:
         while len(self.mirrors) >= self.max_rows:
@@ -216,6 +237,10 @@ class DraftModel:
         """Prefill role: the draft KV of each ``(request id, prompt, block ids)``, written
         at the target's blocks; in chunks within the token budget, at most
         ``max_rows`` requests at once."""
+        if self.target_kv is not None:  # the target's own prompt KV, at the same blocks
+            for _, tokens, blocks in prompts:
+                self._copy_target(blocks, blocks, 0, len(tokens))
+            return
         todo = [Request(rid, [], _PARAMS, token_ids=list(tokens), block_ids=list(blocks))
                 for rid, tokens, blocks in prompts]
         todo.reverse()
@@ -248,6 +273,7 @@ class DraftModel:
         """Compute ``n`` tokens of each mirror; the next token of each that caught up
         with its tokens, sampled by its row in ``rows`` (no rows: the prefill role's
         prompt KV, nothing sampled)."""
+        self.forwards += 1
         step = self.inputs.prepare(work)
         hidden = self.model(step.input_ids, self.kv_cache, step.meta, step.logits_indices)
         for m, n in work:

@@ -63,6 +63,11 @@ from pdserve.engine.tp.lockstep import STOP, close_link, replicated
 from pdserve.engine.tp.shard import Shard
 
 
+def _average(average: float, sample: float, weight: float = 0.1) -> float:
+    """An exponential moving average (the first sample where there is none yet)."""
+    return sample if not average else average + weight * (sample - average)
+
+
 class LLMEngine:
     # Under tensor parallelism a follower replays the leader's state-changing calls:
     # every public method is either ``@replicated`` or named here with why it is not
@@ -147,13 +152,21 @@ class LLMEngine:
         # drafts (``_propose``); its KV moves over rank 0's channel.
         self.draft: DraftModel | None = None
         self.draft_model_id: str | None = None
+        # Moving averages of a draft model's forward pass and of a decoding step (s):
+        # their ratio is what a draft token costs (``SpecState.draft_length``)
+        self._draft_forward_s = self._decode_step_s = 0.0
         spec = self.config.speculative_config
         if spec is not None and spec.method == "draft_model":
             assert spec.model is not None
             draft = draft_dir(spec.model)
             if tp is None or tp.rank == 0:
+                # The target's own checkpoint (in another weight format) takes the KV of
+                # the target's computed tokens from its cache; under tensor parallelism
+                # this rank's cache holds only its heads.
+                own = tp is None and draft.resolve() == self.model_dir.resolve()
                 self.draft = DraftModel(draft, self.config, mc, self.max_model_len,
-                                        self.num_blocks, self.eos_token_ids, self.grammars)
+                                        self.num_blocks, self.eos_token_ids, self.grammars,
+                                        self.kv_cache if own else None)
                 self.draft_model_id = self.draft.model_id
             else:
                 self.draft_model_id = draft_model_id(draft, self.config)
@@ -390,6 +403,8 @@ class LLMEngine:
             context_tokens=context, seconds=time.monotonic() - now,
             num_draft_tokens=sum(s.num_draft for s in sampled),
         )
+        if info.num_decode == info.num_seqs:
+            self._decode_step_s = _average(self._decode_step_s, info.seconds)
         drafted = {s.request.request_id: s.num_draft for s in sampled if s.num_draft}
         for req, n in batch.work:  # accepted draft tokens advance as they are appended
             self.scheduler.advance(req, n - drafted.get(req.request_id, 0))
@@ -417,19 +432,33 @@ class LLMEngine:
                 req.spec_token_ids = req.spec.propose(req.token_ids, room)
                 continue
             req.spec_token_ids = []
-            k = req.spec.draft_length(room)
+            k = req.spec.draft_length(room, self._draft_cost())
             if k:
                 if req.generator is None and not req.params.greedy and self.draft is not None:
                     req.generator = own_generator(self.config.device)  # the draft reads ahead
                 drafting.append((req, k))
         if drafting:
-            drafts = None if self.draft is None else self.draft.propose(drafting)
+            drafts = None
+            if self.draft is not None:
+                forwards, t0 = self.draft.forwards, time.monotonic()
+                drafts = self.draft.propose(drafting)
+                if self.draft.forwards > forwards:
+                    self._draft_forward_s = _average(
+                        self._draft_forward_s,
+                        (time.monotonic() - t0) / (self.draft.forwards - forwards))
             if self.tp is not None:
                 drafts = self._share_drafts(drafting, drafts)
             assert drafts is not None
             for (req, _), draft in zip(drafting, drafts, strict=True):
                 req.spec_token_ids = draft
         self._within_grammars()
+
+    def _draft_cost(self) -> float:
+        """A draft model's token as a fraction of a decoding step, measured (0: not yet
+        measured, or tensor parallel, where every rank must pick the same lengths)."""
+        if self.draft is None or self.tp is not None or not self._decode_step_s:
+            return 0.0
+        return self._draft_forward_s / self._decode_step_s
 
     def _within_grammars(self) -> None:
         """Cut each structured-output request's draft at the first token its grammar

@@ -58,6 +58,10 @@ from pdserve.engine.config import SpeculativeConfig
 from pdserve.engine.sampler import Sampler, SamplingRow, TokenLogprobs, is_plain_greedy
 
 MAX_PAUSE_STEPS = 32  # longest pause of a request whose drafts were all rejected
+# A draft model's per-request acceptance estimate: where it starts, and the weight of
+# each new verified position in its moving average.
+ACCEPTANCE_PRIOR = 0.9
+ACCEPTANCE_WEIGHT = 0.2
 # A pool without a speculative config drafts from a request's prediction with these.
 PREDICTION_DEFAULTS = SpeculativeConfig(num_speculative_tokens=8)
 # No drafts in a step with more running requests than this, where
@@ -264,6 +268,21 @@ def _proposer(config: SpeculativeConfig, cache: SuffixCache | None,
     return None if config.method == "draft_model" else NgramProposer(lo, hi)
 
 
+def worth(acceptance: float, cost: float, limit: int) -> int:
+    """The draft length in [0, limit] that makes the most tokens per unit of time: a
+    verifying step with ``k`` drafted tokens makes 1 + a + ... + a^k tokens (each
+    accepted with chance ``acceptance``, the first rejection ends it) and costs
+    1 + k x ``cost`` steps; 0 where no length beats a plain step."""
+    best, best_rate, tokens, p = 0, 1.0, 1.0, 1.0
+    for k in range(1, limit + 1):
+        p *= acceptance
+        tokens += p
+        rate = tokens / (1 + k * cost)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
+
+
 @dataclass
 class SpecState:
     """One request's proposer and adaptive draft length (see the module doc)."""
@@ -276,6 +295,12 @@ class SpecState:
     num_drafts: int = 0  # verified drafts (steps that speculated)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # A draft model's: the chance a draft token is accepted (moving average over the
+    # verified positions), and whether the next draft is a one-token probe after a
+    # pause for cost (``draft_length``)
+    acceptance: float = ACCEPTANCE_PRIOR
+    probe: bool = False
+    idle: int = 0  # pauses for cost in a row
 
     @classmethod
     def of(cls, config: SpeculativeConfig, cache: SuffixCache | None = None) -> SpecState:
@@ -295,12 +320,30 @@ class SpecState:
         return cls(PredictionProposer(prediction, start, spec.prompt_lookup_min,
                                       spec.prompt_lookup_max, fallback), n, n)
 
-    def draft_length(self, limit: int) -> int:
-        """How many tokens to draft this step: at most ``limit``, none while paused."""
+    def draft_length(self, limit: int, cost: float = 0.0) -> int:
+        """How many tokens to draft this step: at most ``limit``, none while paused.
+        ``cost``: a draft token's cost in verifying steps (a draft model's, measured;
+        0: free, as an n-gram's): the length is then also the one that makes the most
+        tokens per unit of time at this request's acceptance (``worth``). Where no
+        length pays, the request pauses (2, 4, ... 32 steps) and then drafts one token,
+        to measure its acceptance again."""
         if self.paused:
             self.paused -= 1
             return 0
-        return max(0, min(self.k, limit))
+        k = max(0, min(self.k, limit))
+        if cost <= 0 or k == 0:
+            return k
+        if self.probe:
+            self.probe = False
+            return 1
+        k = worth(self.acceptance, cost, k)
+        if k:
+            self.idle = 0
+        else:
+            self.idle += 1
+            self.paused = min(2 ** self.idle, MAX_PAUSE_STEPS)
+            self.probe = True
+        return k
 
     def propose(self, tokens: Sequence[int], limit: int) -> list[int]:
         """A draft of at most ``limit`` tokens (none while paused)."""
@@ -312,6 +355,9 @@ class SpecState:
         self.num_drafts += 1
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += accepted
+        # verified positions: each accepted token, then the rejected one (if any)
+        for hit in [1.0] * accepted + [0.0] * (accepted < proposed):
+            self.acceptance += ACCEPTANCE_WEIGHT * (hit - self.acceptance)
         if accepted == proposed:
             self.k = min(self.max_k, self.k + 1)
         else:

@@ -49,15 +49,19 @@ def drained(eng: LLMEngine) -> None:
 
 
 def test_a_draft_equal_to_the_target_is_accepted_and_changes_nothing(
-        tiny_model: Callable[[str], Path], backend: str) -> None:
-    """The target as its own draft: the draft's KV (its prompt caught up in chunks,
+        tiny_model: Callable[[str], Path], backend: str, tmp_path: Path) -> None:
+    """The target's weights as a draft (a copy of its checkpoint elsewhere, which the
+    draft computes the KV of itself): the draft's KV (its prompt caught up in chunks,
     then cut back after every partly rejected draft) must match the target's, so
     almost every draft token is accepted -- a draft cache that went wrong would not
     be."""
     path = tiny_model("llama-gqa")
+    twin = tmp_path / "twin"
+    shutil.copytree(path, twin)
     ps = copy_prompts(3, seed=4)
     want = _run(engine(path, backend, spec=None), ps, GREEDY)
-    eng = engine(path, backend, spec=draft(path), max_num_batched_tokens=64)
+    eng = engine(path, backend, spec=draft(twin), max_num_batched_tokens=64)
+    assert eng.draft is not None and eng.draft.target_kv is None
     assert _run(eng, ps, GREEDY) == want
     stats = eng.stats().spec
     assert stats is not None and stats.num_drafts > 0
@@ -105,6 +109,7 @@ def test_the_targets_own_int4_copy_drafts(tiny_model: Callable[[str], Path],
     # far more often than the default model's (23 of 64 here, where a draft of other
     # weights gets none accepted)
     assert stats.num_accepted_tokens >= 0.25 * stats.num_draft_tokens, stats
+    assert eng._draft_cost() > 0  # measured: what a draft token costs caps its length
     drained(eng)
 
 
@@ -126,6 +131,44 @@ def test_the_default_models_int4_copy_drafts_most_of_its_tokens(default_model_di
     stats = eng.stats().spec
     assert stats is not None and stats.num_accepted_tokens >= 0.7 * stats.num_draft_tokens, stats
     drained(eng)
+
+
+def test_the_targets_own_checkpoint_copies_the_targets_kv(tiny_model: Callable[[str], Path],
+                                                         tmp_path: Path) -> None:
+    """A draft from the target's own directory takes the KV of the tokens the target
+    computed from the target's cache: colocated, its first step computes one token
+    (not the prompt again); on a prefill engine its prompt KV is the target's blocks,
+    computed by no draft forward; handed over, the decode engine drafts from it. The
+    tokens stay the target's without speculation."""
+    path = tiny_model("llama-gqa")
+    prompt = copy_prompts(1, seed=11)[0]
+    want = _run(engine(path, spec=None), [prompt], GREEDY)[0]
+    spec = draft(path, quantization="int4")
+    eng = engine(path, spec=spec)
+    assert eng.draft is not None and eng.draft.target_kv is eng.kv_cache
+    computed: list[int] = []
+    run = eng.draft._run
+
+    def counted(work: list[tuple[Request, int]], rows: dict[str, SamplingRow]) -> dict[str, int]:
+        computed.append(sum(n for _, n in work))
+        return run(work, rows)
+
+    eng.draft._run = counted  # type: ignore[method-assign]
+    assert _run(eng, [prompt], GREEDY) == [want]
+    assert computed[0] == 1, computed[:3]
+    drained(eng)
+    prefill = engine(path, spec=spec, role="prefill")
+    decode = engine(path, spec=spec, role="decode", num_blocks=64)
+    assert prefill.draft is not None and decode.draft is not None
+    prefill.draft._run = None  # type: ignore[assignment,method-assign]  # never called
+    first = disaggregate(prefill, decode, "r", prompt, GREEDY, draft=True)
+    blocks = decode.requests["r"].block_ids
+    assert torch.equal(decode.draft.kv_cache[decode.draft.mirrors["r"].block_ids[:len(blocks)]],
+                       decode.kv_cache[blocks])  # (exact: both came from the target's cache)
+    tokens, _ = decode_to_end(decode)
+    assert [first, *tokens] == want
+    assert decode.stats().spec.num_accepted_tokens > 0  # type: ignore[union-attr]
+    drained(decode)
 
 
 def test_pools_whose_drafts_load_differently_name_it(tiny_model: Callable[[str], Path]) -> None:
@@ -244,6 +287,7 @@ def test_a_draft_model_under_tensor_parallelism(tiny_model: Callable[[str], Path
             assert _run(eng, ps, params) == want
         stats = eng.stats().spec
         assert stats is not None and stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens
+        assert eng._draft_cost() == 0  # every rank picks the same lengths: not by timings
         drained(eng)
 
 

@@ -28,6 +28,7 @@ from pdserve.engine.spec_decode import (
     SuffixProposer,
     batch_limit,
     verify,
+    worth,
 )
 from pdserve.engine.structured import StructuredOutput
 from pdserve.tensor_parallel import create_engine
@@ -131,6 +132,43 @@ def test_spec_state_adapts_the_draft_length_and_pauses_after_misses() -> None:
     s.observe(1, 0)
     assert s.paused == 4  # a second miss in a row pauses longer
     assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (4, 10, 3)
+
+
+def test_a_draft_is_as_long_as_pays_for_its_cost() -> None:
+    """``worth``: a verifying step with k drafted tokens makes 1 + a + ... + a^k tokens
+    for 1 + k x cost steps; the length with the most tokens per step, 0 where none
+    beats a plain step."""
+    assert worth(0.95, 0.0, 6) == 6  # free drafts: always the longest
+    assert worth(0.95, 0.1, 6) == 6
+    assert worth(0.65, 0.45, 6) == 1  # 1.65 / 1.45 beats 2.07 / 1.9
+    assert worth(0.13, 0.45, 6) == 0  # 1.13 / 1.45 < 1
+    assert worth(0.99, 2.0, 6) == 0  # a draft dearer than a step never pays
+    assert [worth(a / 10, 0.4, 8) for a in range(11)] == sorted(
+        worth(a / 10, 0.4, 8) for a in range(11))  # longer as acceptance grows
+
+
+def test_a_costly_draft_follows_the_requests_acceptance() -> None:
+    """With a draft token's cost (a draft model's), a request's length is also capped
+    by what pays at its acceptance, a moving average over its verified positions:
+    rejections bring it down until no length pays; then it pauses and probes with one
+    token, and acceptance brings the length back."""
+    s = SpecState.of(SpeculativeConfig(method="draft_model", model="d",
+                                       num_speculative_tokens=6))
+    assert s.proposer is None and s.acceptance == 0.9
+    assert s.draft_length(10, 0.0) == 6 and s.draft_length(10, 0.1) == 6
+    for _ in range(4):
+        s.observe(2, 0)  # rejected at once: the misses pause too, as for any draft
+        s.paused = 0
+    assert s.acceptance < 0.4
+    assert s.draft_length(10, 0.45) == 0 and s.paused == 2 and s.probe  # nothing pays
+    assert s.draft_length(10, 0.45) == 0 and s.draft_length(10, 0.45) == 0
+    assert s.draft_length(10, 0.45) == 1 and not s.probe  # the probe
+    assert s.draft_length(10, 0.45) == 0 and s.paused == 4  # still nothing: longer
+    s.paused, s.probe = 0, False
+    for _ in range(6):
+        s.observe(3, 3)
+    assert s.acceptance > 0.9 and s.k == 6 and s.draft_length(10, 0.45) >= 4
+    assert s.draft_length(2, 0.45) == 2  # never past the room left
 
 
 def test_speculative_config_is_checked() -> None:
