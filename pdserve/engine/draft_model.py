@@ -18,6 +18,9 @@ of the tokens the target rejected (its computed tokens are cut back to the longe
 prefix it shares with the target's), catches up on what the target appended (at
 first the whole prompt, in chunks within the token budget), then runs one
 single-token step per further draft token, every speculating request batched in each.
+A draft from the target's own checkpoint (``speculative_config.quantization``: the
+model drafting for itself in int4) copies the KV of what the target computed from the
+target's cache instead of catching up on it.
 A structured-output request drafts under its grammar: each draft token is sampled
 under the mask of a copy of the request's matcher advanced over the draft so far (as
 verification masks each position), so a close draft's guesses stay allowed; the
