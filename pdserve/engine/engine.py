@@ -303,9 +303,10 @@ class LLMEngine:
         """Decode role, after ``reserve``: the draft model's blocks for the prompt's
         draft KV, which the prefill worker sends with the target's ([] without a draft
         model, for a request that does not speculate, or with no room: its draft then
-        catches up on the prompt here)."""
+        catches up on the prompt here; for a draft of this engine's own checkpoint,
+        which copies the target's prompt KV here, none is sent)."""
         req = self.requests[request_id]
-        if self.draft is None or req.spec is None:
+        if self.draft is None or req.spec is None or self.draft.target_kv is not None:
             return []
         return self.draft.reserve(request_id, req.num_prompt_tokens)
 

@@ -157,16 +157,32 @@ def test_the_targets_own_checkpoint_copies_the_targets_kv(tiny_model: Callable[[
     assert _run(eng, [prompt], GREEDY) == [want]
     assert computed[0] == 1, computed[:3]
     drained(eng)
+    # prefill role: asked for the draft's prompt KV (by a decode pool that computes
+    # its own draft's, e.g. under tensor parallelism), it copies the target's blocks
+    prefill = engine(path, spec=spec, role="prefill")
+    assert prefill.draft is not None
+    prefill.draft._run = None  # type: ignore[assignment,method-assign]  # never called
+    prefill.add_request("p", prompt, GREEDY)
+    while not prefill.step().outputs:
+        pass
+    prefill.prefill_draft(["p"])
+    blocks = torch.tensor(prefill.block_ids("p"))
+    assert torch.equal(prefill.draft.kv_cache[blocks], prefill.kv_cache[blocks])
+    prefill.release("p")
+    # decode role: it reserves no draft blocks (no draft KV travels) and copies the
+    # target's prompt KV, handed over, at its first draft
     prefill = engine(path, spec=spec, role="prefill")
     decode = engine(path, spec=spec, role="decode", num_blocks=64)
-    assert prefill.draft is not None and decode.draft is not None
-    prefill.draft._run = None  # type: ignore[assignment,method-assign]  # never called
-    first = disaggregate(prefill, decode, "r", prompt, GREEDY, draft=True)
-    blocks = decode.requests["r"].block_ids
-    assert torch.equal(decode.draft.kv_cache[decode.draft.mirrors["r"].block_ids[:len(blocks)]],
-                       decode.kv_cache[blocks])  # (exact: both came from the target's cache)
+    assert decode.draft is not None
+    decode.reserve("q", prompt, GREEDY)
+    assert decode.reserve_draft("q") == [] and not decode.draft.mirrors
+    decode.abort("q")
+    computed.clear()
+    run = decode.draft._run
+    decode.draft._run = counted  # type: ignore[method-assign]
+    first = disaggregate(prefill, decode, "r", prompt, GREEDY)
     tokens, _ = decode_to_end(decode)
-    assert [first, *tokens] == want
+    assert [first, *tokens] == want and computed[0] == 1, computed[:3]
     assert decode.stats().spec.num_accepted_tokens > 0  # type: ignore[union-attr]
     drained(decode)
 
@@ -388,13 +404,15 @@ def test_decode_worker_drafts_from_its_first_step(tiny_model: Callable[[str], Pa
     assert other[0] == want and other[2] == drafts and len(drafts) > 3
 
 
-def test_reserved_draft_blocks_are_never_evicted(tiny_model: Callable[[str], Path]) -> None:
+def test_reserved_draft_blocks_are_never_evicted(tiny_model: Callable[[str], Path],
+                                                 tmp_path: Path) -> None:
     """Draft blocks a transfer writes into stay the request's until its KV landed (or
     it is gone). The draft caches no prefix, so requests sharing the target's prefix
     blocks run its pool out first: a decoding request's mirror gives way (it catches
     up later), a landing one never does; with no room left, a reservation gets none."""
-    path = tiny_model("llama-gqa")
-    decode = engine(path, spec=draft(path), role="decode", num_blocks=8, block_size=8)
+    path, twin = tiny_model("llama-gqa"), tmp_path / "twin"
+    shutil.copytree(path, twin)  # (the target's own directory would reserve none)
+    decode = engine(path, spec=draft(twin), role="decode", num_blocks=8, block_size=8)
     assert decode.draft is not None
     prompt = copy_prompts(1, seed=3)[0][:30]  # 4 blocks, 3 of them full
     got = {}
