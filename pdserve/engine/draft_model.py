@@ -44,6 +44,7 @@ it speculates later), and a request that still finds no room gets no draft."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -61,6 +62,7 @@ from pdserve.engine.loader import load_model
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.spec_decode import moving_average
 
 if TYPE_CHECKING:
     import llguidance
@@ -130,7 +132,8 @@ class DraftModel:
         self.sampler = Sampler()
         self.eos_token_ids = eos_token_ids  # the target's (masked during min_tokens)
         self.grammars = grammars  # the target's: the masks of structured-output drafts
-        self.forwards = 0  # the draft model's forward passes so far
+        # seconds a forward pass of ``propose`` takes, all it does counted (moving average)
+        self.forward_s = 0.0
         self.mirrors: OrderedDict[str, Request] = OrderedDict()  # least recently used first
         self._synced: dict[str, int] = {}  # request id -> tokens known equal to the target's
         self._landing: set[str] = set()  # mirrors whose prompt KV a transfer writes (reserve)
@@ -276,7 +279,6 @@ class DraftModel:
         """Compute ``n`` tokens of each mirror; the next token of each that caught up
         with its tokens, sampled by its row in ``rows`` (no rows: the prefill role's
         prompt KV, nothing sampled)."""
-        self.forwards += 1
         step = self.inputs.prepare(work)
         hidden = self.model(step.input_ids, self.kv_cache, step.meta, step.logits_indices)
         for m, n in work:
@@ -305,6 +307,7 @@ class DraftModel:
     @torch.inference_mode()
     def propose(self, wanted: Sequence[tuple[Request, int]]) -> list[list[int]]:
         """A draft of ``k`` tokens for each ``(request, k)`` (empty: no room)."""
+        t0, forwards = time.monotonic(), 0
         keep = {req.request_id for req, _ in wanted}
         mirrors = [self._mirror(req, k, keep) for req, k in wanted]
         drafts: dict[str, list[int]] = {req.request_id: [] for req, _ in wanted}
@@ -325,6 +328,7 @@ class DraftModel:
                 work.append((m, n))
                 budget -= n
             self._mask(work, rows, grammar)
+            forwards += 1
             for rid, token in self._run(work, rows).items():
                 drafts[rid].append(token)
                 self.mirrors[rid].token_ids.append(token)
@@ -335,6 +339,9 @@ class DraftModel:
                         want[rid] = len(drafts[rid])
             # the last draft token is never computed: its KV is not needed
             active = [m for m in active if len(drafts[m.request_id]) < want[m.request_id]]
+        if forwards:
+            self.forward_s = moving_average(self.forward_s,
+                                            (time.monotonic() - t0) / forwards)
         return [drafts[req.request_id] for req, _ in wanted]
 
     def _mask(self, work: list[tuple[Request, int]], rows: dict[str, SamplingRow],

@@ -55,17 +55,13 @@ from pdserve.engine.spec_decode import (
     SpecStats,
     SuffixCache,
     batch_limit,
+    moving_average,
 )
 from pdserve.engine.stop import StopChecker
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.tp.collectives import TPGroup
 from pdserve.engine.tp.lockstep import STOP, close_link, replicated
 from pdserve.engine.tp.shard import Shard
-
-
-def _average(average: float, sample: float, weight: float = 0.1) -> float:
-    """An exponential moving average (the first sample where there is none yet)."""
-    return sample if not average else average + weight * (sample - average)
 
 
 class LLMEngine:
@@ -152,9 +148,9 @@ class LLMEngine:
         # drafts (``_propose``); its KV moves over rank 0's channel.
         self.draft: DraftModel | None = None
         self.draft_model_id: str | None = None
-        # Moving averages of a draft model's forward pass and of a decoding step (s):
-        # their ratio is what a draft token costs (``SpecState.draft_length``)
-        self._draft_forward_s = self._decode_step_s = 0.0
+        # A decoding step's seconds (moving average): a draft model's forward pass
+        # (``DraftModel.forward_s``) over it is what a draft token costs
+        self._decode_step_s = 0.0
         spec = self.config.speculative_config
         if spec is not None and spec.method == "draft_model":
             assert spec.model is not None
@@ -405,7 +401,7 @@ class LLMEngine:
             num_draft_tokens=sum(s.num_draft for s in sampled),
         )
         if info.num_decode == info.num_seqs:
-            self._decode_step_s = _average(self._decode_step_s, info.seconds)
+            self._decode_step_s = moving_average(self._decode_step_s, info.seconds)
         drafted = {s.request.request_id: s.num_draft for s in sampled if s.num_draft}
         for req, n in batch.work:  # accepted draft tokens advance as they are appended
             self.scheduler.advance(req, n - drafted.get(req.request_id, 0))
@@ -423,6 +419,7 @@ class LLMEngine:
         requests, or for a request not one token behind)."""
         on = len(self.scheduler.running) <= max_batch
         drafting: list[tuple[Request, int]] = []  # draft model: (request, k), batched
+        cost = self._draft_cost()
         for req in self.scheduler.running:
             if not on or req.spec is None or req.num_new_tokens != 1:
                 req.spec_token_ids.clear()
@@ -433,20 +430,13 @@ class LLMEngine:
                 req.spec_token_ids = req.spec.propose(req.token_ids, room)
                 continue
             req.spec_token_ids = []
-            k = req.spec.draft_length(room, self._draft_cost())
+            k = req.spec.draft_length(room, cost)
             if k:
                 if req.generator is None and not req.params.greedy and self.draft is not None:
                     req.generator = own_generator(self.config.device)  # the draft reads ahead
                 drafting.append((req, k))
         if drafting:
-            drafts = None
-            if self.draft is not None:
-                forwards, t0 = self.draft.forwards, time.monotonic()
-                drafts = self.draft.propose(drafting)
-                if self.draft.forwards > forwards:
-                    self._draft_forward_s = _average(
-                        self._draft_forward_s,
-                        (time.monotonic() - t0) / (self.draft.forwards - forwards))
+            drafts = None if self.draft is None else self.draft.propose(drafting)
             if self.tp is not None:
                 drafts = self._share_drafts(drafting, drafts)
             assert drafts is not None
@@ -459,7 +449,7 @@ class LLMEngine:
         measured, or tensor parallel, where every rank must pick the same lengths)."""
         if self.draft is None or self.tp is not None or not self._decode_step_s:
             return 0.0
-        return self._draft_forward_s / self._decode_step_s
+        return self.draft.forward_s / self._decode_step_s
 
     def _within_grammars(self) -> None:
         """Cut each structured-output request's draft at the first token its grammar

@@ -268,6 +268,11 @@ def _proposer(config: SpeculativeConfig, cache: SuffixCache | None,
     return None if config.method == "draft_model" else NgramProposer(lo, hi)
 
 
+def moving_average(average: float, sample: float, weight: float = 0.1) -> float:
+    """An exponential moving average (the first sample where there is none yet)."""
+    return sample if not average else average + weight * (sample - average)
+
+
 def worth(acceptance: float, cost: float, limit: int) -> int:
     """The draft length in [0, limit] that makes the most tokens per unit of time: a
     verifying step with ``k`` drafted tokens makes 1 + a + ... + a^k tokens (each
