@@ -35,6 +35,18 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
     return get
 
 
+@pytest.fixture
+def free_draft(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft model's cost taken as nothing, so it drafts at every step its adaptive
+    length allows. The engine measures that cost in wall-clock time, and a tiny draft
+    costs about what its tiny target does: on a slower machine it stops paying and
+    pauses, and which steps draft would vary with the machine. Tests of what drafting
+    does need the same steps to draft everywhere."""
+    from pdserve.engine.engine import LLMEngine
+
+    monkeypatch.setattr(LLMEngine, "_draft_cost", lambda self: 0.0)
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The prepared SmolLM2-135M-Instruct (``make test`` prepares it first)."""

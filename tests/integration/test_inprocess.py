@@ -243,6 +243,7 @@ def draft_first_work(worker: DecodeWorker) -> dict[str, int]:
     return first_work
 
 
+@pytest.mark.usefixtures("free_draft")  # every step drafts, on any machine
 @pytest.mark.parametrize("transfer", ["local", "torch"])
 def test_a_draft_models_prompt_kv_moves_with_the_targets(
         pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path],
@@ -836,6 +837,7 @@ def test_a_retry_after_the_streamed_first_token_continues_after_it(
     lose_the_decode_worker_after_the_first_token(pair_factory(n_decode=2), tiny_model)
 
 
+@pytest.mark.usefixtures("free_draft")  # every step drafts, on any machine
 def test_a_retry_rebuilds_the_draft_models_state(
         pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:
     """Speculation with a draft model; the decode worker fails after the first token:
