@@ -40,6 +40,12 @@ def _token_content(value: Any) -> str | None:
     return None
 
 
+def _special(value: Any) -> Any:
+    """An AddedToken dict as its text; any other value as it is."""
+    content = _token_content(value) if isinstance(value, Mapping) else None
+    return value if content is None else content
+
+
 def _ids(value: Any) -> list[int]:
     # config.json / generation_config.json hold eos_token_id as an int or a list.
     if isinstance(value, bool) or value is None:
@@ -74,8 +80,10 @@ class Tokenizer:
         bos_token_id: int | None,
         chat_template: str | None,
         template_vars: Mapping[str, str] | None = None,
+        config: Mapping[str, Any] | None = None,
     ) -> None:
         self._backend = backend
+        self._config = dict(config or {})  # tokenizer_config.json
         self._eos = frozenset(eos_token_ids)
         self._bos = bos_token_id
         self._chat_template_src = chat_template
@@ -126,6 +134,7 @@ class Tokenizer:
             bos_token_id=bos,
             chat_template=_chat_template(root, tok_cfg),
             template_vars=template_vars,
+            config=tok_cfg,
         )
 
     # ----- properties -------------------------------------------------------------
@@ -154,6 +163,21 @@ class Tokenizer:
     def backend(self) -> HFTokenizer:
         """The underlying `tokenizers.Tokenizer`."""
         return self._backend
+
+    def info(self) -> dict[str, Any]:
+        """The tokenizer's settings as transformers reads them (vLLM's
+        ``/tokenizer_info``): tokenizer_config.json without its added-token table,
+        special tokens as their text, the chat template in use and the class."""
+        out: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+        for key, value in self._config.items():
+            if key == "added_tokens_decoder":
+                continue
+            if isinstance(value, list):
+                out[key] = [_special(v) for v in value]
+            else:
+                out[key] = _special(value)
+        out["chat_template"] = self._chat_template_src
+        return out
 
     # ----- text <-> ids -----------------------------------------------------------
 

@@ -70,14 +70,22 @@ def checked_request_id(client_id: str | None) -> str:
     return client_id
 
 
+def served_model(router: RouterLike, model: str) -> ModelInfo:
+    """The served model named ``model``; RouterError(NOT_FOUND) if there is none."""
+    models = router.models()
+    for m in models:
+        if m.id == model:
+            return m
+    raise RouterError(
+        ErrorKind.NOT_FOUND,
+        f"model {model!r} is not served here; available: {', '.join(m.id for m in models)}",
+    )
+
+
 def check_model(router: RouterLike, model: str | None) -> None:
     """RouterError(NOT_FOUND) unless ``model`` is empty/None or served here."""
-    served = [m.id for m in router.models()]
-    if model and model not in served:
-        raise RouterError(
-            ErrorKind.NOT_FOUND,
-            f"model {model!r} is not served here; available: {', '.join(served)}",
-        )
+    if model:
+        served_model(router, model)
 
 
 async def close_stream(stream: AsyncIterator[Any], request_id: str) -> None:

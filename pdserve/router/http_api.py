@@ -54,7 +54,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.router import openapi_doc
 from pdserve.router.admin_api import Admin, admin_routes
-from pdserve.router.api_common import RouterLike, RouterStream, check_model
+from pdserve.router.api_common import RouterLike, RouterStream, check_model, served_model
 from pdserve.router.api_keys import ApiKeys
 from pdserve.router.http_middleware import (
     BODY_TIMEOUT_S,
@@ -98,8 +98,21 @@ from pdserve.router.openai_schema import (
     completion_request,
 )
 from pdserve.router.public_errors import public_message
+from pdserve.router.tokenize_api import (
+    DetokenizeRequest,
+    detokenize,
+    parse_tokenize,
+    tokenize,
+)
 from pdserve.router.tool_calls import syntax_for
-from pdserve.router.types import ErrorKind, FinalChunk, GenerateRequest, RouterError, StreamChunk
+from pdserve.router.types import (
+    ErrorKind,
+    FinalChunk,
+    GenerateRequest,
+    ModelInfo,
+    RouterError,
+    StreamChunk,
+)
 
 log = logging.getLogger("pdserve.http")
 
@@ -172,6 +185,23 @@ class _Api:
         log.info("request %s: response %s", rid, base["id"])
         return await self._serve(request, rid, chat_body(r), True, _Responses(
             base, wants_logprobs(r), lambda whole: self.stored.keep(r, whole)))
+
+    async def tokenizer_call(self, request: Request, detok: bool) -> Response:
+        """``/tokenize`` and ``/detokenize`` (``tokenize_api``)."""
+        rid: str = request.state.request_id
+        body = await _json(request, rid)
+        try:
+            if isinstance(body, dict) and isinstance(body.get("model"), str):
+                check_model(self.router, body["model"])
+            tok = self.router.tokenizer
+            if detok:
+                return JSONResponse(detokenize(validate_body(DetokenizeRequest, body), tok))
+            return JSONResponse(tokenize(parse_tokenize(body), tok, self.tools,
+                                         self.router.models()[0].max_model_len))
+        except InvalidRequest as exc:
+            raise _invalid(exc, rid) from exc
+        except RouterError as exc:
+            raise ApiError.from_router(exc, rid) from exc
 
     def stored_response(self, response_id: str, forget: bool) -> Response:
         """``GET`` / ``DELETE /v1/responses/{id}``: a kept response, or a 404."""
@@ -497,17 +527,40 @@ def build_app(router: RouterLike, model_name: str, registry: CollectorRegistry,
     async def delete_response(response_id: str) -> Response:
         return api.stored_response(response_id, forget=True)
 
+    def model_object(m: ModelInfo) -> dict[str, Any]:
+        return {"id": m.id, "object": "model", "created": 0, "owned_by": m.owned_by,
+                "max_model_len": m.max_model_len}
+
     @v1.get("/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [
-            {"id": m.id, "object": "model", "created": 0, "owned_by": m.owned_by,
-             "max_model_len": m.max_model_len} for m in router.models()]}
+        return {"object": "list", "data": [model_object(m) for m in router.models()]}
+
+    @v1.get("/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        """The openai SDK's ``models.retrieve``: one served model, or a 404."""
+        try:
+            return JSONResponse(model_object(served_model(router, model_id)))
+        except RouterError as exc:
+            raise ApiError.from_router(exc, request.state.request_id) from exc
 
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None)
     app.include_router(v1)
     if admin is not None:
         app.include_router(admin_routes(admin))
     app.state.pdserve_api = api  # for HttpServer.stop(): begin_shutdown(), tasks
+
+    # vLLM's tokenizer endpoints (outside /v1, as vLLM serves them)
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        return await api.tokenizer_call(request, detok=False)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return await api.tokenizer_call(request, detok=True)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        return router.tokenizer.info()
 
     @app.get("/health")
     async def health(request: Request) -> Response:

@@ -56,6 +56,7 @@ from pdserve.router.openai_models import (
     REFUSED_CHAT,
     REFUSED_COMPLETION,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     InvalidRequest,
     JsonObjectFormat,
@@ -219,7 +220,7 @@ def completion_request(body: Any, request_id: str,
     return r, reqs, Plan(constraints)
 
 
-def chat_messages(r: ChatCompletionRequest, syntax: ToolSyntax,
+def chat_messages(messages: list[ChatMessage], syntax: ToolSyntax,
                   tools: list[dict[str, Any]] | None = None,
                   native: bool = False) -> list[dict[str, Any]]:
     """The messages as the chat template takes them: text content parts joined. With
@@ -228,7 +229,7 @@ def chat_messages(r: ChatCompletionRequest, syntax: ToolSyntax,
     is given ``tools``; otherwise earlier calls and tool results are written in
     ``syntax`` and ``tools`` (OpenAI tool objects) declared in a system prompt."""
     out: list[dict[str, Any]] = []
-    for i, m in enumerate(r.messages):
+    for i, m in enumerate(messages):
         content = m.content
         if content is None:
             if m.role != "assistant":
@@ -311,7 +312,7 @@ def chat_request(body: Any, request_id: str,
     r: ChatCompletionRequest = validate_body(ChatCompletionRequest, body)
     offered, schemas, forced = _tool_constraints(r, syntax)
     tools = [t.model_dump(exclude_none=True) for t in r.tools or []] if offered else None
-    messages = chat_messages(r, syntax, tools, native_tools)
+    messages = chat_messages(r.messages, syntax, tools, native_tools)
     template_tools = tools if native_tools else None
     if r.top_logprobs is not None and not r.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")

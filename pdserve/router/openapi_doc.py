@@ -34,6 +34,12 @@ from pdserve.router.openai_models import (
     Refused,
 )
 from pdserve.router.openai_responses import REFUSED_RESPONSES, ResponsesRequest
+from pdserve.router.tokenize_api import (
+    REFUSED_TOKENIZE_CHAT,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 
 ERROR_SCHEMA: dict[str, Any] = {
     "type": "object", "required": ["error"],
@@ -54,16 +60,25 @@ def _errors(statuses: Sequence[int]) -> dict[str, Any]:
     return {str(s): {"description": _WHY[s], **_ERROR} for s in statuses}
 
 
-def _body(model: type[BaseModel], refused: dict[str, Refused], served: Sequence[str],
-          schemas: dict[str, Any]) -> dict[str, Any]:
-    """The route's requestBody; the model's sub-schemas go into ``schemas``."""
+def _schema(model: type[BaseModel], refused: dict[str, Refused], served: Sequence[str],
+            schemas: dict[str, Any]) -> dict[str, Any]:
+    """A reference to the body schema of ``model``, which goes into ``schemas`` with
+    its sub-schemas."""
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
     schemas.update(schema.pop("$defs", {}))
     schema["properties"].update({name: rule.schema for name, rule in refused.items()})
     schema["properties"]["model"] = {"anyOf": [{"type": "null"}, {"enum": list(served)}]}
     schemas[model.__name__] = schema
-    return {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _body(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+def _json(description: str) -> dict[str, Any]:
+    return {"description": description,
+            "content": {"application/json": {"schema": {"type": "object"}}}}
 
 
 def openapi_document(app: FastAPI, served: Sequence[str], keyed: bool,
@@ -78,7 +93,7 @@ def openapi_document(app: FastAPI, served: Sequence[str], keyed: bool,
                                  ("/v1/chat/completions", ChatCompletionRequest, REFUSED_CHAT),
                                  ("/v1/responses", ResponsesRequest, REFUSED_RESPONSES)):
         op = paths[path]["post"]
-        op["requestBody"] = _body(model, refused, served, schemas)
+        op["requestBody"] = _body(_schema(model, refused, served, schemas))
         op["responses"] = {"200": {"description": "the answer, or its SSE stream", "content": {
             "application/json": {"schema": {"type": "object"}},
             # one schema per event: each event's data is JSON (completions and chat: a
@@ -88,18 +103,26 @@ def openapi_document(app: FastAPI, served: Sequence[str], keyed: bool,
             **_errors([*_GENERATE, *keyed_errors])}
     for method, what in (("get", "the kept response"), ("delete", "the response forgotten")):
         paths["/v1/responses/{response_id}"][method]["responses"] = {
-            "200": {"description": what,
-                    "content": {"application/json": {"schema": {"type": "object"}}}},
-            **_errors([404, *keyed_errors])}
+            "200": _json(what), **_errors([404, *keyed_errors])}
     paths["/v1/models"]["get"]["responses"] = {
-        "200": {"description": "the served models",
-                "content": {"application/json": {"schema": {"type": "object"}}}},
-        **_errors(keyed_errors)}
+        "200": _json("the served models"), **_errors(keyed_errors)}
+    paths["/v1/models/{model_id}"]["get"]["responses"] = {
+        "200": _json("the served model"), **_errors([404, *keyed_errors])}
+    # /tokenize: a prompt's body, or a chat's (one with ``messages``)
+    plain = _schema(TokenizeCompletionRequest, {}, served, schemas)
+    schemas[TokenizeCompletionRequest.__name__]["not"] = {"required": ["messages"]}
+    chat = _schema(TokenizeChatRequest, REFUSED_TOKENIZE_CHAT, served, schemas)
+    for path, schema, what in (
+            ("/tokenize", {"anyOf": [plain, chat]}, "the token ids (and their count)"),
+            ("/detokenize", _schema(DetokenizeRequest, {}, served, schemas), "their text")):
+        paths[path]["post"]["requestBody"] = _body(schema)
+        paths[path]["post"]["responses"] = {
+            "200": _json(what), **_errors([400, 404, 413, 415, *keyed_errors])}
+    paths["/tokenizer_info"]["get"]["responses"] = {
+        "200": _json("the tokenizer's settings and chat template"), **_errors(keyed_errors)}
     probe_errors = [401] if keyed and protect_probes else []
     paths["/health"]["get"]["responses"] = {
-        "200": {"description": "both pools can serve",
-                "content": {"application/json": {"schema": {"type": "object"}}}},
-        **_errors([503, *probe_errors])}
+        "200": _json("both pools can serve"), **_errors([503, *probe_errors])}
     paths["/metrics"]["get"]["responses"] = {
         "200": {"description": "Prometheus text format",
                 "content": {"text/plain": {"schema": {"type": "string"}}}},

@@ -36,6 +36,7 @@ CROSS_FIELD = {"min_tokens", "stream_options", "top_logprobs", "messages", "max_
                "guided_grammar", "structured_outputs", "tools", "tool_choice",
                "prompt", "max_completion_tokens", "logit_bias", "stop_token_ids",
                "input", "max_output_tokens", "text",
+               "tokens",  # /detokenize: the vocabulary
                "previous_response_id"}  # a response this server keeps: state, not schema
 
 

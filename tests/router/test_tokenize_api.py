@@ -1,0 +1,140 @@
+"""vLLM's tokenizer endpoints (``router/tokenize_api.py``) and ``GET /v1/models/{id}``
+on the HTTP API over a real in-process router: a chat body's tokens are the ones
+chat completions prefill, a prompt's the ones completions do; detokenize inverts
+tokenize; lm-evaluation-harness' remote tokenizer and the openai SDK work against
+them; bad bodies are 4xx naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import openai
+from lm_eval.utils import RemoteTokenizer
+
+from tests.integration.test_inprocess import Pair, pair_factory  # noqa: F401  (fixture)
+from tests.router.test_http_api import GREEDY, Client, serve
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi there"}]
+TOOLS = [{"type": "function", "function": {
+    "name": "weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+async def prompt_tokens(c: Client, body: dict[str, Any]) -> int:
+    r = await c.post("/v1/chat/completions", json={**GREEDY, **body, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    return int(r.json()["usage"]["prompt_tokens"])
+
+
+def test_tokenize_counts_what_the_generate_routes_prefill(
+        pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+    pair = pair_factory()
+    tok = pair.router.tokenizer
+
+    async def body(c: Client) -> None:
+        text = "The cat sat on the mat."
+        r = (await c.post("/tokenize", json={"model": "tiny", "prompt": text})).json()
+        assert r == {"count": len(tok.encode(text)), "max_model_len": 2048,
+                     "tokens": tok.encode(text), "token_strs": None}
+        done = (await c.post("/v1/completions", json={**GREEDY, "prompt": text,
+                                                        "max_tokens": 1})).json()
+        assert done["usage"]["prompt_tokens"] == r["count"]
+        strs = (await c.post("/tokenize", json={"prompt": text, "return_token_strs": True})
+                ).json()["token_strs"]
+        assert strs == [tok.id_to_token(i) for i in r["tokens"]] and len(strs) == r["count"]
+
+        # a chat: the tokens chat completions prefill, tools (in a system prompt) too
+        counts = []
+        for extra in ({}, {"tools": TOOLS}):
+            r = (await c.post("/tokenize", json={"messages": CHAT, **extra})).json()
+            assert r["count"] == len(r["tokens"]) == await prompt_tokens(
+                c, {"messages": CHAT, **extra})
+            counts.append(r["count"])
+        assert counts[1] > counts[0]  # the tools were rendered
+        without = (await c.post("/tokenize", json={"messages": CHAT,
+                                                   "add_generation_prompt": False})).json()
+        whole = (await c.post("/tokenize", json={"messages": CHAT})).json()
+        assert whole["tokens"][:without["count"]] == without["tokens"]
+        assert without["count"] < whole["count"]
+
+        # detokenize inverts tokenize, special tokens included
+        text = tok.render_chat(CHAT)
+        ids = (await c.post("/tokenize", json={"prompt": text})).json()["tokens"]
+        back = await c.post("/detokenize", json={"model": "tiny", "tokens": ids})
+        assert back.status_code == 200 and back.json() == {"prompt": text}
+
+        info = (await c.get("/tokenizer_info")).json()
+        assert info["eos_token"] == "<|im_end|>" and info["chat_template"] == tok.chat_template
+        assert info["tokenizer_class"] == "PreTrainedTokenizerFast"
+
+    serve(pair, body)
+
+
+def test_bad_tokenizer_bodies_are_4xx_naming_the_field(
+        pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+    pair = pair_factory()
+    vocab = pair.router.tokenizer.vocab_size
+
+    async def body(c: Client) -> None:
+        for path, sent, status, param, says in [
+            ("/detokenize", {"tokens": [1, vocab]}, 400, "tokens", "outside the vocabulary"),
+            ("/detokenize", {"tokens": [-1]}, 400, "tokens", "greater than or equal to 0"),
+            ("/detokenize", {"tokens": "1 2"}, 400, "tokens", "valid list"),
+            ("/tokenize", {}, 400, "prompt", "Field required"),
+            ("/tokenize", {"prompt": 5}, 400, "prompt", "valid string"),
+            ("/tokenize", {"prompt": "x", "model": "other"}, 404, None, "not served here"),
+            ("/tokenize", {"messages": []}, 400, "messages", "at least 1"),
+            ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages",
+             "role"),
+            ("/tokenize", {"messages": CHAT, "chat_template": "{{ messages }}"}, 400,
+             "chat_template", "model's own template"),
+            ("/tokenize", {"messages": CHAT, "continue_final_message": True}, 400,
+             "continue_final_message", "not supported"),
+        ]:
+            r = await c.post(path, json=sent)
+            assert r.status_code == status, (path, sent, r.text)
+            error = r.json()["error"]
+            assert error["param"] == param and says in error["message"], (sent, error)
+        r = await c.post("/tokenize", content=b"prompt=x",
+                         headers={"content-type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 415
+        # harmless values of the refused fields are taken
+        r = await c.post("/tokenize", json={"messages": CHAT, "chat_template": None,
+                                            "continue_final_message": False,
+                                            "chat_template_kwargs": {}})
+        assert r.status_code == 200, r.text
+
+    serve(pair, body)
+
+
+def test_lm_eval_remote_tokenizer_and_the_openai_sdk(
+        pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+    """Real clients: lm-evaluation-harness' ``RemoteTokenizer`` (its
+    ``tokenizer_backend=remote``) and ``openai``'s ``models.retrieve``."""
+    pair = pair_factory()
+    tok = pair.router.tokenizer
+
+    async def body(c: Client) -> None:
+        url = str(c.base_url)
+
+        def clients() -> None:
+            remote = RemoteTokenizer(f"{url}/v1/completions", timeout=30)
+            text = "Paris is the capital of France."
+            assert remote.encode(text) == tok.encode(text, add_special_tokens=False)
+            assert remote.decode(remote.encode(text)) == text
+            assert remote.eos_token_id in tok.eos_token_ids
+            assert remote.apply_chat_template(CHAT) == tok.render_chat(CHAT)
+            sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+            assert sdk.models.retrieve("tiny").id == "tiny"
+            try:
+                sdk.models.retrieve("nope")
+            except openai.NotFoundError as exc:
+                assert "not served here" in str(exc)
+            else:
+                raise AssertionError("an unknown model was found")
+
+        await asyncio.to_thread(clients)
+
+    serve(pair, body)
