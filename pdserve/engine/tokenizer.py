@@ -211,38 +211,50 @@ class Tokenizer:
 
     def render_chat(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None, *, continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The chat template applied to `messages` (and `tools`, OpenAI tool objects, for a
-        template that renders them), as text.
+        template that renders them), as text, as transformers' ``apply_chat_template``:
+        ``continue_final_message`` ends the text inside the final message (what the
+        model writes next continues it), ``template_kwargs`` are more variables for
+        the template (over the special tokens').
 
         Raises ValueError when the model has no template, a message is malformed
         (not a dict, missing or non-string role, content neither a string nor, with
-        ``tool_calls``, None) or the template refuses the conversation (e.g. a role
-        it does not know).
+        ``tool_calls``, None), the template refuses the conversation (e.g. a role it
+        does not know), or the final message to continue is empty or cut by the
+        template.
         """
         _validate_messages(messages)
-        template = self._template()
-        extra = {} if tools is None else {"tools": tools}
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt false")
+        kwargs = dict(template_kwargs or {})
+        taken = sorted({"messages", "tools", "add_generation_prompt"} & kwargs.keys())
+        if taken:
+            raise ValueError(f"template kwargs may not set {', '.join(taken)}")
+        if tools is not None:
+            kwargs["tools"] = tools
         try:
-            return template.render(
+            text = self._template().render(
+                **{**self._template_vars, **kwargs},
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
-                **extra,
-                **self._template_vars,
             )
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template rejected the messages: {exc}") from exc
+        return _continued(text, messages[-1]) if continue_final_message else text
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
+        tools: list[dict[str, Any]] | None = None, *, continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """Token ids of the rendered chat. The template writes every special token
-        itself, so the post-processor is not applied (as in transformers)."""
-        return self.encode(
-            self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False
-        )
+        """Token ids of the rendered chat (``render_chat``). The template writes every
+        special token itself, so the post-processor is not applied (as in transformers)."""
+        return self.encode(self.render_chat(
+            messages, add_generation_prompt, tools, continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs), add_special_tokens=False)
 
     def _template(self) -> jinja2.Template:
         if self._compiled is None:
@@ -274,6 +286,22 @@ def _chat_template(root: Path, tok_cfg: Mapping[str, Any]) -> str | None:
     # transformers >= 4.43 may save the template beside the config instead.
     jinja_file = root / "chat_template.jinja"
     return jinja_file.read_text(encoding="utf-8") if jinja_file.is_file() else None
+
+
+def _continued(text: str, final: dict[str, Any]) -> str:
+    """``text`` (a rendered chat) cut just after its ``final`` message's content, as
+    transformers cuts it (templates that strip messages: after the stripped content)."""
+    content = final.get("content")
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message needs a final message with text to continue")
+    if content in text:
+        return text[:text.rindex(content) + len(content)]
+    at = text.rfind(content.strip())
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template does not write the final "
+                         "message as it is, so there is no place to continue it")
+    kept = len(content.lstrip())
+    return text[:at + (kept if text[at:at + kept] == content else len(content.strip()))]
 
 
 def _validate_messages(messages: Any) -> None:

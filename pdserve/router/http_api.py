@@ -228,9 +228,9 @@ class _Api:
             plan: Plan
             echo: list[tuple[str, list[int]]] | None = None
             if chat:
-                parsed, req, plan = chat_request(body, rid, lambda m, t: len(
-                    self.router.tokenizer.apply_chat_template(m, tools=t)), max_len, self.tools,
-                    self.router.tokenizer.renders_tools)
+                parsed, req, plan = chat_request(body, rid, lambda m, t, kw: len(
+                    self.router.tokenizer.apply_chat_template(m, tools=t, **kw)), max_len,
+                    self.tools, self.router.tokenizer.renders_tools)
                 reqs = [req]
                 logprobs = parsed.logprobs
             else:

@@ -198,7 +198,17 @@ class Prediction(Body):
             "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(Body):
+    """vLLM's chat extras: how the chat template renders the messages
+    (``Tokenizer.render_chat``; ``openai_schema.chat_template_args`` checks them)."""
+
+    add_generation_prompt: bool = True
+    # the answer continues the final message (set add_generation_prompt false)
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     tools: Annotated[list[Tool], Field(min_length=1)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -238,7 +248,10 @@ EMPTY = Refused(_is_empty, {"anyOf": [
 REFUSED_COMPLETION: dict[str, Refused] = {
     "suffix": EMPTY,
 }
+# a request's own chat template: the model's is used
+OWN_TEMPLATE = Refused(EMPTY.harmless, EMPTY.schema, "the model's own chat template is used")
 REFUSED_CHAT = {
+    "chat_template": OWN_TEMPLATE,
     "functions": EMPTY,
     "function_call": only(None, "none", "auto"),
     "audio": EMPTY,

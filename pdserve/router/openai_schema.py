@@ -57,6 +57,7 @@ from pdserve.router.openai_models import (
     REFUSED_COMPLETION,
     ChatCompletionRequest,
     ChatMessage,
+    ChatTemplateFields,
     CompletionRequest,
     InvalidRequest,
     JsonObjectFormat,
@@ -296,16 +297,35 @@ def _tool_constraints(r: ChatCompletionRequest, syntax: ToolSyntax) -> tuple[boo
     return True, schemas, [_constraint("tool_choice", StructuredOutput.grammar, grammar)]
 
 
+def chat_template_args(r: ChatTemplateFields) -> dict[str, Any]:
+    """The chat extras as ``Tokenizer.apply_chat_template``'s keywords; InvalidRequest
+    for a pair it cannot take (what only rendering finds, e.g. an empty final message
+    to continue, is the prompt's error then)."""
+    if r.continue_final_message and r.add_generation_prompt:
+        raise InvalidRequest("continue_final_message=true needs add_generation_prompt=false "
+                             "(the answer continues the final message, not a new turn)",
+                             "continue_final_message")
+    kwargs = r.chat_template_kwargs or {}
+    taken = sorted({"messages", "tools", "add_generation_prompt"} & kwargs.keys())
+    if taken:
+        raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(taken)} (the "
+                             "request's own fields set them)", "chat_template_kwargs")
+    return {"add_generation_prompt": r.add_generation_prompt,
+            "continue_final_message": r.continue_final_message, "template_kwargs": kwargs}
+
+
 def chat_request(body: Any, request_id: str,
-                 prompt_len: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None], int],
+                 prompt_len: Callable[[list[dict[str, Any]], list[dict[str, Any]] | None,
+                                       dict[str, Any]], int],
                  max_model_len: int, syntax: ToolSyntax, native_tools: bool = False,
                  ) -> tuple[ChatCompletionRequest, GenerateRequest, Plan]:
     """A ``/v1/chat/completions`` body -> (parsed body, router request, plan);
     InvalidRequest. ``syntax``: the model family's tool calls (``tool_calls.syntax_for``);
     ``native_tools``: the chat template renders tools itself (``Tokenizer.renders_tools``).
 
-    ``prompt_len(messages, tools)`` tokenizes with the chat template; it is called only
-    when the client set no token limit (the default is the rest of the context).
+    ``prompt_len(messages, tools, chat_template_args)`` tokenizes with the chat
+    template; it is called only when the client set no token limit (the default is the
+    rest of the context).
     """
     if isinstance(body, dict):
         refuse_unsupported(body, REFUSED_CHAT)
@@ -314,6 +334,7 @@ def chat_request(body: Any, request_id: str,
     tools = [t.model_dump(exclude_none=True) for t in r.tools or []] if offered else None
     messages = chat_messages(r.messages, syntax, tools, native_tools)
     template_tools = tools if native_tools else None
+    template = chat_template_args(r)
     if r.top_logprobs is not None and not r.logprobs:
         raise InvalidRequest("top_logprobs requires logprobs to be true", "top_logprobs")
     constraints = _output_constraints(r) + forced
@@ -323,7 +344,7 @@ def chat_request(body: Any, request_id: str,
     max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
     if max_tokens is None:
         try:
-            n = prompt_len(messages, template_tools)
+            n = prompt_len(messages, template_tools, template)
         except ValueError as exc:
             raise InvalidRequest(str(exc), "messages") from exc
         max_tokens = max(1, max_model_len - n)  # a too-long prompt gets the router's 400
@@ -331,6 +352,6 @@ def chat_request(body: Any, request_id: str,
                      {"max_tokens": limit_name, "logprobs": "top_logprobs"},
                      structured=structured)
     return r, GenerateRequest(request_id, params, messages=messages, timeout_s=r.timeout_s,
-                              tools=template_tools,
+                              tools=template_tools, chat_template_args=template,
                               prediction=None if r.prediction is None else r.prediction.text), \
         Plan(schemas + constraints, syntax if offered else None)

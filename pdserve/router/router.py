@@ -238,7 +238,8 @@ class Router:
             if req.prompt is not None:
                 return self.tokenizer.encode(req.prompt)
             if req.messages is not None:
-                return self.tokenizer.apply_chat_template(req.messages, tools=req.tools)
+                return self.tokenizer.apply_chat_template(req.messages, tools=req.tools,
+                                                          **req.chat_template_args)
         except (ValueError, TypeError, UnicodeError) as exc:  # e.g. lone surrogates
             raise RouterError(ErrorKind.INVALID, f"cannot tokenize the prompt: {exc}",
                               param="prompt") from exc

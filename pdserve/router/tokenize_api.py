@@ -9,8 +9,8 @@ would prefill for the same messages and tools (one ``chat_messages`` for both); 
 prompt's, with the default ``add_special_tokens``, those ``/v1/completions`` would.
 
 Bodies are validated as the generate routes' are (``openai_models``); what a body
-asks that this server cannot do (a chat template of its own, continuing the final
-message) is refused with a 400 naming the field, never ignored.
+asks that this server cannot do (a chat template of its own) is refused with a 400
+naming the field, never ignored.
 """
 
 from __future__ import annotations
@@ -22,15 +22,17 @@ from pydantic import Field
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.openai_models import (
     EMPTY,
+    OWN_TEMPLATE,
     Body,
     ChatMessage,
+    ChatTemplateFields,
     InvalidRequest,
     Refused,
     Tool,
     refuse_unsupported,
     validate_body,
 )
-from pdserve.router.openai_schema import chat_messages
+from pdserve.router.openai_schema import chat_messages, chat_template_args
 from pdserve.router.tool_calls import ToolSyntax
 
 
@@ -41,11 +43,10 @@ class TokenizeCompletionRequest(Body):
     return_token_strs: bool = False
 
 
-class TokenizeChatRequest(Body):
+class TokenizeChatRequest(ChatTemplateFields):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     tools: Annotated[list[Tool], Field(min_length=1)] | None = None
-    add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the chat template writes its special tokens
     return_token_strs: bool = False
 
@@ -56,11 +57,7 @@ class DetokenizeRequest(Body):
 
 
 REFUSED_TOKENIZE_CHAT: dict[str, Refused] = {
-    "continue_final_message": Refused(
-        lambda v: v is None or v is False, {"anyOf": [{"type": "null"}, {"const": False}]},
-        "the chat is rendered as chat completions render it"),
-    "chat_template": Refused(EMPTY.harmless, EMPTY.schema, "the model's own template is used"),
-    "chat_template_kwargs": EMPTY,
+    "chat_template": OWN_TEMPLATE,
     "mm_processor_kwargs": EMPTY,
 }
 
@@ -75,23 +72,31 @@ def parse_tokenize(body: Any) -> TokenizeCompletionRequest | TokenizeChatRequest
     return plain
 
 
+def _text(r: TokenizeCompletionRequest | TokenizeChatRequest, tokenizer: Tokenizer,
+          syntax: ToolSyntax) -> str:
+    """The text to tokenize: the prompt, or the chat as chat completions render it."""
+    if isinstance(r, TokenizeCompletionRequest):
+        return r.prompt
+    tools = None if r.tools is None else [t.model_dump(exclude_none=True) for t in r.tools]
+    native = tokenizer.renders_tools
+    messages = chat_messages(r.messages, syntax, tools, native)
+    args = chat_template_args(r)
+    try:
+        return tokenizer.render_chat(messages, tools=tools if native else None, **args)
+    except ValueError as exc:  # the template's refusal
+        raise InvalidRequest(f"cannot render the chat: {exc}", "messages") from exc
+
+
 def tokenize(r: TokenizeCompletionRequest | TokenizeChatRequest, tokenizer: Tokenizer,
              syntax: ToolSyntax, max_model_len: int) -> dict[str, Any]:
     """vLLM's ``TokenizeResponse`` for ``r``: ``count`` may exceed ``max_model_len``
     (nothing is refused for length: that is what a client asks to find out)."""
+    text = _text(r, tokenizer, syntax)
     try:
-        if isinstance(r, TokenizeChatRequest):
-            tools = None if r.tools is None else [t.model_dump(exclude_none=True)
-                                                   for t in r.tools]
-            native = tokenizer.renders_tools
-            text = tokenizer.render_chat(chat_messages(r.messages, syntax, tools, native),
-                                         r.add_generation_prompt, tools if native else None)
-        else:
-            text = r.prompt
         ids = tokenizer.encode(text, add_special_tokens=r.add_special_tokens)
-    except (ValueError, UnicodeError) as exc:  # the template's refusal, lone surrogates
-        raise InvalidRequest(f"cannot tokenize: {exc}", "messages" if isinstance(
-            r, TokenizeChatRequest) else "prompt") from exc
+    except (ValueError, UnicodeError) as exc:  # lone surrogates
+        raise InvalidRequest(f"cannot tokenize: {exc}", "prompt" if isinstance(
+            r, TokenizeCompletionRequest) else "messages") from exc
     strs = [tokenizer.id_to_token(i) or "" for i in ids] if r.return_token_strs else None
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
             "token_strs": strs}

@@ -31,6 +31,9 @@ class GenerateRequest:
     # OpenAI tool objects, for a chat template that renders them itself (else the API
     # layer wrote them into the messages)
     tools: list[dict[str, Any]] | None = None
+    # How the chat template renders ``messages`` beyond them (vLLM's chat extras):
+    # ``Tokenizer.apply_chat_template``'s keywords
+    chat_template_args: dict[str, Any] = field(default_factory=dict)
     # Another request with this prompt ran first (a choice of n > 1): prefill where its
     # prompt is cached, whatever the routing policy (``policies.RouteInput``).
     share_prefix: bool = False

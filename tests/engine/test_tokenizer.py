@@ -97,6 +97,67 @@ def test_chat_template_matches_transformers(tiny_model, tok, add_generation_prom
     assert tok.apply_chat_template(MESSAGES, add_generation_prompt) == expected
 
 
+def _reference(model_dir: Path, messages: list[dict[str, str]], **kw: object) -> list[int]:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+        messages, tokenize=True, **kw)
+    return list(ids if isinstance(ids, list) else ids["input_ids"])  # transformers 5
+
+
+@pytest.mark.parametrize("final", ["The answer is", "  spaced out  ", "ends with a newline\n"])
+@pytest.mark.parametrize("trim", [False, True], ids=["as-is", "template-trims"])
+def test_continue_final_message_matches_transformers(tiny_model, tmp_path: Path, final: str,
+                                                     trim: bool) -> None:
+    """The rendered chat ends inside the final message (no end of turn after it), cut
+    where transformers cuts it, also for a template that strips each message."""
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_model("llama-gqa"), model_dir)
+    if trim:
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text())
+        assert "message['content']" in cfg["chat_template"]
+        cfg["chat_template"] = cfg["chat_template"].replace(
+            "message['content']", "message['content'] | trim")
+        cfg_path.write_text(json.dumps(cfg))
+    tok = Tokenizer.from_dir(model_dir)
+    chat = [*MESSAGES[:2], {"role": "assistant", "content": final}]
+    ids = tok.apply_chat_template(chat, False, continue_final_message=True)
+    assert ids == _reference(model_dir, chat, add_generation_prompt=False,
+                             continue_final_message=True)
+    assert tok.decode(ids, skip_special_tokens=False).endswith(
+        final.strip() if trim else final)
+
+
+def test_template_kwargs_reach_the_template(tiny_model, tmp_path: Path) -> None:
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny_model("llama-gqa"), model_dir)
+    cfg_path = model_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = ("{% if persona is defined %}<|im_start|>system\n{{ persona }}"
+                            "<|im_end|>\n{% endif %}" + cfg["chat_template"])
+    cfg_path.write_text(json.dumps(cfg))
+    tok = Tokenizer.from_dir(model_dir)
+    kw = {"persona": "A pirate."}
+    text = tok.render_chat(MESSAGES[1:2], template_kwargs=kw)
+    assert text.startswith("<|im_start|>system\nA pirate.<|im_end|>")
+    assert tok.apply_chat_template(MESSAGES[1:2], template_kwargs=kw) == _reference(
+        model_dir, MESSAGES[1:2], add_generation_prompt=True, **kw)
+    assert not tok.render_chat(MESSAGES[1:2]).startswith("<|im_start|>system")
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"continue_final_message": True}, "needs add_generation_prompt false"),
+    ({"continue_final_message": True, "add_generation_prompt": False,
+      "messages": [*MESSAGES[:2], {"role": "assistant", "content": "  "}]}, "text to continue"),
+    ({"template_kwargs": {"messages": []}}, "may not set messages"),
+])
+def test_bad_chat_options_are_clear_errors(tok: Tokenizer, kw: dict, match: str) -> None:
+    messages = kw.pop("messages", MESSAGES[:2])
+    with pytest.raises(ValueError, match=match):
+        tok.render_chat(messages, **kw)
+
+
 @pytest.mark.parametrize(
     ("messages", "match"),
     [

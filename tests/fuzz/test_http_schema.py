@@ -37,6 +37,7 @@ CROSS_FIELD = {"min_tokens", "stream_options", "top_logprobs", "messages", "max_
                "prompt", "max_completion_tokens", "logit_bias", "stop_token_ids",
                "input", "max_output_tokens", "text",
                "tokens",  # /detokenize: the vocabulary
+               "continue_final_message", "chat_template_kwargs",
                "previous_response_id"}  # a response this server keeps: state, not schema
 
 

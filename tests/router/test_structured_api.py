@@ -42,7 +42,7 @@ USER = [{"role": "user", "content": "hi"}]
 
 
 def chat(**body: Any) -> Any:
-    return chat_request({"messages": USER, **body}, "r", lambda m, t: 10, 100, HERMES)
+    return chat_request({"messages": USER, **body}, "r", lambda m, t, kw: 10, 100, HERMES)
 
 
 def completion(**body: Any) -> Any:

@@ -7,7 +7,10 @@ them; bad bodies are 4xx naming the field."""
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -89,9 +92,19 @@ def test_bad_tokenizer_bodies_are_4xx_naming_the_field(
             ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages",
              "role"),
             ("/tokenize", {"messages": CHAT, "chat_template": "{{ messages }}"}, 400,
-             "chat_template", "model's own template"),
+             "chat_template", "model's own chat template"),
             ("/tokenize", {"messages": CHAT, "continue_final_message": True}, 400,
-             "continue_final_message", "not supported"),
+             "continue_final_message", "needs add_generation_prompt=false"),
+            ("/tokenize", {"messages": CHAT, "chat_template_kwargs": {"tools": []}}, 400,
+             "chat_template_kwargs", "may not set tools"),
+            ("/v1/chat/completions", {"messages": CHAT, "continue_final_message": True}, 400,
+             "continue_final_message", "needs add_generation_prompt=false"),
+            ("/v1/chat/completions", {"messages": CHAT, "chat_template": "{{ messages }}"}, 400,
+             "chat_template", "model's own chat template"),
+            ("/v1/chat/completions", {"messages": [*CHAT, {"role": "assistant", "content": ""}],
+                                      "continue_final_message": True,
+                                      "add_generation_prompt": False}, 400, "messages",
+             "final message with text to continue"),
         ]:
             r = await c.post(path, json=sent)
             assert r.status_code == status, (path, sent, r.text)
@@ -101,12 +114,53 @@ def test_bad_tokenizer_bodies_are_4xx_naming_the_field(
                          headers={"content-type": "application/x-www-form-urlencoded"})
         assert r.status_code == 415
         # harmless values of the refused fields are taken
-        r = await c.post("/tokenize", json={"messages": CHAT, "chat_template": None,
-                                            "continue_final_message": False,
-                                            "chat_template_kwargs": {}})
-        assert r.status_code == 200, r.text
+        for path in ("/tokenize", "/v1/chat/completions"):
+            r = await c.post(path, json={**GREEDY, "messages": CHAT, "chat_template": None,
+                                         "max_tokens": 1})
+            assert r.status_code == 200, r.text
 
     serve(pair, body)
+
+
+def test_chat_template_extras(tiny_model: Callable[[str], Path], tmp_path: Path) -> None:
+    """vLLM's chat extras on chat completions, over a model whose template reads a
+    variable: ``continue_final_message`` answers with the continuation of the final
+    message (the text completions give for the same tokens), and
+    ``chat_template_kwargs`` reach the template; ``/tokenize`` counts the same
+    prompts."""
+    model = tmp_path / "copy" / "tiny"
+    shutil.copytree(tiny_model("llama-gqa"), model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = ("{% if persona is defined %}<|im_start|>system\n{{ persona }}"
+                            "<|im_end|>\n{% endif %}" + cfg["chat_template"])
+    (model / "tokenizer_config.json").write_text(json.dumps(cfg))
+    pair = Pair(model)
+    started = [*CHAT, {"role": "assistant", "content": "The answer starts"}]
+
+    async def body(c: Client) -> None:
+        for extras in ({"continue_final_message": True, "add_generation_prompt": False},
+                       {"chat_template_kwargs": {"persona": "A pirate."}}):
+            messages = started if "continue_final_message" in extras else CHAT
+            count = (await c.post("/tokenize", json={"messages": messages, **extras})).json()
+            chat = (await c.post("/v1/chat/completions", json={
+                **GREEDY, "messages": messages, "max_tokens": 8, **extras})).json()
+            assert chat["usage"]["prompt_tokens"] == count["count"]
+            text = tok.decode(count["tokens"], skip_special_tokens=False)
+            if "chat_template_kwargs" in extras:
+                assert text.startswith("<|im_start|>system\nA pirate.<|im_end|>")
+                plain = (await c.post("/tokenize", json={"messages": messages})).json()
+                assert plain["count"] < count["count"]
+            else:
+                assert text.endswith("The answer starts")  # no end of turn after it
+            same = (await c.post("/v1/completions", json={
+                **GREEDY, "prompt": count["tokens"], "max_tokens": 8})).json()
+            assert chat["choices"][0]["message"]["content"] == same["choices"][0]["text"]
+
+    tok = pair.router.tokenizer
+    try:
+        serve(pair, body)
+    finally:
+        pair.close()
 
 
 def test_lm_eval_remote_tokenizer_and_the_openai_sdk(

@@ -170,7 +170,7 @@ def test_forcing_grammar_compiles_and_takes_compact_calls(
 # ---------------------------------------------------------------- requests
 
 def chat(syntax: ToolSyntax = HERMES, **body: Any) -> Any:
-    return chat_request({"messages": USER, **body}, "r", lambda m, t: 10, 100, syntax)
+    return chat_request({"messages": USER, **body}, "r", lambda m, t, kw: 10, 100, syntax)
 
 
 def test_auto_renders_tools_and_parses_without_constraint() -> None:
@@ -386,7 +386,7 @@ def test_a_template_that_renders_tools_gets_them_structured(
     messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     _, req, plan = chat_request({"messages": messages, "tools": [WEATHER, TIME]}, "r",
-                                lambda m, t: 10, 100, HERMES, native_tools=True)
+                                lambda m, t, kw: 10, 100, HERMES, native_tools=True)
     assert plan.tools is HERMES and req.tools is not None
     assert [t["function"]["name"] for t in req.tools] == ["get_weather", "get_time"]
     assert req.messages is not None and req.messages[1]["tool_calls"][0]["function"] == {
@@ -397,6 +397,6 @@ def test_a_template_that_renders_tools_gets_them_structured(
     assert "# Tools\n\nYou may call" not in text  # pdserve's prompt is not added
     # The same request for a template without tools support: pdserve writes them in.
     _, req, _ = chat_request({"messages": messages, "tools": [WEATHER]}, "r",
-                             lambda m, t: 10, 100, HERMES)
+                             lambda m, t, kw: 10, 100, HERMES)
     assert req.tools is None and req.messages is not None
     assert "<tools>" in req.messages[0]["content"]
