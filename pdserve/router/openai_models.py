@@ -206,6 +206,7 @@ class ChatTemplateFields(Body):
     # the answer continues the final message (set add_generation_prompt false)
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+    documents: list[dict[str, str]] | None = None  # for a template that renders them (RAG)
 
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
@@ -244,13 +245,43 @@ def _is_empty(value: Any) -> bool:
 EMPTY = Refused(_is_empty, {"anyOf": [
     {"type": "null"}, {"type": "object", "maxProperties": 0}, {"type": "array", "maxItems": 0},
     {"type": "string", "maxLength": 0}]})
+# vLLM's extensions that this server does not implement: their defaults (what a
+# client that sends every field sends) are taken, anything else is refused rather
+# than ignored -- an ignored allowed_token_ids or cache_salt would answer as if it
+# had been applied.
+VLLM_UNIMPLEMENTED: dict[str, Refused] = {
+    "use_beam_search": only(None, False),
+    "length_penalty": only(None, 1.0, 1),  # beam search's
+    "skip_special_tokens": only(None, True),
+    "spaces_between_special_tokens": only(None, True),
+    "truncate_prompt_tokens": only(None),
+    "allowed_token_ids": only(None),
+    "bad_words": EMPTY,
+    "logits_processors": EMPTY,
+    "return_tokens_as_token_ids": only(None, False),
+    "structural_tag": only(None),
+    "guided_whitespace_pattern": only(None),
+    "cache_salt": only(None),
+    "kv_transfer_params": EMPTY,  # this server moves the KV itself
+    "vllm_xargs": EMPTY,
+}
 # Field -> its harmless values. Anything else is refused with a 400 naming it.
 REFUSED_COMPLETION: dict[str, Refused] = {
     "suffix": EMPTY,
+    **VLLM_UNIMPLEMENTED,
+    "add_special_tokens": only(None, True),
+    "prompt_logprobs": Refused(lambda v: v is None, {"type": "null"},
+                               "use echo with logprobs for the prompt's logprobs"),
+    "prompt_embeds": only(None),
 }
 # a request's own chat template: the model's is used
 OWN_TEMPLATE = Refused(EMPTY.harmless, EMPTY.schema, "the model's own chat template is used")
 REFUSED_CHAT = {
+    **VLLM_UNIMPLEMENTED,
+    "add_special_tokens": only(None, False),
+    "prompt_logprobs": only(None),
+    "echo": only(None, False),
+    "mm_processor_kwargs": EMPTY,
     "chat_template": OWN_TEMPLATE,
     "functions": EMPTY,
     "function_call": only(None, "none", "auto"),

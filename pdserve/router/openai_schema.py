@@ -306,10 +306,12 @@ def chat_template_args(r: ChatTemplateFields) -> dict[str, Any]:
                              "(the answer continues the final message, not a new turn)",
                              "continue_final_message")
     kwargs = r.chat_template_kwargs or {}
-    taken = sorted({"messages", "tools", "add_generation_prompt"} & kwargs.keys())
+    taken = sorted({"messages", "tools", "add_generation_prompt", "documents"} & kwargs.keys())
     if taken:
         raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(taken)} (the "
                              "request's own fields set them)", "chat_template_kwargs")
+    if r.documents is not None:
+        kwargs = {**kwargs, "documents": r.documents}
     return {"add_generation_prompt": r.add_generation_prompt,
             "continue_final_message": r.continue_final_message, "template_kwargs": kwargs}
 

@@ -237,6 +237,15 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ("/v1/completions", {"prompt": "x", "timeout_s": 0}, 400, "timeout_s"),
+    # vLLM's extensions this server does not implement: refused, not ignored
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [5]}, 400, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "skip_special_tokens": False}, 400,
+     "skip_special_tokens"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "cache_salt": "s"}, 400, "cache_salt"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "use_beam_search": True}, 400, "use_beam_search"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),  # the router: empty prompt
     ("/v1/completions", {"prompt": [99999]}, 400, "prompt"),  # token id outside the vocabulary
     # echo decodes the prompt before the request runs (it overflowed the tokenizer: 500)
@@ -305,7 +314,11 @@ def test_bad_input_is_a_4xx_and_the_server_keeps_serving(
         r = await c.post("/v1/chat/completions", json={
             **GREEDY, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
             "max_completion_tokens": 2, "n": 1, "user": "u", "logit_bias": {}, "store": False,
-            "metadata": {"a": "b"}, "tool_choice": "none", "response_format": {"type": "text"}}, headers=key)
+            "metadata": {"a": "b"}, "tool_choice": "none", "response_format": {"type": "text"},
+            # vLLM's unimplemented extensions at their defaults, as vLLM's clients send them
+            "skip_special_tokens": True, "use_beam_search": False, "length_penalty": 1.0,
+            "bad_words": [], "add_special_tokens": False, "echo": False, "cache_salt": None},
+            headers=key)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         assert (await c.get("/nope", headers=key)).json()["error"]["message"] == "Not Found"
         r = await c.post("/v1/completions", json={"prompt": "x"}, headers={**key, "X-Request-Id": "x" * 200})

@@ -126,12 +126,13 @@ def test_chat_template_extras(tiny_model: Callable[[str], Path], tmp_path: Path)
     """vLLM's chat extras on chat completions, over a model whose template reads a
     variable: ``continue_final_message`` answers with the continuation of the final
     message (the text completions give for the same tokens), and
-    ``chat_template_kwargs`` reach the template; ``/tokenize`` counts the same
-    prompts."""
+    ``chat_template_kwargs`` and ``documents`` reach the template; ``/tokenize``
+    counts the same prompts."""
     model = tmp_path / "copy" / "tiny"
     shutil.copytree(tiny_model("llama-gqa"), model)
     cfg = json.loads((model / "tokenizer_config.json").read_text())
     cfg["chat_template"] = ("{% if persona is defined %}<|im_start|>system\n{{ persona }}"
+                            "{% for d in documents | default([]) %} [{{ d.title }}]{% endfor %}"
                             "<|im_end|>\n{% endif %}" + cfg["chat_template"])
     (model / "tokenizer_config.json").write_text(json.dumps(cfg))
     pair = Pair(model)
@@ -139,7 +140,9 @@ def test_chat_template_extras(tiny_model: Callable[[str], Path], tmp_path: Path)
 
     async def body(c: Client) -> None:
         for extras in ({"continue_final_message": True, "add_generation_prompt": False},
-                       {"chat_template_kwargs": {"persona": "A pirate."}}):
+                       {"chat_template_kwargs": {"persona": "A pirate."}},
+                       {"chat_template_kwargs": {"persona": "A pirate."},
+                        "documents": [{"title": "Log", "text": "..."}]}):
             messages = started if "continue_final_message" in extras else CHAT
             count = (await c.post("/tokenize", json={"messages": messages, **extras})).json()
             chat = (await c.post("/v1/chat/completions", json={
@@ -147,7 +150,8 @@ def test_chat_template_extras(tiny_model: Callable[[str], Path], tmp_path: Path)
             assert chat["usage"]["prompt_tokens"] == count["count"]
             text = tok.decode(count["tokens"], skip_special_tokens=False)
             if "chat_template_kwargs" in extras:
-                assert text.startswith("<|im_start|>system\nA pirate.<|im_end|>")
+                assert text.startswith("<|im_start|>system\nA pirate." + (
+                    " [Log]<|im_end|>" if "documents" in extras else "<|im_end|>"))
                 plain = (await c.post("/tokenize", json={"messages": messages})).json()
                 assert plain["count"] < count["count"]
             else:
