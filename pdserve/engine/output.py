@@ -33,7 +33,8 @@ class Processed(NamedTuple):
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer | None, prompt_token_ids: Sequence[int],
                  params: SamplingParams) -> None:
-        self._detok = (IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self._detok = (IncrementalDetokenizer(tokenizer, prompt_token_ids,
+                                              params.skip_special_tokens)
                        if tokenizer is not None else None)
         # The engine's decisions are passed in, so the checker needs no EOS ids.
         self._stop = StopChecker(params, ())

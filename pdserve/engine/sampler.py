@@ -7,11 +7,14 @@ in this order:
 2. penalties (repetition over prompt + output; frequency/presence over output),
 3. grammar: tokens a structured-output row's matcher does not allow get -inf (the
    runner computed the row's bitmask, ``SamplingRow.allowed``),
-4. min_tokens: while ``len(output_token_ids) < min_tokens`` the row's EOS ids and
-   ``stop_token_ids`` get -inf (``ignore_eos`` does *not* unmask EOS here: it only
-   tells the engine not to stop on EOS, which is the engine's / StopChecker's job);
-   where that would leave no token at all (the grammar allows only EOS) the grammar
-   wins and nothing is masked,
+4. bans, each applied only where it leaves the row a token to sample (where the
+   grammar allows only banned tokens, the grammar wins and that ban is skipped):
+   a. ``allowed_token_ids``: every other token gets -inf,
+   b. ``bad_words``: the last token of each sequence whose other tokens end the
+      output so far gets -inf,
+   c. min_tokens: while ``len(output_token_ids) < min_tokens`` the row's EOS ids and
+      ``stop_token_ids`` get -inf (``ignore_eos`` does *not* unmask EOS here: it only
+      tells the engine not to stop on EOS, which is the engine's / StopChecker's job),
 5. greedy rows (temperature == 0): argmax of the logits from step 2,
 6. random rows: divide by temperature (clamped to >= 1e-5), then top-k, top-p
    (on the top-k survivors), min-p filtering, then one inverse-CDF draw from the
@@ -185,7 +188,7 @@ class Sampler:
         if constrained:
             apply_bitmask(processed, constrained,
                           torch.stack([rows[i].allowed for i in constrained]))  # type: ignore[misc]
-        _mask_min_tokens(processed, rows)
+        _mask_banned(processed, rows)
         random_idx = [i for i, r in enumerate(rows) if not r.params.greedy]
         if len(random_idx) == len(rows):  # all random: no argmax, no copy of the rows
             tokens = _sample_random(processed, rows, self.fast)
@@ -258,22 +261,45 @@ def _apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         flat[keys] -= freq * counts + pres
 
 
-def _mask_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """In place: EOS and stop_token_ids get -inf until min_tokens have been generated,
-    unless that leaves a row nothing to sample (its grammar allows only those)."""
+def _mask_banned(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """In place, step 4 of the pipeline: tokens outside ``allowed_token_ids``, the
+    bad words' next tokens, then (during min_tokens) EOS and ``stop_token_ids`` get
+    -inf, each ban only where it leaves the row a token (ids outside [0, V) have no
+    logit and are ignored)."""
     vocab = logits.shape[1]
     for i, r in enumerate(rows):
-        if r.num_output_tokens < r.params.min_tokens:
-            banned = [t for t in (*r.eos_token_ids, *r.params.stop_token_ids) if 0 <= t < vocab]
-            if not banned:
-                continue
-            if r.allowed is not None:
-                kept = logits[i].clone()
-                kept[banned] = -math.inf
-                if bool(torch.isfinite(kept).any()):
-                    logits[i] = kept
-            else:
-                logits[i, banned] = -math.inf
+        p = r.params
+        if p.allowed_token_ids:
+            keep = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            keep[[t for t in p.allowed_token_ids if t < vocab]] = True
+            _ban(logits, i, ~keep)
+        if p.bad_words:
+            _ban(logits, i, bad_word_ends(p.bad_words, r.output_token_ids))
+        if r.num_output_tokens < p.min_tokens:
+            _ban(logits, i, [*r.eos_token_ids, *p.stop_token_ids])
+
+
+def bad_word_ends(words: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
+    """The tokens that would complete one of ``words`` after ``output``: a word's last
+    token where the output ends with the rest of it (a one-token word: always)."""
+    ends = []
+    for w in words:
+        head = len(w) - 1
+        if head <= len(output) and list(output[len(output) - head:]) == list(w[:head]):
+            ends.append(w[-1])
+    return ends
+
+
+def _ban(logits: torch.Tensor, i: int, tokens: torch.Tensor | Sequence[int]) -> None:
+    """Row ``i``'s ``tokens`` (a bool mask or ids) get -inf, unless none is left."""
+    if not isinstance(tokens, torch.Tensor):
+        tokens = [t for t in tokens if 0 <= t < logits.shape[1]]
+        if not tokens:
+            return
+    kept = logits[i].clone()
+    kept[tokens] = -math.inf
+    if bool(torch.isfinite(kept).any()):
+        logits[i] = kept
 
 
 def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow], fast: bool) -> torch.Tensor:

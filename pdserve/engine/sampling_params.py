@@ -22,6 +22,8 @@ MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 100.0
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one token's bias
 MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_BAD_WORDS = 128  # token sequences (a word is tokenized with and without a space)
+MAX_BAD_WORD_TOKENS = 64
 AGING_S = 1.0  # priority aging: every second of waiting is worth one priority level
 _INT64_MIN = -(2**63)
 _INT64_MAX = 2**63 - 1
@@ -53,6 +55,14 @@ class SamplingParams:
       ``include_stop_str_in_output``.
     * ``logit_bias`` (OpenAI): token id -> bias in [-100, 100], added to the logit
       before anything else (a mapping is accepted and stored as sorted pairs).
+    * ``allowed_token_ids`` (vLLM's): when not empty, only these tokens can be
+      sampled (every other logit is -inf, after the bias).
+    * ``bad_words`` (vLLM's, tokenized): token sequences the output must not contain.
+      The last token of a sequence is masked wherever the output so far ends with the
+      rest of it (a one-token sequence is masked always). The output alone is looked
+      at, as in vLLM: a sequence that would start in the prompt is not caught.
+    * ``skip_special_tokens``: the output text leaves special tokens out (the
+      default) or writes them (``<|im_end|>``); the tokens themselves are the same.
     * ``structured``: the output must match this JSON schema / regex / choice /
       grammar; tokens that cannot continue a match are masked after the penalties.
     * ``resumed_tokens``: the last N prompt tokens are output an earlier attempt of this
@@ -88,6 +98,9 @@ class SamplingParams:
     resumed_tokens: int = 0
     priority: int = 0
     prediction: tuple[int, ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         # Types first (normalising ints/floats/lists), then ranges.
@@ -108,13 +121,16 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 self._set(name, _as_int(name, getattr(self, name)))
-        for name in ("ignore_eos", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {_tname(getattr(self, name))}")
         self._set("stop", _as_stop(self.stop))
         self._set("stop_token_ids", _as_token_ids("stop_token_ids", self.stop_token_ids))
         self._set("prediction", _as_token_ids("prediction", self.prediction))
         self._set("logit_bias", _as_logit_bias(self.logit_bias))
+        self._set("allowed_token_ids",
+                  tuple(sorted(set(_as_token_ids("allowed_token_ids", self.allowed_token_ids)))))
+        self._set("bad_words", _as_bad_words(self.bad_words))
         self._set("resumed_tokens", _as_int("resumed_tokens", self.resumed_tokens))
         self._set("priority", _as_int("priority", self.priority))
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
@@ -177,7 +193,8 @@ class SamplingParams:
     @property
     def needs_processing(self) -> bool:
         """True when the logits are changed before the draw (bias, grammar, penalties)."""
-        return self.has_penalties or bool(self.logit_bias) or self.structured is not None
+        return (self.has_penalties or bool(self.logit_bias) or self.structured is not None
+                or bool(self.allowed_token_ids) or bool(self.bad_words))
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> SamplingParams:
@@ -215,6 +232,10 @@ def request_problem(prompt_token_ids: Sequence[int], params: SamplingParams, voc
         return f"stop_token_ids must be < vocab size {vocab}", "stop_token_ids"
     if any(t >= vocab for t, _ in params.logit_bias):
         return f"logit_bias token ids must be < vocab size {vocab}", "logit_bias"
+    if any(t >= vocab for t in params.allowed_token_ids):
+        return f"allowed_token_ids must be < vocab size {vocab}", "allowed_token_ids"
+    if any(t >= vocab for word in params.bad_words for t in word):
+        return f"bad_words token ids must be < vocab size {vocab}", "bad_words"
     if any(t >= vocab for t in params.prediction):
         return f"prediction token ids must be < vocab size {vocab}", "prediction"
     if params.resumed_tokens >= n:
@@ -291,6 +312,21 @@ def _as_logit_bias(value: object) -> tuple[tuple[int, float], ...]:
             raise ValueError(f"logit_bias[{tid}] must be in [-100, 100], got {b:g}")
         out[tid] = b
     return tuple(sorted(out.items()))
+
+
+def _as_bad_words(value: object) -> tuple[tuple[int, ...], ...]:
+    """Token id sequences, each non-empty; duplicates dropped, order kept."""
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"bad_words must be a list of token id lists, got {_tname(value)}")
+    words = tuple(dict.fromkeys(_as_token_ids("bad_words", w) for w in value))
+    if len(words) > MAX_BAD_WORDS:
+        raise ValueError(f"bad_words allows at most {MAX_BAD_WORDS} token sequences, "
+                         f"got {len(words)}")
+    for w in words:
+        if not 0 < len(w) <= MAX_BAD_WORD_TOKENS:
+            raise ValueError(f"bad_words sequences must have 1 to {MAX_BAD_WORD_TOKENS} "
+                             f"tokens, got {len(w)}")
+    return words
 
 
 def _as_token_ids(name: str, value: object) -> tuple[int, ...]:

@@ -343,8 +343,8 @@ class IncrementalDetokenizer:
     most 3 bytes), and the orphan continuation bytes at the new start decode to a
     fixed junk prefix that is counted as already sent, never emitted.
 
-    Contract: "".join(push(t) for t in ids) + finish() == tokenizer.decode(ids),
-    for byte-level BPE tokenizers (special tokens skipped).
+    Contract: "".join(push(t) for t in ids) + finish() == tokenizer.decode(ids,
+    skip_special_tokens), for byte-level BPE tokenizers.
     """
 
     # Prompt ids kept as context: enough for decoders that look at neighbours
@@ -353,8 +353,10 @@ class IncrementalDetokenizer:
     MAX_WINDOW = 16
     RESYNC_TAIL = 4
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (),
+                 skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
+        self._skip = skip_special_tokens
         context = list(prompt_ids[-self.PROMPT_CONTEXT :])
         # A prompt that ends inside a character would leak into the output text;
         # start without context then.
@@ -370,7 +372,7 @@ class IncrementalDetokenizer:
         return len(self._ids) + 1
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(ids, skip_special_tokens=True) if ids else ""
+        return self._tok.decode(ids, skip_special_tokens=self._skip) if ids else ""
 
     def push(self, token_id: int) -> str:
         """Add one output id; return the newly completed text (maybe empty)."""

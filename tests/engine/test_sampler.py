@@ -1,4 +1,5 @@
-"""Sampler: greedy, filters, penalties vs a per-row reference, seeding, statistics, logprobs."""
+"""Sampler: greedy, filters, penalties vs a per-row reference, token bans, seeding,
+statistics, logprobs."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,8 +21,9 @@ from pdserve.engine.sampler import (
     Sampler,
     SamplingRow,
     _apply_penalties,
-    _mask_min_tokens,
+    _mask_banned,
     _top_k_top_p,
+    bad_word_ends,
     make_generator,
 )
 from pdserve.engine.sampling_params import SamplingParams
@@ -204,6 +207,56 @@ def test_ignore_eos_does_not_mask_eos() -> None:
     assert Sampler()(logits, [row(masked)]).token_ids == [2]
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_allowed_token_ids_are_the_only_tokens_drawn(fast: bool) -> None:
+    logits = torch.randn(300, 50)
+    allowed = (4, 17, 33)
+    p = SamplingParams(allowed_token_ids=[33, 4, 17, 4], temperature=1.5)
+    assert p.allowed_token_ids == allowed  # sorted, once each
+    out = Sampler(fast)(logits, [row(p)] * 300).token_ids
+    assert set(out) == set(allowed)  # each drawn, nothing else
+    greedy = Sampler(fast)(logits, [row(SamplingParams(allowed_token_ids=allowed))] * 300)
+    assert greedy.token_ids == [allowed[int(i)] for i in logits[:, allowed].argmax(-1)]
+    # the logprobs stay the raw model's
+    lp = Sampler(fast)(logits[:1], [row(SamplingParams(allowed_token_ids=allowed, logprobs=1))])
+    assert lp.logprobs[0] is not None and lp.logprobs[0].top[0][0] == int(logits[0].argmax())
+
+
+def test_bad_word_ends_follow_the_output() -> None:
+    words = [(7,), (1, 2), (1, 2, 3), (5, 1, 9)]
+    assert bad_word_ends(words, []) == [7]
+    assert bad_word_ends(words, [4, 1]) == [7, 2]
+    assert bad_word_ends(words, [1, 2]) == [7, 3]
+    assert bad_word_ends(words, [5, 1]) == [7, 2, 9]
+    assert bad_word_ends(words, [6, 2]) == [7]
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_bad_words_are_never_completed(fast: bool) -> None:
+    logits = torch.zeros(1, 10)
+    logits[0, 2], logits[0, 3], logits[0, 7] = 5.0, 4.0, 6.0
+    p = SamplingParams(bad_words=[[7], [1, 2]])
+    assert Sampler(fast)(logits, [row(p, [1], [])]).token_ids == [2]  # the prompt is not looked at
+    assert Sampler(fast)(logits, [row(p, [], [1])]).token_ids == [3]
+    assert Sampler(fast)(logits, [row(p, [], [2])]).token_ids == [2]
+    drawn = Sampler(fast)(logits.repeat(200, 1), [row(replace(p, temperature=2.0), [], [1])] * 200)
+    assert not {7, 2} & set(drawn.token_ids)
+
+
+def test_a_ban_that_leaves_nothing_gives_way() -> None:
+    """A grammar that allows only banned tokens wins over the ban; a ban that applies
+    still does, whatever else is banned."""
+    logits = torch.arange(8, dtype=torch.float32)[None, :].clone()
+    only_5 = torch.tensor([1 << 5], dtype=torch.int32)
+    r = row(SamplingParams(allowed_token_ids=(1, 2), bad_words=[[2]]))
+    r.allowed = only_5
+    assert Sampler()(logits, [r]).token_ids == [5]
+    both = row(SamplingParams(allowed_token_ids=(1, 2), bad_words=[[2]]))
+    assert Sampler()(logits, [both]).token_ids == [1]
+    eos_only = row(SamplingParams(allowed_token_ids=(EOS,), min_tokens=3))
+    assert Sampler()(logits, [eos_only]).token_ids == [EOS]
+
+
 # ---------------------------------------------------------------- randomness
 
 
@@ -380,7 +433,7 @@ def test_mask_min_tokens_ignores_out_of_vocab_ids() -> None:
     r = SamplingRow(
         SamplingParams(min_tokens=1, stop_token_ids=(99,)), [], 0, None, frozenset({2})
     )
-    _mask_min_tokens(logits, [r])
+    _mask_banned(logits, [r])
     assert logits.tolist() == [[0.0, 0.0, -math.inf, 0.0]]
 
 

@@ -29,6 +29,9 @@ def test_lists_become_tuples_and_ints_become_floats() -> None:
     assert isinstance(p.temperature, float) and p.temperature == 1.0
     assert not p.greedy
     assert SamplingParams(stop="x").stop == ("x",)
+    bans = SamplingParams(allowed_token_ids=[9, 2, 9], bad_words=[[3, 4], [5], [3, 4]])
+    assert bans.allowed_token_ids == (2, 9) and bans.bad_words == ((3, 4), (5,))
+    assert bans.needs_processing
     hash(p)  # usable as a dict key once lists are tuples
 
 
@@ -102,6 +105,15 @@ INVALID: list[tuple[dict[str, Any], str]] = [
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": 2.0}, "logprobs"),
     ({"logprobs": True}, "logprobs"),
+    ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"allowed_token_ids": 5}, "allowed_token_ids"),
+    ({"allowed_token_ids": ["5"]}, "allowed_token_ids"),
+    ({"bad_words": [[]]}, "bad_words"),
+    ({"bad_words": [[1, -2]]}, "bad_words"),
+    ({"bad_words": ["word"]}, "bad_words"),
+    ({"bad_words": [[1]] * 2 + [[i, 1] for i in range(128)]}, "bad_words"),
+    ({"bad_words": [list(range(65))]}, "bad_words"),
+    ({"skip_special_tokens": 0}, "skip_special_tokens"),
 ]
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import re
 from collections import Counter
@@ -259,6 +260,22 @@ def test_seeded_sampling_is_unchanged_token_for_token(tiny_model: Callable[[str]
             [lp.logprob for lp in b.logprobs], abs=1e-4)
         assert [[t for t, _ in lp.top] for lp in a.logprobs] == \
             [[t for t, _ in lp.top] for lp in b.logprobs]
+    assert eng.stats().spec.num_accepted_tokens > 0  # type: ignore[union-attr]
+
+
+def test_bans_hold_at_every_drafted_position(tiny_model: Callable[[str], Path]) -> None:
+    """bad_words look at the draft's tokens before each verified position: the output
+    is the unspeculated one, drafts are still accepted, and no banned pair is written."""
+    path = tiny_model("llama-gqa")
+    ps = copy_prompts(3, seed=5)
+    free = _run(engine(path, spec=None), ps, GREEDY)
+    pairs = [(o[10], o[11]) for o in free]
+    params = dataclasses.replace(GREEDY, bad_words=pairs)
+    want = _run(engine(path, spec=None), ps, params)
+    eng = engine(path)
+    got = _run(eng, ps, params)
+    assert got == want and got != free
+    assert not {(a, b) for o in got for a, b in itertools.pairwise(o)} & set(pairs)
     assert eng.stats().spec.num_accepted_tokens > 0  # type: ignore[union-attr]
 
 

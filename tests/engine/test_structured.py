@@ -1,13 +1,16 @@
-"""Structured outputs and logit bias in the engine: every sampled token obeys the
-request's grammar, the grammar follows the request across the prefill -> decode
-hand-off, a retry (``resumed_tokens``) and preemption, constrained rows leave their
-neighbours' tokens alone, and bad constraints are refused with a clear error."""
+"""Structured outputs, logit bias and token bans (allowed_token_ids, bad_words) in the
+engine: every sampled token obeys the request's grammar, the grammar follows the
+request across the prefill -> decode hand-off, a retry (``resumed_tokens``) and
+preemption, constrained rows leave their neighbours' tokens alone, and bad constraints
+are refused with a clear error."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
@@ -17,7 +20,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured import StructuredOutput, grammar_of
-from tests.engine.handoff import disaggregate
+from tests.engine.handoff import decode_to_end, disaggregate
 
 # Schemas of our own: nested objects, arrays with bounds, enums, patterns, numbers with
 # ranges, optional fields, anyOf and $defs. (Integers: a random-weight model would write
@@ -115,6 +118,42 @@ def test_logit_bias_forces_and_bans(tiny_model: Callable[[str], Path]) -> None:
                                                      temperature=1.0, seed=2,
                                                      logit_bias={"77": 100}))[0].token_ids
     assert sampled == [77] * 6
+
+
+def test_allowed_token_ids_and_bad_words(tiny_model: Callable[[str], Path]) -> None:
+    eng = engine(tiny_model("llama-gqa"))
+    free = SamplingParams(max_tokens=12, ignore_eos=True)
+    base = eng.generate(["hello"], free)[0].token_ids
+    allowed = (base[0], 40, 41, 77)
+    for p in (replace(free, allowed_token_ids=allowed),
+              replace(free, allowed_token_ids=allowed, temperature=1.0, seed=3)):
+        out = eng.generate(["hello"], p)[0].token_ids
+        assert set(out) <= set(allowed), out
+    # A pair the free output writes: banned, the output follows the free one up to its
+    # second token and writes the pair nowhere.
+    pair = (base[4], base[5])
+    out = eng.generate(["hello"], replace(free, bad_words=[pair]))[0].token_ids
+    assert out[:5] == base[:5] and out[5] != base[5]
+    assert all((a, b) != pair for a, b in itertools.pairwise(out))
+    # One token: banned from the first (the prefill side samples it)
+    prefill, decode = engine(tiny_model("llama-gqa")), engine(tiny_model("llama-gqa"), role="decode")
+    prompt = eng.tokenizer.encode("hello")
+    one = replace(free, bad_words=[(base[0],), pair])
+    first = disaggregate(prefill, decode, "r", prompt, one)
+    rest, _ = decode_to_end(decode)
+    assert [first, *rest] == eng.generate([prompt], one)[0].token_ids
+    assert base[0] not in [first, *rest]
+
+
+def test_special_tokens_are_written_when_asked(tiny_model: Callable[[str], Path]) -> None:
+    eng = engine(tiny_model("llama-gqa"))
+    im_end = eng.tokenizer.encode("<|im_end|>", add_special_tokens=False)
+    assert len(im_end) == 1
+    forced = SamplingParams(max_tokens=3, ignore_eos=True, logit_bias={im_end[0]: 100})
+    skipped, written = eng.generate(["hi", "hi"], [
+        forced, replace(forced, skip_special_tokens=False)])
+    assert skipped.token_ids == written.token_ids == im_end * 3
+    assert skipped.text == "" and written.text == "<|im_end|>" * 3
 
 
 def test_retry_resumes_the_grammar(tiny_model: Callable[[str], Path]) -> None:
