@@ -244,6 +244,7 @@ class _Api:
                 for req in reqs:
                     ids = self.router.prompt_ids(req)
                     echo.append((req.prompt if req.prompt is not None
+                                 and req.truncate_prompt_tokens is None
                                  else self.router.tokenizer.decode(ids), ids))
                     req.prompt, req.prompt_token_ids = None, ids  # tokenized once
             await check_grammars(plan.grammars)
@@ -259,7 +260,8 @@ class _Api:
                                                    "the server is shutting down"), rid)
         out = ResponseBuilder(
             chat=chat, request_id=rid, model=parsed.model or self.model_name,
-            created=int(time.time()), text=self.text, logprobs=logprobs,
+            created=int(time.time()), logprobs=logprobs,
+            text=self.text.as_ids() if parsed.return_tokens_as_token_ids else self.text,
             include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
             echo=echo, n=n, prompts=len(reqs), tools=plan.tools)
         choices = self.in_flight[rid] = _Choices(

@@ -77,17 +77,25 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece byte fallback
 
 
 class TokenText:
-    """Token id -> (OpenAI token string, raw bytes), cached per tokenizer."""
+    """Token id -> (OpenAI token string, raw bytes), cached per tokenizer. ``as_ids``
+    (vLLM's ``return_tokens_as_token_ids``): the string is ``token_id:{id}``, which
+    any token, even one that is part of a character, can be read back from."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, as_ids: bool = False,
+                 cache: dict[int, tuple[str, bytes]] | None = None):
         self._tok = tokenizer
-        self._cache: dict[int, tuple[str, bytes]] = {}
+        self._as_ids = as_ids
+        self._cache: dict[int, tuple[str, bytes]] = {} if cache is None else cache
 
     def __call__(self, token_id: int) -> tuple[str, bytes]:
         hit = self._cache.get(token_id)
         if hit is None:
             hit = self._cache[token_id] = self._compute(token_id)
-        return hit
+        return (f"token_id:{token_id}", hit[1]) if self._as_ids else hit
+
+    def as_ids(self) -> TokenText:
+        """The same tokens written as ids (the cache shared)."""
+        return TokenText(self._tok, True, self._cache)
 
     def _compute(self, token_id: int) -> tuple[str, bytes]:
         text = self._tok.decode([token_id], skip_special_tokens=False)

@@ -10,6 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdserve.engine.sampling_params import (
+    MAX_BAD_WORDS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
@@ -110,6 +111,13 @@ class GenerationFields(Body):
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     priority: Int64 = 0  # lower runs first
+    allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
+    # words the output must not write (each tokenized with and without a leading space)
+    bad_words: Annotated[list[NonEmpty], Field(max_length=MAX_BAD_WORDS // 2)] | None = None
+    skip_special_tokens: bool = True  # false: the text writes them (<|im_end|>)
+    # keep the prompt's last N tokens; -1: as many as leave room for max_tokens
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | Literal[-1] | None = None
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens read "token_id:{id}"
     # pdserve's: deadline in seconds from arrival (as the gRPC field); past it, 504
     timeout_s: Annotated[float, Field(gt=0.0)] | None = None
 
@@ -247,18 +255,13 @@ EMPTY = Refused(_is_empty, {"anyOf": [
     {"type": "string", "maxLength": 0}]})
 # vLLM's extensions that this server does not implement: their defaults (what a
 # client that sends every field sends) are taken, anything else is refused rather
-# than ignored -- an ignored allowed_token_ids or cache_salt would answer as if it
+# than ignored -- an ignored cache_salt or logits_processors would answer as if it
 # had been applied.
 VLLM_UNIMPLEMENTED: dict[str, Refused] = {
     "use_beam_search": only(None, False),
     "length_penalty": only(None, 1.0, 1),  # beam search's
-    "skip_special_tokens": only(None, True),
     "spaces_between_special_tokens": only(None, True),
-    "truncate_prompt_tokens": only(None),
-    "allowed_token_ids": only(None),
-    "bad_words": EMPTY,
     "logits_processors": EMPTY,
-    "return_tokens_as_token_ids": only(None, False),
     "structural_tag": only(None),
     "guided_whitespace_pattern": only(None),
     "cache_salt": only(None),

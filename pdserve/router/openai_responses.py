@@ -30,6 +30,7 @@ from pydantic import Discriminator, Field, Tag, TypeAdapter
 
 from pdserve.router.openai_models import (
     EMPTY,
+    VLLM_UNIMPLEMENTED,
     Body,
     GenerationFields,
     InvalidRequest,
@@ -135,6 +136,7 @@ def _no_reasoning(value: Any) -> bool:
 
 
 REFUSED_RESPONSES = {
+    **VLLM_UNIMPLEMENTED,
     "conversation": dataclasses.replace(
         EMPTY, why="use previous_response_id, or send the whole conversation as input"),
     "background": only(None, False),

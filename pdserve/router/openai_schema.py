@@ -33,6 +33,9 @@ Rules:
   schema of its harmless values beside its test. Other unknown fields (``user``,
   ``metadata``, ``store``, ...) are tolerated and ignored, as OpenAI clients send
   many of them.
+* vLLM's token controls: ``allowed_token_ids`` and ``skip_special_tokens`` go to
+  ``SamplingParams`` as they are; ``bad_words`` (text) and ``truncate_prompt_tokens``
+  ride on the ``GenerateRequest`` to the router, which tokenizes the prompt and the words.
 * Defaults follow OpenAI: ``temperature`` 1, ``max_tokens`` 16 for completions and
   "until the context is full" for chat.
 """
@@ -182,6 +185,8 @@ def _params(r: SamplingFields, max_tokens: int | None, logprobs: int | None,
             prompt_logprobs=prompt_logprobs,
             logit_bias=tuple((int(t), b) for t, b in (r.logit_bias or {}).items()),
             structured=structured, priority=r.priority,
+            allowed_token_ids=tuple(r.allowed_token_ids or ()),
+            skip_special_tokens=r.skip_special_tokens,
         )
     except ValueError as exc:
         # SamplingParams' messages start with the field's name.
@@ -212,7 +217,8 @@ def completion_request(body: Any, request_id: str,
     reqs = []
     for i, prompt in enumerate(prompts):
         req = GenerateRequest(request_id if len(prompts) == 1 else f"{request_id}-{i}", params,
-                              timeout_s=r.timeout_s)
+                              timeout_s=r.timeout_s, bad_words=tuple(r.bad_words or ()),
+                              truncate_prompt_tokens=r.truncate_prompt_tokens)
         if isinstance(prompt, str):
             req.prompt = prompt
         else:
@@ -349,11 +355,16 @@ def chat_request(body: Any, request_id: str,
             n = prompt_len(messages, template_tools, template)
         except ValueError as exc:
             raise InvalidRequest(str(exc), "messages") from exc
-        max_tokens = max(1, max_model_len - n)  # a too-long prompt gets the router's 400
+        if r.truncate_prompt_tokens is not None and r.truncate_prompt_tokens > 0:
+            n = min(n, r.truncate_prompt_tokens)
+        # a too-long prompt gets the router's 400, or is cut to max_model_len - 1 (-1)
+        max_tokens = max(1, max_model_len - n)
     params = _params(r, max_tokens, logprobs,
                      {"max_tokens": limit_name, "logprobs": "top_logprobs"},
                      structured=structured)
     return r, GenerateRequest(request_id, params, messages=messages, timeout_s=r.timeout_s,
                               tools=template_tools, chat_template_args=template,
-                              prediction=None if r.prediction is None else r.prediction.text), \
+                              prediction=None if r.prediction is None else r.prediction.text,
+                              bad_words=tuple(r.bad_words or ()),
+                              truncate_prompt_tokens=r.truncate_prompt_tokens), \
         Plan(schemas + constraints, syntax if offered else None)

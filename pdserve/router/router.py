@@ -185,6 +185,11 @@ class Router:
             if req.prediction:
                 ids = self.tokenizer.encode(req.prediction, add_special_tokens=False)
                 req.params = replace(req.params, prediction=tuple(ids))
+            if req.bad_words:
+                try:
+                    req.params = replace(req.params, bad_words=self._bad_words(req.bad_words))
+                except ValueError as exc:  # too many tokens
+                    raise RouterError(ErrorKind.INVALID, str(exc), param="bad_words") from exc
             self._validate(prompt, req.params)
             await self._wait_ready()
             if self.admission.full():
@@ -230,20 +235,40 @@ class Router:
         return prompt
 
     def _tokenize(self, req: GenerateRequest) -> list[int]:
+        """The prompt's ids, cut to its last ``truncate_prompt_tokens`` (-1: to what
+        leaves ``max_tokens`` of the context)."""
         given = [x is not None for x in (req.prompt, req.messages, req.prompt_token_ids)]
         if sum(given) != 1:
             raise RouterError(ErrorKind.INVALID,
                               "give exactly one of prompt, messages, prompt_token_ids")
         try:
             if req.prompt is not None:
-                return self.tokenizer.encode(req.prompt)
-            if req.messages is not None:
-                return self.tokenizer.apply_chat_template(req.messages, tools=req.tools,
-                                                          **req.chat_template_args)
+                ids = self.tokenizer.encode(req.prompt)
+            elif req.messages is not None:
+                ids = self.tokenizer.apply_chat_template(req.messages, tools=req.tools,
+                                                         **req.chat_template_args)
+            else:
+                ids = list(req.prompt_token_ids or [])
         except (ValueError, TypeError, UnicodeError) as exc:  # e.g. lone surrogates
             raise RouterError(ErrorKind.INVALID, f"cannot tokenize the prompt: {exc}",
                               param="prompt") from exc
-        return list(req.prompt_token_ids or [])
+        keep = req.truncate_prompt_tokens
+        if keep == -1:
+            keep = max(1, self.max_model_len - req.params.max_tokens)
+        return ids[-keep:] if keep is not None and len(ids) > keep else ids
+
+    def _bad_words(self, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+        """Each word's tokens, as it starts the text and as it follows a space (vLLM's
+        rule: byte-level BPE spells the two differently); duplicates dropped."""
+        seqs: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids:
+                    seqs[ids] = None
+        if not seqs:
+            raise RouterError(ErrorKind.INVALID, "bad_words has no word to ban", param="bad_words")
+        return tuple(seqs)
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         """The engine's own rules (``request_problem``), before routing: a request no

@@ -39,6 +39,10 @@ class GenerateRequest:
     share_prefix: bool = False
     # The client's predicted output (text): tokenized into ``params.prediction``.
     prediction: str | None = None
+    # Words the output must not write: tokenized into ``params.bad_words``.
+    bad_words: tuple[str, ...] = ()
+    # Keep the prompt's last N tokens (-1: as many as leave room for max_tokens).
+    truncate_prompt_tokens: int | None = None
 
 
 @dataclass

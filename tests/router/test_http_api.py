@@ -238,14 +238,25 @@ BAD: list[tuple[str, Any, int, str | None]] = [
      "stream_options"),
     ("/v1/completions", {"prompt": "x", "timeout_s": 0}, 400, "timeout_s"),
     # vLLM's extensions this server does not implement: refused, not ignored
-    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [5]}, 400, "allowed_token_ids"),
-    ("/v1/completions", {"prompt": "x", "skip_special_tokens": False}, 400,
-     "skip_special_tokens"),
+    ("/v1/completions", {"prompt": "x", "spaces_between_special_tokens": False}, 400,
+     "spaces_between_special_tokens"),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "cache_salt": "s"}, 400, "cache_salt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "use_beam_search": True}, 400, "use_beam_search"),
+    ("/v1/responses", {"input": "x", "logits_processors": ["a.b"]}, 400, "logits_processors"),
+    # vLLM's token controls
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [99999]}, 400,
+     "allowed_token_ids"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "bad_words": [""]}, 400, "bad_words"),
+    ("/v1/completions", {"prompt": "x", "bad_words": ["\u00e9" * 70]}, 400, "bad_words"),
+    ("/v1/completions", {"prompt": "x", "bad_words": ["w"] * 65}, 400, "bad_words"),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, 400,
+     "truncate_prompt_tokens"),
+    ("/v1/responses", {"input": "x", "skip_special_tokens": "no"}, 400, "skip_special_tokens"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),  # the router: empty prompt
     ("/v1/completions", {"prompt": [99999]}, 400, "prompt"),  # token id outside the vocabulary
     # echo decodes the prompt before the request runs (it overflowed the tokenizer: 500)
@@ -317,7 +328,9 @@ def test_bad_input_is_a_4xx_and_the_server_keeps_serving(
             "metadata": {"a": "b"}, "tool_choice": "none", "response_format": {"type": "text"},
             # vLLM's unimplemented extensions at their defaults, as vLLM's clients send them
             "skip_special_tokens": True, "use_beam_search": False, "length_penalty": 1.0,
-            "bad_words": [], "add_special_tokens": False, "echo": False, "cache_salt": None},
+            "bad_words": [], "add_special_tokens": False, "echo": False, "cache_salt": None,
+            "allowed_token_ids": None, "truncate_prompt_tokens": None,
+            "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True},
             headers=key)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
         assert (await c.get("/nope", headers=key)).json()["error"]["message"] == "Not Found"
@@ -554,3 +567,83 @@ def test_a_predicted_output_is_drafted_and_changes_nothing(
         await wait_freed(pair)
 
     serve(pair, body)
+
+
+def test_vllms_token_controls(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+    """allowed_token_ids, bad_words, skip_special_tokens, truncate_prompt_tokens and
+    return_tokens_as_token_ids reach the engine and the response, on each endpoint."""
+    pair = pair_factory()
+    tok = pair.router.tokenizer
+    base = {**GREEDY, "prompt": "hello there", "max_tokens": 12}
+
+    async def ids_of(c: Client, req: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
+        r = await c.post("/v1/completions", json={**req, "logprobs": 1,
+                                                  "return_tokens_as_token_ids": True})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        for top in choice["logprobs"]["top_logprobs"]:
+            assert all(re.fullmatch(r"token_id:\d+", t) for t in top), top
+        return [int(t.split(":")[1]) for t in choice["logprobs"]["tokens"]], r.json()
+
+    async def body(c: Client) -> None:
+        plain = (await c.post("/v1/completions", json=base)).json()
+        ids, as_ids = await ids_of(c, base)
+        assert len(ids) == 12 and tok.decode(ids) == plain["choices"][0]["text"]
+        assert as_ids["choices"][0]["text"] == plain["choices"][0]["text"]
+        # chat: the token strings as ids, the bytes the token's own
+        r = await c.post("/v1/chat/completions", json={
+            **GREEDY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "logprobs": True, "return_tokens_as_token_ids": True})
+        for entry in r.json()["choices"][0]["logprobs"]["content"]:
+            token_id = int(entry["token"].split(":")[1])
+            assert bytes(entry["bytes"]) == TokenText(tok)(token_id)[1]
+
+        allowed = [ids[0], 40, 41, 77]
+        got, _ = await ids_of(c, {**base, "allowed_token_ids": allowed})
+        assert set(got) <= set(allowed) and got[0] == ids[0]
+        r = await c.post("/v1/responses", json={**GREEDY, "input": "hi", "max_output_tokens": 4,
+                                                "allowed_token_ids": [40]})
+        assert r.json()["output"][0]["content"][0]["text"] == tok.decode([40] * 4), r.text
+
+        # a word the output writes: its token sequences never appear again
+        span = next(ids[i:i + 2] for i in range(len(ids) - 1)
+                    if tuple(ids[i:i + 2]) in pair.router._bad_words([tok.decode(ids[i:i + 2])]))
+        word = tok.decode(span)
+        got, _ = await ids_of(c, {**base, "bad_words": [word]})
+        banned = pair.router._bad_words([word])
+        assert got != ids and not any(tuple(got[i:i + len(b)]) == b
+                                      for b in banned for i in range(len(got)))
+        r = await c.post("/v1/chat/completions", json={
+            **GREEDY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
+            "bad_words": [word], "n": 2})
+        assert r.status_code == 200, r.text
+
+        im_end = tok.encode("<|im_end|>", add_special_tokens=False)[0]
+        forced = {**base, "max_tokens": 2, "logit_bias": {str(im_end): 100}}
+        texts = [(await c.post("/v1/completions", json={**forced, **extra})).json()
+                 ["choices"][0]["text"] for extra in ({}, {"skip_special_tokens": False})]
+        assert texts == ["", "<|im_end|>" * 2]
+
+        # the prompt's last tokens; -1: what leaves room for max_tokens
+        prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+        cut = (await c.post("/v1/completions", json={**base, "prompt": prompt,
+                                                     "truncate_prompt_tokens": 3})).json()
+        tail = (await c.post("/v1/completions", json={**base, "prompt": prompt[-3:]})).json()
+        assert cut["usage"]["prompt_tokens"] == 3 and cut["choices"] == tail["choices"]
+        r = await c.post("/v1/completions", json={**base, "prompt": prompt[-3:], "echo": True,
+                                                  "truncate_prompt_tokens": 2, "max_tokens": 1})
+        assert r.json()["choices"][0]["text"].startswith(tok.decode(prompt[-2:]))
+        long = "x " * 2100
+        r = await c.post("/v1/chat/completions", json={
+            **GREEDY, "messages": [{"role": "user", "content": long}], "max_tokens": 4,
+            "truncate_prompt_tokens": -1})
+        assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 2048 - 4, r.text
+        r = await c.post("/v1/chat/completions", json={
+            **GREEDY, "messages": [{"role": "user", "content": long}],
+            "truncate_prompt_tokens": 100})
+        assert r.status_code == 200, r.text  # the default limit: the rest of the context
+        assert r.json()["usage"]["prompt_tokens"] == 100
+        assert r.json()["usage"]["completion_tokens"] == 2048 - 100
+        await wait_freed(pair)
+
+    serve(pair, body, max_body_bytes=65536)
