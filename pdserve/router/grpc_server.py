@@ -7,7 +7,8 @@ and the router's front-boundary types (``router/types.py``): proto request ->
 the health status (SERVING only while ``router.ready()``, re-read periodically).
 
 Sampling parameters beyond the scalar ones: ``logit_bias`` (a map), ``priority``,
-and the ``structured`` oneof (``json_schema`` as JSON text, ``json_object``,
+vLLM's token controls (``allowed_token_ids``, ``skip_special_tokens``; on the request
+``bad_words`` and ``truncate_prompt_tokens``), and the ``structured`` oneof (``json_schema`` as JSON text, ``json_object``,
 ``regex``, ``choice``, ``grammar``) -> ``StructuredOutput``. A constraint is compiled
 (``api_common.compile_constraints``, at most ``STRUCTURED_COMPILE_TIMEOUT_S``) before the
 request reaches the router, so a bad schema is INVALID_ARGUMENT naming the field
@@ -47,7 +48,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import MAX_BAD_WORDS, SamplingParams
 from pdserve.engine.structured import StructuredOutput
 from pdserve.protos import pb
 from pdserve.router.api_common import (
@@ -103,6 +104,7 @@ _OPTIONAL_PARAMS = (
     "presence_penalty",
     "seed",
     "logprobs",
+    "skip_special_tokens",
 )
 # StageTimings fields sent as `<name>_s` (tpot is derived, sent too).
 _TIMING_FIELDS = (
@@ -133,6 +135,7 @@ def sampling_params_from_proto(params: Any) -> SamplingParams:
         logit_bias=tuple(params.logit_bias.items()),  # validated and sorted there
         priority=params.priority,
         structured=structured_from_proto(params),
+        allowed_token_ids=tuple(params.allowed_token_ids),
     )
 
 
@@ -212,6 +215,14 @@ def request_from_proto(request: Any, time_remaining: float | None) -> GenerateRe
         req.prediction = request.prediction_text
     elif predicted == "prediction_token_ids":
         req.params = replace(req.params, prediction=tuple(request.prediction_token_ids.ids))
+    if request.HasField("truncate_prompt_tokens"):
+        if not (request.truncate_prompt_tokens == -1 or request.truncate_prompt_tokens >= 1):
+            raise ValueError(f"truncate_prompt_tokens must be -1 or >= 1, got "
+                             f"{request.truncate_prompt_tokens}")
+        req.truncate_prompt_tokens = request.truncate_prompt_tokens
+    if len(request.bad_words) > MAX_BAD_WORDS // 2 or not all(request.bad_words):
+        raise ValueError(f"bad_words must hold at most {MAX_BAD_WORDS // 2} words, none empty")
+    req.bad_words = tuple(request.bad_words)
     return req
 
 

@@ -63,6 +63,8 @@ PARAMS = st.fixed_dictionaries({}, optional={
                                                                                  2**31 - 1)),
                                   _small_or_any(st.floats(-100, 100), FLOATS), max_size=4),
     "priority": _small_or_any(st.integers(-3, 3), INT64),
+    "allowed_token_ids": st.lists(_small_or_any(st.integers(0, 300), UINT32), max_size=6),
+    "skip_special_tokens": st.booleans(),
 }).flatmap(lambda params: st.one_of(st.just(params), STRUCTURED.map(
     lambda structured: {**params, **structured})))
 TEXT = st.text(max_size=200)  # any code points protobuf can carry (no lone surrogates)
@@ -81,6 +83,8 @@ REQUESTS = st.builds(
         "request_id": st.text(max_size=140),
         "model": st.sampled_from(["", "tiny"]) | st.text(max_size=20),
         "timeout_s": _small_or_any(st.floats(0.001, 20), FLOATS),
+        "truncate_prompt_tokens": _small_or_any(st.integers(-2, 40), INT64),
+        "bad_words": st.lists(st.text(max_size=12), max_size=4),
     }))
 
 

@@ -1,7 +1,7 @@
-"""gRPC sampling parameters added with issue 18: ``logit_bias``, ``priority`` and the
-``structured`` oneof, mapped to ``SamplingParams``; a bad constraint is
-INVALID_ARGUMENT naming its field before anything reaches the router. Uses the
-scripted router of ``test_grpc_server.py``."""
+"""gRPC sampling parameters added with issue 18 (``logit_bias``, ``priority``, the
+``structured`` oneof) and vLLM's token controls, mapped to ``SamplingParams`` and the
+router request; a bad constraint is INVALID_ARGUMENT naming its field before anything
+reaches the router. Uses the scripted router of ``test_grpc_server.py``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured import StructuredOutput
 from pdserve.protos import pb
 from pdserve.router import api_common
-from pdserve.router.grpc_server import sampling_params_from_proto
+from pdserve.router.grpc_server import request_from_proto, sampling_params_from_proto
 from tests.router.test_grpc_server import ScriptedRouter, collect, expect_status, serve
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
@@ -40,6 +40,22 @@ def test_new_fields_map_to_sampling_params() -> None:
     }
     for name, (fields, want) in cases.items():
         assert sampling_params_from_proto(pb.SamplingParameters(**fields)).structured == want, name
+
+
+def test_token_controls_map_to_the_request() -> None:
+    req = request_from_proto(pb.GenerateRequest(
+        text="x", truncate_prompt_tokens=-1, bad_words=["no", " never"],
+        params=pb.SamplingParameters(allowed_token_ids=[9, 4], skip_special_tokens=False)), None)
+    assert req.params.allowed_token_ids == (4, 9) and not req.params.skip_special_tokens
+    assert req.bad_words == ("no", " never") and req.truncate_prompt_tokens == -1
+    plain = request_from_proto(pb.GenerateRequest(text="x"), None)
+    assert plain.params.skip_special_tokens and plain.params.allowed_token_ids == ()
+    assert plain.bad_words == () and plain.truncate_prompt_tokens is None
+    for bad, named in (({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+                       ({"bad_words": ["a", ""]}, "bad_words"),
+                       ({"bad_words": ["a"] * 65}, "bad_words")):
+        with pytest.raises(ValueError, match=named):
+            request_from_proto(pb.GenerateRequest(text="x", **bad), None)
 
 
 def test_defaults_unchanged_and_old_messages_still_parse() -> None:
