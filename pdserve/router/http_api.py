@@ -263,6 +263,8 @@ class _Api:
             created=int(time.time()), logprobs=logprobs,
             text=self.text.as_ids() if parsed.return_tokens_as_token_ids else self.text,
             include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
+            continuous_usage=bool(parsed.stream_options
+                                  and parsed.stream_options.continuous_usage_stats),
             echo=echo, n=n, prompts=len(reqs), tools=plan.tools)
         choices = self.in_flight[rid] = _Choices(
             self.router, [c for req in reqs for c in choice_requests(req, n)], n, self.tasks, rid)

@@ -208,6 +208,7 @@ class _Choice:
         self.tools = tools  # chat streams with tools: the parser of this choice's calls
         self.held_lps: list[TokenLogprob] = []  # logprobs of text the parser holds back
         self.calls = 0  # tool calls streamed so far
+        self.usage = Usage(0, 0)  # streamed: prompt and output tokens so far
 
 
 def merged_usage(finals: Sequence[FinalChunk], n: int = 1) -> Usage:
@@ -232,6 +233,7 @@ class ResponseBuilder:
 
     def __init__(self, *, chat: bool, request_id: str, model: str, created: int,
                  text: TokenText, logprobs: bool, include_usage: bool = False,
+                 continuous_usage: bool = False,
                  echo: Sequence[tuple[str, list[int]]] | None = None, n: int = 1,
                  prompts: int = 1, tools: ToolSyntax | None = None):
         self.chat = chat
@@ -241,6 +243,7 @@ class ResponseBuilder:
         self._text = text
         self._logprobs = logprobs
         self._include_usage = include_usage
+        self._continuous_usage = include_usage and continuous_usage
         self._tools = tools
         self._n = n
         self._choices = [_Choice(tools.stream() if tools is not None else None,
@@ -255,6 +258,11 @@ class ResponseBuilder:
                "choices": choices}
         if stream and self._include_usage:
             obj["usage"] = None
+            if self._continuous_usage and choices:  # vLLM's continuous_usage_stats
+                u = self._choices[choices[0]["index"]].usage
+                obj["usage"] = {"prompt_tokens": u.prompt_tokens,
+                                "completion_tokens": u.completion_tokens,
+                                "total_tokens": u.prompt_tokens + u.completion_tokens}
         return obj
 
     def _logprobs_of(self, c: _Choice, lps: list[TokenLogprob]) -> dict[str, Any] | None:
@@ -311,6 +319,8 @@ class ResponseBuilder:
     def chunk(self, item: StreamChunk, index: int = 0) -> list[dict[str, Any]]:
         """Stream chunks for new tokens (none when there is nothing to show yet)."""
         c = self._choices[index]
+        c.usage = Usage(item.prompt_tokens or c.usage.prompt_tokens,
+                        c.usage.completion_tokens + len(item.token_ids))
         out = self._echo_chunk(index, item.prompt_logprobs)
         if self.chat and not c.started:
             c.started = True
@@ -335,6 +345,7 @@ class ResponseBuilder:
         """The choice's finishing chunk, then, once every choice has finished, the usage
         chunk when the client asked for it."""
         c = self._choices[index]
+        c.usage = final.usage
         out = [] if not self.chat or c.started else self.chunk(StreamChunk([], ""), index)
         if c.tools is not None:
             out += self._tool_chunks(index, c.tools.finish(), [])

@@ -53,6 +53,8 @@ class Body(BaseModel):
 
 class StreamOptions(Body):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries its choice's usage so far
+    continuous_usage_stats: bool = False
 
 
 class TextFormat(Body):

@@ -379,7 +379,7 @@ class RequestRun:
             self._last_token_at = now
             self.emitted.extend(tokens)
             chunk = StreamChunk(tokens, text, list(delta.logprobs[:n]) if delta.logprobs else [],
-                                self._take_prompt_logprobs())
+                                self._take_prompt_logprobs(), len(self.prompt))
         if decision is None and delta.finish_reason is None:
             return chunk, None
         if decision is None:  # the engine ended it without a token
@@ -388,7 +388,7 @@ class RequestRun:
                                     f"ended by the worker: {delta.finish_reason}")
             decision = StopDecision(delta.finish_reason, delta.stop_reason)  # type: ignore[arg-type]
             if chunk is None and (tail := self.text.flush()):
-                chunk = StreamChunk([], tail)
+                chunk = StreamChunk([], tail, prompt_tokens=len(self.prompt))
         t.e2e = time.monotonic() - self.arrival
         final = FinalChunk(decision.finish_reason,
                            Usage(len(self.prompt), len(self.emitted), self.cached,

@@ -55,6 +55,7 @@ class StreamChunk:
     # On a request's first chunk (or its final one when it generated nothing), when it
     # asked for prompt logprobs: one per prompt token, None for the first.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_tokens: int = 0  # the prompt's length (Usage.prompt_tokens), on every chunk
 
 
 @dataclass

@@ -105,6 +105,21 @@ def test_completions_and_chat(pair_factory: Callable[..., Pair]) -> None:  # noq
         assert events[-2]["usage"] == whole["usage"]
         assert "".join(e["choices"][0]["text"] for e in events[:-2]) == choice["text"]
         assert events[-3]["choices"][0]["finish_reason"] == "length"
+        assert all(e["usage"] is None for e in events[:-2])
+        # vLLM's continuous_usage_stats: every chunk its choice's usage so far
+        for path, body in (("/v1/completions", req), ("/v1/chat/completions", {
+                **GREEDY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10,
+                "n": 2})):
+            events = await sse(c, path, {**body, "stream": True, "stream_options": {
+                "include_usage": True, "continuous_usage_stats": True}})
+            so_far = [0, 0]
+            for e in events[:-2]:
+                u, index = e["usage"], e["choices"][0]["index"]
+                assert u["completion_tokens"] >= so_far[index] and u["prompt_tokens"] > 0, e
+                assert u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"]
+                so_far[index] = u["completion_tokens"]
+            assert so_far[: body.get("n", 1)] == [10] * body.get("n", 1)
+            assert events[-2]["usage"]["completion_tokens"] == 10 * body.get("n", 1)
 
         chat = {**GREEDY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
                 "logprobs": True, "top_logprobs": 2}
@@ -128,7 +143,7 @@ def test_completions_and_chat(pair_factory: Callable[..., Pair]) -> None:  # noq
         assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 2048
         assert (await c.get("/health")).status_code == 200
         metrics = (await c.get("/metrics")).text
-        assert 'pdserve_requests_total{model="tiny",role="router",status="length"} 4.0' in metrics
+        assert 'pdserve_requests_total{model="tiny",role="router",status="length"} 7.0' in metrics
 
     serve(pair, body)
 
