@@ -35,12 +35,22 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def root_hash(cache_salt: str | None) -> int:
+    """The parent of a request's first block: ``ROOT_HASH``, or one of the salt's own
+    (vLLM's ``cache_salt``: only requests with the same salt share cached blocks)."""
+    if cache_salt is None:
+        return ROOT_HASH
+    return int.from_bytes(hashlib.blake2b(cache_salt.encode(), digest_size=16,
+                                          person=b"pdserve-salt").digest(), "little")
+
+
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int,
-                        known: Sequence[int] = ()) -> list[int]:
-    """Chained hashes of every full block of ``token_ids``; ``known``: those of its
-    first blocks, computed before (only the blocks after them are hashed)."""
+                        known: Sequence[int] = (), root: int = ROOT_HASH) -> list[int]:
+    """Chained hashes of every full block of ``token_ids``, the first one's parent
+    ``root``; ``known``: those of its first blocks, computed before (only the blocks
+    after them are hashed)."""
     hashes = list(known)
-    parent = hashes[-1] if hashes else ROOT_HASH
+    parent = hashes[-1] if hashes else root
     for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         parent = hash_block(parent, token_ids[start : start + block_size])
         hashes.append(parent)

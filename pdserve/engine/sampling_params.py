@@ -61,6 +61,10 @@ class SamplingParams:
       The last token of a sequence is masked wherever the output so far ends with the
       rest of it (a one-token sequence is masked always). The output alone is looked
       at, as in vLLM: a sequence that would start in the prompt is not caught.
+    * ``cache_salt`` (vLLM's): the request's prompt blocks are hashed under this salt,
+      so only requests with the same salt share them in the prefix cache (a tenant's
+      prompts cannot be probed by another's timings); None shares with every
+      unsalted request.
     * ``skip_special_tokens``: the output text leaves special tokens out (the
       default) or writes them (``<|im_end|>``); the tokens themselves are the same.
     * ``structured``: the output must match this JSON schema / regex / choice /
@@ -101,6 +105,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] = ()
     bad_words: tuple[tuple[int, ...], ...] = ()
     skip_special_tokens: bool = True
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         # Types first (normalising ints/floats/lists), then ranges.
@@ -131,6 +136,10 @@ class SamplingParams:
         self._set("allowed_token_ids",
                   tuple(sorted(set(_as_token_ids("allowed_token_ids", self.allowed_token_ids)))))
         self._set("bad_words", _as_bad_words(self.bad_words))
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str)
+                                            or not self.cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string or None, got "
+                             f"{self.cache_salt!r}")
         self._set("resumed_tokens", _as_int("resumed_tokens", self.resumed_tokens))
         self._set("priority", _as_int("priority", self.priority))
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):

@@ -32,7 +32,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.engine.block_pool import ROOT_HASH, BlockPool, hash_block
+from pdserve.engine.block_pool import BlockPool, hash_block, root_hash
 from pdserve.engine.config import ceil_div
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import effective_priority
@@ -280,7 +280,7 @@ class Scheduler:
         block over the request's life (tokens of a full block never change)."""
         bs, hashes = self.block_size, req.block_hashes
         while len(hashes) < num_blocks:
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else root_hash(req.params.cache_salt)
             start = len(hashes) * bs
             hashes.append(hash_block(parent, req.token_ids[start : start + bs]))
         return hashes[:num_blocks]

@@ -7,9 +7,10 @@ and the router's front-boundary types (``router/types.py``): proto request ->
 the health status (SERVING only while ``router.ready()``, re-read periodically).
 
 Sampling parameters beyond the scalar ones: ``logit_bias`` (a map), ``priority``,
-vLLM's token controls (``allowed_token_ids``, ``skip_special_tokens``; on the request
-``bad_words`` and ``truncate_prompt_tokens``), and the ``structured`` oneof (``json_schema`` as JSON text, ``json_object``,
-``regex``, ``choice``, ``grammar``) -> ``StructuredOutput``. A constraint is compiled
+vLLM's token controls (``allowed_token_ids``, ``skip_special_tokens``, ``cache_salt``;
+on the request ``bad_words`` and ``truncate_prompt_tokens``), and the ``structured``
+oneof (``json_schema`` as JSON text, ``json_object``, ``regex``, ``choice``,
+``grammar``) -> ``StructuredOutput``. A constraint is compiled
 (``api_common.compile_constraints``, at most ``STRUCTURED_COMPILE_TIMEOUT_S``) before the
 request reaches the router, so a bad schema is INVALID_ARGUMENT naming the field
 and nothing is queued for it.
@@ -105,6 +106,7 @@ _OPTIONAL_PARAMS = (
     "seed",
     "logprobs",
     "skip_special_tokens",
+    "cache_salt",
 )
 # StageTimings fields sent as `<name>_s` (tpot is derived, sent too).
 _TIMING_FIELDS = (

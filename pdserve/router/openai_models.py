@@ -120,6 +120,8 @@ class GenerationFields(Body):
     # keep the prompt's last N tokens; -1: as many as leave room for max_tokens
     truncate_prompt_tokens: Annotated[int, Field(ge=1)] | Literal[-1] | None = None
     return_tokens_as_token_ids: bool = False  # logprobs' tokens read "token_id:{id}"
+    # only requests with the same salt share prefix-cached blocks (tenant isolation)
+    cache_salt: NonEmpty | None = None
     # pdserve's: deadline in seconds from arrival (as the gRPC field); past it, 504
     timeout_s: Annotated[float, Field(gt=0.0)] | None = None
 
@@ -257,8 +259,8 @@ EMPTY = Refused(_is_empty, {"anyOf": [
     {"type": "string", "maxLength": 0}]})
 # vLLM's extensions that this server does not implement: their defaults (what a
 # client that sends every field sends) are taken, anything else is refused rather
-# than ignored -- an ignored cache_salt or logits_processors would answer as if it
-# had been applied.
+# than ignored -- an ignored logits_processors or use_beam_search would answer as if
+# it had been applied.
 VLLM_UNIMPLEMENTED: dict[str, Refused] = {
     "use_beam_search": only(None, False),
     "length_penalty": only(None, 1.0, 1),  # beam search's
@@ -266,7 +268,6 @@ VLLM_UNIMPLEMENTED: dict[str, Refused] = {
     "logits_processors": EMPTY,
     "structural_tag": only(None),
     "guided_whitespace_pattern": only(None),
-    "cache_salt": only(None),
     "kv_transfer_params": EMPTY,  # this server moves the KV itself
     "vllm_xargs": EMPTY,
 }

@@ -33,8 +33,8 @@ Rules:
   schema of its harmless values beside its test. Other unknown fields (``user``,
   ``metadata``, ``store``, ...) are tolerated and ignored, as OpenAI clients send
   many of them.
-* vLLM's token controls: ``allowed_token_ids`` and ``skip_special_tokens`` go to
-  ``SamplingParams`` as they are; ``bad_words`` (text) and ``truncate_prompt_tokens``
+* vLLM's token controls: ``allowed_token_ids``, ``skip_special_tokens`` and
+  ``cache_salt`` go to ``SamplingParams`` as they are; ``bad_words`` (text) and ``truncate_prompt_tokens``
   ride on the ``GenerateRequest`` to the router, which tokenizes the prompt and the words.
 * Defaults follow OpenAI: ``temperature`` 1, ``max_tokens`` 16 for completions and
   "until the context is full" for chat.
@@ -186,7 +186,7 @@ def _params(r: SamplingFields, max_tokens: int | None, logprobs: int | None,
             logit_bias=tuple((int(t), b) for t, b in (r.logit_bias or {}).items()),
             structured=structured, priority=r.priority,
             allowed_token_ids=tuple(r.allowed_token_ids or ()),
-            skip_special_tokens=r.skip_special_tokens,
+            skip_special_tokens=r.skip_special_tokens, cache_salt=r.cache_salt,
         )
     except ValueError as exc:
         # SamplingParams' messages start with the field's name.

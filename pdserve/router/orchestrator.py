@@ -42,7 +42,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.block_pool import prefix_block_hashes
+from pdserve.engine.block_pool import prefix_block_hashes, root_hash
 from pdserve.engine.output import OutputProcessor
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.stop import StopDecision
@@ -157,7 +157,7 @@ class RequestRun:
         # unique per attempt, and among routers serving the same workers
         aid = f"{self.req.request_id}#{next(s.attempt_ids)}@{s.workers.router_id}"
         ids, params = self.prompt + self.emitted, self._params_left()
-        hashes = prefix_block_hashes(ids, s.block_size)
+        hashes = prefix_block_hashes(ids, s.block_size, root=root_hash(params.cache_salt))
         route = RouteInput(len(ids), hashes, self.req.share_prefix, s.block_size)
         avoid = frozenset(self._failed_on)
         # Open before admitting: a colocated worker computes as soon as it admits, and
@@ -259,7 +259,8 @@ class RequestRun:
         held = (self.prompt + self.emitted + last)[:-1]
         bs = self.s.block_size
         self.s.admission.token_prefix.record(
-            prefix_block_hashes(held, bs, hashes[: len(held) // bs]), token.worker_id)
+            prefix_block_hashes(held, bs, hashes[: len(held) // bs],
+                                root_hash(self.req.params.cache_salt)), token.worker_id)
 
     def _start_prefill(self, p: WorkerState, inbox: Inbox, task: PrefillTask,
                        hashes: list[int]) -> _PrefillLeg:

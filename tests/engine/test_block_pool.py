@@ -7,7 +7,13 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pdserve.engine.block_pool import BlockPool, hash_block, prefix_block_hashes
+from pdserve.engine.block_pool import (
+    ROOT_HASH,
+    BlockPool,
+    hash_block,
+    prefix_block_hashes,
+    root_hash,
+)
 
 
 def test_allocate_until_full_returns_none() -> None:
@@ -150,3 +156,14 @@ def test_prefix_hashes_continue_from_known_ones() -> None:
     assert len(whole) == 4
     assert prefix_block_hashes(tokens, 16, prefix_block_hashes(tokens[:40], 16)) == whole
     assert prefix_block_hashes(tokens, 16, whole[:1]) == whole
+
+
+def test_a_salt_roots_its_own_chain() -> None:
+    tokens = list(range(48))
+    plain = prefix_block_hashes(tokens, 16)
+    assert root_hash(None) == ROOT_HASH
+    salted = prefix_block_hashes(tokens, 16, root=root_hash("a"))
+    assert root_hash("a") == root_hash("a") != root_hash("b")
+    assert not set(salted) & set(plain)
+    assert not set(salted) & set(prefix_block_hashes(tokens, 16, root=root_hash("b")))
+    assert prefix_block_hashes(tokens, 16, salted[:1], root_hash("a")) == salted

@@ -3,6 +3,7 @@ chunking, prefix cache, preemption, the disaggregated role API, bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -270,6 +271,20 @@ def test_prefix_cache_hit_equals_miss(tiny_model: Callable[[str], Path], backend
     # A prompt identical to a cached one still computes its last block.
     again = eng.generate([a], GREEDY48)[0]
     assert again.cached_tokens == 32
+    eng.check_integrity()
+
+
+def test_a_cache_salt_shares_blocks_only_with_its_own(tiny_model: Callable[[str], Path]) -> None:
+    eng = engine(tiny_model("llama-gqa"))
+    shared = prompts(1, [40], 500, seed=8)[0]
+
+    def cached(tail: int, salt: str | None) -> int:
+        params = dataclasses.replace(GREEDY48, max_tokens=2, cache_salt=salt)
+        return eng.generate([shared + [tail]], params)[0].cached_tokens
+
+    assert cached(1, "tenant-a") == 0
+    assert cached(2, None) == 0 and cached(3, "tenant-b") == 0  # others: no hit
+    assert cached(4, "tenant-a") == 32 and cached(5, None) == 32 and cached(6, "tenant-b") == 32
     eng.check_integrity()
 
 

@@ -65,6 +65,7 @@ PARAMS = st.fixed_dictionaries({}, optional={
     "priority": _small_or_any(st.integers(-3, 3), INT64),
     "allowed_token_ids": st.lists(_small_or_any(st.integers(0, 300), UINT32), max_size=6),
     "skip_special_tokens": st.booleans(),
+    "cache_salt": st.text(max_size=8),
 }).flatmap(lambda params: st.one_of(st.just(params), STRUCTURED.map(
     lambda structured: {**params, **structured})))
 TEXT = st.text(max_size=200)  # any code points protobuf can carry (no lone surrogates)

@@ -45,12 +45,16 @@ def test_new_fields_map_to_sampling_params() -> None:
 def test_token_controls_map_to_the_request() -> None:
     req = request_from_proto(pb.GenerateRequest(
         text="x", truncate_prompt_tokens=-1, bad_words=["no", " never"],
-        params=pb.SamplingParameters(allowed_token_ids=[9, 4], skip_special_tokens=False)), None)
+        params=pb.SamplingParameters(allowed_token_ids=[9, 4], skip_special_tokens=False,
+                                     cache_salt="t")), None)
     assert req.params.allowed_token_ids == (4, 9) and not req.params.skip_special_tokens
+    assert req.params.cache_salt == "t"
     assert req.bad_words == ("no", " never") and req.truncate_prompt_tokens == -1
     plain = request_from_proto(pb.GenerateRequest(text="x"), None)
     assert plain.params.skip_special_tokens and plain.params.allowed_token_ids == ()
     assert plain.bad_words == () and plain.truncate_prompt_tokens is None
+    with pytest.raises(ValueError, match="cache_salt"):
+        sampling_params_from_proto(pb.SamplingParameters(cache_salt=""))
     for bad, named in (({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
                        ({"bad_words": ["a", ""]}, "bad_words"),
                        ({"bad_words": ["a"] * 65}, "bad_words")):

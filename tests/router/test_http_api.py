@@ -257,7 +257,7 @@ BAD: list[tuple[str, Any, int, str | None]] = [
      "spaces_between_special_tokens"),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "cache_salt": "s"}, 400, "cache_salt"),
+                              "cache_salt": ""}, 400, "cache_salt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "use_beam_search": True}, 400, "use_beam_search"),
     ("/v1/responses", {"input": "x", "logits_processors": ["a.b"]}, 400, "logits_processors"),
@@ -585,8 +585,8 @@ def test_a_predicted_output_is_drafted_and_changes_nothing(
 
 
 def test_vllms_token_controls(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
-    """allowed_token_ids, bad_words, skip_special_tokens, truncate_prompt_tokens and
-    return_tokens_as_token_ids reach the engine and the response, on each endpoint."""
+    """allowed_token_ids, bad_words, skip_special_tokens, truncate_prompt_tokens,
+    return_tokens_as_token_ids and cache_salt reach the engine and the response."""
     pair = pair_factory()
     tok = pair.router.tokenizer
     base = {**GREEDY, "prompt": "hello there", "max_tokens": 12}
@@ -659,6 +659,12 @@ def test_vllms_token_controls(pair_factory: Callable[..., Pair]) -> None:  # noq
         assert r.status_code == 200, r.text  # the default limit: the rest of the context
         assert r.json()["usage"]["prompt_tokens"] == 100
         assert r.json()["usage"]["completion_tokens"] == 2048 - 100
+        # cache_salt: a prompt's cached blocks serve only requests with its salt
+        salted = {**base, "prompt": list(range(100, 140)), "max_tokens": 2}
+        cached = [(await c.post("/v1/completions", json={**salted, "cache_salt": salt}))
+                  .json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                  for salt in ("a", "b", "a")]
+        assert cached == [0, 0, 32]
         await wait_freed(pair)
 
     serve(pair, body, max_body_bytes=65536)
