@@ -265,6 +265,8 @@ class _Api:
             include_usage=bool(parsed.stream_options and parsed.stream_options.include_usage),
             continuous_usage=bool(parsed.stream_options
                                   and parsed.stream_options.continuous_usage_stats),
+            prompt_logprobs=parsed.prompt_logprobs,
+            echo_top=parsed.logprobs or 0 if isinstance(parsed, CompletionRequest) else 0,
             echo=echo, n=n, prompts=len(reqs), tools=plan.tools)
         choices = self.in_flight[rid] = _Choices(
             self.router, [c for req in reqs for c in choice_requests(req, n)], n, self.tasks, rid)

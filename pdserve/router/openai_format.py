@@ -177,6 +177,26 @@ def prompt_completion_logprobs(lps: list[TokenLogprob | None], prompt_ids: list[
     return out
 
 
+def vllm_prompt_logprobs(lps: Sequence[TokenLogprob | None], text: TokenText,
+                         ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token (None for the first) its own entry
+    then the top-N, each ``{token id: {logprob, rank, decoded_token}}``."""
+
+    def entry(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
+        return {"logprob": _finite(logprob), "rank": rank, "decoded_token": text(token_id)[0]}
+
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for lp in lps:
+        if lp is None:
+            out.append(None)
+            continue
+        position = {str(lp.token_id): entry(lp.token_id, lp.logprob, lp.rank)}
+        for i, (t, v) in enumerate(lp.top):
+            position.setdefault(str(t), entry(t, v, i + 1))
+        out.append(position)
+    return out
+
+
 def _joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
     if a is None or b is None:
         return a or b
@@ -233,7 +253,8 @@ class ResponseBuilder:
 
     def __init__(self, *, chat: bool, request_id: str, model: str, created: int,
                  text: TokenText, logprobs: bool, include_usage: bool = False,
-                 continuous_usage: bool = False,
+                 continuous_usage: bool = False, prompt_logprobs: int | None = None,
+                 echo_top: int = 0,
                  echo: Sequence[tuple[str, list[int]]] | None = None, n: int = 1,
                  prompts: int = 1, tools: ToolSyntax | None = None):
         self.chat = chat
@@ -244,6 +265,8 @@ class ResponseBuilder:
         self._logprobs = logprobs
         self._include_usage = include_usage
         self._continuous_usage = include_usage and continuous_usage
+        self._prompt_logprobs = prompt_logprobs  # vLLM's field: its top-N
+        self._echo_top = echo_top  # echo's prompt logprobs: top-N (logprobs)
         self._tools = tools
         self._n = n
         self._choices = [_Choice(tools.stream() if tools is not None else None,
@@ -281,7 +304,9 @@ class ResponseBuilder:
         text, ids = c.echo
         logprobs = None
         if self._logprobs:
-            logprobs = prompt_completion_logprobs(lps or [None] * len(ids), ids, self._text)
+            logprobs = prompt_completion_logprobs(
+                [lp if lp is None else lp._replace(top=lp.top[: self._echo_top])
+                 for lp in lps] if lps else [None] * len(ids), ids, self._text)
         c.offset += len(text)
         return text, logprobs
 
@@ -374,9 +399,14 @@ class ResponseBuilder:
     def response(self, finals: Sequence[FinalChunk]) -> dict[str, Any]:
         """The whole response; ``finals``: each choice's final chunk, by index."""
         choices = []
+        vllm_prompt = []  # vLLM's prompt_logprobs of each choice
         for index, (c, final) in enumerate(zip(self._choices, finals, strict=True)):
-            prompt_text, prompt_lps = self._prompt_part(
-                c, final.prompt_logprobs if final.prompt_logprobs is not None else c.prompt_lps)
+            lps = final.prompt_logprobs if final.prompt_logprobs is not None else c.prompt_lps
+            prompt_text, prompt_lps = self._prompt_part(c, lps)
+            if self._prompt_logprobs is not None:
+                vllm_prompt.append(vllm_prompt_logprobs(
+                    [lp if lp is None else lp._replace(top=lp.top[: self._prompt_logprobs])
+                     for lp in lps or []], self._text))
             text = prompt_text + "".join(c.pieces)
             logprobs = self._logprobs_of(c, c.lps)
             if prompt_lps is not None:
@@ -395,9 +425,14 @@ class ResponseBuilder:
                 choice["message"] = message
             else:
                 choice["text"] = text
+                if vllm_prompt:
+                    choice["prompt_logprobs"] = vllm_prompt[-1]
             choices.append(choice)
-        return {**self._envelope(choices, False),
-                "usage": usage_object(merged_usage(finals, self._n))}
+        out = {**self._envelope(choices, False),
+               "usage": usage_object(merged_usage(finals, self._n))}
+        if self.chat and vllm_prompt:  # vLLM: the response's (one prompt)
+            out["prompt_logprobs"] = vllm_prompt[0]
+        return out
 
 
 def _finish_reason(final: FinalChunk, calls: int) -> str:

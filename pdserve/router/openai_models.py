@@ -138,6 +138,8 @@ class SamplingFields(GenerationFields):
     guided_choice: Choices | None = None
     guided_grammar: NonEmpty | None = None  # Lark (llguidance) or GBNF
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's: each prompt token's logprob and its top-N (not streamed)
+    prompt_logprobs: TopN | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -276,8 +278,6 @@ REFUSED_COMPLETION: dict[str, Refused] = {
     "suffix": EMPTY,
     **VLLM_UNIMPLEMENTED,
     "add_special_tokens": only(None, True),
-    "prompt_logprobs": Refused(lambda v: v is None, {"type": "null"},
-                               "use echo with logprobs for the prompt's logprobs"),
     "prompt_embeds": only(None),
 }
 # a request's own chat template: the model's is used
@@ -285,7 +285,6 @@ OWN_TEMPLATE = Refused(EMPTY.harmless, EMPTY.schema, "the model's own chat templ
 REFUSED_CHAT = {
     **VLLM_UNIMPLEMENTED,
     "add_special_tokens": only(None, False),
-    "prompt_logprobs": only(None),
     "echo": only(None, False),
     "mm_processor_kwargs": EMPTY,
     "chat_template": OWN_TEMPLATE,

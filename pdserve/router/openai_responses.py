@@ -137,6 +137,7 @@ def _no_reasoning(value: Any) -> bool:
 
 REFUSED_RESPONSES = {
     **VLLM_UNIMPLEMENTED,
+    "prompt_logprobs": only(None),
     "conversation": dataclasses.replace(
         EMPTY, why="use previous_response_id, or send the whole conversation as input"),
     "background": only(None, False),

@@ -170,6 +170,9 @@ def _params(r: SamplingFields, max_tokens: int | None, logprobs: int | None,
     if r.stream_options is not None and not r.stream:
         raise InvalidRequest("stream_options is only allowed when stream is true",
                              "stream_options")
+    if r.prompt_logprobs is not None and r.stream:
+        raise InvalidRequest("prompt_logprobs is not available when streaming (as in vLLM)",
+                             "prompt_logprobs")
     if r.timeout_s is not None and not (math.isfinite(r.timeout_s) and r.timeout_s > 0):
         raise InvalidRequest(f"timeout_s must be > 0 and finite, got {r.timeout_s}", "timeout_s")
     stop = [r.stop] if isinstance(r.stop, str) else (r.stop or [])
@@ -201,17 +204,19 @@ def completion_request(body: Any, request_id: str,
     if isinstance(body, dict):
         refuse_unsupported(body, REFUSED_COMPLETION)
     r: CompletionRequest = validate_body(CompletionRequest, body)
-    if r.max_tokens == 0 and not r.echo:
-        raise InvalidRequest("max_tokens must be >= 1 (0 only with echo: the prompt alone)",
-                             "max_tokens")
+    if r.max_tokens == 0 and not r.echo and r.prompt_logprobs is None:
+        raise InvalidRequest("max_tokens must be >= 1 (0 only with echo or prompt_logprobs: "
+                             "the prompt alone)", "max_tokens")
     if r.best_of is not None and r.best_of != (r.n or 1):
         raise InvalidRequest(f"best_of={r.best_of} must equal n={r.n or 1}: returning the best "
                              "of more candidates than n is not supported", "best_of")
     constraints = _output_constraints(r)
     # echo + logprobs: the prompt's logprobs; max_tokens 0 computes them anyway
-    prompt_logprobs = (r.logprobs if r.logprobs is not None else 0 if r.max_tokens == 0
-                       else None) if r.echo else None
-    params = _params(r, r.max_tokens, r.logprobs, {}, prompt_logprobs, _only_one(constraints))
+    echo_logprobs = (r.logprobs if r.logprobs is not None else 0 if r.max_tokens == 0
+                     else None) if r.echo else None
+    asked = [n for n in (echo_logprobs, r.prompt_logprobs) if n is not None]
+    params = _params(r, r.max_tokens, r.logprobs, {}, max(asked) if asked else None,
+                     _only_one(constraints))
     batch = isinstance(r.prompt, list) and bool(r.prompt) and isinstance(r.prompt[0], str | list)
     prompts: list[Any] = list(r.prompt) if batch else [r.prompt]
     reqs = []
@@ -361,7 +366,7 @@ def chat_request(body: Any, request_id: str,
         max_tokens = max(1, max_model_len - n)
     params = _params(r, max_tokens, logprobs,
                      {"max_tokens": limit_name, "logprobs": "top_logprobs"},
-                     structured=structured)
+                     r.prompt_logprobs, structured)
     return r, GenerateRequest(request_id, params, messages=messages, timeout_s=r.timeout_s,
                               tools=template_tools, chat_template_args=template,
                               prediction=None if r.prediction is None else r.prediction.text,

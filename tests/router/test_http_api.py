@@ -255,7 +255,11 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     # vLLM's extensions this server does not implement: refused, not ignored
     ("/v1/completions", {"prompt": "x", "spaces_between_special_tokens": False}, 400,
      "spaces_between_special_tokens"),
-    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400,
+     "prompt_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "prompt_logprobs": 21}, 400, "prompt_logprobs"),
+    ("/v1/responses", {"input": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "cache_salt": ""}, 400, "cache_salt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
@@ -586,7 +590,8 @@ def test_a_predicted_output_is_drafted_and_changes_nothing(
 
 def test_vllms_token_controls(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
     """allowed_token_ids, bad_words, skip_special_tokens, truncate_prompt_tokens,
-    return_tokens_as_token_ids and cache_salt reach the engine and the response."""
+    return_tokens_as_token_ids, prompt_logprobs and cache_salt reach the engine and the
+    response."""
     pair = pair_factory()
     tok = pair.router.tokenizer
     base = {**GREEDY, "prompt": "hello there", "max_tokens": 12}
@@ -659,6 +664,27 @@ def test_vllms_token_controls(pair_factory: Callable[..., Pair]) -> None:  # noq
         assert r.status_code == 200, r.text  # the default limit: the rest of the context
         assert r.json()["usage"]["prompt_tokens"] == 100
         assert r.json()["usage"]["completion_tokens"] == 2048 - 100
+        # vLLM's prompt_logprobs: the echoed prompt's logprobs, in vLLM's shape
+        prompt = [5, 6, 7, 8, 9, 10]
+        r = await c.post("/v1/completions", json={**base, "prompt": prompt, "max_tokens": 0,
+                                                  "echo": True, "logprobs": 1,
+                                                  "prompt_logprobs": 3})
+        choice = r.json()["choices"][0]
+        vllm, legacy = choice["prompt_logprobs"], choice["logprobs"]
+        assert vllm[0] is None and len(vllm) == len(prompt) and legacy["token_logprobs"][0] is None
+        for t, position, logprob, top in zip(prompt[1:], vllm[1:], legacy["token_logprobs"][1:],
+                                             legacy["top_logprobs"][1:], strict=True):
+            assert position[str(t)]["logprob"] == logprob
+            assert position[str(t)]["decoded_token"] == tok.decode([t])
+            assert 3 <= len(position) <= 4 and len(top) <= 2  # each its own top-N
+            best = max(position.values(), key=lambda e: e["logprob"])
+            assert best["rank"] == 1 and max(top.values()) == best["logprob"]
+        chat = {**GREEDY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        r = (await c.post("/v1/chat/completions", json={**chat, "prompt_logprobs": 0})).json()
+        assert len(r["prompt_logprobs"]) == r["usage"]["prompt_tokens"]
+        assert all(len(p) == 1 for p in r["prompt_logprobs"][1:])
+        assert "prompt_logprobs" not in (await c.post("/v1/chat/completions", json=chat)).json()
+
         # cache_salt: a prompt's cached blocks serve only requests with its salt
         salted = {**base, "prompt": list(range(100, 140)), "max_tokens": 2}
         cached = [(await c.post("/v1/completions", json={**salted, "cache_salt": salt}))
