@@ -88,10 +88,18 @@ class TokenText:
         self._cache: dict[int, tuple[str, bytes]] = {} if cache is None else cache
 
     def __call__(self, token_id: int) -> tuple[str, bytes]:
+        text, raw = self._entry(token_id)
+        return (f"token_id:{token_id}" if self._as_ids else text), raw
+
+    def decoded(self, token_id: int) -> str:
+        """The token's text, whether or not this writes tokens as ids."""
+        return self._entry(token_id)[0]
+
+    def _entry(self, token_id: int) -> tuple[str, bytes]:
         hit = self._cache.get(token_id)
         if hit is None:
             hit = self._cache[token_id] = self._compute(token_id)
-        return (f"token_id:{token_id}", hit[1]) if self._as_ids else hit
+        return hit
 
     def as_ids(self) -> TokenText:
         """The same tokens written as ids (the cache shared)."""
@@ -180,10 +188,11 @@ def prompt_completion_logprobs(lps: list[TokenLogprob | None], prompt_ids: list[
 def vllm_prompt_logprobs(lps: Sequence[TokenLogprob | None], text: TokenText,
                          ) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's ``prompt_logprobs``: per prompt token (None for the first) its own entry
-    then the top-N, each ``{token id: {logprob, rank, decoded_token}}``."""
+    then the top-N, each ``{token id: {logprob, rank, decoded_token}}`` (the token's
+    text, also where the logprobs write tokens as ids, as vLLM does)."""
 
     def entry(token_id: int, logprob: float, rank: int) -> dict[str, Any]:
-        return {"logprob": _finite(logprob), "rank": rank, "decoded_token": text(token_id)[0]}
+        return {"logprob": _finite(logprob), "rank": rank, "decoded_token": text.decoded(token_id)}
 
     out: list[dict[str, dict[str, Any]] | None] = []
     for lp in lps:

@@ -668,10 +668,12 @@ def test_vllms_token_controls(pair_factory: Callable[..., Pair]) -> None:  # noq
         prompt = [5, 6, 7, 8, 9, 10]
         r = await c.post("/v1/completions", json={**base, "prompt": prompt, "max_tokens": 0,
                                                   "echo": True, "logprobs": 1,
-                                                  "prompt_logprobs": 3})
+                                                  "prompt_logprobs": 3,
+                                                  "return_tokens_as_token_ids": True})
         choice = r.json()["choices"][0]
         vllm, legacy = choice["prompt_logprobs"], choice["logprobs"]
         assert vllm[0] is None and len(vllm) == len(prompt) and legacy["token_logprobs"][0] is None
+        assert legacy["tokens"] == [f"token_id:{t}" for t in prompt]
         for t, position, logprob, top in zip(prompt[1:], vllm[1:], legacy["token_logprobs"][1:],
                                              legacy["top_logprobs"][1:], strict=True):
             assert position[str(t)]["logprob"] == logprob
