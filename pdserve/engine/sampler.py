@@ -44,6 +44,7 @@ input tensor is never modified.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -269,14 +270,25 @@ def _mask_banned(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     vocab = logits.shape[1]
     for i, r in enumerate(rows):
         p = r.params
-        if p.allowed_token_ids:
-            keep = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-            keep[[t for t in p.allowed_token_ids if t < vocab]] = True
-            _ban(logits, i, ~keep)
+        # Without a grammar or an allow-list every logit is finite, so banning fewer
+        # ids than the vocabulary always leaves a token: no check needed.
+        if p.allowed_token_ids:  # ids the engine checked are < V: one is left
+            _ban(logits, i, _deny_mask(p.allowed_token_ids, vocab, logits.device),
+                 r.allowed is not None)
+        checked = r.allowed is not None or bool(p.allowed_token_ids)
         if p.bad_words:
-            _ban(logits, i, bad_word_ends(p.bad_words, r.output_token_ids))
+            _ban(logits, i, bad_word_ends(p.bad_words, r.output_token_ids), checked)
         if r.num_output_tokens < p.min_tokens:
-            _ban(logits, i, [*r.eos_token_ids, *p.stop_token_ids])
+            _ban(logits, i, [*r.eos_token_ids, *p.stop_token_ids], checked)
+
+
+@functools.lru_cache(maxsize=256)
+def _deny_mask(allowed: tuple[int, ...], vocab: int, device: torch.device) -> torch.Tensor:
+    """The bool [V] mask of the tokens outside ``allowed`` (a request's list, cached:
+    it is the same every step, and building it from thousands of ids costs a ms)."""
+    deny = torch.ones(vocab, dtype=torch.bool, device=device)
+    deny[torch.tensor([t for t in allowed if t < vocab], dtype=torch.long, device=device)] = False
+    return deny
 
 
 def bad_word_ends(words: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
@@ -290,14 +302,25 @@ def bad_word_ends(words: Sequence[Sequence[int]], output: Sequence[int]) -> list
     return ends
 
 
-def _ban(logits: torch.Tensor, i: int, tokens: torch.Tensor | Sequence[int]) -> None:
-    """Row ``i``'s ``tokens`` (a bool mask or ids) get -inf, unless none is left."""
-    if not isinstance(tokens, torch.Tensor):
-        tokens = [t for t in tokens if 0 <= t < logits.shape[1]]
-        if not tokens:
+def _ban(logits: torch.Tensor, i: int, tokens: torch.Tensor | Sequence[int],
+         checked: bool) -> None:
+    """Row ``i``'s ``tokens`` (a bool mask or ids) get -inf; ``checked``: unless that
+    leaves none."""
+    vocab = logits.shape[1]
+    if isinstance(tokens, torch.Tensor):  # a bool [V] mask
+        if not checked:
+            logits[i].masked_fill_(tokens, -math.inf)
             return
-    kept = logits[i].clone()
-    kept[tokens] = -math.inf
+        kept = logits[i].masked_fill(tokens, -math.inf)
+    else:
+        ids = [t for t in tokens if 0 <= t < vocab]
+        if not ids:
+            return
+        if not checked and len(ids) < vocab:
+            logits[i, ids] = -math.inf
+            return
+        kept = logits[i].clone()
+        kept[ids] = -math.inf
     if bool(torch.isfinite(kept).any()):
         logits[i] = kept
 
