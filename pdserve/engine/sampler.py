@@ -80,7 +80,7 @@ class SamplingRow:
     allowed: torch.Tensor | None = None
 
     @property
-    def num_output_tokens(self) -> int:
+    def num_output_tokens(self) -> int:  # this attempt's (min_tokens: the router reduced it)
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
@@ -88,8 +88,10 @@ class SamplingRow:
         return self.token_ids[: self.num_prompt_tokens]
 
     @property
-    def output_token_ids(self) -> Sequence[int]:  # penalties
-        return self.token_ids[self.num_prompt_tokens :]
+    def output_token_ids(self) -> Sequence[int]:
+        """For the penalties and bad words: the output, an earlier attempt's included
+        (``resumed_tokens``, the prompt's tail), so a retried stream is the same."""
+        return self.token_ids[self.num_prompt_tokens - self.params.resumed_tokens :]
 
 
 @dataclass

@@ -178,6 +178,22 @@ def test_retry_resumes_the_grammar(tiny_model: Callable[[str], Path]) -> None:
     assert fresh[0].token_ids != again.token_ids
 
 
+def test_a_retry_resumes_penalties_and_bans(tiny_model: Callable[[str], Path]) -> None:
+    """Frequency and presence penalties and bad words count an earlier attempt's output
+    (``resumed_tokens``) as output: the retried stream is the uninterrupted one."""
+    eng = engine(tiny_model("llama-gqa"))
+    prompt = eng.tokenizer.encode("hello")
+    free = eng.generate([prompt], SamplingParams(max_tokens=30, ignore_eos=True))[0].token_ids
+    p = SamplingParams(max_tokens=30, ignore_eos=True, temperature=0.8, seed=3,
+                       frequency_penalty=1.5, presence_penalty=0.5,
+                       bad_words=[(free[8], free[9]), (free[15], free[16])])
+    whole = eng.generate([prompt], p)[0].token_ids
+    for k in (5, 9, 16):
+        again = eng.generate([prompt + whole[:k]], replace(
+            p, max_tokens=30 - k, resumed_tokens=k))[0].token_ids
+        assert whole[:k] + again == whole, k
+
+
 def test_grammar_follows_the_handoff(tiny_model: Callable[[str], Path]) -> None:
     path = tiny_model("llama-gqa")
     p = structured(SCHEMAS[0], max_tokens=100, temperature=0.7, seed=11)
