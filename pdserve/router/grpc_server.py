@@ -15,6 +15,10 @@ oneof (``json_schema`` as JSON text, ``json_object``, ``regex``, ``choice``,
 request reaches the router, so a bad schema is INVALID_ARGUMENT naming the field
 and nothing is queued for it.
 
+A chat prompt takes vLLM's chat extras (``add_generation_prompt``,
+``continue_final_message``, ``chat_template_kwargs`` as JSON text), checked by the same
+rule as HTTP's (``openai_schema.chat_template_args``).
+
 The request's ``prediction`` oneof (OpenAI's predicted outputs): text, which the router
 tokenizes, or token ids -> ``params.prediction``; ``Usage`` then carries the drafted
 prediction tokens accepted and rejected.
@@ -63,6 +67,8 @@ from pdserve.router.api_common import (
     one_line,
 )
 from pdserve.router.api_keys import ApiKeys
+from pdserve.router.openai_models import ChatTemplateFields
+from pdserve.router.openai_schema import chat_template_args
 from pdserve.router.public_errors import public_message
 from pdserve.router.types import (
     ErrorKind,
@@ -165,6 +171,19 @@ def structured_from_proto(params: Any) -> StructuredOutput | None:
         raise ValueError(f"{kind}: {one_line(str(exc))}") from None
 
 
+def _json_object(field: str, text: str) -> dict[str, Any] | None:
+    """A JSON object given as text (empty: None); ValueError naming ``field``."""
+    if not text:
+        return None
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{field}: not valid JSON: {one_line(str(exc))}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{field} must be a JSON object, got {type(value).__name__}")
+    return value
+
+
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
@@ -212,6 +231,19 @@ def request_from_proto(request: Any, time_remaining: float | None) -> GenerateRe
         req.messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
     else:
         req.prompt_token_ids = list(request.token_ids.ids)
+    template = [f for f, given in (
+        ("add_generation_prompt", request.HasField("add_generation_prompt")),
+        ("continue_final_message", request.continue_final_message),
+        ("chat_template_kwargs", bool(request.chat_template_kwargs))) if given]
+    if template:
+        if kind != "chat":
+            raise ValueError(f"{template[0]} needs a chat prompt")
+        req.chat_template_args = chat_template_args(ChatTemplateFields(
+            add_generation_prompt=(request.add_generation_prompt
+                                   if request.HasField("add_generation_prompt") else True),
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=_json_object("chat_template_kwargs",
+                                              request.chat_template_kwargs)))
     predicted = request.WhichOneof("prediction")
     if predicted == "prediction_text":
         req.prediction = request.prediction_text

@@ -86,6 +86,10 @@ REQUESTS = st.builds(
         "timeout_s": _small_or_any(st.floats(0.001, 20), FLOATS),
         "truncate_prompt_tokens": _small_or_any(st.integers(-2, 40), INT64),
         "bad_words": st.lists(st.text(max_size=12), max_size=4),
+        "add_generation_prompt": st.booleans(),
+        "continue_final_message": st.booleans(),
+        "chat_template_kwargs": st.sampled_from(["", "{}", '{"a": 1}', "[", '{"tools": 1}'])
+        | st.text(max_size=12),
     }))
 
 

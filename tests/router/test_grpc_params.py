@@ -62,6 +62,26 @@ def test_token_controls_map_to_the_request() -> None:
             request_from_proto(pb.GenerateRequest(text="x", **bad), None)
 
 
+def test_chat_template_extras_map_to_the_request() -> None:
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="x")])
+    req = request_from_proto(pb.GenerateRequest(
+        chat=chat, add_generation_prompt=False, continue_final_message=True,
+        chat_template_kwargs='{"persona": "a pirate"}'), None)
+    assert req.chat_template_args == {"add_generation_prompt": False,
+                                      "continue_final_message": True,
+                                      "template_kwargs": {"persona": "a pirate"}}
+    assert request_from_proto(pb.GenerateRequest(chat=chat), None).chat_template_args == {}
+    for bad, named in (({"text": "x", "continue_final_message": True}, "continue_final_message"),
+                       ({"chat": chat, "continue_final_message": True}, "continue_final_message"),
+                       ({"chat": chat, "chat_template_kwargs": "[1]"}, "chat_template_kwargs"),
+                       ({"chat": chat, "chat_template_kwargs": "{x"}, "chat_template_kwargs"),
+                       ({"chat": chat, "chat_template_kwargs": '{"tools": []}'},
+                        "chat_template_kwargs")):
+        with pytest.raises(ValueError) as info:
+            request_from_proto(pb.GenerateRequest(**bad), None)
+        assert str(info.value).startswith(named), (bad, info.value)
+
+
 def test_defaults_unchanged_and_old_messages_still_parse() -> None:
     assert sampling_params_from_proto(pb.SamplingParameters()) == SamplingParams()
     # A message from a client built before these fields: the same bytes, same meaning.

@@ -101,6 +101,16 @@ def test_streams_what_the_engine_computes(pair_factory: Callable[..., Pair],  # 
             chat=pb.ChatMessages(messages=messages), params=GREEDY))
         assert final.usage.prompt_tokens == len(tok.apply_chat_template(
             [{"role": "user", "content": "hi"}]))
+        # The chat extras: an assistant prefill continued is the completion of its prompt.
+        prefill = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure,"}]
+        _, text, final = await generate(stub, pb.GenerateRequest(
+            chat=pb.ChatMessages(messages=[pb.ChatMessage(**m) for m in prefill]),
+            add_generation_prompt=False, continue_final_message=True, params=GREEDY))
+        ids = tok.apply_chat_template(prefill, add_generation_prompt=False,
+                                      continue_final_message=True)
+        assert final.usage.prompt_tokens == len(ids)
+        assert (await generate(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids),
+                                                        params=GREEDY)))[1] == text
         # Logprobs: one entry per token, the sampled token among the top ones.
         params = pb.SamplingParameters(max_tokens=4, temperature=0, ignore_eos=True, logprobs=2)
         chunks = [r.chunk async for r in stub.Generate(pb.GenerateRequest(
