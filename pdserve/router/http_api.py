@@ -56,6 +56,7 @@ from pdserve.router import openapi_doc
 from pdserve.router.admin_api import Admin, admin_routes
 from pdserve.router.api_common import RouterLike, RouterStream, check_model, served_model
 from pdserve.router.api_keys import ApiKeys
+from pdserve.router.beam_search import beam_search
 from pdserve.router.http_middleware import (
     BODY_TIMEOUT_S,
     ApiKeyMiddleware,
@@ -112,6 +113,7 @@ from pdserve.router.types import (
     ModelInfo,
     RouterError,
     StreamChunk,
+    Usage,
 )
 
 log = logging.getLogger("pdserve.http")
@@ -268,6 +270,12 @@ class _Api:
             prompt_logprobs=parsed.prompt_logprobs,
             echo_top=parsed.logprobs or 0 if isinstance(parsed, CompletionRequest) else 0,
             echo=echo, n=n, prompts=len(reqs), tools=plan.tools)
+        if parsed.use_beam_search:
+            try:
+                return JSONResponse(await _unless_disconnected(
+                    request, self._beam_search(reqs, n, parsed.length_penalty, out)))
+            except RouterError as exc:
+                raise ApiError.from_router(exc, rid, fields) from exc
         choices = self.in_flight[rid] = _Choices(
             self.router, [c for req in reqs for c in choice_requests(req, n)], n, self.tasks, rid)
         handed_over = False
@@ -291,6 +299,22 @@ class _Api:
         finally:
             if not handed_over:
                 self._done(choices)
+
+    async def _beam_search(self, reqs: list[GenerateRequest], width: int, length_penalty: float,
+                           out: ResponseBuilder) -> dict[str, Any]:
+        """Each prompt's ``width`` best beams as its choices (``beam_search``)."""
+        tok = self.router.tokenizer
+        finals = []
+        for p, req in enumerate(reqs):
+            prompt = self.router.prompt_ids(req)
+            beams = await beam_search(self.router, req, prompt, width, length_penalty,
+                                      tok.eos_token_ids, self.tasks)
+            for i, beam in enumerate(beams):
+                text = tok.decode(beam.tokens, skip_special_tokens=req.params.skip_special_tokens)
+                out.add(StreamChunk(beam.tokens, text, beam.logprobs), p * width + i)
+                finals.append(FinalChunk("stop" if beam.finished else "length",
+                                         Usage(len(prompt), len(beam.tokens))))
+        return out.response(finals)
 
     def _done(self, choices: _Choices) -> None:
         choices.close()

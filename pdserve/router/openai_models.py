@@ -140,6 +140,9 @@ class SamplingFields(GenerationFields):
     structured_outputs: StructuredOutputs | None = None
     # vLLM's: each prompt token's logprob and its top-N (not streamed)
     prompt_logprobs: TopN | None = None
+    # vLLM's beam search: n beams (the width), scored cum_logprob / len ** length_penalty
+    use_beam_search: bool = False
+    length_penalty: Annotated[float, Field(ge=-10.0, le=10.0)] = 1.0
 
 
 class CompletionRequest(SamplingFields):
@@ -261,11 +264,9 @@ EMPTY = Refused(_is_empty, {"anyOf": [
     {"type": "string", "maxLength": 0}]})
 # vLLM's extensions that this server does not implement: their defaults (what a
 # client that sends every field sends) are taken, anything else is refused rather
-# than ignored -- an ignored logits_processors or use_beam_search would answer as if
+# than ignored -- an ignored logits_processors or structural_tag would answer as if
 # it had been applied.
 VLLM_UNIMPLEMENTED: dict[str, Refused] = {
-    "use_beam_search": only(None, False),
-    "length_penalty": only(None, 1.0, 1),  # beam search's
     "spaces_between_special_tokens": only(None, True),
     "logits_processors": EMPTY,
     "structural_tag": only(None),

@@ -138,6 +138,8 @@ def _no_reasoning(value: Any) -> bool:
 REFUSED_RESPONSES = {
     **VLLM_UNIMPLEMENTED,
     "prompt_logprobs": only(None),
+    "use_beam_search": only(None, False),
+    "length_penalty": only(None, 1.0, 1),
     "conversation": dataclasses.replace(
         EMPTY, why="use previous_response_id, or send the whole conversation as input"),
     "background": only(None, False),

@@ -45,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,7 @@ from pdserve.engine.sampling_params import (
 )
 from pdserve.engine.structured import StructuredOutput
 from pdserve.router.api_common import ConstraintRefused, compile_constraints, one_line
+from pdserve.router.beam_search import MAX_BEAM_WIDTH
 from pdserve.router.openai_models import (
     INT64,
     REFUSED_CHAT,
@@ -128,6 +129,31 @@ def _output_constraints(r: SamplingFields) -> Named:
         ("structured_outputs.grammar", StructuredOutput.grammar, so.grammar)]
     out += [_constraint(name, make, arg) for name, make, arg in given if arg is not None]
     return out
+
+
+def _check_beam_search(r: SamplingFields, params: SamplingParams, constraints: Named,
+                       refused: Sequence[tuple[str, bool]] = ()) -> None:
+    """InvalidRequest naming the first field beam search would ignore (it draws nothing
+    and stops at EOS or ``max_tokens`` only: temperature, top-p/k/min-p and the seed are
+    moot, anything else that shapes the output is refused rather than ignored)."""
+    if not r.use_beam_search:
+        return
+    if r.stream:
+        raise InvalidRequest("beam search answers whole: stream must be false", "stream")
+    if (r.n or 1) > MAX_BEAM_WIDTH:
+        raise InvalidRequest(f"beam search takes n (its width) up to {MAX_BEAM_WIDTH}", "n")
+    ignored = [name for name, used in (
+        ("stop", bool(params.stop)), ("stop_token_ids", bool(params.stop_token_ids)),
+        ("min_tokens", params.min_tokens > 0), ("logit_bias", bool(params.logit_bias)),
+        ("repetition_penalty", params.repetition_penalty != 1.0),
+        ("frequency_penalty", params.frequency_penalty != 0.0),
+        ("presence_penalty", params.presence_penalty != 0.0),
+        ("allowed_token_ids", bool(params.allowed_token_ids)),
+        ("bad_words", bool(r.bad_words)), ("prompt_logprobs", r.prompt_logprobs is not None),
+        *refused, *((name, True) for name, _ in constraints[:1])) if used]
+    if ignored:
+        raise InvalidRequest(f"{ignored[0]} is not supported with use_beam_search",
+                             _field(ignored[0]))
 
 
 def _only_one(constraints: Named) -> StructuredOutput | None:
@@ -217,6 +243,7 @@ def completion_request(body: Any, request_id: str,
     asked = [n for n in (echo_logprobs, r.prompt_logprobs) if n is not None]
     params = _params(r, r.max_tokens, r.logprobs, {}, max(asked) if asked else None,
                      _only_one(constraints))
+    _check_beam_search(r, params, constraints, [("echo", r.echo)])
     batch = isinstance(r.prompt, list) and bool(r.prompt) and isinstance(r.prompt[0], str | list)
     prompts: list[Any] = list(r.prompt) if batch else [r.prompt]
     reqs = []
@@ -367,6 +394,7 @@ def chat_request(body: Any, request_id: str,
     params = _params(r, max_tokens, logprobs,
                      {"max_tokens": limit_name, "logprobs": "top_logprobs"},
                      r.prompt_logprobs, structured)
+    _check_beam_search(r, params, constraints, [("prediction", r.prediction is not None)])
     return r, GenerateRequest(request_id, params, messages=messages, timeout_s=r.timeout_s,
                               tools=template_tools, chat_template_args=template,
                               prediction=None if r.prediction is None else r.prediction.text,

@@ -263,7 +263,7 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "cache_salt": ""}, 400, "cache_salt"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "use_beam_search": True}, 400, "use_beam_search"),
+                              "structural_tag": "{}"}, 400, "structural_tag"),
     ("/v1/responses", {"input": "x", "logits_processors": ["a.b"]}, 400, "logits_processors"),
     # vLLM's token controls
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids"),
