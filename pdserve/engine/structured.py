@@ -29,8 +29,8 @@ import llguidance
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
 
-Kind = Literal["json", "regex", "choice", "grammar"]
-KINDS: tuple[Kind, ...] = ("json", "regex", "choice", "grammar")
+Kind = Literal["json", "regex", "choice", "grammar", "structural_tag"]
+KINDS: tuple[Kind, ...] = ("json", "regex", "choice", "grammar", "structural_tag")
 MAX_SPEC_CHARS = 1 << 20  # a schema/grammar text larger than 1 MiB is refused
 MAX_CHOICES = 4096
 # JSON compiler options: compact separators, no free whitespace (see module doc).
@@ -51,7 +51,11 @@ class StructuredOutput:
       output matches;
     * ``choice``: ``spec`` is a JSON list of strings; the output is one of them;
     * ``grammar``: ``spec`` is a Lark grammar (llguidance's dialect) or a GBNF one
-      (llama.cpp's, the form vLLM's ``guided_grammar`` takes).
+      (llama.cpp's, the form vLLM's ``guided_grammar`` takes);
+    * ``structural_tag`` (vLLM's): ``spec`` is JSON ``{"structures": [{"begin", "schema",
+      "end"}, ...], "triggers": [...]}``: free text, but where a trigger is written the
+      text goes on with one structure's ``begin``, JSON valid for its ``schema``, then
+      its ``end`` (tool calls inside prose; llguidance's ``StructTag``).
     """
 
     kind: Kind
@@ -101,6 +105,34 @@ class StructuredOutput:
             raise ValueError("a grammar constraint must be a non-empty string")
         return cls("grammar", text)
 
+    @classmethod
+    def structural_tag(cls, spec: Mapping[str, Any]) -> StructuredOutput:
+        """vLLM's structural tag: ``structures`` (each ``begin``, ``schema``, ``end``)
+        and the ``triggers`` each ``begin`` starts with."""
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"a structural tag must be an object, got {type(spec).__name__}")
+        unknown = sorted(set(spec) - {"structures", "triggers", "type"})
+        if unknown:
+            raise ValueError(f"a structural tag takes structures and triggers, not "
+                             f"{', '.join(unknown)}")
+        triggers, structures = spec.get("triggers"), spec.get("structures")
+        if (not isinstance(triggers, list) or not triggers
+                or not all(isinstance(t, str) and t for t in triggers)):
+            raise ValueError("structural tag triggers must be a non-empty list of strings")
+        if not isinstance(structures, list) or not structures:
+            raise ValueError("structural tag structures must be a non-empty list")
+        for i, st in enumerate(structures):
+            if (not isinstance(st, Mapping) or set(st) != {"begin", "schema", "end"}
+                    or not isinstance(st["begin"], str) or not isinstance(st["end"], str)
+                    or not isinstance(st["schema"], (Mapping, bool))):
+                raise ValueError(f"structures[{i}] must have exactly begin and end (strings) "
+                                 "and schema (a JSON schema)")
+            if not any(st["begin"].startswith(t) for t in triggers):
+                raise ValueError(f"structures[{i}].begin {st['begin']!r} starts with none of "
+                                 "the triggers")
+        return cls("structural_tag", json.dumps({"structures": structures,
+                                                 "triggers": triggers}))
+
     def describe(self) -> str:
         """Short, loggable name of the constraint (never the whole schema)."""
         return f"{self.kind}({len(self.spec)} chars)"
@@ -138,6 +170,19 @@ def closed_objects(schema: Any, closable: bool = True) -> Any:
 
 
 def _compile(s: StructuredOutput) -> str:
+    if s.kind == "structural_tag":
+        spec = json.loads(s.spec)
+        tags = [llguidance.StructTag(
+            trigger=next(t for t in spec["triggers"] if st["begin"].startswith(t)),
+            begin=st["begin"], end=st["end"],
+            # the same JSON as a json constraint's: compact, closed objects
+            grammar=({**closed_objects(st["schema"]), "x-guidance": JSON_OPTIONS}
+                     if isinstance(st["schema"], Mapping) else st["schema"]))
+            for st in spec["structures"]]
+        try:
+            return str(llguidance.StructTag.to_grammar(tags))
+        except ValueError as exc:
+            raise ValueError(f"invalid structural_tag constraint: {exc}") from exc
     if s.kind == "json":
         try:
             schema = closed_objects(json.loads(s.spec))

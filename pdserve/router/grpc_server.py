@@ -10,7 +10,7 @@ Sampling parameters beyond the scalar ones: ``logit_bias`` (a map), ``priority``
 vLLM's token controls (``allowed_token_ids``, ``skip_special_tokens``, ``cache_salt``;
 on the request ``bad_words`` and ``truncate_prompt_tokens``), and the ``structured``
 oneof (``json_schema`` as JSON text, ``json_object``, ``regex``, ``choice``,
-``grammar``) -> ``StructuredOutput``. A constraint is compiled
+``grammar``, ``structural_tag`` as JSON text) -> ``StructuredOutput``. A constraint is compiled
 (``api_common.compile_constraints``, at most ``STRUCTURED_COMPILE_TIMEOUT_S``) before the
 request reaches the router, so a bad schema is INVALID_ARGUMENT naming the field
 and nothing is queued for it.
@@ -154,12 +154,13 @@ def structured_from_proto(params: Any) -> StructuredOutput | None:
     if kind is None or (kind == "json_object" and not params.json_object):
         return None
     try:
-        if kind == "json_schema":
+        if kind in ("json_schema", "structural_tag"):
             try:
-                schema = json.loads(params.json_schema, parse_constant=_no_constant)
+                spec = json.loads(getattr(params, kind), parse_constant=_no_constant)
             except ValueError as exc:  # JSONDecodeError, and numbers past Python's limits
                 raise ValueError(f"not valid JSON: {exc}") from None
-            return StructuredOutput.json_schema(schema)
+            return (StructuredOutput.json_schema(spec) if kind == "json_schema"
+                    else StructuredOutput.structural_tag(spec))
         if kind == "json_object":
             return StructuredOutput.json_object()
         if kind == "regex":

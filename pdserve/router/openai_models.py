@@ -77,7 +77,16 @@ class JsonSchemaFormat(Body):
     json_schema: JsonSchemaSpec
 
 
-ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat,
+class StructuralTagFormat(Body):
+    """vLLM's structural tag: free text, where a trigger starts one of the structures
+    (``begin``, JSON for its ``schema``, ``end``); ``StructuredOutput.structural_tag``."""
+
+    type: Literal["structural_tag"]
+    structures: Annotated[list[dict[str, Any]], Field(min_length=1)]
+    triggers: Annotated[list[NonEmpty], Field(min_length=1)]
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat | StructuralTagFormat,
                            Field(discriminator="type")]
 
 
@@ -89,6 +98,7 @@ class StructuredOutputs(Body):
     choice: Choices | None = None
     grammar: NonEmpty | None = None
     json_object: bool | None = None
+    structural_tag: NonEmpty | None = None  # JSON text: {"structures", "triggers"}
 
 
 class GenerationFields(Body):
@@ -138,6 +148,7 @@ class SamplingFields(GenerationFields):
     guided_choice: Choices | None = None
     guided_grammar: NonEmpty | None = None  # Lark (llguidance) or GBNF
     structured_outputs: StructuredOutputs | None = None
+    structural_tag: NonEmpty | None = None  # vLLM's older field: JSON text, as above
     # vLLM's: each prompt token's logprob and its top-N (not streamed)
     prompt_logprobs: TopN | None = None
     # vLLM's beam search: n beams (the width), scored cum_logprob / len ** length_penalty
@@ -264,12 +275,11 @@ EMPTY = Refused(_is_empty, {"anyOf": [
     {"type": "string", "maxLength": 0}]})
 # vLLM's extensions that this server does not implement: their defaults (what a
 # client that sends every field sends) are taken, anything else is refused rather
-# than ignored -- an ignored logits_processors or structural_tag would answer as if
-# it had been applied.
+# than ignored -- an ignored logits_processors or vllm_xargs would answer as if it
+# had been applied.
 VLLM_UNIMPLEMENTED: dict[str, Refused] = {
     "spaces_between_special_tokens": only(None, True),
     "logits_processors": EMPTY,
-    "structural_tag": only(None),
     "guided_whitespace_pattern": only(None),
     "kv_transfer_params": EMPTY,  # this server moves the KV itself
     "vllm_xargs": EMPTY,

@@ -17,9 +17,9 @@ Rules:
   role is assistant), whether a schema, regex or grammar compiles (``check_grammars``,
   bounded by ``api_common.STRUCTURED_COMPILE_TIMEOUT_S``) and limits of the model (context,
   vocabulary) are not in it.
-* Output constraints: ``response_format`` (``json_object``, ``json_schema``), vLLM's
-  ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` and its
-  ``structured_outputs`` object, and ``tool_choice`` ``required`` or a named function
+* Output constraints: ``response_format`` (``json_object``, ``json_schema``, vLLM's
+  ``structural_tag``), vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+  ``guided_grammar``, its ``structural_tag`` and its ``structured_outputs`` object, and ``tool_choice`` ``required`` or a named function
   (a grammar of the model family's call syntax, ``tool_calls``) each become
   ``SamplingParams.structured``; at most one per request.
 * Tools: declared tools reach the chat template as a system prompt in the model
@@ -70,6 +70,7 @@ from pdserve.router.openai_models import (
     Named,
     NamedToolChoice,
     SamplingFields,
+    StructuralTagFormat,
     StructuredOutputs,
     refuse_unsupported,
     validate_body,
@@ -105,6 +106,11 @@ def _json_constraint(schema: JsonSchema | str) -> StructuredOutput:
     return StructuredOutput.json_schema(json.loads(schema) if isinstance(schema, str) else schema)
 
 
+def _structural_tag(spec: dict[str, Any] | str) -> StructuredOutput:
+    """A structural tag, or its JSON text (vLLM's fields take text)."""
+    return StructuredOutput.structural_tag(json.loads(spec) if isinstance(spec, str) else spec)
+
+
 def _output_constraints(r: SamplingFields) -> Named:
     """Every output constraint the body sets, named by the field that sets it."""
     fmt = r.response_format
@@ -116,6 +122,9 @@ def _output_constraints(r: SamplingFields) -> Named:
     elif isinstance(fmt, JsonSchemaFormat):
         out.append(_constraint("response_format", StructuredOutput.json_schema,
                                fmt.json_schema.schema_))
+    elif isinstance(fmt, StructuralTagFormat):
+        out.append(_constraint("response_format", _structural_tag,
+                               fmt.model_dump(exclude={"type"})))
     if so.json_object:
         out.append(("structured_outputs.json_object", StructuredOutput.json_object()))
     given: list[tuple[str, Callable[[Any], StructuredOutput], Any]] = [
@@ -126,7 +135,9 @@ def _output_constraints(r: SamplingFields) -> Named:
         ("structured_outputs.json", _json_constraint, so.json_),
         ("structured_outputs.regex", StructuredOutput.regex, so.regex),
         ("structured_outputs.choice", StructuredOutput.choice, so.choice),
-        ("structured_outputs.grammar", StructuredOutput.grammar, so.grammar)]
+        ("structured_outputs.grammar", StructuredOutput.grammar, so.grammar),
+        ("structured_outputs.structural_tag", _structural_tag, so.structural_tag),
+        ("structural_tag", _structural_tag, r.structural_tag)]
     out += [_constraint(name, make, arg) for name, make, arg in given if arg is not None]
     return out
 

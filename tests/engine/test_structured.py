@@ -120,6 +120,36 @@ def test_logit_bias_forces_and_bans(tiny_model: Callable[[str], Path]) -> None:
     assert sampled == [77] * 6
 
 
+WEATHER_TAG = {"structures": [{"begin": "<function=get_weather>", "end": "</function>",
+                               "schema": {"type": "object", "properties": {
+                                   "city": {"type": "string", "maxLength": 8}},
+                                   "required": ["city"]}}],
+               "triggers": ["<function="]}
+
+
+def test_a_structural_tag_constrains_what_follows_its_trigger(
+        tiny_model: Callable[[str], Path]) -> None:
+    """Free text until a trigger; then the structure's JSON and its end. The output
+    begins after a trigger (an earlier attempt's, ``resumed_tokens``), so the model
+    must write the call's JSON."""
+    eng = engine(tiny_model("llama-gqa"))
+    tag = StructuredOutput.structural_tag(WEATHER_TAG)
+    said = eng.tokenizer.encode("Sure. <function=get_weather>", add_special_tokens=False)
+    for seed in range(3):
+        out = eng.generate([[5, 6, *said]], SamplingParams(
+            max_tokens=60, temperature=0.9, seed=seed, structured=tag,
+            resumed_tokens=len(said)))[0]
+        call, sep, _ = out.text.partition("</function>")
+        assert sep and set(json.loads(call)) == {"city"}, out.text
+    # A call the structure does not allow is refused where it is (a retry's tokens).
+    bad = eng.tokenizer.encode("Sure. <function=get_weather>hello", add_special_tokens=False)
+    with pytest.raises(ValueError, match="do not match"):
+        eng.add_request("bad", [5, 6, *bad], SamplingParams(structured=tag,
+                                                            resumed_tokens=len(bad)))
+    free = eng.generate([[5, 6]], SamplingParams(max_tokens=20, structured=tag))[0]
+    assert "<function=" not in free.text or "</function>" in free.text
+
+
 def test_allowed_token_ids_and_bad_words(tiny_model: Callable[[str], Path]) -> None:
     eng = engine(tiny_model("llama-gqa"))
     free = SamplingParams(max_tokens=12, ignore_eos=True)

@@ -42,7 +42,10 @@ STRUCTURED = st.one_of(
     st.fixed_dictionaries({"choice": st.lists(st.text(max_size=6), max_size=4).map(
         lambda c: pb.Choices(choices=c))}),
     st.fixed_dictionaries({"grammar": st.sampled_from(['root ::= "x"', 'start: "y"', "::="])
-                           | st.text(max_size=30)}))
+                           | st.text(max_size=30)}),
+    st.fixed_dictionaries({"structural_tag": st.sampled_from([
+        '{"structures": [{"begin": "<f>", "schema": {}, "end": "</f>"}], "triggers": ["<f"]}',
+        '{"structures": [], "triggers": []}', "{", "[]"]) | st.text(max_size=20)}))
 PARAMS = st.fixed_dictionaries({}, optional={
     "max_tokens": _small_or_any(st.integers(-2, CONTEXT), INT64),
     "min_tokens": _small_or_any(st.integers(-2, 8), INT64),

@@ -33,7 +33,7 @@ MAX_EXAMPLES = 400
 # names them).
 CROSS_FIELD = {"min_tokens", "stream_options", "top_logprobs", "messages", "max_tokens",
                "best_of", "response_format", "guided_json", "guided_regex", "guided_choice",
-               "guided_grammar", "structured_outputs", "tools", "tool_choice",
+               "guided_grammar", "structured_outputs", "structural_tag", "tools", "tool_choice",
                "prompt", "max_completion_tokens", "logit_bias", "stop_token_ids",
                "allowed_token_ids", "bad_words",  # the vocabulary; a word's tokens
                "input", "max_output_tokens", "text",

@@ -20,6 +20,7 @@ from pdserve.router.grpc_server import request_from_proto, sampling_params_from_
 from tests.router.test_grpc_server import ScriptedRouter, collect, expect_status, serve
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+TAG = {"structures": [{"begin": "<f=n>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<f="]}
 
 
 def test_new_fields_map_to_sampling_params() -> None:
@@ -36,6 +37,8 @@ def test_new_fields_map_to_sampling_params() -> None:
         "choice": ({"choice": pb.Choices(choices=["yes", "no"])},
                    StructuredOutput.choice(["yes", "no"])),
         "grammar": ({"grammar": 'start: "a"+'}, StructuredOutput.grammar('start: "a"+')),
+        "structural_tag": ({"structural_tag": json.dumps(TAG)},
+                           StructuredOutput.structural_tag(TAG)),
         "unset": ({}, None),
     }
     for name, (fields, want) in cases.items():
@@ -99,6 +102,8 @@ def test_defaults_unchanged_and_old_messages_still_parse() -> None:
     ({"choice": pb.Choices()}, "choice:"),
     ({"choice": pb.Choices(choices=["a", ""])}, "choice:"),
     ({"regex": ""}, "regex:"),
+    ({"structural_tag": "{x"}, "structural_tag: not valid JSON"),
+    ({"structural_tag": "[]"}, "structural_tag: a structural tag must be an object"),
     ({"grammar": "  "}, "grammar:"),
     ({"logit_bias": {5: 101.0}}, "logit_bias[5] must be in [-100, 100]"),
     ({"logit_bias": {-1: 1.0}}, "logit_bias token ids must be non-negative"),

@@ -7,6 +7,7 @@ to ``SamplingParams.structured`` and checked before a request runs, ``logit_bias
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -39,6 +40,8 @@ from tests.router.test_http_api import Client, ScriptedRouter, serve, sse
 SCHEMA: dict[str, Any] = {"type": "object", "properties": {"a": {"type": "integer"}},
                           "required": ["a"]}
 USER = [{"role": "user", "content": "hi"}]
+TAG = {"structures": [{"begin": "<function=get_weather>", "schema": SCHEMA, "end": "</function>"}],
+       "triggers": ["<function="]}
 
 
 def chat(**body: Any) -> Any:
@@ -83,6 +86,10 @@ def invalid(make: Callable[..., Any], **body: Any) -> InvalidRequest:
     ({"structured_outputs": {"grammar": 'start: "x"'}}, StructuredOutput.grammar('start: "x"')),
     ({"structured_outputs": {"json_object": True}}, StructuredOutput.json_object()),
     ({"structured_outputs": {"json_object": False}}, None),
+    ({"response_format": {"type": "structural_tag", **TAG}}, StructuredOutput.structural_tag(TAG)),
+    ({"structured_outputs": {"structural_tag": json.dumps(TAG)}},
+     StructuredOutput.structural_tag(TAG)),
+    ({"structural_tag": json.dumps(TAG)}, StructuredOutput.structural_tag(TAG)),
 ])
 def test_each_field_maps_to_its_constraint(body: dict[str, Any],
                                            expected: StructuredOutput | None) -> None:
@@ -123,6 +130,14 @@ def test_two_constraints_are_a_400_naming_both(body: dict[str, Any], param: str,
      "response_format"),
     ({"structured_outputs": {"json": "{"}}, "structured_outputs"),
     ({"structured_outputs": {"choice": "a"}}, "structured_outputs"),
+    ({"structural_tag": "{"}, "structural_tag"),
+    ({"structural_tag": '{"format": {"type": "triggered_tags"}}'}, "structural_tag"),
+    ({"response_format": {"type": "structural_tag", "structures": [], "triggers": ["<f"]}},
+     "response_format"),
+    ({"response_format": {"type": "structural_tag", "triggers": ["<f"], "structures": [
+        {"begin": "<g>", "schema": {}, "end": ""}]}}, "response_format"),
+    ({"structured_outputs": {"structural_tag": json.dumps(
+        {**TAG, "structures": [{"begin": "<function=f>", "end": ""}]})}}, "structured_outputs"),
 ])
 def test_malformed_constraints_are_a_400(body: dict[str, Any], param: str) -> None:
     assert invalid(chat, **body).param == param
@@ -137,6 +152,9 @@ def test_malformed_constraints_are_a_400(body: dict[str, Any], param: str) -> No
     ({"guided_grammar": "start: missing_rule"}, "guided_grammar", "missing_rule"),
     ({"structured_outputs": {"grammar": "start: x"}}, "structured_outputs",
      "structured_outputs.grammar"),
+    ({"structural_tag": json.dumps({**TAG, "structures": [
+        {"begin": "<function=f>", "schema": {"type": "bogus"}, "end": ""}]})},
+     "structural_tag", "Invalid type: bogus"),
 ])
 def test_constraints_that_do_not_compile_are_a_400(body: dict[str, Any], param: str,
                                                    words: str) -> None:
