@@ -93,6 +93,7 @@ from pdserve.router.openai_responses import (
 )
 from pdserve.router.openai_schema import (
     Plan,
+    chat_echo,
     chat_request,
     check_grammars,
     choice_requests,
@@ -269,6 +270,7 @@ class _Api:
                                   and parsed.stream_options.continuous_usage_stats),
             prompt_logprobs=parsed.prompt_logprobs,
             echo_top=parsed.logprobs or 0 if isinstance(parsed, CompletionRequest) else 0,
+            chat_echo=chat_echo(parsed) if isinstance(parsed, ChatCompletionRequest) else "",
             echo=echo, n=n, prompts=len(reqs), tools=plan.tools)
         if parsed.use_beam_search:
             try:

@@ -263,7 +263,7 @@ class ResponseBuilder:
     def __init__(self, *, chat: bool, request_id: str, model: str, created: int,
                  text: TokenText, logprobs: bool, include_usage: bool = False,
                  continuous_usage: bool = False, prompt_logprobs: int | None = None,
-                 echo_top: int = 0,
+                 echo_top: int = 0, chat_echo: str = "",
                  echo: Sequence[tuple[str, list[int]]] | None = None, n: int = 1,
                  prompts: int = 1, tools: ToolSyntax | None = None):
         self.chat = chat
@@ -276,6 +276,7 @@ class ResponseBuilder:
         self._continuous_usage = include_usage and continuous_usage
         self._prompt_logprobs = prompt_logprobs  # vLLM's field: its top-N
         self._echo_top = echo_top  # echo's prompt logprobs: top-N (logprobs)
+        self._chat_echo = chat_echo  # vLLM's chat echo: the message the answer continues
         self._tools = tools
         self._n = n
         self._choices = [_Choice(tools.stream() if tools is not None else None,
@@ -359,7 +360,8 @@ class ResponseBuilder:
         if self.chat and not c.started:
             c.started = True
             out.append(self._envelope([{"index": index,
-                                        "delta": {"role": "assistant", "content": ""},
+                                        "delta": {"role": "assistant",
+                                                  "content": self._chat_echo},
                                         "logprobs": None, "finish_reason": None}], True))
         if c.tools is not None:
             return out + self._tool_chunks(index, c.tools.feed(item.text), item.logprobs)
@@ -431,6 +433,8 @@ class ResponseBuilder:
                         message["content"] = content
                         message["tool_calls"] = [call_object(call) for call in calls]
                         choice["finish_reason"] = _finish_reason(final, len(calls))
+                if self._chat_echo:
+                    message["content"] = self._chat_echo + (message["content"] or "")
                 choice["message"] = message
             else:
                 choice["text"] = text

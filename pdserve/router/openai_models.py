@@ -247,6 +247,9 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     logprobs: bool = False
     top_logprobs: TopN | None = None  # needs logprobs
     prediction: Prediction | None = None
+    # vLLM's: the answer's content begins with the last message's when the answer
+    # continues it (its role is the answer's: continue_final_message)
+    echo: bool = False
 
 
 @dataclass(frozen=True)
@@ -296,7 +299,6 @@ OWN_TEMPLATE = Refused(EMPTY.harmless, EMPTY.schema, "the model's own chat templ
 REFUSED_CHAT = {
     **VLLM_UNIMPLEMENTED,
     "add_special_tokens": only(None, False),
-    "echo": only(None, False),
     "mm_processor_kwargs": EMPTY,
     "chat_template": OWN_TEMPLATE,
     "functions": EMPTY,

@@ -346,6 +346,17 @@ def _tool_constraints(r: ChatCompletionRequest, syntax: ToolSyntax) -> tuple[boo
     return True, schemas, [_constraint("tool_choice", StructuredOutput.grammar, grammar)]
 
 
+def chat_echo(r: ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the text the answer's content begins with -- the last
+    message's, when its role is the answer's (assistant with ``add_generation_prompt``,
+    else the last message's own: the answer continues it)."""
+    last = r.messages[-1]
+    if not r.echo or (r.add_generation_prompt and last.role != "assistant"):
+        return ""
+    content = last.content
+    return content if isinstance(content, str) else "".join(p.text for p in content or [])
+
+
 def chat_template_args(r: ChatTemplateFields) -> dict[str, Any]:
     """The chat extras as ``Tokenizer.apply_chat_template``'s keywords; InvalidRequest
     for a pair it cannot take (what only rendering finds, e.g. an empty final message

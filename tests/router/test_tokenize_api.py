@@ -17,7 +17,7 @@ import openai
 from lm_eval.utils import RemoteTokenizer
 
 from tests.integration.test_inprocess import Pair, pair_factory  # noqa: F401  (fixture)
-from tests.router.test_http_api import GREEDY, Client, serve
+from tests.router.test_http_api import GREEDY, Client, serve, sse
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi there"}]
 TOOLS = [{"type": "function", "function": {
@@ -127,7 +127,7 @@ def test_chat_template_extras(tiny_model: Callable[[str], Path], tmp_path: Path)
     variable: ``continue_final_message`` answers with the continuation of the final
     message (the text completions give for the same tokens), and
     ``chat_template_kwargs`` and ``documents`` reach the template; ``/tokenize``
-    counts the same prompts."""
+    counts the same prompts; ``echo`` leads the answer with the message it continues."""
     model = tmp_path / "copy" / "tiny"
     shutil.copytree(tiny_model("llama-gqa"), model)
     cfg = json.loads((model / "tokenizer_config.json").read_text())
@@ -159,6 +159,22 @@ def test_chat_template_extras(tiny_model: Callable[[str], Path], tmp_path: Path)
             same = (await c.post("/v1/completions", json={
                 **GREEDY, "prompt": count["tokens"], "max_tokens": 8})).json()
             assert chat["choices"][0]["message"]["content"] == same["choices"][0]["text"]
+        # echo (vLLM's): the continued message leads the answer, whole and streamed
+        body = {**GREEDY, "messages": started, "max_tokens": 8, "echo": True,
+                "continue_final_message": True, "add_generation_prompt": False}
+        whole = (await c.post("/v1/chat/completions", json=body)).json()
+        content = whole["choices"][0]["message"]["content"]
+        goes_on = (await c.post("/v1/chat/completions", json={**body, "echo": False})).json()
+        assert content == "The answer starts" + goes_on["choices"][0]["message"]["content"]
+        events = await sse(c, "/v1/chat/completions", {**body, "stream": True})
+        assert "".join(e["choices"][0]["delta"].get("content", "")
+                       for e in events[:-1]) == content
+        # a new turn after a user message: nothing to echo
+        r = (await c.post("/v1/chat/completions", json={
+            **GREEDY, "messages": CHAT, "max_tokens": 8, "echo": True})).json()
+        plain = (await c.post("/v1/chat/completions", json={
+            **GREEDY, "messages": CHAT, "max_tokens": 8})).json()
+        assert r["choices"][0]["message"] == plain["choices"][0]["message"]
 
     tok = pair.router.tokenizer
     try:
