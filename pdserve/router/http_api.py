@@ -230,6 +230,7 @@ class _Api:
             parsed: ChatCompletionRequest | CompletionRequest
             plan: Plan
             echo: list[tuple[str, list[int]]] | None = None
+            prompt_ids: list[list[int]] | None = None
             if chat:
                 parsed, req, plan = chat_request(body, rid, lambda m, t, kw: len(
                     self.router.tokenizer.apply_chat_template(m, tools=t, **kw)), max_len,
@@ -241,15 +242,18 @@ class _Api:
                 logprobs = parsed.logprobs is not None
             n = parsed.n or 1
             fields = _router_fields(parsed, responses is not None)
-            if isinstance(parsed, CompletionRequest) and parsed.echo:
-                # each prompt leads its choices' output: its text and its tokens
-                echo = []
+            echoed = isinstance(parsed, CompletionRequest) and parsed.echo
+            if echoed or parsed.return_token_ids:
+                # echo: each prompt leads its choices' output, its text and its tokens;
+                # return_token_ids: the tokens beside the output
+                echo, prompt_ids = [], []
                 for req in reqs:
                     ids = self.router.prompt_ids(req)
                     echo.append((req.prompt if req.prompt is not None
                                  and req.truncate_prompt_tokens is None
                                  else self.router.tokenizer.decode(ids), ids))
-                    req.prompt, req.prompt_token_ids = None, ids  # tokenized once
+                    prompt_ids.append(ids)
+                    req.prompt, req.messages, req.prompt_token_ids = None, None, ids  # once
             await check_grammars(plan.grammars)
         except InvalidRequest as exc:
             raise _invalid(exc if responses is None else renamed(exc), rid) from exc
@@ -271,7 +275,8 @@ class _Api:
             prompt_logprobs=parsed.prompt_logprobs,
             echo_top=parsed.logprobs or 0 if isinstance(parsed, CompletionRequest) else 0,
             chat_echo=chat_echo(parsed) if isinstance(parsed, ChatCompletionRequest) else "",
-            echo=echo, n=n, prompts=len(reqs), tools=plan.tools)
+            prompt_ids=prompt_ids if parsed.return_token_ids else None,
+            echo=echo if echoed else None, n=n, prompts=len(reqs), tools=plan.tools)
         if parsed.use_beam_search:
             try:
                 return JSONResponse(await _unless_disconnected(

@@ -238,6 +238,8 @@ class _Choice:
         self.held_lps: list[TokenLogprob] = []  # logprobs of text the parser holds back
         self.calls = 0  # tool calls streamed so far
         self.usage = Usage(0, 0)  # streamed: prompt and output tokens so far
+        self.ids: list[int] = []  # return_token_ids: output ids (whole) / not yet sent
+        self.ids_started = False  # streamed: the prompt's ids went with the first chunk
 
 
 def merged_usage(finals: Sequence[FinalChunk], n: int = 1) -> Usage:
@@ -264,6 +266,7 @@ class ResponseBuilder:
                  text: TokenText, logprobs: bool, include_usage: bool = False,
                  continuous_usage: bool = False, prompt_logprobs: int | None = None,
                  echo_top: int = 0, chat_echo: str = "",
+                 prompt_ids: Sequence[list[int]] | None = None,
                  echo: Sequence[tuple[str, list[int]]] | None = None, n: int = 1,
                  prompts: int = 1, tools: ToolSyntax | None = None):
         self.chat = chat
@@ -277,6 +280,7 @@ class ResponseBuilder:
         self._prompt_logprobs = prompt_logprobs  # vLLM's field: its top-N
         self._echo_top = echo_top  # echo's prompt logprobs: top-N (logprobs)
         self._chat_echo = chat_echo  # vLLM's chat echo: the message the answer continues
+        self._prompt_ids = prompt_ids  # vLLM's return_token_ids: each prompt's ids
         self._tools = tools
         self._n = n
         self._choices = [_Choice(tools.stream() if tools is not None else None,
@@ -351,8 +355,32 @@ class ResponseBuilder:
             c.held_lps = []
         return out
 
+    def _with_ids(self, index: int, chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """vLLM's ``return_token_ids``: every chunk of the choice has ``token_ids``, the
+        ids not yet sent on its last one; its first carries the prompt's (chat: on the
+        chunk itself)."""
+        if self._prompt_ids is None or not chunks:
+            return chunks
+        c = self._choices[index]
+        if not c.ids_started:
+            c.ids_started = True
+            ids = self._prompt_ids[index // self._n]
+            if self.chat:
+                chunks[0]["prompt_token_ids"] = ids
+            else:
+                chunks[0]["choices"][0]["prompt_token_ids"] = ids
+        for chunk in chunks[:-1]:
+            chunk["choices"][0]["token_ids"] = []
+        chunks[-1]["choices"][0]["token_ids"] = c.ids
+        c.ids = []
+        return chunks
+
     def chunk(self, item: StreamChunk, index: int = 0) -> list[dict[str, Any]]:
         """Stream chunks for new tokens (none when there is nothing to show yet)."""
+        self._choices[index].ids += item.token_ids
+        return self._with_ids(index, self._chunks(item, index))
+
+    def _chunks(self, item: StreamChunk, index: int) -> list[dict[str, Any]]:
         c = self._choices[index]
         c.usage = Usage(item.prompt_tokens or c.usage.prompt_tokens,
                         c.usage.completion_tokens + len(item.token_ids))
@@ -394,6 +422,7 @@ class ResponseBuilder:
         else:
             choice["text"] = ""
         out.append(self._envelope([choice], True))
+        out = self._with_ids(index, out)
         self._finals[index] = final
         if self._include_usage and len(self._finals) == len(self._choices):
             usage = merged_usage([self._finals[i] for i in range(len(self._choices))], self._n)
@@ -406,6 +435,7 @@ class ResponseBuilder:
             c.prompt_lps = item.prompt_logprobs
         c.pieces.append(item.text)
         c.lps.extend(item.logprobs)
+        c.ids += item.token_ids
 
     def response(self, finals: Sequence[FinalChunk]) -> dict[str, Any]:
         """The whole response; ``finals``: each choice's final chunk, by index."""
@@ -440,11 +470,17 @@ class ResponseBuilder:
                 choice["text"] = text
                 if vllm_prompt:
                     choice["prompt_logprobs"] = vllm_prompt[-1]
+                if self._prompt_ids is not None:
+                    choice["prompt_token_ids"] = self._prompt_ids[index // self._n]
+            if self._prompt_ids is not None:
+                choice["token_ids"] = c.ids
             choices.append(choice)
         out = {**self._envelope(choices, False),
                "usage": usage_object(merged_usage(finals, self._n))}
         if self.chat and vllm_prompt:  # vLLM: the response's (one prompt)
             out["prompt_logprobs"] = vllm_prompt[0]
+        if self.chat and self._prompt_ids is not None:
+            out["prompt_token_ids"] = self._prompt_ids[0]
         return out
 
 

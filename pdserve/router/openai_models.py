@@ -151,6 +151,8 @@ class SamplingFields(GenerationFields):
     structural_tag: NonEmpty | None = None  # vLLM's older field: JSON text, as above
     # vLLM's: each prompt token's logprob and its top-N (not streamed)
     prompt_logprobs: TopN | None = None
+    # vLLM's: the prompt's and each choice's token ids beside the text
+    return_token_ids: bool = False
     # vLLM's beam search: n beams (the width), scored cum_logprob / len ** length_penalty
     use_beam_search: bool = False
     length_penalty: Annotated[float, Field(ge=-10.0, le=10.0)] = 1.0

@@ -590,8 +590,8 @@ def test_a_predicted_output_is_drafted_and_changes_nothing(
 
 def test_vllms_token_controls(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
     """allowed_token_ids, bad_words, skip_special_tokens, truncate_prompt_tokens,
-    return_tokens_as_token_ids, prompt_logprobs and cache_salt reach the engine and the
-    response."""
+    return_tokens_as_token_ids, prompt_logprobs, return_token_ids and cache_salt reach the
+    engine and the response."""
     pair = pair_factory()
     tok = pair.router.tokenizer
     base = {**GREEDY, "prompt": "hello there", "max_tokens": 12}
@@ -686,6 +686,35 @@ def test_vllms_token_controls(pair_factory: Callable[..., Pair]) -> None:  # noq
         assert len(r["prompt_logprobs"]) == r["usage"]["prompt_tokens"]
         assert all(len(p) == 1 for p in r["prompt_logprobs"][1:])
         assert "prompt_logprobs" not in (await c.post("/v1/chat/completions", json=chat)).json()
+
+        # return_token_ids: the prompt's and each choice's ids beside the text
+        for prompts in (["hello there"], ["hello", "bye now"], [[5, 6, 7], [8, 9]]):
+            body = {**base, "prompt": prompts if len(prompts) > 1 else prompts[0], "n": 2,
+                    "return_token_ids": True}
+            whole = (await c.post("/v1/completions", json=body)).json()
+            for i, choice in enumerate(whole["choices"]):
+                p = prompts[i // 2]
+                assert choice["prompt_token_ids"] == (p if isinstance(p, list) else tok.encode(p))
+                assert len(choice["token_ids"]) == 12 and tok.decode(choice["token_ids"]) == \
+                    choice["text"]
+            events = await sse(c, "/v1/completions", {**body, "stream": True})
+            for i, choice in enumerate(whole["choices"]):
+                mine = [e["choices"][0] for e in events[:-1] if e["choices"][0]["index"] == i]
+                assert [t for ch in mine for t in ch["token_ids"]] == choice["token_ids"]
+                assert mine[0]["prompt_token_ids"] == choice["prompt_token_ids"]
+                assert all("prompt_token_ids" not in ch for ch in mine[1:])
+        chat = {**GREEDY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                "return_token_ids": True}
+        whole = (await c.post("/v1/chat/completions", json=chat)).json()
+        assert whole["prompt_token_ids"] == tok.apply_chat_template(chat["messages"])
+        ids = whole["choices"][0]["token_ids"]
+        assert len(ids) == 5 and tok.decode(ids) == whole["choices"][0]["message"]["content"]
+        events = await sse(c, "/v1/chat/completions", {**chat, "stream": True})
+        assert events[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+        assert [t for e in events[:-1] for t in e["choices"][0]["token_ids"]] == ids
+        plain = (await c.post("/v1/chat/completions", json={**chat, "return_token_ids": False}))
+        assert "prompt_token_ids" not in plain.json()
+        assert "token_ids" not in plain.json()["choices"][0]
 
         # cache_salt: a prompt's cached blocks serve only requests with its salt
         salted = {**base, "prompt": list(range(100, 140)), "max_tokens": 2}
