@@ -222,6 +222,7 @@ class _Api:
                      responses: _Responses | None = None) -> Response:
         """Serve a completions or chat ``body``; with ``responses``, answer as the
         Responses API."""
+        fields: dict[str, str] = {}
         try:
             if isinstance(body, dict):
                 check_model(self.router, body.get("model") if isinstance(
@@ -257,8 +258,8 @@ class _Api:
             await check_grammars(plan.grammars)
         except InvalidRequest as exc:
             raise _invalid(exc if responses is None else renamed(exc), rid) from exc
-        except RouterError as exc:  # echo: the prompt checked as it is tokenized
-            raise ApiError.from_router(exc, rid) from exc
+        except RouterError as exc:  # echo, return_token_ids: the prompt checked as tokenized
+            raise ApiError.from_router(exc, rid, fields) from exc
         if rid in self.in_flight:
             raise ApiError(400, error_object(f"request id {rid!r} is already in flight",
                                              param="X-Request-Id"))

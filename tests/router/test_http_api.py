@@ -292,6 +292,8 @@ BAD: list[tuple[str, Any, int, str | None]] = [
                               "max_completion_tokens": 5000}, 400, "max_completion_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 3000}]}, 400,
      "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 3000}],
+                              "return_token_ids": True}, 400, "messages"),
     ("/v1/responses", {"input": "x", "max_output_tokens": 5000}, 400, "max_output_tokens"),
     ("/v1/responses", {"input": "x" * 3000}, 400, "input"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, None),
