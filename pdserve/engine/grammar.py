@@ -25,7 +25,7 @@ import torch
 
 from pdserve.engine import kernels
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.structured import StructuredOutput, grammar_of, limits
+from pdserve.engine.structured import StructuredOutput, grammar_of, limits, tag_triggers
 from pdserve.engine.tokenizer import Tokenizer
 
 _BITS = torch.arange(32, dtype=torch.int32)
@@ -89,7 +89,10 @@ class Grammars:
     def _fresh_matcher(self, s: StructuredOutput) -> llguidance.LLMatcher:
         fresh = self._fresh.get(s)
         if fresh is None:
-            fresh = llguidance.LLMatcher(self._ll_tokenizer(), grammar_of(s), log_level=0,
+            ll = self._ll_tokenizer()
+            triggers = tag_triggers(s)
+            special = bool(triggers) and all(self._is_special(ll, t) for t in triggers)
+            fresh = llguidance.LLMatcher(ll, grammar_of(s, special), log_level=0,
                                          limits=limits())
             if fresh.is_error():
                 raise ValueError(f"invalid structured output constraint: {fresh.get_error()}")
@@ -99,6 +102,12 @@ class Grammars:
         else:
             self._fresh.move_to_end(s)
         return fresh
+
+    def _is_special(self, ll: llguidance.LLTokenizer, text: str) -> bool:
+        """Whether ``text`` is one special token of this vocabulary."""
+        assert self._tokenizer is not None  # _ll_tokenizer checked it
+        ids = self._tokenizer.encode(text, add_special_tokens=False)
+        return len(ids) == 1 and ll.is_special_token(ids[0])
 
     def fill(self, matchers: Sequence[llguidance.LLMatcher]) -> torch.Tensor:
         """[len(matchers), words] int32 bitmask of each matcher's allowed next tokens."""

@@ -169,7 +169,7 @@ def closed_objects(schema: Any, closable: bool = True) -> Any:
     return out
 
 
-def _compile(s: StructuredOutput) -> str:
+def _compile(s: StructuredOutput, special_triggers: bool) -> str:
     if s.kind == "structural_tag":
         spec = json.loads(s.spec)
         tags = [llguidance.StructTag(
@@ -180,7 +180,7 @@ def _compile(s: StructuredOutput) -> str:
                      if isinstance(st["schema"], Mapping) else st["schema"]))
             for st in spec["structures"]]
         try:
-            return str(llguidance.StructTag.to_grammar(tags))
+            return str(llguidance.StructTag.to_grammar(tags, assume_special=special_triggers))
         except ValueError as exc:
             raise ValueError(f"invalid structural_tag constraint: {exc}") from exc
     if s.kind == "json":
@@ -201,22 +201,23 @@ class _Cache:
 
     def __init__(self, size: int = 256) -> None:
         self._size = size
-        self._items: OrderedDict[StructuredOutput, str] = OrderedDict()
+        self._items: OrderedDict[tuple[StructuredOutput, bool], str] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, s: StructuredOutput) -> str:
+    def get(self, s: StructuredOutput, special_triggers: bool) -> str:
+        key = (s, special_triggers)
         with self._lock:
-            hit = self._items.get(s)
+            hit = self._items.get(key)
             if hit is not None:
-                self._items.move_to_end(s)
+                self._items.move_to_end(key)
                 return hit
-        grammar = _compile(s)
+        grammar = _compile(s, special_triggers)
         error = llguidance.LLMatcher.validate_grammar(grammar, None, limits=limits())
         if error:
             raise ValueError(f"invalid {'JSON schema' if s.kind == 'json' else s.kind} "
                              f"constraint: {error}")
         with self._lock:
-            self._items[s] = grammar
+            self._items[key] = grammar
             while len(self._items) > self._size:
                 self._items.popitem(last=False)
         return grammar
@@ -225,10 +226,20 @@ class _Cache:
 _CACHE = _Cache()
 
 
-def grammar_of(s: StructuredOutput) -> str:
+def grammar_of(s: StructuredOutput, special_triggers: bool = False) -> str:
     """llguidance grammar text for ``s``, checked (``ValueError`` naming what is wrong);
-    cached, so a schema every request repeats is compiled once per process."""
-    return _CACHE.get(s)
+    cached, so a schema every request repeats is compiled once per process.
+    ``special_triggers``: a structural tag's ``<...>`` triggers are the vocabulary's
+    special tokens (``tag_triggers``), not text."""
+    return _CACHE.get(s, special_triggers)
+
+
+def tag_triggers(s: StructuredOutput) -> list[str]:
+    """A structural tag's triggers written ``<...>``: a model may have them as special
+    tokens (``<tool_call>``), which llguidance matches as tokens, not text."""
+    if s.kind != "structural_tag":
+        return []
+    return [t for t in json.loads(s.spec)["triggers"] if t.startswith("<") and t.endswith(">")]
 
 
 def limits() -> llguidance.LLParserLimits:

@@ -148,6 +148,17 @@ def test_a_structural_tag_constrains_what_follows_its_trigger(
                                                             resumed_tokens=len(bad)))
     free = eng.generate([[5, 6]], SamplingParams(max_tokens=20, structured=tag))[0]
     assert "<function=" not in free.text or "</function>" in free.text
+    # A trigger written <...>: the vocabulary's special token where it is one
+    # (<|im_start|> in the tiny model's), else text (<tool_call>).
+    for trigger in ("<tool_call>", "<|im_start|>"):
+        spec = {"structures": [{**WEATHER_TAG["structures"][0], "begin": trigger,
+                                "end": "."}], "triggers": [trigger]}
+        said = eng.tokenizer.encode(f"Sure. {trigger}", add_special_tokens=False)
+        out = eng.generate([[5, 6, *said]], SamplingParams(
+            max_tokens=60, temperature=0.9, seed=1, resumed_tokens=len(said),
+            structured=StructuredOutput.structural_tag(spec)))[0]
+        call, sep, _ = out.text.partition("}.")
+        assert sep and set(json.loads(call + "}")) == {"city"}, (trigger, out.text)
 
 
 def test_allowed_token_ids_and_bad_words(tiny_model: Callable[[str], Path]) -> None:
