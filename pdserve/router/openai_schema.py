@@ -144,15 +144,18 @@ def _output_constraints(r: SamplingFields) -> Named:
 
 def _check_beam_search(r: SamplingFields, params: SamplingParams, constraints: Named,
                        refused: Sequence[tuple[str, bool]] = ()) -> None:
-    """InvalidRequest naming the first field beam search would ignore (it draws nothing
-    and stops at EOS or ``max_tokens`` only: temperature, top-p/k/min-p and the seed are
-    moot, anything else that shapes the output is refused rather than ignored)."""
+    """InvalidRequest (param ``use_beam_search``) saying the first field beam search
+    would ignore (it draws nothing and stops at EOS or ``max_tokens`` only: temperature,
+    top-p/k/min-p and the seed are moot, anything else that shapes the output is
+    refused rather than ignored)."""
     if not r.use_beam_search:
         return
     if r.stream:
-        raise InvalidRequest("beam search answers whole: stream must be false", "stream")
+        raise InvalidRequest("beam search answers whole: stream must be false with "
+                             "use_beam_search", "use_beam_search")
     if (r.n or 1) > MAX_BEAM_WIDTH:
-        raise InvalidRequest(f"beam search takes n (its width) up to {MAX_BEAM_WIDTH}", "n")
+        raise InvalidRequest(f"use_beam_search takes n (its width) up to {MAX_BEAM_WIDTH}",
+                             "use_beam_search")
     ignored = [name for name, used in (
         ("stop", bool(params.stop)), ("stop_token_ids", bool(params.stop_token_ids)),
         ("min_tokens", params.min_tokens > 0), ("logit_bias", bool(params.logit_bias)),
@@ -164,7 +167,7 @@ def _check_beam_search(r: SamplingFields, params: SamplingParams, constraints: N
         *refused, *((name, True) for name, _ in constraints[:1])) if used]
     if ignored:
         raise InvalidRequest(f"{ignored[0]} is not supported with use_beam_search",
-                             _field(ignored[0]))
+                             "use_beam_search")
 
 
 def _only_one(constraints: Named) -> StructuredOutput | None:

@@ -36,6 +36,8 @@ CROSS_FIELD = {"min_tokens", "stream_options", "top_logprobs", "messages", "max_
                "guided_grammar", "structured_outputs", "structural_tag", "tools", "tool_choice",
                "prompt", "max_completion_tokens", "logit_bias", "stop_token_ids",
                "allowed_token_ids", "bad_words",  # the vocabulary; a word's tokens
+               "prompt_logprobs",  # not with stream
+               "use_beam_search",  # not with fields it would ignore, nor stream, nor n > 10
                "input", "max_output_tokens", "text",
                "tokens",  # /detokenize: the vocabulary
                "continue_final_message", "chat_template_kwargs",

@@ -117,13 +117,16 @@ def test_beam_search_over_http(pair_factory: Callable[..., Pair]) -> None:  # no
             **GREEDY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2,
             "use_beam_search": True})
         assert chat.status_code == 200 and len(chat.json()["choices"]) == 2, chat.text
-        for extra, param in (({"stream": True}, "stream"), ({"n": 11}, "n"),
+        for extra, words in (({"stream": True}, "stream"), ({"n": 11}, "n (its width)"),
                              ({"stop": ["x"]}, "stop"), ({"echo": True}, "echo"),
                              ({"logit_bias": {"5": 1}}, "logit_bias"),
-                             ({"guided_regex": "a+"}, "guided_regex"),
-                             ({"length_penalty": "1"}, "length_penalty")):
+                             ({"guided_regex": "a+"}, "guided_regex")):
             r = await c.post("/v1/completions", json={**base, **extra})
-            assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == "use_beam_search", (extra, r.text)
+            assert words in err["message"], err
+        r = await c.post("/v1/completions", json={**base, "length_penalty": "1"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "length_penalty"
         r = await c.post("/v1/responses", json={**GREEDY, "input": "x", "use_beam_search": True})
         assert r.status_code == 400 and r.json()["error"]["param"] == "use_beam_search"
         await wait_freed(pair)
