@@ -272,11 +272,11 @@ def _mask_banned(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     vocab = logits.shape[1]
     for i, r in enumerate(rows):
         p = r.params
-        # Without a grammar or an allow-list every logit is finite, so banning fewer
-        # ids than the vocabulary always leaves a token: no check needed.
         if p.allowed_token_ids:  # ids the engine checked are < V: one is left
             _ban(logits, i, _deny_mask(p.allowed_token_ids, vocab, logits.device),
                  r.allowed is not None)
+        # Without a grammar or an allow-list every logit is finite, so banning fewer
+        # ids than the vocabulary always leaves a token: no check needed.
         checked = r.allowed is not None or bool(p.allowed_token_ids)
         if p.bad_words:
             _ban(logits, i, bad_word_ends(p.bad_words, r.output_token_ids), checked)

@@ -23,6 +23,7 @@ MAX_TEMPERATURE = 100.0
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for one token's bias
 MAX_LOGIT_BIAS_TOKENS = 1024
 MAX_BAD_WORDS = 128  # token sequences (a word is tokenized with and without a space)
+MAX_BAD_WORD_TEXTS = MAX_BAD_WORDS // 2  # words a request gives as text
 MAX_BAD_WORD_TOKENS = 64
 AGING_S = 1.0  # priority aging: every second of waiting is worth one priority level
 _INT64_MIN = -(2**63)

@@ -53,7 +53,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from pdserve.engine.sampling_params import MAX_BAD_WORDS, SamplingParams
+from pdserve.engine.sampling_params import MAX_BAD_WORD_TEXTS, SamplingParams
 from pdserve.engine.structured import StructuredOutput
 from pdserve.protos import pb
 from pdserve.router.api_common import (
@@ -255,8 +255,8 @@ def request_from_proto(request: Any, time_remaining: float | None) -> GenerateRe
             raise ValueError(f"truncate_prompt_tokens must be -1 or >= 1, got "
                              f"{request.truncate_prompt_tokens}")
         req.truncate_prompt_tokens = request.truncate_prompt_tokens
-    if len(request.bad_words) > MAX_BAD_WORDS // 2 or not all(request.bad_words):
-        raise ValueError(f"bad_words must hold at most {MAX_BAD_WORDS // 2} words, none empty")
+    if len(request.bad_words) > MAX_BAD_WORD_TEXTS or not all(request.bad_words):
+        raise ValueError(f"bad_words must hold at most {MAX_BAD_WORD_TEXTS} words, none empty")
     req.bad_words = tuple(request.bad_words)
     return req
 

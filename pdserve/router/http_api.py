@@ -246,15 +246,15 @@ class _Api:
             echoed = isinstance(parsed, CompletionRequest) and parsed.echo
             if echoed or parsed.return_token_ids:
                 # echo: each prompt leads its choices' output, its text and its tokens;
-                # return_token_ids: the tokens beside the output
-                echo, prompt_ids = [], []
-                for req in reqs:
-                    ids = self.router.prompt_ids(req)
-                    echo.append((req.prompt if req.prompt is not None
-                                 and req.truncate_prompt_tokens is None
-                                 else self.router.tokenizer.decode(ids), ids))
-                    prompt_ids.append(ids)
-                    req.prompt, req.messages, req.prompt_token_ids = None, None, ids  # once
+                # return_token_ids: the tokens beside the output. Tokenized once here.
+                prompt_ids = [self.router.prompt_ids(req) for req in reqs]
+                if echoed:
+                    echo = [(req.prompt if req.prompt is not None
+                             and req.truncate_prompt_tokens is None
+                             else self.router.tokenizer.decode(ids), ids)
+                            for req, ids in zip(reqs, prompt_ids, strict=True)]
+                for req, ids in zip(reqs, prompt_ids, strict=True):
+                    req.prompt, req.messages, req.prompt_token_ids = None, None, ids
             await check_grammars(plan.grammars)
         except InvalidRequest as exc:
             raise _invalid(exc if responses is None else renamed(exc), rid) from exc
@@ -274,10 +274,10 @@ class _Api:
             continuous_usage=bool(parsed.stream_options
                                   and parsed.stream_options.continuous_usage_stats),
             prompt_logprobs=parsed.prompt_logprobs,
-            echo_top=parsed.logprobs or 0 if isinstance(parsed, CompletionRequest) else 0,
+            echo_top=(parsed.logprobs or 0) if isinstance(parsed, CompletionRequest) else 0,
             chat_echo=chat_echo(parsed) if isinstance(parsed, ChatCompletionRequest) else "",
             prompt_ids=prompt_ids if parsed.return_token_ids else None,
-            echo=echo if echoed else None, n=n, prompts=len(reqs), tools=plan.tools)
+            echo=echo, n=n, prompts=len(reqs), tools=plan.tools)
         if parsed.use_beam_search:
             try:
                 return JSONResponse(await _unless_disconnected(

@@ -206,6 +206,12 @@ def vllm_prompt_logprobs(lps: Sequence[TokenLogprob | None], text: TokenText,
     return out
 
 
+def _top_n(lps: Sequence[TokenLogprob | None], n: int) -> list[TokenLogprob | None]:
+    """The prompt's logprobs with each position's top-N cut to ``n`` (the engine
+    computed the largest N the request asked for)."""
+    return [lp if lp is None else lp._replace(top=lp.top[:n]) for lp in lps]
+
+
 def _joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
     if a is None or b is None:
         return a or b
@@ -319,8 +325,7 @@ class ResponseBuilder:
         logprobs = None
         if self._logprobs:
             logprobs = prompt_completion_logprobs(
-                [lp if lp is None else lp._replace(top=lp.top[: self._echo_top])
-                 for lp in lps] if lps else [None] * len(ids), ids, self._text)
+                _top_n(lps, self._echo_top) if lps else [None] * len(ids), ids, self._text)
         c.offset += len(text)
         return text, logprobs
 
@@ -446,8 +451,7 @@ class ResponseBuilder:
             prompt_text, prompt_lps = self._prompt_part(c, lps)
             if self._prompt_logprobs is not None:
                 vllm_prompt.append(vllm_prompt_logprobs(
-                    [lp if lp is None else lp._replace(top=lp.top[: self._prompt_logprobs])
-                     for lp in lps or []], self._text))
+                    _top_n(lps or [], self._prompt_logprobs), self._text))
             text = prompt_text + "".join(c.pieces)
             logprobs = self._logprobs_of(c, c.lps)
             if prompt_lps is not None:

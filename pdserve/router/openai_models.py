@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pdserve.engine.sampling_params import (
-    MAX_BAD_WORDS,
+    MAX_BAD_WORD_TEXTS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
@@ -125,7 +125,7 @@ class GenerationFields(Body):
     priority: Int64 = 0  # lower runs first
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     # words the output must not write (each tokenized with and without a leading space)
-    bad_words: Annotated[list[NonEmpty], Field(max_length=MAX_BAD_WORDS // 2)] | None = None
+    bad_words: Annotated[list[NonEmpty], Field(max_length=MAX_BAD_WORD_TEXTS)] | None = None
     skip_special_tokens: bool = True  # false: the text writes them (<|im_end|>)
     # keep the prompt's last N tokens; -1: as many as leave room for max_tokens
     truncate_prompt_tokens: Annotated[int, Field(ge=1)] | Literal[-1] | None = None

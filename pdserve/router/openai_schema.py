@@ -19,9 +19,10 @@ Rules:
   vocabulary) are not in it.
 * Output constraints: ``response_format`` (``json_object``, ``json_schema``, vLLM's
   ``structural_tag``), vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
-  ``guided_grammar``, its ``structural_tag`` and its ``structured_outputs`` object, and ``tool_choice`` ``required`` or a named function
-  (a grammar of the model family's call syntax, ``tool_calls``) each become
-  ``SamplingParams.structured``; at most one per request.
+  ``guided_grammar``, its ``structural_tag`` and its ``structured_outputs`` object, and
+  ``tool_choice`` ``required`` or a named function (a grammar of the model family's
+  call syntax, ``tool_calls``) each become ``SamplingParams.structured``; at most one
+  per request.
 * Tools: declared tools reach the chat template as a system prompt in the model
   family's syntax, earlier calls and tool results as text in it (``chat_messages``).
 * ``n`` choices are ``n`` router requests ``{id}-{i}`` of one prompt; with a ``seed``,
@@ -34,8 +35,9 @@ Rules:
   ``metadata``, ``store``, ...) are tolerated and ignored, as OpenAI clients send
   many of them.
 * vLLM's token controls: ``allowed_token_ids``, ``skip_special_tokens`` and
-  ``cache_salt`` go to ``SamplingParams`` as they are; ``bad_words`` (text) and ``truncate_prompt_tokens``
-  ride on the ``GenerateRequest`` to the router, which tokenizes the prompt and the words.
+  ``cache_salt`` go to ``SamplingParams`` as they are; ``bad_words`` (text) and
+  ``truncate_prompt_tokens`` ride on the ``GenerateRequest`` to the router, which
+  tokenizes the prompt and the words.
 * Defaults follow OpenAI: ``temperature`` 1, ``max_tokens`` 16 for completions and
   "until the context is full" for chat.
 """
