@@ -59,6 +59,24 @@ class TokenLogprob(NamedTuple):
                    [(int(t), float(v)) for t, v in d["top"]], int(d["rank"]))
 
 
+class LocalPrefill(NamedTuple):
+    """Router -> decode worker: when it computes a prompt itself, not a prefill worker
+    (``router/placement.py`` decides). ``any_tokens``: whenever at most this many of
+    the prompt's tokens are not in its prefix cache (the router chose local);
+    ``after_reuse``: when its prefix cache holds the prompt's first blocks and leaves
+    at most this many (a conversation's next turn; ``local_prefill_max_tokens``)."""
+
+    after_reuse: int = 0
+    any_tokens: int = 0
+
+    def applies(self, uncached: int, reused_blocks: int) -> bool:
+        return uncached <= self.any_tokens or (reused_blocks > 0
+                                               and uncached <= self.after_reuse)
+
+
+NO_LOCAL_PREFILL = LocalPrefill()  # every prompt from a prefill worker
+
+
 @dataclass(frozen=True)
 class Reservation:
     """Decode worker -> router: the blocks reserved for a prompt's KV, in token order.
@@ -164,6 +182,57 @@ class WorkerLoad:
     # Blocks granted by reserve/admit since the worker started: the router's own count
     # minus this is what it reserved that the snapshot does not show yet.
     blocks_granted: int = 0
+    compute: Compute | None = None  # its threads and measured step times (None: not a CPU worker yet)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A worker's step times as measured at one thread count (``step_fit.py``):
+    ``decode``: (rows, seconds) of steps that only decoded, by batch size; a step of
+    prompt tokens takes ``prompt_base_s``, and each token ``token_s + pair_s x`` the
+    tokens it attends (inside a decode step, only the latter). ``decode_steps`` /
+    ``prefill_steps``: recent steps of each kind measured (decayed counts)."""
+
+    decode: tuple[tuple[float, float], ...]
+    prompt_base_s: float
+    token_s: float
+    pair_s: float
+    decode_steps: float = 0.0
+    prefill_steps: float = 0.0
+
+    def decode_s(self, rows: float) -> float:
+        """A step of ``rows`` decoding sequences (interpolated between the batch sizes
+        measured; beyond them, along the last two, or in proportion to one)."""
+        pts = self.decode
+        if not pts:
+            return 0.0
+        if len(pts) == 1:
+            return pts[0][1] * max(rows, 1.0) / pts[0][0] if rows > pts[0][0] else pts[0][1]
+        i = next((i for i in range(1, len(pts) - 1) if rows <= pts[i][0]), len(pts) - 1)
+        (r0, s0), (r1, s1) = pts[i - 1], pts[i]
+        if rows <= r0 or r1 <= r0:
+            return s0 if rows <= r0 else s1
+        return max(0.0, s0 + (s1 - s0) * (rows - r0) / (r1 - r0))
+
+    def prefill_s(self, tokens: int, cached: int) -> float:
+        """What ``tokens`` prompt tokens after ``cached`` ones add to a step."""
+        return tokens * (self.token_s + self.pair_s * (cached + (tokens + 1) / 2))
+
+    def queue_s(self, tokens: int) -> float:
+        """A queue of ``tokens`` prompt tokens of other requests (short contexts)."""
+        return tokens * self.token_s
+
+
+@dataclass(frozen=True)
+class Compute:
+    """A worker's compute: its own and largest thread counts, the node's core-sharing
+    group it lends and borrows in (``core_share.py``; None: none), and its step times
+    by thread count."""
+
+    own_threads: int
+    most_threads: int
+    core_group: str | None
+    costs: dict[int, StepCost] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -26,14 +26,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pdserve.core_share import CoreShare
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.cost import cost_model
-from pdserve.engine.results import RequestOutput
+from pdserve.engine.cost import attended_tokens, cost_model
+from pdserve.engine.results import RequestOutput, StepInfo
 from pdserve.failures import WorkerGone
 from pdserve.kv_transfer import KVLayout, KVReceiver, KVSender
 from pdserve.kv_transfer.sharded import open_channel
 from pdserve.kv_transfer.with_draft import with_draft
 from pdserve.messages import (
+    Compute,
     JoinInfo,
     RequestDelta,
     ServingLimits,
@@ -43,6 +45,7 @@ from pdserve.messages import (
     WorkerMetrics,
 )
 from pdserve.metrics_publisher import MetricsPublisher
+from pdserve.step_fit import StepFit, calibrate
 from pdserve.tensor_parallel import create_engine
 from pdserve.thread_loop import LoopStopped, ThreadLoop
 
@@ -52,7 +55,7 @@ IDLE_WAIT_S = 1.0  # nothing to do: the loop sleeps until a call wakes it (or th
 
 class WorkerLoop:
     def __init__(self, role: str, worker_id: str, model_dir: str | Path,
-                 config: EngineConfig) -> None:
+                 config: EngineConfig, cores: CoreShare | None = None) -> None:
         if config.role != role:
             raise ValueError(f"a {role} worker needs role={role!r}, got {config.role!r}")
         self.loop = ThreadLoop(f"{role}-{worker_id}", self, IDLE_WAIT_S)
@@ -70,8 +73,19 @@ class WorkerLoop:
         self.publisher = MetricsPublisher(
             worker_id, role, self.engine.num_blocks,
             cost_model(self.engine.model_config, config.dtype, config.quantization))
+        # the node's cores, lent and borrowed at step boundaries (core_share.py)
+        self.cores = cores
+        self._lending = False
+        self._threads = config.num_threads or 1  # the last step's
+        self.step_fit = StepFit()  # its step times, for the router's placement
         self.blocks_granted = 0  # by reserve/admit (WorkerLoad.blocks_granted)
         self.metrics_at: tuple[str, int] | None = None  # its /metrics, set by who serves it
+        for threads in sorted({self._threads, cores.own if cores else self._threads},
+                              reverse=True):  # with shared cores: lent, then its own
+            self._on_loop_now(lambda t=threads: calibrate(  # type: ignore[misc]
+                self.engine, lambda: self._calibration_step(t),
+                lambda info: self._fit(info, True), role))
+        self._lend()
         self._load = self._make_load()
 
     def _open_channel(self, role: str, transfer: str,
@@ -149,6 +163,8 @@ class WorkerLoop:
         """Stop the loop, then the engine's other tensor-parallel ranks (if any)."""
         self.loop.stop(timeout)
         self.engine.close()
+        if self.cores is not None:
+            self.cores.close()
 
     # ------------------------------------------------------------- loop side
     def _abort(self, request_id: str) -> None:
@@ -169,7 +185,10 @@ class WorkerLoop:
     def iterate(self) -> None:
         self.engine.check_ranks()  # a lost tensor-parallel rank ends the worker, idle or not
         if self.engine.has_unfinished():
+            self._take_cores()
             self._run_step()
+        else:
+            self._lend()
         self._load = self._make_load()
         self._publish_metrics(force=not self.busy())
 
@@ -177,20 +196,54 @@ class WorkerLoop:
         """One engine step and what the worker does with its outputs."""
         raise NotImplementedError
 
+    def _lend(self) -> None:
+        """Nothing to compute: the node's other workers may use this one's cores."""
+        if self.cores is not None and not self._lending:
+            self._lending = True
+            self.cores.release()
+
+    def _take_cores(self) -> None:
+        if self.cores is not None:
+            self._lending = False
+            self._threads = self.cores.acquire()
+            self.engine.set_num_threads(self._threads)
+
+    def _calibration_step(self, threads: int) -> StepInfo | None:
+        """A step on exactly ``threads`` threads (None: the node's cores do not allow
+        that many now)."""
+        if self.cores is not None:
+            self._lending = False
+            if self.cores.acquire() < threads:
+                return None
+        self._threads = threads
+        self.engine.set_num_threads(threads)
+        return self.engine.step().info
+
+    def _fit(self, info: StepInfo, calibration: bool = False) -> None:
+        self.step_fit.observe(self._threads, info.num_decode, info.num_tokens - info.num_decode,
+                              attended_tokens(info), info.seconds, calibration)
+
     def _step(self) -> list[RequestOutput]:
         """One engine step, recorded in the worker's step metrics when it ran."""
         result = self.engine.step()
-        if result.info is not None:
+        info = result.info
+        if info is not None:
             # logits rows: one per output, one per draft token verified
-            rows = len(result.outputs) + result.info.num_draft_tokens
-            self.publisher.observe_step(result.info, rows)
+            rows = len(result.outputs) + info.num_draft_tokens
+            self.publisher.observe_step(info, rows)
+            self._fit(info)
         return result.outputs
 
     def _make_load(self) -> WorkerLoad:
         e = self.engine.stats()
+        own = self.cores.own if self.cores is not None else self._threads
+        compute = Compute(own, self.engine.config.num_threads or own,
+                          self.cores.group if self.cores is not None else None,
+                          self.step_fit.costs())
         return WorkerLoad(self.worker_id, self.role, self.incarnation, e.num_running,
                           e.num_waiting, e.num_waiting_for_kv, e.num_free_blocks,
-                          e.num_blocks, e.queued_prefill_tokens, self.blocks_granted)
+                          e.num_blocks, e.queued_prefill_tokens, self.blocks_granted,
+                          compute)
 
     def _publish_metrics(self, force: bool = False) -> None:
         self.publisher.publish(self.engine.stats(), self._before_publish, force)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from pdserve.core_share import CoreShare
 from pdserve.engine.config import EngineConfig, ceil_div
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import JoinInfo
@@ -26,8 +27,8 @@ from pdserve.worker_loop import WorkerLoop, delta_of, prefill_stages
 
 class ColocatedWorker(WorkerLoop):
     def __init__(self, worker_id: str, model_dir: str | Path, config: EngineConfig,
-                 host: str = "127.0.0.1") -> None:
-        super().__init__("colocated", worker_id, model_dir, config)
+                 host: str = "127.0.0.1", cores: CoreShare | None = None) -> None:
+        super().__init__("colocated", worker_id, model_dir, config, cores)
         self.outputs = OutputServer(host, f"outputs-{worker_id}", self._abort_orphans)
         self._received: dict[str, float] = {}  # request id -> admitted at (until its first token)
         self.start()

@@ -5,8 +5,8 @@ room -> ``None``), a prefill worker writes the KV into them over the transfer
 channel, and the channel's completion notice (carrying the first token) moves
 the request from WAITING_FOR_KV to running. When the reservation shared all but a
 short suffix of the prompt from this worker's own prefix cache (a conversation's
-next turn) and the router allows it (``local_prefill_max_tokens``), the worker
-computes that suffix itself instead: no prefill worker, no KV moved, the first token
+next turn), or whenever the router chose so (``router/placement.py``), the worker
+computes the rest itself instead: no prefill worker, no KV moved, the first token
 from its own next step. With a draft model (speculative decoding) it reserves the
 draft's blocks for the prompt too, and the request starts once both KVs landed: it
 speculates from its first step. Every engine step's new tokens, for
@@ -32,13 +32,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
+from pdserve.core_share import CoreShare
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.failures import FailReason
 from pdserve.kv_transfer import KVReceiver, RecvEvent
 from pdserve.kv_transfer.driver import ChannelThread
 from pdserve.kv_transfer.with_draft import DraftReceiver
-from pdserve.messages import JoinInfo, RequestDelta, Reservation, Stages, TokenLogprob
+from pdserve.messages import (
+    NO_LOCAL_PREFILL,
+    JoinInfo,
+    LocalPrefill,
+    RequestDelta,
+    Reservation,
+    Stages,
+    TokenLogprob,
+)
 from pdserve.output_stream import OutputServer
 from pdserve.worker_loop import WorkerLoop, delta_of, prefill_stages
 
@@ -48,8 +57,9 @@ log = logging.getLogger("pdserve.decode_worker")
 class DecodeWorker(WorkerLoop):
     def __init__(self, worker_id: str, model_dir: str | Path, config: EngineConfig,
                  transfer: str = "local", transfer_options: dict[str, Any] | None = None,
-                 kv_timeout_s: float = 30.0, host: str = "127.0.0.1") -> None:
-        super().__init__("decode", worker_id, model_dir, config)
+                 kv_timeout_s: float = 30.0, host: str = "127.0.0.1",
+                 cores: CoreShare | None = None) -> None:
+        super().__init__("decode", worker_id, model_dir, config, cores)
         self.kv_timeout_s = kv_timeout_s
         self.receiver = cast(KVReceiver, self._on_loop_now(
             lambda: self._open_channel("recv", transfer, transfer_options)))
@@ -69,16 +79,16 @@ class DecodeWorker(WorkerLoop):
                         self.metrics_at, self.limits())
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
-                      params: SamplingParams, local_prefill_max_tokens: int = 0,
+                      params: SamplingParams, local: LocalPrefill = NO_LOCAL_PREFILL,
                       router_id: str = "") -> Reservation | None:
         """Blocks for the prompt's KV (the leading ones from this worker's own prefix
         cache where it holds the prompt's first blocks: only the rest is sent), or
-        ``None`` when there is no room now. When those shared blocks leave at most
-        ``local_prefill_max_tokens`` of the prompt, this worker computes them itself
+        ``None`` when there is no room now. Where ``local`` applies to what those
+        shared blocks leave of the prompt, this worker computes it itself
         (``Reservation.local``). Fails with ``ValueError`` for a request this worker
         can never serve. Its tokens go to ``router_id``'s output stream."""
         return await self._on_loop(lambda: self._reserve(
-            request_id, prompt_token_ids, params, local_prefill_max_tokens, router_id))
+            request_id, prompt_token_ids, params, local, router_id))
 
     def close(self) -> None:
         self.stop()
@@ -87,15 +97,15 @@ class DecodeWorker(WorkerLoop):
 
     # ------------------------------------------------------------- loop side
     def _reserve(self, rid: str, prompt: Sequence[int], params: SamplingParams,
-                 local_prefill_max_tokens: int, router_id: str) -> Reservation | None:
+                 local: LocalPrefill, router_id: str) -> Reservation | None:
         blocks = self.engine.reserve(rid, prompt, params)
         if blocks is None:
             return None
         self.outputs.assign(rid, router_id)
         reused = self.engine.cached_tokens(rid) // self.engine.block_size
         # (prompt logprobs need every position computed, which only a prefill worker does)
-        if (reused and params.prompt_logprobs is None
-                and len(prompt) - reused * self.engine.block_size <= local_prefill_max_tokens):
+        if (params.prompt_logprobs is None
+                and local.applies(len(prompt) - reused * self.engine.block_size, reused)):
             self.engine.prefill_reserved(rid)
             self._received[rid] = time.monotonic()
             self.publisher.counters.local_prefills += 1

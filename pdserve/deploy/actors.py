@@ -35,13 +35,16 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from pdserve.colocated_worker.worker import ColocatedWorker
+from pdserve.core_share import CoreShare
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.deploy.config import PoolConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.failures import AttemptFailed, FailReason, WorkerGone
 from pdserve.messages import (
+    NO_LOCAL_PREFILL,
     FirstToken,
     JoinInfo,
+    LocalPrefill,
     PrefillResult,
     PrefillTask,
     Reservation,
@@ -111,6 +114,12 @@ def forget_restarts(handle: ray.actor.ActorHandle) -> None:
 
     with contextlib.suppress(Exception):  # Ray gone already: so is the record
         internal_kv._internal_kv_del(restarts_key(handle._actor_id.hex()))
+
+
+def _cores(pool: PoolConfig) -> CoreShare | None:
+    """This worker's place in its node's core sharing, if its pool shares cores."""
+    limits = pool.lends_cores(_device())
+    return CoreShare(*limits) if limits is not None else None
 
 
 def _restart_backoff(settings: ActorSettings) -> None:
@@ -203,7 +212,8 @@ class PrefillActor(_WorkerActor):
         _restart_backoff(settings)
         self.prefill_worker = PrefillWorker(worker_id, model_dir,
                                             pool.engine_config("prefill", _device()),
-                                            settings.transfer, settings.sender_options())
+                                            settings.transfer, settings.sender_options(),
+                                            _cores(pool))
         self._adopt(self.prefill_worker, settings)
 
     async def connect(self, decode_worker: str, endpoint: dict[str, Any]) -> None:
@@ -223,14 +233,15 @@ class DecodeActor(_WorkerActor):
         self.decode_worker = DecodeWorker(worker_id, model_dir,
                                           pool.engine_config("decode", _device()),
                                           settings.transfer, settings.receiver_options(),
-                                          settings.kv_timeout_s, settings.host())
+                                          settings.kv_timeout_s, settings.host(),
+                                          _cores(pool))
         self._adopt(self.decode_worker, settings)
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
-                      params: SamplingParams, local_prefill_max_tokens: int = 0,
+                      params: SamplingParams, local: LocalPrefill = NO_LOCAL_PREFILL,
                       router_id: str = "") -> Reservation | None:
-        return await self.decode_worker.reserve(request_id, prompt_token_ids, params,
-                                                local_prefill_max_tokens, router_id)
+        return await self.decode_worker.reserve(request_id, prompt_token_ids, params, local,
+                                                router_id)
 
 
 class ColocatedActor(_WorkerActor):
@@ -239,7 +250,7 @@ class ColocatedActor(_WorkerActor):
         _restart_backoff(settings)
         self.colocated_worker = ColocatedWorker(worker_id, model_dir,
                                                 pool.engine_config("colocated", _device()),
-                                                settings.host())
+                                                settings.host(), _cores(pool))
         self._adopt(self.colocated_worker, settings)
 
     async def admit(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -318,10 +329,10 @@ class RayWorker:
         return await self._call("handoff", request_id)
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
-                      params: SamplingParams, local_prefill_max_tokens: int = 0,
+                      params: SamplingParams, local: LocalPrefill = NO_LOCAL_PREFILL,
                       router_id: str = "") -> Reservation | None:
         return await self._call("reserve", request_id, list(prompt_token_ids), params,
-                                local_prefill_max_tokens, router_id)
+                                local, router_id)
 
     async def admit(self, request_id: str, prompt_token_ids: Sequence[int],
                     params: SamplingParams, router_id: str = "") -> bool:

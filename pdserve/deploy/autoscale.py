@@ -122,6 +122,10 @@ class MetricsTap:
         if self.inner is not None:
             self.inner.observe_worker(worker, pool, what, in_routing)
 
+    def observe_placement(self, where: str, reason: str) -> None:
+        if self.inner is not None:
+            self.inner.observe_placement(where, reason)
+
     def __getattr__(self, name: str) -> Any:  # anything else the metrics object has
         if name in ("inner", "window"):
             raise AttributeError(name)

@@ -38,6 +38,7 @@ from pdserve.deploy.config import ClusterConfig, PoolConfig
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.gguf_convert import resolve_model
 from pdserve.engine.tokenizer import Tokenizer
+from pdserve.router.placement import Slo
 from pdserve.router.router import Router
 
 log = logging.getLogger("pdserve.deploy")
@@ -269,8 +270,11 @@ class Cluster:
         token_pool = self.config.decode if self.config.decode.workers else self.config.colocated_pool
         max_len = EngineConfig.from_dict(token_pool.engine).resolve_max_model_len(mc)
         router_cfg = dataclasses.replace(self.config.router, block_size=self.config.block_size)
+        cfg = self.config
+        slo = Slo(cfg.ttft_slo_ms / 1e3 if cfg.ttft_slo_ms else None,
+                  cfg.tpot_slo_ms / 1e3 if cfg.tpot_slo_ms else None)
         return Router(self.model_dir.name, Tokenizer.from_dir(self.model_dir), max_len,
-                      self.workers(), router_cfg, metrics)
+                      self.workers(), router_cfg, metrics, slo)
 
     def metrics_targets(self) -> dict[str, tuple[str, int]]:
         """worker id -> (host, port) of its ``/metrics`` (the running incarnation's)."""

@@ -55,6 +55,7 @@ DEPLOYMENT_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 # 256; output 393 / 383, 379 / 384 and 341 / 376 tok/s. One 1024-token prompt alone:
 # 433 / 449 ms at 2048, 454 / 487 at 512; a 3000-token one 2128 / 1974 and 1921 / 1918.
 CPU_PREFILL_STEP_TOKENS = 512
+CORE_SHARING = ("phase", "static")
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,17 @@ class PoolConfig:
     # decode pools takes the other's CPUs, split among its workers; else 0. Its workers
     # spin less between parallel regions (GOMP_SPINCOUNT: deploy/cluster.py).
     shared_cpus: float | None = None
+    # How a pool with shared_cpus uses them (pdserve/core_share.py): "phase" -- its
+    # workers borrow the other pools' cores only while those have nothing to compute,
+    # and give them back at their next step boundary (no two workers' threads on one
+    # core); "static" -- always num_cpus + shared_cpus threads, the OS sharing the cores
+    # between workers that compute together (oversubscribed).
+    core_sharing: str = "phase"
 
     def __post_init__(self) -> None:
+        if self.core_sharing not in CORE_SHARING:
+            raise ValueError(f"core_sharing must be one of {CORE_SHARING}, got "
+                             f"{self.core_sharing!r}")
         if self.workers < 0:
             raise ValueError(f"pool workers must be >= 0, got {self.workers}")
         if self.num_cpus <= 0:
@@ -107,6 +117,15 @@ class PoolConfig:
             self.tensor_parallel_size if cluster_has_gpus else 0)
         return {k: v for k, v in {"CPU": self.num_cpus, "GPU": gpus, **self.resources}.items()
                 if v}
+
+    def lends_cores(self, device: str) -> tuple[int, int] | None:
+        """(own, most) threads of a worker that joins its node's core sharing
+        (``core_sharing: phase`` with cores to borrow, on the CPU, one rank); else None."""
+        if (device != "cpu" or self.core_sharing != "phase" or not self.shared_cpus
+                or self.tensor_parallel_size != 1):
+            return None
+        own = max(1, int(self.num_cpus))
+        return own, own + int(self.shared_cpus)
 
     def engine_config(self, role: str, device: str) -> EngineConfig:
         tp = self.tensor_parallel_size

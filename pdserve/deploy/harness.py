@@ -56,14 +56,7 @@ class Served:
 
     def bench(self, *flags: str, timeout_s: float = 7200) -> dict[str, Any]:
         """One ``pdserve bench`` run (or sweep); its result JSON."""
-        out = self.dir / f"bench-{uuid.uuid4().hex[:8]}.json"
-        done = subprocess.run([*CLI, "bench", "--base-url", self.url, "--disable-tqdm",
-                               "--result-filename", str(out), *flags],
-                              capture_output=True, text=True, timeout=timeout_s)
-        if done.returncode != 0:
-            raise RuntimeError(f"pdserve bench failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
-        result: dict[str, Any] = json.loads(out.read_text())
-        return result
+        return bench(self.url, self.dir, *flags, timeout_s=timeout_s)
 
     def scrape(self, worker: str | None = None) -> str:
         """The router's ``/metrics`` (or a worker's) as text."""
@@ -99,6 +92,61 @@ class Served:
                 continue
 
     def __enter__(self) -> Served:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def bench(url: str, out_dir: Path, *flags: str, timeout_s: float = 7200) -> dict[str, Any]:
+    """One ``pdserve bench`` run (or sweep) against ``url``; its result JSON."""
+    out = out_dir / f"bench-{uuid.uuid4().hex[:8]}.json"
+    done = subprocess.run([*CLI, "bench", "--base-url", url, "--disable-tqdm",
+                           "--result-filename", str(out), *flags],
+                          capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        raise RuntimeError(f"pdserve bench failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+class External:
+    """Another server (a peer such as vLLM) started by ``command`` until ``stop()``;
+    ready once ``url``/v1/models answers."""
+
+    def __init__(self, command: list[str], env: dict[str, str], url: str,
+                 start_timeout_s: float = 900) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="pdserve-peer-"))
+        self.url = url
+        self.log = self.dir / "server.log"
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **env}, start_new_session=True)
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/v1/models", timeout=5):
+                    break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"{command[0]} did not come up:\n"
+                                       f"{self.log.read_text(errors='replace')[-3000:]}") from None
+                time.sleep(1.0)
+
+    def bench(self, *flags: str, timeout_s: float = 7200) -> dict[str, Any]:
+        return bench(self.url, self.dir, *flags, timeout_s=timeout_s)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def __enter__(self) -> External:
         return self
 
     def __exit__(self, *exc: object) -> None:

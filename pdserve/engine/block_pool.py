@@ -158,13 +158,17 @@ class BlockPool:
         self._by_hash[block_hash] = block_id
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (used blocks keep their data)."""
+        """Forget every cached prefix and the prefix-cache counters (used blocks keep
+        their data); with no block in use, the pool is as new."""
         for block in list(self._evictable):
             self._forget_hash(block)
             self._free.append(block)
         self._evictable.clear()
         for block in range(self.num_blocks):
             self._forget_hash(block)
+        if not self.num_used:
+            self._free = deque(range(self.num_blocks))
+        self.prefix_queries = self.prefix_hits = 0
 
     def _forget_hash(self, block: int) -> None:
         h = self._hash[block]

@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+import torch
+
 from pdserve.engine import kernels
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ceil_div
@@ -75,6 +77,7 @@ class LLMEngine:
         "has_request": "reads", "computed_blocks": "reads", "cached_tokens": "reads",
         "stats": "reads", "kv_layout_spec": "reads", "check_integrity": "reads",
         "generate": "made of replicated calls (add_request, step)",
+        "set_num_threads": "each rank's own (core sharing runs without tensor parallelism)",
     }
 
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None,
@@ -378,6 +381,17 @@ class LLMEngine:
     # --------------------------------------------------------------------- step
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    @replicated
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (a new worker's, after its calibration steps)."""
+        self.pool.reset_prefix_cache()
+
+    def set_num_threads(self, n: int) -> None:
+        """The CPU threads of the next steps (on the thread that steps the engine;
+        every kernel gives the same bits at every count). A no-op off the CPU."""
+        if self.config.device == "cpu" and n != torch.get_num_threads():
+            kernels.set_num_threads(n)
 
     @replicated
     def step(self) -> StepOutput:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from pdserve.core_share import CoreShare
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.results import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -74,8 +75,9 @@ class _InFlight:
 
 class PrefillWorker(WorkerLoop):
     def __init__(self, worker_id: str, model_dir: str | Path, config: EngineConfig,
-                 transfer: str = "local", transfer_options: dict[str, Any] | None = None) -> None:
-        super().__init__("prefill", worker_id, model_dir, config)
+                 transfer: str = "local", transfer_options: dict[str, Any] | None = None,
+                 cores: CoreShare | None = None) -> None:
+        super().__init__("prefill", worker_id, model_dir, config, cores)
         self.sender = cast(KVSender, self._on_loop_now(
             lambda: self._open_channel("send", transfer, transfer_options)))
         self.transfer = ChannelThread(self.sender, self._on_send_events,

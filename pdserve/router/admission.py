@@ -28,12 +28,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import SamplingParams, effective_priority
 from pdserve.failures import AttemptFailed, FailReason, WorkerGone
-from pdserve.messages import Reservation
+from pdserve.messages import LocalPrefill, Reservation
+from pdserve.router.placement import (
+    SHARE_WINDOW_S,
+    Decision,
+    DecodeSide,
+    PrefillSide,
+    Slo,
+    decide,
+)
 from pdserve.router.policies import (
     ClusterSnapshot,
     Policy,
@@ -53,10 +63,15 @@ POLL_S = 0.5  # the queue's head retries at least this often, woken or not
 
 @dataclass
 class Target:
-    """Where one attempt's tokens come from."""
+    """Where one attempt's tokens come from, and where its prompt is computed."""
 
     worker: WorkerState  # a decode or colocated worker
     reservation: Reservation | None  # decode: the reserved blocks; colocated: None
+    prefill: WorkerState | None = None  # decode, not local: the prefill worker chosen
+    placement: str = "colocated"  # "local" | "remote" | "colocated" (placement.py)
+    reason: str = "colocated"  # why (placement.REASONS)
+    decision: Decision | None = None  # decode: what the rule predicted
+    uncached: int = 0  # prompt tokens computed for it (local: on the decode worker)
 
 
 class Claims:
@@ -99,7 +114,8 @@ class _Ticket:
 class Admission:
     def __init__(self, workers: WorkerSet, policy: Policy, prefix: PrefixIndex,
                  max_waiting: int, queue_timeout_s: float, block_size: int,
-                 local_prefill_max_tokens: int = 0) -> None:
+                 local_prefill_max_tokens: int = 0, placement: str = "measured",
+                 slo: Slo | None = None) -> None:
         self._workers = workers
         self._policy = policy
         self._prefix = prefix
@@ -111,6 +127,8 @@ class Admission:
         self.queue_timeout_s = queue_timeout_s
         self._block_size = block_size
         self._local_prefill_max_tokens = local_prefill_max_tokens
+        self.placement = placement
+        self.slo = slo or Slo()
         self.claims = Claims()
         self.num_waiting = 0
         self._capacity = asyncio.Event()  # set whenever room may have appeared
@@ -141,7 +159,7 @@ class Admission:
         return self.num_waiting >= self.max_waiting
 
     async def admit(self, attempt_id: str, ids: list[int], params: SamplingParams,
-                    hashes: list[int], deadline: float, avoid: frozenset[str] = frozenset(),
+                    route: RouteInput, deadline: float, avoid: frozenset[str] = frozenset(),
                     ) -> Target:
         """``avoid``: workers this request already failed on (tried last). Waits its
         turn in the queue (module doc) while there is no room."""
@@ -158,8 +176,9 @@ class Admission:
                 head, now = self._head(), time.monotonic()
                 my_turn = head is None or head is ticket or ticket.key(now) < head.key(now)
                 if my_turn:
-                    for w in self.rank(RouteInput(len(ids), hashes), avoid):
-                        target = await self._try(w, attempt_id, ids, params, need)
+                    for w in self.rank(route, avoid):
+                        target = await self._try(w, attempt_id, ids, params, need, route,
+                                                 avoid)
                         if target is not None:
                             return target
                 elif had_turn and head is not None:
@@ -194,20 +213,29 @@ class Admission:
         return min(self._queue, key=lambda t: t.key(now))
 
     async def _try(self, w: WorkerState, attempt_id: str, ids: list[int],
-                   params: SamplingParams, need: int) -> Target | None:
+                   params: SamplingParams, need: int, route: RouteInput,
+                   avoid: frozenset[str]) -> Target | None:
         self.claims.ask(w, need)
         w.outstanding_requests += 1
         granted = False
         try:
             if w.role == "decode":
-                got = await self._workers.call(w, w.decode.reserve(
-                    attempt_id, ids, params, self._local_prefill_max_tokens,
-                    self._workers.router_id))
+                p = self.pick_prefill(w.worker_id, route, avoid)
+                decision, cached = self._decide(w, p, route, params)
+                local = LocalPrefill(self._local_prefill_max_tokens,
+                                     len(ids) - cached if decision.local else 0)
+                # counted before the call: the admissions meanwhile see this one
+                claim = _Claim(w, p, decision, len(ids), local.any_tokens)
+                try:
+                    got = await self._workers.call(w, w.decode.reserve(
+                        attempt_id, ids, params, local, self._workers.router_id))
+                finally:
+                    claim.undo()
                 granted = got is not None
-                return Target(w, got) if granted else None
+                return self._placed(w, p, got, decision, len(ids)) if got is not None else None
             granted = bool(await self._workers.call(w, w.colocated.admit(
                 attempt_id, ids, params, self._workers.router_id)))
-            return Target(w, None) if granted else None
+            return Target(w, None, uncached=len(ids)) if granted else None
         except ValueError as exc:  # the worker can never serve it: the request's fault
             raise RouterError(ErrorKind.INVALID, str(exc)) from exc
         except WorkerGone as exc:
@@ -226,6 +254,35 @@ class Admission:
             if not granted:
                 w.outstanding_requests -= 1
                 self._workers.attempt_ended()
+
+    def _decide(self, d: WorkerState, p: WorkerState | None, route: RouteInput,
+                params: SamplingParams) -> tuple[Decision, int]:
+        """Where the prompt would be computed if ``d`` takes it (placement.py), and the
+        prompt tokens ``d``'s prefix cache is believed to hold."""
+        now, bs = time.monotonic(), self._block_size
+        cached_d = bs * _held(self.token_prefix.view(), route.block_hashes, d.worker_id)
+        cached_p = 0 if p is None else bs * _held(self._prefix.view(), route.block_hashes,
+                                                  p.worker_id)
+        n = d.outstanding_requests - 1  # (this one is counted already)
+        side = DecodeSide(n, d.local_tokens,
+                          d.prompt_time.value(now) / SHARE_WINDOW_S,
+                          d.load.compute if d.load else None)
+        other = None if p is None else PrefillSide(p.outstanding_tokens,
+                                                   p.load.compute if p.load else None)
+        return decide(route.num_prompt_tokens, cached_d, cached_p, side, other, self.slo,
+                      self.placement, params.prompt_logprobs is not None), cached_d
+
+    def _placed(self, d: WorkerState, p: WorkerState | None, r: Reservation,
+                decision: Decision, n: int) -> Target:
+        """A reservation granted on ``d``: where its prompt is computed, counted where
+        the next decisions read it (a prefill worker's leg takes its count over)."""
+        uncached = n - r.reused * self._block_size
+        if r.local:
+            _Claim(d, None, decision, n, uncached, local=True)
+            reason = decision.reason if decision.local else "cached_suffix"
+            return Target(d, r, None, "local", reason, decision, uncached)
+        _Claim(d, p, decision, n, 0, local=False)
+        return Target(d, r, p, "remote", decision.reason, decision, uncached)
 
     def rank(self, req: RouteInput, avoid: frozenset[str] = frozenset()) -> list[WorkerState]:
         """Live token workers in the policy's order of preference (``avoid`` last)."""
@@ -259,3 +316,40 @@ class Admission:
         return WorkerView(w.worker_id, w.outstanding_tokens, w.outstanding_requests,
                           max(0, free), load.num_blocks if load else 1,
                           colocated=w.role == "colocated")
+
+
+def _held(owners: dict[int, str], hashes: Sequence[int], worker_id: str) -> int:
+    """Leading blocks of a prompt the index says ``worker_id`` holds."""
+    n = 0
+    for h in hashes:
+        if owners.get(h) != worker_id:
+            break
+        n += 1
+    return n
+
+
+class _Claim:
+    """What one placement adds to the counts the next decisions read: the prefill
+    worker's queued prompt tokens (remote), the decode worker's own (local), and the
+    decode worker's recent prompt time (either); ``undo`` takes it back."""
+
+    def __init__(self, d: WorkerState, p: WorkerState | None, decision: Decision, n: int,
+                 local_tokens: int, local: bool | None = None) -> None:
+        self.d, self.now = d, time.monotonic()
+        self.local = decision.local if local is None else local
+        self.p = None if self.local else p
+        self.n = n
+        self.local_tokens = local_tokens if self.local else 0
+        stall = decision.stall_local_s if self.local else decision.stall_remote_s
+        self.stall = 0.0 if math.isnan(stall) else stall
+        self._apply(1)
+
+    def _apply(self, sign: int) -> None:
+        self.d.local_tokens += sign * self.local_tokens
+        self.d.prompt_time.add(sign * self.stall, self.now)
+        if self.p is not None:
+            self.p.outstanding_tokens += sign * self.n
+            self.p.outstanding_requests += sign
+
+    def undo(self) -> None:
+        self._apply(-1)

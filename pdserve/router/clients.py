@@ -20,8 +20,10 @@ from typing import Any, Protocol
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import (
+    NO_LOCAL_PREFILL,
     FirstToken,
     JoinInfo,
+    LocalPrefill,
     PrefillResult,
     PrefillTask,
     Reservation,
@@ -48,7 +50,7 @@ class PrefillHandle(WorkerHandle, Protocol):
 
 class DecodeHandle(WorkerHandle, Protocol):
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
-                      params: SamplingParams, local_prefill_max_tokens: int = 0,
+                      params: SamplingParams, local: LocalPrefill = NO_LOCAL_PREFILL,
                       router_id: str = "") -> Reservation | None: ...
 
 

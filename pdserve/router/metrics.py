@@ -36,6 +36,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pdserve.failures import FailReason
+from pdserve.router.placement import REASONS
 from pdserve.router.types import ErrorKind, FinalChunk
 
 ROLE = "router"
@@ -187,6 +188,16 @@ class RouterMetrics:
         )
         for reason in FailReason:
             self._failed.labels(**labels, reason=reason.value)
+        self._placements = Counter(
+            "pdserve_prompt_placements",
+            "Attempts by where their prompt was computed (remote: a prefill worker; local: "
+            "the decode worker; colocated) and why (docs/operations.md, placement).",
+            (*_LABELS, "where", "reason"),
+            registry=registry,
+        )
+        for where, reasons in REASONS.items():
+            for why in reasons:
+                self._placements.labels(**labels, where=where, reason=why)
         self._restarts = Counter(
             "pdserve_worker_restarts",
             "Workers that rejoined routing with a new incarnation (restarted).",
@@ -203,6 +214,10 @@ class RouterMetrics:
 
     def observe_attempt_failed(self, reason: FailReason) -> None:
         self._failed.labels(**self._labels, reason=reason.value).inc()
+
+    def observe_placement(self, where: str, reason: str) -> None:
+        """One attempt admitted: where its prompt is computed, and why."""
+        self._placements.labels(**self._labels, where=where, reason=reason).inc()
 
     def observe_worker(self, worker: str, pool: str, what: str, in_routing: int) -> None:
         """A worker joined, rejoined after a restart ("restarted") or left routing."""

@@ -86,7 +86,7 @@ class Services:
 @dataclass
 class _PrefillLeg:
     """An attempt's prefill call (its first token, then its hand-off), counted against
-    its worker until settled."""
+    its worker (by admission, which chose it) until settled."""
 
     worker: WorkerState
     future: asyncio.Future[FirstToken]  # P.prefill: the first token
@@ -96,10 +96,6 @@ class _PrefillLeg:
     first: FirstToken | None = None  # the future's answer, once taken
     handoff: asyncio.Future[PrefillResult] | None = None  # P.handoff, once the token is in
     settled: bool = False
-
-    def __post_init__(self) -> None:
-        self.worker.outstanding_tokens += self.num_tokens
-        self.worker.outstanding_requests += 1
 
     def settle(self) -> None:
         if not self.settled:
@@ -164,7 +160,7 @@ class RequestRun:
         # its first tokens can reach the router before admit() returns here.
         inbox = s.fanout.open(aid, ())
         try:
-            target = await s.admission.admit(aid, ids, params, hashes, self.deadline, avoid)
+            target = await s.admission.admit(aid, ids, params, route, self.deadline, avoid)
         except BaseException:
             s.fanout.close(aid)
             raise
@@ -172,6 +168,10 @@ class RequestRun:
             self.timings.router_queue = time.monotonic() - self.arrival
         token = target.worker
         inbox.workers = (token.worker_id,)  # its failure now ends the attempt
+        self.timings.placement, self.timings.placement_reason = target.placement, target.reason
+        if s.metrics is not None:
+            s.metrics.observe_placement(target.placement, target.reason)
+        local_pending = target.uncached if target.placement == "local" else 0
         timer = asyncio.get_running_loop().call_later(
             max(0.0, self.deadline - time.monotonic()), inbox.push, _DEADLINE)
         leg: _PrefillLeg | None = None
@@ -179,7 +179,7 @@ class RequestRun:
         try:
             r = target.reservation
             if r is not None and not r.local:  # a decode worker: its KV comes from P
-                p = s.admission.pick_prefill(token.worker_id, route, avoid)
+                p = target.prefill
                 if p is None:
                     raise AttemptFailed(FailReason.NOT_CONNECTED,
                                         f"no prefill worker is connected to {token.worker_id}")
@@ -192,6 +192,9 @@ class RequestRun:
             while True:
                 item = await inbox.get()
                 if isinstance(item, RequestDelta):
+                    if local_pending and (item.token_ids or item.finish_reason):
+                        token.local_tokens -= local_pending  # its prompt is computed
+                        local_pending = 0
                     if item.finish_reason == "error":
                         raise AttemptFailed(item.failure or FailReason.TRANSPORT,
                                             f"{token.worker_id}: {item.error}")
@@ -236,6 +239,7 @@ class RequestRun:
             timer.cancel()
             s.fanout.close(aid)
             token.outstanding_requests -= 1
+            token.local_tokens -= local_pending
             if leg is not None:
                 for fut in (leg.future, leg.handoff):
                     if fut is not None and not fut.done():

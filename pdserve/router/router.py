@@ -34,6 +34,7 @@ from pdserve.router.admission import Admission
 from pdserve.router.clients import WorkerHandle
 from pdserve.router.fanout import Fanout
 from pdserve.router.orchestrator import RequestRun, Services
+from pdserve.router.placement import MODES, Slo
 from pdserve.router.policies import PrefixIndex, get_policy
 from pdserve.router.types import (
     ErrorKind,
@@ -63,9 +64,16 @@ class RouterConfig:
     # (a conversation's next turn) computes them itself: no prefill worker, no KV
     # moved (docs/kv_transfer.md). 0: every prompt goes through a prefill worker.
     local_prefill_max_tokens: int = 64
+    # Where each prompt is computed (router/placement.py): "measured" -- per request, a
+    # prefill worker or the decode worker itself, from the workers' measured step
+    # times, queues and the SLOs; "static" -- always a prefill worker (but for the
+    # rule above): the decision off.
+    placement: str = "measured"
 
     def __post_init__(self) -> None:
         get_policy(self.policy)
+        if self.placement not in MODES:
+            raise ValueError(f"router placement must be one of {MODES}, got {self.placement!r}")
         for name in ("max_waiting", "max_retries", "local_prefill_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"router {name} must be >= 0")
@@ -78,8 +86,9 @@ class RouterConfig:
 class Router:
     def __init__(self, model_name: str, tokenizer: Tokenizer, max_model_len: int,
                  workers: Sequence[WorkerHandle], config: RouterConfig | None = None,
-                 metrics: Any = None) -> None:
-        """``workers``: handles of every worker, any role (``router/clients.py``)."""
+                 metrics: Any = None, slo: Slo | None = None) -> None:
+        """``workers``: handles of every worker, any role (``router/clients.py``);
+        ``slo``: the deployment's targets, which the placement rule serves."""
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -92,7 +101,7 @@ class Router:
         self.prefix = PrefixIndex()
         self.admission = Admission(self.workers, get_policy(cfg.policy), self.prefix,
                                    cfg.max_waiting, cfg.queue_timeout_s, cfg.block_size,
-                                   cfg.local_prefill_max_tokens)
+                                   cfg.local_prefill_max_tokens, cfg.placement, slo)
         self._services = Services(self.workers, self.admission, self.fanout, self.prefix,
                                   tokenizer, cfg.block_size, cfg.max_retries, metrics)
         self._active: set[str] = set()  # request ids in flight (client ids are unique)

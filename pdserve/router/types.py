@@ -78,6 +78,10 @@ class StageTimings:
     kv_transfer: float | None = None  # prefill worker: send started -> acknowledged
     kv_bytes: int | None = None  # prefill worker: KV bytes it sent (the last attempt's)
     decode_queue: float | None = None  # decode worker: KV arrived -> first decode step
+    # where the prompt was computed ("remote": a prefill worker, "local": the decode
+    # worker, "colocated") and why (router/placement.py), for the last attempt
+    placement: str | None = None
+    placement_reason: str | None = None
     ttft: float | None = None  # router: arrival -> first token received
     e2e: float | None = None  # router: arrival -> finished
     # router: gaps between deliveries of tokens (one delivery may carry several: the

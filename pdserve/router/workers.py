@@ -37,6 +37,7 @@ from pdserve.messages import ServingLimits, WorkerLoad
 from pdserve.output_stream import connect_stream
 from pdserve.router.clients import ColocatedHandle, DecodeHandle, PrefillHandle, WorkerHandle
 from pdserve.router.fanout import Fanout
+from pdserve.router.placement import SHARE_WINDOW_S, DecayedSum
 
 log = logging.getLogger("pdserve.router")
 T = TypeVar("T")
@@ -58,6 +59,11 @@ class WorkerState:
     metrics: tuple[str, int] | None = None  # its /metrics
     outstanding_tokens: int = 0  # prefill: prompt tokens dispatched, not yet prefilled
     outstanding_requests: int = 0  # attempts using it
+    # decode workers, for the placement rule (placement.py): the prompt tokens it
+    # computes itself and has not answered yet, and the prompt compute time it was
+    # given lately (decayed)
+    local_tokens: int = 0
+    prompt_time: DecayedSum = field(default_factory=lambda: DecayedSum(SHARE_WINDOW_S))
     restarts: int = 0
     refused: str | None = None  # why its incarnation ``refused_incarnation`` may not join
     refused_incarnation: str | None = None

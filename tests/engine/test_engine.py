@@ -92,6 +92,43 @@ def test_chunked_prefill_equals_unchunked(tiny_model: Callable[[str], Path], bac
     chunked_engine.check_integrity()
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_threads_changing_between_steps_change_no_token(tiny_model: Callable[[str], Path],
+                                                       family: str) -> None:
+    """Core sharing (core_share.py) gives a worker 1 or 2 threads step by step: the
+    same tokens and logprobs as at a fixed count, long contexts (attention split over
+    threads) and chunked prompts included."""
+    if family not in cpu_families(torch.bfloat16):
+        pytest.skip(f"this CPU does not run the {family} GEMM family")
+    path = tiny_model("llama-gqa")
+    kw = {"dtype": "bfloat16", "linear_backend": f"cpu-{family}", "attention_backend": "cpu",
+          "max_num_batched_tokens": 512, "num_threads": 2}
+    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=2, temperature=0.8, seed=5)
+
+    def run(switch: bool) -> list[tuple[list[int], list[object]]]:
+        eng = engine(path, **kw)
+        ps = prompts(4, [1200, 40, 300, 7], eng.model_config.vocab_size, seed=9)
+        for i, prompt in enumerate(ps):
+            eng.add_request(f"r{i}", prompt, params)
+        done: dict[str, tuple[list[int], list[object]]] = {}
+        got: dict[str, list[int]] = {}
+        lps: dict[str, list[object]] = {}
+        for step in range(200):
+            if switch:
+                eng.set_num_threads(1 + step % 2)
+            for out in eng.step().outputs:
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+                lps.setdefault(out.request_id, []).extend(out.logprobs or [])
+                if out.finished:
+                    done[out.request_id] = (got[out.request_id], lps[out.request_id])
+            if not eng.has_unfinished():
+                break
+        torch.set_num_threads(2)
+        return [done[f"r{i}"] for i in range(4)]
+
+    assert run(switch=True) == run(switch=False)
+
+
 @pytest.mark.parametrize(("kind", "family"), [
     *(("linear", f) for f in FAMILIES), *(("attention", f) for f in kernels.ATTENTION_FAMILIES)])
 def test_every_kernel_family_is_batch_invariant(tiny_model: Callable[[str], Path], kind: str,

@@ -53,8 +53,10 @@ class Pair:
             for i in range(n_colocated)]
         tok = self.workers[0].engine.tokenizer
         assert tok is not None
+        # every prompt through a prefill worker unless a test says otherwise: these
+        # tests are of the disaggregated path (test_placement.py: the decision)
         self.router = Router(Path(model).name, tok, 2048, self.workers,
-                             RouterConfig(**router_kw))  # type: ignore[arg-type]
+                             RouterConfig(**{"placement": "static", **router_kw}))  # type: ignore[arg-type]
 
     @property
     def workers(self) -> list[PrefillWorker | DecodeWorker | ColocatedWorker]:

@@ -138,7 +138,8 @@ def test_prometheus_scrapes_a_cluster_under_load(
         "prefill": {"workers": 1, "num_cpus": 1, "engine": {"num_blocks": 256}},
         "decode": {"workers": 1, "num_cpus": 1, "engine": {"num_blocks": 512}},
         # every request through the prefill worker (the KV counts below are per request)
-        "router": {"queue_timeout_s": 60, "local_prefill_max_tokens": 0}, "kv_timeout_s": 30,
+        "router": {"queue_timeout_s": 60, "local_prefill_max_tokens": 0, "placement": "static"},
+        "kv_timeout_s": 30,
     })
     cluster = Cluster(cfg)
     prom = Prometheus(prometheus_bins[1], tmp_path)

@@ -139,11 +139,13 @@ def test_exposition_parses_and_has_no_request_ids() -> None:
         "pdserve_generation_tokens",
         "pdserve_request_retries",
         "pdserve_slo_requests",
+        "pdserve_prompt_placements",
     }
     assert expected <= set(families)
     assert families["pdserve_requests"].type == "counter"
     assert families["pdserve_prefill_seconds"].type == "histogram"
-    allowed = {"model", "role", "status", "slo", "met", "le", "reason", "pool", "worker"}
+    allowed = {"model", "role", "status", "slo", "met", "le", "reason", "pool", "worker",
+               "where"}
     for family in families.values():
         if not family.name.startswith("pdserve_"):
             continue

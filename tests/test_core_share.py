@@ -1,0 +1,94 @@
+"""Phase-aware core sharing (pdserve/core_share.py): an idle worker's cores go to a busy
+one, and come back at the borrower's next step boundary; no two workers' threads are
+granted one core, a dead member's slot lends everything, the wait is bounded."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from pdserve.core_share import CoreShare
+from tests.waiting import until
+
+
+@pytest.fixture
+def group(tmp_path: Path):  # type: ignore[no-untyped-def]
+    made: list[CoreShare] = []
+
+    def member(own: int = 1, most: int = 2, max_wait_s: float = 5.0) -> CoreShare:
+        made.append(CoreShare(own, most, tmp_path / "cores", max_wait_s=max_wait_s))
+        return made[-1]
+
+    yield member
+    for m in made:
+        m.close()
+
+
+def test_an_idle_members_cores_go_to_the_busy_one(group) -> None:  # type: ignore[no-untyped-def]
+    prefill, decode = group(), group()
+    assert decode.acquire() == 2  # prefill has nothing to do: decode takes both
+    decode.release()
+    assert prefill.acquire() == 2  # and the other way round
+    prefill.release()
+
+
+def test_an_owner_gets_its_cores_back_at_the_borrowers_next_step(group) -> None:  # type: ignore[no-untyped-def]
+    prefill, decode = group(), group()
+    assert decode.acquire() == 2  # a long decode step on both cores
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(prefill.acquire()))
+    waiter.start()
+    # prefill waits: its core is in use; it has asked for it back
+    until("prefill to ask for its core", lambda: prefill._read(prefill.slot)[2] == 1)
+    assert not got
+    assert decode.acquire() == 1  # decode's next step boundary: its own core only
+    waiter.join(timeout=10)
+    assert got == [1]
+    assert prefill.waited_s > 0
+    # both busy: each on its own; once prefill is idle again, decode takes both
+    assert decode.acquire() == 1
+    prefill.release()
+    assert decode.acquire() == 2
+
+
+def test_lent_cores_are_dealt_out_whole(group) -> None:  # type: ignore[no-untyped-def]
+    a, b, c = group(1, 3), group(1, 3), group(1, 3)
+    assert a.acquire() == 3  # b and c idle
+    a.release()
+    assert b.acquire() == 3
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(c.acquire()))
+    waiter.start()
+    until("c to ask for its core", lambda: c._read(c.slot)[2] == 1)
+    # b's next step: a's idle core goes to one of the two busy members, never both
+    mine = b.acquire()
+    waiter.join(timeout=10)
+    assert sorted([mine, got[0]]) == [1, 2]
+
+
+def test_the_wait_is_bounded(group) -> None:  # type: ignore[no-untyped-def]
+    hog, late = group(), group(max_wait_s=0.05)
+    assert hog.acquire() == 2  # and never comes back to a step boundary
+    assert late.acquire() == 1  # starts on its own core after max_wait_s
+
+
+def test_a_dead_members_slot_lends_everything(tmp_path: Path) -> None:
+    # a member that died without closing its slot (SIGKILL, a crash)
+    code = (f"from pdserve.core_share import CoreShare; "
+            f"c = CoreShare(1, 2, __import__('pathlib').Path({str(tmp_path / 'cores')!r})); "
+            f"c.acquire(); import os; os._exit(0)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    alive = CoreShare(1, 2, tmp_path / "cores", max_wait_s=5.0)
+    try:
+        assert alive.acquire() == 2
+    finally:
+        alive.close()
+
+
+def test_bad_limits_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="own"):
+        CoreShare(2, 1, tmp_path / "cores")
