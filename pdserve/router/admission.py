@@ -277,6 +277,8 @@ class Admission:
         """A reservation granted on ``d``: where its prompt is computed, counted where
         the next decisions read it (a prefill worker's leg takes its count over)."""
         uncached = n - r.reused * self._block_size
+        import sys
+        print(f"PLACE {time.monotonic():.3f} n={n} local={r.local} {decision.reason} ttftL={decision.ttft_local_s:.3f} ttftR={decision.ttft_remote_s:.3f} stallL={decision.stall_local_s:.3f} stallR={decision.stall_remote_s:.3f} dq={d.local_tokens} pq={p.outstanding_tokens if p else -1} run={d.outstanding_requests} share={d.prompt_time.value(time.monotonic())/2:.2f}", file=sys.stderr, flush=True)
         if r.local:
             _Claim(d, None, decision, n, uncached, local=True)
             reason = decision.reason if decision.local else "cached_suffix"
@@ -330,8 +332,8 @@ def _held(owners: dict[int, str], hashes: Sequence[int], worker_id: str) -> int:
 
 class _Claim:
     """What one placement adds to the counts the next decisions read: the prefill
-    worker's queued prompt tokens (remote), the decode worker's own (local), and the
-    decode worker's recent prompt time (either); ``undo`` takes it back."""
+    worker's queued prompt tokens (remote), or the decode worker's own and its recent
+    prompt time (local); ``undo`` takes it back."""
 
     def __init__(self, d: WorkerState, p: WorkerState | None, decision: Decision, n: int,
                  local_tokens: int, local: bool | None = None) -> None:
@@ -340,7 +342,9 @@ class _Claim:
         self.p = None if self.local else p
         self.n = n
         self.local_tokens = local_tokens if self.local else 0
-        stall = decision.stall_local_s if self.local else decision.stall_remote_s
+        # the decode worker's own prompt time (a prefill worker's slows it too, on a
+        # shared node, but computing there is no choice of this rule's then)
+        stall = decision.stall_local_s if self.local else 0.0
         self.stall = 0.0 if math.isnan(stall) else stall
         self._apply(1)
 
