@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -54,6 +55,8 @@ from pdserve.router.policies import (
 )
 from pdserve.router.types import ErrorKind, RouterError
 from pdserve.router.workers import WorkerSet, WorkerState
+
+log = logging.getLogger("pdserve.router")
 
 # Seconds of waiting worth one priority level (see the module doc); the engine's
 # waiting queue (engine/scheduler.py, which the router may not import) uses the same.
@@ -277,8 +280,11 @@ class Admission:
         """A reservation granted on ``d``: where its prompt is computed, counted where
         the next decisions read it (a prefill worker's leg takes its count over)."""
         uncached = n - r.reused * self._block_size
-        import sys
-        print(f"PLACE {time.monotonic():.3f} n={n} local={r.local} {decision.reason} ttftL={decision.ttft_local_s:.3f} ttftR={decision.ttft_remote_s:.3f} stallL={decision.stall_local_s:.3f} stallR={decision.stall_remote_s:.3f} dq={d.local_tokens} pq={p.outstanding_tokens if p else -1} run={d.outstanding_requests} share={d.prompt_time.value(time.monotonic())/2:.2f}", file=sys.stderr, flush=True)
+        log.debug("placement on %s of %d prompt tokens (%d cached): %s, %s; predicted TTFT "
+                  "local %.3f s, remote %.3f s; decoding requests stalled %.3f / %.3f s",
+                  d.worker_id, n, n - uncached, "local" if r.local else "remote",
+                  decision.reason, decision.ttft_local_s, decision.ttft_remote_s,
+                  decision.stall_local_s, decision.stall_remote_s)
         if r.local:
             _Claim(d, None, decision, n, uncached, local=True)
             reason = decision.reason if decision.local else "cached_suffix"
