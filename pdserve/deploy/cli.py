@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import time
@@ -116,6 +117,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="a decode worker holding all but N tokens of a prompt in its prefix "
                         "cache (a conversation's next turn) computes them itself, no KV "
                         "moved (default 64; 0: always a prefill worker)")
+    p.add_argument("--placement", choices=("measured", "static"), default=None,
+                   help="where each prompt is computed: measured (default) -- per request, "
+                        "a prefill worker or the decode worker itself, from measured costs, "
+                        "queues and the SLOs; static -- a prefill worker (but for the rule "
+                        "above)")
+    p.add_argument("--log-level", choices=("debug", "info", "warning"), default="info",
+                   help="the server's log (debug: every placement decision, with what it "
+                        "predicted)")
     p.add_argument("--config", default=None, help="YAML cluster config (flags override it)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on HTTP and gRPC")
@@ -251,6 +260,7 @@ def _load_cluster_config(args: argparse.Namespace, formats: dict[str, Any]) -> C
         "deployment": getattr(args, "deployment", None),
         "router.policy": getattr(args, "policy", None),
         "router.local_prefill_max_tokens": getattr(args, "local_prefill_max_tokens", None),
+        "router.placement": getattr(args, "placement", None),
         "api_key": getattr(args, "api_key", None),
         "api_key_file": getattr(args, "api_key_file", None),
         "protect_probes": getattr(args, "protect_probes", None),
@@ -290,6 +300,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from pdserve.deploy.serve import serve
 
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level == "debug":  # pdserve's own, not every library's
+        logging.getLogger().setLevel(logging.INFO)
+        logging.getLogger("pdserve").setLevel(logging.DEBUG)
     asyncio.run(serve(_cluster_config(args)))
     # Everything the server started is stopped by now (workers killed, Ray shut
     # down, the targets file removed). The interpreter's own finalization is

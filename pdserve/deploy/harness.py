@@ -29,9 +29,11 @@ CLI = [sys.executable, "-m", "pdserve.deploy.cli"]
 
 
 class Served:
-    """``pdserve serve`` with ``config`` (a ClusterConfig mapping) until ``stop()``."""
+    """``pdserve serve`` with ``config`` (a ClusterConfig mapping) and ``flags`` until
+    ``stop()``."""
 
-    def __init__(self, config: dict[str, Any], start_timeout_s: float = 600) -> None:
+    def __init__(self, config: dict[str, Any], start_timeout_s: float = 600,
+                 flags: tuple[str, ...] = ()) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="pdserve-harness-"))
         (self.dir / "cluster.yaml").write_text(yaml.safe_dump(config))
         self.mark = uuid.uuid4().hex
@@ -41,7 +43,7 @@ class Served:
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
                 [*CLI, "serve", "--config", str(self.dir / "cluster.yaml"), "--http-port", "0",
-                 "--grpc-port", "0"], stdout=out, stderr=subprocess.STDOUT, env=env,
+                 "--grpc-port", "0", *flags], stdout=out, stderr=subprocess.STDOUT, env=env,
                 start_new_session=True)
         deadline = time.monotonic() + start_timeout_s
         while "] serving " not in (text := self.log.read_text(errors="replace")):

@@ -44,6 +44,7 @@ from pdserve.router.placement import (
     PrefillSide,
     Slo,
     decide,
+    learn,
 )
 from pdserve.router.policies import (
     ClusterSnapshot,
@@ -75,6 +76,19 @@ class Target:
     reason: str = "colocated"  # why (placement.REASONS)
     decision: Decision | None = None  # decode: what the rule predicted
     uncached: int = 0  # prompt tokens computed for it (local: on the decode worker)
+    placed_at: float = field(default_factory=time.monotonic)
+    _learnt: bool = False
+
+    def first_token(self) -> None:
+        """The attempt's first token came: the rule learns how long its prompt took
+        against the prediction, on the worker that computed it (once)."""
+        d, self._learnt, learnt = self.decision, True, self._learnt
+        if learnt or d is None or self.placement == ("remote" if d.local else "local"):
+            return  # (a cached suffix the decode worker took itself: not what was predicted)
+        w = self.prefill if self.placement == "remote" else self.worker
+        predicted = d.ttft_remote_s if self.placement == "remote" else d.ttft_local_s
+        if w is not None and math.isfinite(predicted):
+            w.ttft_bias_s = learn(w.ttft_bias_s, predicted, time.monotonic() - self.placed_at)
 
 
 class Claims:
@@ -269,9 +283,10 @@ class Admission:
         n = d.outstanding_requests - 1  # (this one is counted already)
         side = DecodeSide(n, d.local_tokens,
                           d.prompt_time.value(now) / SHARE_WINDOW_S,
-                          d.load.compute if d.load else None)
+                          d.load.compute if d.load else None, d.ttft_bias_s)
         other = None if p is None else PrefillSide(p.outstanding_tokens,
-                                                   p.load.compute if p.load else None)
+                                                   p.load.compute if p.load else None,
+                                                   p.ttft_bias_s)
         return decide(route.num_prompt_tokens, cached_d, cached_p, side, other, self.slo,
                       self.placement, params.prompt_logprobs is not None), cached_d
 

@@ -195,6 +195,7 @@ class RequestRun:
                     if local_pending and (item.token_ids or item.finish_reason):
                         token.local_tokens -= local_pending  # its prompt is computed
                         local_pending = 0
+                        target.first_token()
                     if item.finish_reason == "error":
                         raise AttemptFailed(item.failure or FailReason.TRANSPORT,
                                             f"{token.worker_id}: {item.error}")
@@ -217,6 +218,7 @@ class RequestRun:
                         return
                 elif leg is not None and item is leg.future:
                     first = self._first_done(leg)
+                    target.first_token()
                     if first.token_id is None:  # scored by P: done (D's blocks are aborted)
                         yield RequestDelta(aid, [], finish_reason="length")
                         return

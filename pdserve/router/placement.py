@@ -16,7 +16,9 @@ each worker would have (on a node whose cores P and D share, ``core_share.py``, 
 worker alone computing gets the other's cores too):
 
 * TTFT: the queue ahead of the prompt on that worker, then the prompt itself (local:
-  plus one of D's decode steps, which it shares).
+  plus one of D's decode steps, which it shares), plus what that path's first tokens
+  recently took beyond their predictions (``learn``: the calls, the hops, a worker's
+  first step after an idle spell -- what the step times do not show).
 * ``stall``: seconds added to every request D is decoding. Local: the prompt's whole
   compute time (it runs inside D's steps). Remote: nothing, unless P takes cores D
   would otherwise have: then D's steps run on its own cores for that long, slower by
@@ -70,12 +72,14 @@ class DecodeSide:
     queued_tokens: int  # prompt tokens it computes itself ahead of this request
     prompt_share: float  # share of its recent time spent on prompts (decayed)
     compute: Compute | None
+    ttft_bias_s: float = 0.0  # what its local first tokens took beyond the prediction
 
 
 @dataclass(frozen=True)
 class PrefillSide:
     queued_tokens: int  # prompt tokens dispatched to it, not yet prefilled
     compute: Compute | None
+    ttft_bias_s: float = 0.0  # what its first tokens took beyond the prediction
 
 
 @dataclass(frozen=True)
@@ -114,9 +118,11 @@ def decide(prompt_tokens: int, cached_here: int, cached_remote: int, d: DecodeSi
     # the step a local prompt joins: D's decode step, or a step of its own
     step_now = d_decode.decode_s(b) if b else d_prompt.prompt_base_s
     t_local = d_prompt.prefill_s(max(1, prompt_tokens - cached_here), cached_here)
-    ttft_local = d_prompt.queue_s(d.queued_tokens) + t_local + step_now
+    ttft_local = max(0.0, d_prompt.queue_s(d.queued_tokens) + t_local + step_now
+                     + d.ttft_bias_s)
     t_remote = p_prompt.prefill_s(max(1, prompt_tokens - cached_remote), cached_remote)
-    ttft_remote = p_prompt.queue_s(p.queued_tokens) + t_remote + p_prompt.prompt_base_s
+    ttft_remote = max(0.0, p_prompt.queue_s(p.queued_tokens) + t_remote
+                      + p_prompt.prompt_base_s + p.ttft_bias_s)
     stall_remote = 0.0
     if shared and b and d.compute is not None:
         own = _costs(d.compute, p.compute, d.compute.own_threads)
@@ -194,3 +200,12 @@ class DecayedSum:
     def add(self, x: float, now: float) -> None:
         self._value = self.value(now) + x
         self._at = now
+
+
+BIAS_WEIGHT = 0.25  # a first token's weight in its path's running TTFT correction
+
+
+def learn(bias_s: float, predicted_s: float, took_s: float) -> float:
+    """A path's TTFT correction after one first token that took ``took_s`` from its
+    placement where ``predicted_s`` (the correction included) was predicted."""
+    return bias_s + BIAS_WEIGHT * (took_s - predicted_s)

@@ -64,6 +64,9 @@ class WorkerState:
     # given lately (decayed)
     local_tokens: int = 0
     prompt_time: DecayedSum = field(default_factory=lambda: DecayedSum(SHARE_WINDOW_S))
+    # prefill and decode workers: what the first tokens of prompts computed here took
+    # beyond the rule's prediction (placement.learn)
+    ttft_bias_s: float = 0.0
     restarts: int = 0
     refused: str | None = None  # why its incarnation ``refused_incarnation`` may not join
     refused_incarnation: str | None = None
