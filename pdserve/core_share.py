@@ -18,9 +18,10 @@ it says so (``release``):
 
 The members meet in one small shared-memory file (``path``; by default one per user
 and machine in ``/dev/shm``): one slot per worker process holding its own and
-largest thread counts, whether it has work, the threads it uses now and its pid.
-A slot whose process is gone (or that released) counts as idle; a new worker takes
-a free slot. Reading every slot and writing one's own happens under an exclusive
+largest thread counts, whether it has work, the threads it uses now, and its pid
+with that process's start time (a pid can be reused). A slot whose process is gone
+counts for nothing (its cores are lent), one that released as idle; a new worker
+takes a free slot. Reading every slot and writing one's own happens under an exclusive
 ``flock`` on the file, so two workers waking together cannot both take the same
 lent core. Each call costs a few microseconds.
 
@@ -43,7 +44,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 SLOTS = 64
-_SLOT = struct.Struct("=iiiiq")  # own, most, wants (0/1), in_use, pid
+_SLOT = struct.Struct("=iiiiqq")  # own, most, wants (0/1), in_use, pid, pid's start time
 POLL_S = 0.0005  # how often a waiting owner looks again
 MAX_WAIT_S = 0.5  # an owner never waits longer for its cores than this
 
@@ -53,16 +54,14 @@ def default_path() -> Path:
     return base / f"pdserve-cores-{os.getuid()}"
 
 
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
+def _started(pid: int) -> int:
+    """When process ``pid`` started (clock ticks since boot), 0 if there is none: a
+    slot's pid is its writer only while this matches (pids are reused)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat[stat.rindex(")") + 2:].split()[19])
 
 
 class CoreShare:
@@ -74,6 +73,7 @@ class CoreShare:
             raise ValueError(f"core sharing needs 1 <= own ({own}) <= most ({most})")
         self.own, self.most, self.max_wait_s = own, most, max_wait_s
         self.path = path or default_path()
+        self._started = _started(os.getpid())
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             with self._locked():
@@ -99,16 +99,18 @@ class CoreShare:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def _read(self, i: int) -> tuple[int, int, int, int, int]:
-        own, most, wants, in_use, pid = _SLOT.unpack_from(self._map, i * _SLOT.size)
-        return own, most, wants, in_use, pid
+        """Slot ``i``'s (own, most, wants, in_use, pid); pid 0 when its writer is gone."""
+        own, most, wants, in_use, pid, started = _SLOT.unpack_from(self._map, i * _SLOT.size)
+        alive = pid > 0 and _started(pid) == started
+        return own, most, wants, in_use, pid if alive else 0
 
     def _write(self, wants: int, in_use: int) -> None:
         _SLOT.pack_into(self._map, self.slot * _SLOT.size, self.own, self.most, wants, in_use,
-                        os.getpid())
+                        os.getpid(), self._started)
 
     def _claim(self) -> int:
         for i in range(SLOTS):
-            if not _alive(self._read(i)[4]):
+            if not self._read(i)[4]:
                 self.slot = i
                 self._write(0, 0)
                 return i
@@ -121,7 +123,7 @@ class CoreShare:
             if i == self.slot:
                 continue
             own, most, wants, in_use, pid = self._read(i)
-            if pid and own and _alive(pid):
+            if pid and own:
                 out.append((i, own, most, wants, in_use))
         return out
 
@@ -178,7 +180,7 @@ class CoreShare:
     def close(self) -> None:
         with contextlib.suppress(OSError, ValueError):
             with self._locked():
-                _SLOT.pack_into(self._map, self.slot * _SLOT.size, 0, 0, 0, 0, 0)
+                _SLOT.pack_into(self._map, self.slot * _SLOT.size, 0, 0, 0, 0, 0, 0)
             self._map.close()
         with contextlib.suppress(OSError):
             os.close(self._fd)

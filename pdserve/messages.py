@@ -283,6 +283,11 @@ class WorkerMetrics:
     kv_sends: int = 0  # send calls: one per step that completed blocks, plus the last
     kv_transfer_seconds: float = 0.0
     blocks_in_flight: int = 0  # blocks held for transfers not yet acknowledged
+    # core sharing (core_share.py): the last step's threads, steps run on another
+    # worker's cores too, seconds waited for its own cores back
+    threads: int = 0
+    borrowed_steps: int = 0
+    core_wait_seconds: float = 0.0
     # Per engine step that ran a batch, cumulative (``observe_step``): the step-time and
     # batch histograms keep one count per bucket of the *_BUCKETS bounds plus +Inf (not
     # cumulative across buckets; the exporter sums them). Tuples, replaced on every step,

@@ -246,6 +246,10 @@ class WorkerLoop:
                           compute)
 
     def _publish_metrics(self, force: bool = False) -> None:
+        c = self.publisher.counters
+        c.threads = self._threads
+        if self.cores is not None:
+            c.borrowed_steps, c.core_wait_seconds = self.cores.borrowed_steps, self.cores.waited_s
         self.publisher.publish(self.engine.stats(), self._before_publish, force)
 
     def _before_publish(self, m: WorkerMetrics) -> None:

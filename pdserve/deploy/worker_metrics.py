@@ -62,6 +62,8 @@ GAUGES: list[tuple[str, str, Getter]] = [
      lambda s: s.queued_prefill_tokens),
     ("pdserve_kv_blocks_in_flight", "Blocks held for KV transfers not yet acknowledged.",
      lambda s: s.blocks_in_flight),
+    ("pdserve_engine_threads", "CPU threads of the last engine step (core sharing lends "
+     "a node's idle cores: docs/disaggregation.md).", lambda s: s.threads),
 ]
 COUNTERS: list[tuple[str, str, Getter]] = [
     ("pdserve_prefix_cache_queries", "Prompt blocks looked up in the prefix cache.",
@@ -70,8 +72,8 @@ COUNTERS: list[tuple[str, str, Getter]] = [
      lambda s: s.prefix_hits),
     ("pdserve_num_preemptions", "Requests preempted for recomputation.",
      lambda s: s.num_preemptions),
-    ("pdserve_local_prefills", "Decode: requests whose prompt this worker finished "
-     "computing itself (it held all but a short suffix; no KV was sent).",
+    ("pdserve_local_prefills", "Decode: requests whose prompt this worker computed itself "
+     "(placed here by the router, or all but a short suffix cached; no KV was sent).",
      lambda s: s.local_prefills),
     ("pdserve_spec_decode_num_drafts", "Speculative drafts verified (engine steps in which "
      "a request checked a draft).", lambda s: s.spec_drafts),
@@ -88,6 +90,10 @@ COUNTERS: list[tuple[str, str, Getter]] = [
     ("pdserve_kv_transfer_busy_seconds", "Seconds summed over completed KV transfers "
      "(overlapping transfers add up).", lambda s: s.kv_transfer_seconds),
     ("pdserve_kv_transfer_failures", "KV transfers that failed.", lambda s: s.kv_transfer_failures),
+    ("pdserve_core_borrowed_steps", "Engine steps run on another worker's idle cores too.",
+     lambda s: s.borrowed_steps),
+    ("pdserve_core_wait_seconds", "Seconds spent waiting for this worker's own cores back "
+     "from a borrower (at most one of its steps each time).", lambda s: s.core_wait_seconds),
     ("pdserve_engine_tokens", "Tokens computed by engine steps (prompt chunks + decodes).",
      lambda s: s.tokens_computed),
     ("pdserve_model_flops", "Model FLOPs of the engine steps (efficiency.py cost model).",

@@ -280,8 +280,11 @@ def response_from_item(item: StreamChunk | FinalChunk) -> Any:
         ]
         chunk = pb.TokenChunk(token_ids=item.token_ids, text=item.text, logprobs=logprobs)
         return pb.GenerateResponse(chunk=chunk)
-    timings = {f"{name}_s": getattr(item.timings, name) for name in _TIMING_FIELDS}
+    timings: dict[str, float | str | None] = {
+        f"{name}_s": getattr(item.timings, name) for name in _TIMING_FIELDS}
     timings["tpot_s"] = item.timings.tpot
+    timings["placement"] = item.timings.placement
+    timings["placement_reason"] = item.timings.placement_reason
     final = pb.Final(
         finish_reason=item.finish_reason,
         usage=pb.Usage(

@@ -91,6 +91,7 @@ def test_streams_what_the_engine_computes(pair_factory: Callable[..., Pair],  # 
             t = final.timings
             assert 0 < t.ttft_s <= t.e2e_s and t.prefill_s > 0 and t.tpot_s > 0
             assert t.HasField("kv_transfer_s") and t.HasField("router_queue_s")
+            assert (t.placement, t.placement_reason) == ("remote", "static")
         # Text and chat prompts go through the router's tokenizer and chat template.
         call = stub.Generate(pb.GenerateRequest(request_id="t1", text="hello", params=GREEDY))
         assert dict(await call.initial_metadata())[REQUEST_ID_KEY] == "t1"
