@@ -101,7 +101,7 @@ class CoreShare:
     def _read(self, i: int) -> tuple[int, int, int, int, int]:
         """Slot ``i``'s (own, most, wants, in_use, pid); pid 0 when its writer is gone."""
         own, most, wants, in_use, pid, started = _SLOT.unpack_from(self._map, i * _SLOT.size)
-        alive = pid > 0 and _started(pid) == started
+        alive = 0 < pid < 1 << 22 and started > 0 and _started(pid) == started
         return own, most, wants, in_use, pid if alive else 0
 
     def _write(self, wants: int, in_use: int) -> None:

@@ -187,7 +187,7 @@ class WorkerLoop:
         if self.engine.has_unfinished():
             self._take_cores()
             self._run_step()
-        else:
+        if not self.engine.has_unfinished():  # lent at once, not after the idle wait
             self._lend()
         self._load = self._make_load()
         self._publish_metrics(force=not self.busy())

@@ -92,3 +92,39 @@ def test_a_dead_members_slot_lends_everything(tmp_path: Path) -> None:
 def test_bad_limits_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="own"):
         CoreShare(2, 1, tmp_path / "cores")
+
+
+def test_a_slot_of_no_process_lends_everything(tmp_path: Path) -> None:
+    """A slot whose pid names no process -- or whose bytes are not a slot at all (an
+    older layout of the file) -- counts for nothing."""
+    import struct
+
+    path = tmp_path / "cores"
+    path.write_bytes(struct.pack("=iiiiqq", 1, 2, 23707, 2, 8589934593, 0)
+                     + struct.pack("=iiiiqq", 1, 2, 1, 2, 2**22 - 1, 0) + bytes(64 * 32))
+    alone = CoreShare(1, 2, path, max_wait_s=5.0)
+    try:
+        assert alone.acquire() == 2
+        assert alone.waited_s == 0.0
+    finally:
+        alone.close()
+
+
+def test_a_worker_lends_its_cores_once_its_last_step_is_done(tiny_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Not after its loop's idle wait: until then the other worker would run on its own
+    cores alone."""
+    from pdserve.colocated_worker.worker import ColocatedWorker
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.sampling_params import SamplingParams
+
+    cores = CoreShare(1, 2, tmp_path / "cores")
+    w = ColocatedWorker("colocated-0", tiny_model("llama-gqa"), EngineConfig(
+        role="colocated", num_blocks=64, num_threads=2), cores=cores)
+    try:
+        w.loop.idle_wait_s = 600.0  # an idle loop wakes only for a call
+        assert w.loop.call(lambda: w._admit("r", list(range(3, 40)), SamplingParams(
+            max_tokens=3, ignore_eos=True), "")).result(timeout=30)
+        until("the request to finish", lambda: not w.engine.has_request("r"))
+        until("its cores lent", lambda: cores._read(cores.slot)[2:4] == (0, 0))
+    finally:
+        w.close()
