@@ -28,24 +28,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import logging
-import math
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import SamplingParams, effective_priority
 from pdserve.failures import AttemptFailed, FailReason, WorkerGone
-from pdserve.messages import LocalPrefill, Reservation
-from pdserve.router.placement import (
-    SHARE_WINDOW_S,
-    Decision,
-    DecodeSide,
-    PrefillSide,
-    Slo,
-    decide,
-    learn,
-)
+from pdserve.router.placement import Slo
+from pdserve.router.placing import Placer, Target
 from pdserve.router.policies import (
     ClusterSnapshot,
     Policy,
@@ -57,38 +46,10 @@ from pdserve.router.policies import (
 from pdserve.router.types import ErrorKind, RouterError
 from pdserve.router.workers import WorkerSet, WorkerState
 
-log = logging.getLogger("pdserve.router")
-
 # Seconds of waiting worth one priority level (see the module doc); the engine's
 # waiting queue (engine/scheduler.py, which the router may not import) uses the same.
 POLL_S = 0.5  # the queue's head retries at least this often, woken or not
 
-
-
-@dataclass
-class Target:
-    """Where one attempt's tokens come from, and where its prompt is computed."""
-
-    worker: WorkerState  # a decode or colocated worker
-    reservation: Reservation | None  # decode: the reserved blocks; colocated: None
-    prefill: WorkerState | None = None  # decode, not local: the prefill worker chosen
-    placement: str = "colocated"  # "local" | "remote" | "colocated" (placement.py)
-    reason: str = "colocated"  # why (placement.REASONS)
-    decision: Decision | None = None  # decode: what the rule predicted
-    uncached: int = 0  # prompt tokens computed for it (local: on the decode worker)
-    placed_at: float = field(default_factory=time.monotonic)
-    _learnt: bool = False
-
-    def first_token(self) -> None:
-        """The attempt's first token came: the rule learns how long its prompt took
-        against the prediction, on the worker that computed it (once)."""
-        d, self._learnt, learnt = self.decision, True, self._learnt
-        if learnt or d is None or self.placement == ("remote" if d.local else "local"):
-            return  # (a cached suffix the decode worker took itself: not what was predicted)
-        w = self.prefill if self.placement == "remote" else self.worker
-        predicted = d.ttft_remote_s if self.placement == "remote" else d.ttft_local_s
-        if w is not None and math.isfinite(predicted):
-            w.ttft_bias_s = learn(w.ttft_bias_s, predicted, time.monotonic() - self.placed_at)
 
 
 class Claims:
@@ -143,9 +104,8 @@ class Admission:
         self.max_waiting = max_waiting
         self.queue_timeout_s = queue_timeout_s
         self._block_size = block_size
-        self._local_prefill_max_tokens = local_prefill_max_tokens
-        self.placement = placement
-        self.slo = slo or Slo()
+        self.placer = Placer(prefix, self.token_prefix, block_size, local_prefill_max_tokens,
+                             placement, slo or Slo())
         self.claims = Claims()
         self.num_waiting = 0
         self._capacity = asyncio.Event()  # set whenever room may have appeared
@@ -193,10 +153,15 @@ class Admission:
                 head, now = self._head(), time.monotonic()
                 my_turn = head is None or head is ticket or ticket.key(now) < head.key(now)
                 if my_turn:
-                    for w in self.rank(route, avoid):
+                    ranked, faster = self.placer.order(
+                        self.rank(route, avoid), route, params,
+                        lambda d: self.pick_prefill(d.worker_id, route, avoid))
+                    for w in ranked:
                         target = await self._try(w, attempt_id, ids, params, need, route,
                                                  avoid)
                         if target is not None:
+                            if w is faster:
+                                target.reason = "faster_colocated"
                             return target
                 elif had_turn and head is not None:
                     head.turn.set()  # aging made another the head: hand it the turn
@@ -238,18 +203,14 @@ class Admission:
         try:
             if w.role == "decode":
                 p = self.pick_prefill(w.worker_id, route, avoid)
-                decision, cached = self._decide(w, p, route, params)
-                local = LocalPrefill(self._local_prefill_max_tokens,
-                                     len(ids) - cached if decision.local else 0)
-                # counted before the call: the admissions meanwhile see this one
-                claim = _Claim(w, p, decision, len(ids), local.any_tokens)
-                try:
+                placing = self.placer.prepare(w, p, route, params)
+                try:  # counted before the call: the admissions meanwhile see this one
                     got = await self._workers.call(w, w.decode.reserve(
-                        attempt_id, ids, params, local, self._workers.router_id))
+                        attempt_id, ids, params, placing.local, self._workers.router_id))
                 finally:
-                    claim.undo()
+                    placing.claim.undo()
                 granted = got is not None
-                return self._placed(w, p, got, decision, len(ids)) if got is not None else None
+                return self.placer.placed(placing, got) if got is not None else None
             granted = bool(await self._workers.call(w, w.colocated.admit(
                 attempt_id, ids, params, self._workers.router_id)))
             return Target(w, None, uncached=len(ids)) if granted else None
@@ -271,41 +232,6 @@ class Admission:
             if not granted:
                 w.outstanding_requests -= 1
                 self._workers.attempt_ended()
-
-    def _decide(self, d: WorkerState, p: WorkerState | None, route: RouteInput,
-                params: SamplingParams) -> tuple[Decision, int]:
-        """Where the prompt would be computed if ``d`` takes it (placement.py), and the
-        prompt tokens ``d``'s prefix cache is believed to hold."""
-        now, bs = time.monotonic(), self._block_size
-        cached_d = bs * _held(self.token_prefix.view(), route.block_hashes, d.worker_id)
-        cached_p = 0 if p is None else bs * _held(self._prefix.view(), route.block_hashes,
-                                                  p.worker_id)
-        n = d.outstanding_requests - 1  # (this one is counted already)
-        side = DecodeSide(n, d.local_tokens,
-                          d.prompt_time.value(now) / SHARE_WINDOW_S,
-                          d.load.compute if d.load else None, d.ttft_bias_s)
-        other = None if p is None else PrefillSide(p.outstanding_tokens,
-                                                   p.load.compute if p.load else None,
-                                                   p.ttft_bias_s)
-        return decide(route.num_prompt_tokens, cached_d, cached_p, side, other, self.slo,
-                      self.placement, params.prompt_logprobs is not None), cached_d
-
-    def _placed(self, d: WorkerState, p: WorkerState | None, r: Reservation,
-                decision: Decision, n: int) -> Target:
-        """A reservation granted on ``d``: where its prompt is computed, counted where
-        the next decisions read it (a prefill worker's leg takes its count over)."""
-        uncached = n - r.reused * self._block_size
-        log.debug("placement on %s of %d prompt tokens (%d cached): %s, %s; predicted TTFT "
-                  "local %.3f s, remote %.3f s; decoding requests stalled %.3f / %.3f s",
-                  d.worker_id, n, n - uncached, "local" if r.local else "remote",
-                  decision.reason, decision.ttft_local_s, decision.ttft_remote_s,
-                  decision.stall_local_s, decision.stall_remote_s)
-        if r.local:
-            _Claim(d, None, decision, n, uncached, local=True)
-            reason = decision.reason if decision.local else "cached_suffix"
-            return Target(d, r, None, "local", reason, decision, uncached)
-        _Claim(d, p, decision, n, 0, local=False)
-        return Target(d, r, p, "remote", decision.reason, decision, uncached)
 
     def rank(self, req: RouteInput, avoid: frozenset[str] = frozenset()) -> list[WorkerState]:
         """Live token workers in the policy's order of preference (``avoid`` last)."""
@@ -340,41 +266,3 @@ class Admission:
                           max(0, free), load.num_blocks if load else 1,
                           colocated=w.role == "colocated")
 
-
-def _held(owners: dict[int, str], hashes: Sequence[int], worker_id: str) -> int:
-    """Leading blocks of a prompt the index says ``worker_id`` holds."""
-    n = 0
-    for h in hashes:
-        if owners.get(h) != worker_id:
-            break
-        n += 1
-    return n
-
-
-class _Claim:
-    """What one placement adds to the counts the next decisions read: the prefill
-    worker's queued prompt tokens (remote), or the decode worker's own and its recent
-    prompt time (local); ``undo`` takes it back."""
-
-    def __init__(self, d: WorkerState, p: WorkerState | None, decision: Decision, n: int,
-                 local_tokens: int, local: bool | None = None) -> None:
-        self.d, self.now = d, time.monotonic()
-        self.local = decision.local if local is None else local
-        self.p = None if self.local else p
-        self.n = n
-        self.local_tokens = local_tokens if self.local else 0
-        # the decode worker's own prompt time (a prefill worker's slows it too, on a
-        # shared node, but computing there is no choice of this rule's then)
-        stall = decision.stall_local_s if self.local else 0.0
-        self.stall = 0.0 if math.isnan(stall) else stall
-        self._apply(1)
-
-    def _apply(self, sign: int) -> None:
-        self.d.local_tokens += sign * self.local_tokens
-        self.d.prompt_time.add(sign * self.stall, self.now)
-        if self.p is not None:
-            self.p.outstanding_tokens += sign * self.n
-            self.p.outstanding_requests += sign
-
-    def undo(self) -> None:
-        self._apply(-1)

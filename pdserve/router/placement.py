@@ -54,7 +54,7 @@ STRETCH = 1.5
 REASONS = {
     "local": ("faster_here", "within_ttft_slo", "cached_suffix", "no_prefill_worker"),
     "remote": ("protects_tpot", "faster_remote", "static", "unmeasured", "prompt_logprobs"),
-    "colocated": ("colocated",),
+    "colocated": ("colocated", "faster_colocated"),
 }
 
 
@@ -115,11 +115,7 @@ def decide(prompt_tokens: int, cached_here: int, cached_remote: int, d: DecodeSi
         return Decision(False, "unmeasured")
     (d_decode, d_prompt), (_, p_prompt) = cd, cp
     b = d.running
-    # the step a local prompt joins: D's decode step, or a step of its own
-    step_now = d_decode.decode_s(b) if b else d_prompt.prompt_base_s
-    t_local = d_prompt.prefill_s(max(1, prompt_tokens - cached_here), cached_here)
-    ttft_local = max(0.0, d_prompt.queue_s(d.queued_tokens) + t_local + step_now
-                     + d.ttft_bias_s)
+    ttft_local, t_local, step_now = _local(prompt_tokens, cached_here, d, d_decode, d_prompt)
     t_remote = p_prompt.prefill_s(max(1, prompt_tokens - cached_remote), cached_remote)
     ttft_remote = max(0.0, p_prompt.queue_s(p.queued_tokens) + t_remote
                       + p_prompt.prompt_base_s + p.ttft_bias_s)
@@ -132,8 +128,7 @@ def decide(prompt_tokens: int, cached_here: int, cached_remote: int, d: DecodeSi
             if slow > fast:
                 stall_remote = t_remote * (1 - fast / slow)
     ev = Decision(False, "", ttft_local, ttft_remote, t_local, stall_remote)
-    target = slo.tpot_s if slo.tpot_s is not None else STRETCH * step_now
-    if b and _stretched(d.prompt_share + t_local / SHARE_WINDOW_S, step_now, target):
+    if _stalls_decoding(d, t_local, step_now, slo):
         return _as(ev, False, "protects_tpot")
     if ttft_local <= ttft_remote:
         return _as(ev, True, "faster_here")
@@ -141,6 +136,36 @@ def decide(prompt_tokens: int, cached_here: int, cached_remote: int, d: DecodeSi
         # both in time: no transfer, and batched with the decode step
         return _as(ev, True, "within_ttft_slo")
     return _as(ev, False, "faster_remote")
+
+
+def colocated_first(prompt_tokens: int, cached: int, c: DecodeSide, pair: Decision,
+                    slo: Slo) -> bool:
+    """Where a deployment has both: whether colocated worker ``c`` (the policy's first)
+    should be tried before the decode worker whose decision for this request is
+    ``pair`` -- its first token predicted sooner, and computing the prompt there keeps
+    its decoding requests within their TPOT target."""
+    costs = _costs(c.compute, None, c.compute.most_threads) if c.compute else None
+    pair_ttft = pair.ttft_local_s if pair.local else pair.ttft_remote_s
+    if costs is None or math.isnan(pair_ttft):
+        return False
+    ttft, stall, step = _local(prompt_tokens, cached, c, *costs)
+    return not _stalls_decoding(c, stall, step, slo) and ttft < pair_ttft
+
+
+def _local(prompt_tokens: int, cached: int, d: DecodeSide, decode: StepCost,
+           prompt: StepCost) -> tuple[float, float, float]:
+    """A prompt computed on a token worker: (TTFT, what it adds to its decoding
+    requests, the step it joins -- the decode step, or one of its own)."""
+    step = decode.decode_s(d.running) if d.running else prompt.prompt_base_s
+    stall = prompt.prefill_s(max(1, prompt_tokens - cached), cached)
+    return max(0.0, prompt.queue_s(d.queued_tokens) + stall + step + d.ttft_bias_s), stall, step
+
+
+def _stalls_decoding(d: DecodeSide, stall: float, step: float, slo: Slo) -> bool:
+    """Would ``stall`` more of prompt compute stretch the worker's decoding requests
+    past their TPOT target (``slo.tpot_s``; else ``STRETCH`` x its decode step)?"""
+    target = slo.tpot_s if slo.tpot_s is not None else STRETCH * step
+    return bool(d.running) and _stretched(d.prompt_share + stall / SHARE_WINDOW_S, step, target)
 
 
 def _as(ev: Decision, local: bool, reason: str) -> Decision:

@@ -12,6 +12,7 @@ from pdserve.router.placement import (
     DecodeSide,
     PrefillSide,
     Slo,
+    colocated_first,
     decide,
 )
 
@@ -110,3 +111,21 @@ def test_decayed_sum() -> None:
     assert s.value(12.0) == pytest.approx(0.3679, rel=1e-3)
     s.add(1.0, 12.0)
     assert s.value(12.0) == pytest.approx(1.3679, rel=1e-3)
+
+
+def test_a_colocated_worker_goes_first_when_it_answers_sooner_within_tpot() -> None:
+    pair = decide(300, 0, 0, d(running=8), p(queued=6000), Slo())  # a busy pair: local
+    assert pair.local
+    idle = DecodeSide(0, 0, 0.0, compute(None))
+    assert colocated_first(300, 0, idle, pair, Slo())
+    busy = DecodeSide(12, 2000, 0.0, compute(None))  # its own queue ahead of the prompt
+    assert not colocated_first(300, 0, busy, pair, Slo())
+    # a long prompt would stall the colocated worker's decoding past its TPOT target
+    long_pair = decide(4000, 0, 0, d(running=2), p(queued=20000), Slo())
+    decoding = DecodeSide(8, 0, 0.0, compute(None))
+    assert not colocated_first(4000, 0, decoding, long_pair, Slo())
+    # nothing measured there, or nothing predicted for the pair: the policy's order
+    assert not colocated_first(300, 0, DecodeSide(0, 0, 0.0, Compute(1, 2, None, {})), pair,
+                               Slo())
+    assert not colocated_first(300, 0, idle, decide(300, 0, 0, d(), p(), Slo(), "static"),
+                               Slo())
