@@ -49,6 +49,7 @@ def cluster(tiny_model: Callable[[str], Path]) -> Iterator[Cluster]:
                     "engine": {"num_blocks": 512, "max_num_batched_tokens": 32}},
         "decode": {"workers": 2, "num_cpus": 1, "engine": {"num_blocks": 512}},
         "router": {"queue_timeout_s": 20, "max_retries": 3, "stats_interval_s": 0.1,
+                   "placement": "static",  # faults on the prefill side need prompts there
                    "probe_timeout_s": 0.5, "health_timeout_s": 2},
         "kv_timeout_s": 3, "max_restarts": 10, "restart_backoff_s": 0.1,
     })

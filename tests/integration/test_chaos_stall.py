@@ -38,6 +38,7 @@ def test_a_stall_frees_its_blocks_once_known_not_at_the_kv_timeout(
                     "engine": {"num_blocks": 512, "max_num_batched_tokens": 32}},
         "decode": {"workers": 2, "num_cpus": 1, "engine": {"num_blocks": 512}},
         "router": {"queue_timeout_s": 20, "max_retries": 3, "stats_interval_s": 0.1,
+                   "placement": "static",  # stalls on the prefill side need prompts there
                    "probe_timeout_s": 0.5, "health_timeout_s": 2},
         "kv_timeout_s": 600, "max_restarts": 0,
     })

@@ -33,7 +33,8 @@ def start(model: Path, transfer: str, prefill: int = 1, decode: int = 1,
         "prefill": {"workers": prefill, "num_cpus": 1, "engine": {"num_blocks": 128}},
         "decode": {"workers": decode, "num_cpus": 1,
                    "engine": decode_engine or {"num_blocks": 512}},
-        "router": {"queue_timeout_s": 60, **router},
+        # tests of the disaggregated path: every prompt goes to a prefill worker
+        "router": {"queue_timeout_s": 60, "placement": "static", **router},
         "kv_timeout_s": 10,
     })
     cluster = Cluster(cfg)

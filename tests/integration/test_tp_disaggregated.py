@@ -142,7 +142,7 @@ def test_ray_pools_of_different_tp_and_a_rank_lost(tiny_model: Callable[[str], P
         "prefill": {"workers": 1, "num_cpus": 2, "tensor_parallel_size": 2,
                     "engine": {"num_blocks": 128}},
         "decode": {"workers": 1, "num_cpus": 1, "engine": {"num_blocks": 256}},
-        "router": {"health_timeout_s": 5, "queue_timeout_s": 60}})
+        "router": {"health_timeout_s": 5, "queue_timeout_s": 60, "placement": "static"}})
     cluster = Cluster(cfg)
     cluster.start()
 

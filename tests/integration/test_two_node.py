@@ -138,7 +138,8 @@ class Served(ServeProcess):
                         "engine": {"num_blocks": 128}},
             "decode": {"workers": 1, "num_cpus": 1, "labels": {"pdserve/pool": "decode"},
                        "engine": {"num_blocks": 256}},
-            "router": {"health_timeout_s": 3, "queue_timeout_s": 5, "max_retries": 1},
+            "router": {"health_timeout_s": 3, "queue_timeout_s": 5, "max_retries": 1,
+                       "placement": "static"},  # KV crosses the nodes
         }
         (tmp / "config.yaml").write_text(yaml.safe_dump(config))
         _, env = marked_env()
