@@ -106,6 +106,7 @@ class PrefillTask:
     # decode worker (reserve): its draft model's blocks for the prompt's draft KV, all
     # of it (a draft caches no prefix); []: none is sent
     draft_dst_block_ids: list[int] = field(default_factory=list)
+    trace: dict[str, str] | None = None  # router: its attempt's trace context (tracing.py)
 
 
 @dataclass

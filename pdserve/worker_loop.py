@@ -48,6 +48,7 @@ from pdserve.metrics_publisher import MetricsPublisher
 from pdserve.step_fit import StepFit, calibrate
 from pdserve.tensor_parallel import create_engine
 from pdserve.thread_loop import LoopStopped, ThreadLoop
+from pdserve.tracing import Carrier, Marks, Tracing
 
 T = TypeVar("T")
 IDLE_WAIT_S = 1.0  # nothing to do: the loop sleeps until a call wakes it (or this long)
@@ -55,7 +56,8 @@ IDLE_WAIT_S = 1.0  # nothing to do: the loop sleeps until a call wakes it (or th
 
 class WorkerLoop:
     def __init__(self, role: str, worker_id: str, model_dir: str | Path,
-                 config: EngineConfig, cores: CoreShare | None = None) -> None:
+                 config: EngineConfig, cores: CoreShare | None = None,
+                 tracing: Tracing | None = None) -> None:
         if config.role != role:
             raise ValueError(f"a {role} worker needs role={role!r}, got {config.role!r}")
         self.loop = ThreadLoop(f"{role}-{worker_id}", self, IDLE_WAIT_S)
@@ -78,6 +80,8 @@ class WorkerLoop:
         self._lending = False
         self._threads = config.num_threads or 1  # the last step's
         self.step_fit = StepFit()  # its step times, for the router's placement
+        self.tracing = tracing  # its spans (tracing.py); None: off
+        self.marks: dict[str, Marks] = {}  # request id -> its traced events here
         self.blocks_granted = 0  # by reserve/admit (WorkerLoad.blocks_granted)
         self.metrics_at: tuple[str, int] | None = None  # its /metrics, set by who serves it
         for threads in sorted({self._threads, cores.own if cores else self._threads},
@@ -165,6 +169,8 @@ class WorkerLoop:
         self.engine.close()
         if self.cores is not None:
             self.cores.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()
 
     # ------------------------------------------------------------- loop side
     def _abort(self, request_id: str) -> None:
@@ -195,6 +201,29 @@ class WorkerLoop:
     def _run_step(self) -> None:
         """One engine step and what the worker does with its outputs."""
         raise NotImplementedError
+
+    def _traced(self, request_id: str, carrier: Carrier | None) -> None:
+        """Note a request's events here, for its spans (when traced)."""
+        if self.tracing is not None and carrier is not None:
+            self.marks[request_id] = Marks(self.tracing, carrier, self.worker_id)
+
+    def _trace_outputs(self, outputs: list[RequestOutput]) -> None:
+        """Token workers: the spans of traced requests whose first token or end this
+        step made (``prefill`` for a prompt computed here, ``decode`` at the end)."""
+        if not self.marks:
+            return
+        for out in outputs:
+            marks = self.marks.get(out.request_id)
+            if marks is None:
+                continue
+            if "first_token" not in marks.at:  # its prompt was computed here
+                marks.mark("first_token")
+                marks.span("prefill", "start", prompt_tokens=out.num_prompt_tokens,
+                           cached_tokens=out.num_cached_tokens)
+            if out.finished:
+                marks.span("decode", "first_token", output_tokens=out.num_output_tokens,
+                           finish_reason=out.finish_reason)
+                del self.marks[out.request_id]
 
     def _lend(self) -> None:
         """Nothing to compute: the node's other workers may use this one's cores."""

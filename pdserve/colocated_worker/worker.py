@@ -22,13 +22,15 @@ from pdserve.engine.config import EngineConfig, ceil_div
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import JoinInfo
 from pdserve.output_stream import OutputServer
+from pdserve.tracing import Carrier, Tracing
 from pdserve.worker_loop import WorkerLoop, delta_of, prefill_stages
 
 
 class ColocatedWorker(WorkerLoop):
     def __init__(self, worker_id: str, model_dir: str | Path, config: EngineConfig,
-                 host: str = "127.0.0.1", cores: CoreShare | None = None) -> None:
-        super().__init__("colocated", worker_id, model_dir, config, cores)
+                 host: str = "127.0.0.1", cores: CoreShare | None = None,
+                 tracing: Tracing | None = None) -> None:
+        super().__init__("colocated", worker_id, model_dir, config, cores, tracing)
         self.outputs = OutputServer(host, f"outputs-{worker_id}", self._abort_orphans)
         self._received: dict[str, float] = {}  # request id -> admitted at (until its first token)
         self.start()
@@ -39,12 +41,13 @@ class ColocatedWorker(WorkerLoop):
                         self.limits())
 
     async def admit(self, request_id: str, prompt_token_ids: Sequence[int],
-                    params: SamplingParams, router_id: str = "") -> bool:
+                    params: SamplingParams, router_id: str = "",
+                    trace: Carrier | None = None) -> bool:
         """Queue the request if its prompt fits now (False: no room); its tokens go to
-        ``router_id``'s output stream. Fails with ``ValueError`` for a request this
-        worker can never serve."""
+        ``router_id``'s output stream (``trace``: its attempt's trace context). Fails
+        with ``ValueError`` for a request this worker can never serve."""
         return await self._on_loop(lambda: self._admit(request_id, prompt_token_ids, params,
-                                                       router_id))
+                                                       router_id, trace))
 
     def close(self) -> None:
         self.stop()
@@ -52,15 +55,17 @@ class ColocatedWorker(WorkerLoop):
 
     # ------------------------------------------------------------- loop side
     def _admit(self, rid: str, prompt: Sequence[int], params: SamplingParams,
-               router_id: str) -> bool:
+               router_id: str, trace: Carrier | None = None) -> bool:
         if not self.engine.admit(rid, prompt, params):
             return False
         self.outputs.assign(rid, router_id)
+        self._traced(rid, trace)
         self.blocks_granted += ceil_div(len(prompt), self.engine.block_size)
         self._received[rid] = time.monotonic()
         return True
 
     def _abort(self, rid: str) -> None:
+        self.marks.pop(rid, None)
         self.outputs.forget(rid)
         self._received.pop(rid, None)
         self.engine.abort(rid)
@@ -71,3 +76,4 @@ class ColocatedWorker(WorkerLoop):
         batch = [delta_of(out, prefill_stages(out, self._received.pop(out.request_id, None), now))
                  for out in outputs]
         self.outputs.publish(batch)
+        self._trace_outputs(outputs)

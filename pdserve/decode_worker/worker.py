@@ -49,6 +49,7 @@ from pdserve.messages import (
     TokenLogprob,
 )
 from pdserve.output_stream import OutputServer
+from pdserve.tracing import Carrier, Tracing
 from pdserve.worker_loop import WorkerLoop, delta_of, prefill_stages
 
 log = logging.getLogger("pdserve.decode_worker")
@@ -58,8 +59,8 @@ class DecodeWorker(WorkerLoop):
     def __init__(self, worker_id: str, model_dir: str | Path, config: EngineConfig,
                  transfer: str = "local", transfer_options: dict[str, Any] | None = None,
                  kv_timeout_s: float = 30.0, host: str = "127.0.0.1",
-                 cores: CoreShare | None = None) -> None:
-        super().__init__("decode", worker_id, model_dir, config, cores)
+                 cores: CoreShare | None = None, tracing: Tracing | None = None) -> None:
+        super().__init__("decode", worker_id, model_dir, config, cores, tracing)
         self.kv_timeout_s = kv_timeout_s
         self.receiver = cast(KVReceiver, self._on_loop_now(
             lambda: self._open_channel("recv", transfer, transfer_options)))
@@ -80,15 +81,17 @@ class DecodeWorker(WorkerLoop):
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
                       params: SamplingParams, local: LocalPrefill = NO_LOCAL_PREFILL,
-                      router_id: str = "") -> Reservation | None:
+                      router_id: str = "", trace: Carrier | None = None,
+                      ) -> Reservation | None:
         """Blocks for the prompt's KV (the leading ones from this worker's own prefix
         cache where it holds the prompt's first blocks: only the rest is sent), or
         ``None`` when there is no room now. Where ``local`` applies to what those
         shared blocks leave of the prompt, this worker computes it itself
         (``Reservation.local``). Fails with ``ValueError`` for a request this worker
-        can never serve. Its tokens go to ``router_id``'s output stream."""
+        can never serve. Its tokens go to ``router_id``'s output stream; ``trace``:
+        its attempt's trace context (tracing.py)."""
         return await self._on_loop(lambda: self._reserve(
-            request_id, prompt_token_ids, params, local, router_id))
+            request_id, prompt_token_ids, params, local, router_id, trace))
 
     def close(self) -> None:
         self.stop()
@@ -97,11 +100,13 @@ class DecodeWorker(WorkerLoop):
 
     # ------------------------------------------------------------- loop side
     def _reserve(self, rid: str, prompt: Sequence[int], params: SamplingParams,
-                 local: LocalPrefill, router_id: str) -> Reservation | None:
+                 local: LocalPrefill, router_id: str,
+                 trace: Carrier | None = None) -> Reservation | None:
         blocks = self.engine.reserve(rid, prompt, params)
         if blocks is None:
             return None
         self.outputs.assign(rid, router_id)
+        self._traced(rid, trace)
         reused = self.engine.cached_tokens(rid) // self.engine.block_size
         # (prompt logprobs need every position computed, which only a prefill worker does)
         if (params.prompt_logprobs is None
@@ -124,6 +129,7 @@ class DecodeWorker(WorkerLoop):
             # is checked, not trusted. Never give them to this request; no room now.
             self.engine.abort(rid)
             self.outputs.forget(rid)
+            self.marks.pop(rid, None)
             log.error("decode worker %s: reservation %s refused: %s", self.worker_id, rid, exc)
             return None
         self.transfer.wake()  # poll soon: it may be asleep with nothing pending
@@ -132,6 +138,7 @@ class DecodeWorker(WorkerLoop):
         return Reservation(blocks, reused, draft_blocks=draft)
 
     def _abort(self, rid: str) -> None:
+        self.marks.pop(rid, None)
         self.outputs.forget(rid)
         self._kv_arrived.pop(rid, None)
         self._received.pop(rid, None)
@@ -157,16 +164,22 @@ class DecodeWorker(WorkerLoop):
             if not self.engine.has_request(rid):
                 continue
             if not ev.ok:
+                self.marks.pop(rid, None)
                 self.engine.abort(rid)
                 self.publisher.counters.kv_transfer_failures += 1
                 batch.append(RequestDelta(rid, [], finish_reason="error",
                                           failure=ev.reason or FailReason.TRANSPORT,
                                           error=f"KV transfer failed: {ev.error}"))
                 continue
+            if (marks := self.marks.get(rid)) is not None:  # the first token came with it
+                marks.mark("first_token")
+                marks.span("kv_receive", "start", blocks=len(self.engine.block_ids(rid)))
             notify = ev.notify or {}
             lp = notify.get("logprobs")
             out = self.engine.start_decode(rid, int(notify["first_token"]))
-            if not out.finished:
+            if out.finished:
+                self._trace_outputs([out])
+            else:
                 self._kv_arrived[rid] = when
             batch.append(delta_of(out, logprobs=None if lp is None
                                   else [TokenLogprob.from_json(lp)]))
@@ -185,3 +198,4 @@ class DecodeWorker(WorkerLoop):
                       else prefill_stages(out, self._received.pop(out.request_id, None), now))
             batch.append(delta_of(out, stages))
         self.outputs.publish(batch)
+        self._trace_outputs(outputs)

@@ -53,6 +53,7 @@ from pdserve.messages import (
 )
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.clients import ColocatedHandle, DecodeHandle, PrefillHandle
+from pdserve.tracing import Carrier, Tracing, TracingConfig
 from pdserve.worker_loop import WorkerLoop
 
 MAX_BACKOFF_S = 60.0
@@ -69,6 +70,13 @@ class ActorSettings:
     kv_timeout_s: float
     loopback: bool  # embedded cluster: every listener binds 127.0.0.1
     restart_backoff_s: float
+    tracing: TracingConfig | None = None  # the deployment's traces (None: off)
+
+    def tracer(self, role: str, worker_id: str) -> Tracing | None:
+        """This worker process's tracer (tracing.py), when traces are on."""
+        if self.tracing is None:
+            return None
+        return Tracing(f"pdserve-{role}", self.tracing, {"pdserve.worker": worker_id})
 
     def host(self) -> str:
         return "127.0.0.1" if self.loopback else ray.util.get_node_ip_address()
@@ -213,7 +221,7 @@ class PrefillActor(_WorkerActor):
         self.prefill_worker = PrefillWorker(worker_id, model_dir,
                                             pool.engine_config("prefill", _device()),
                                             settings.transfer, settings.sender_options(),
-                                            _cores(pool))
+                                            _cores(pool), settings.tracer("prefill", worker_id))
         self._adopt(self.prefill_worker, settings)
 
     async def connect(self, decode_worker: str, endpoint: dict[str, Any]) -> None:
@@ -234,14 +242,15 @@ class DecodeActor(_WorkerActor):
                                           pool.engine_config("decode", _device()),
                                           settings.transfer, settings.receiver_options(),
                                           settings.kv_timeout_s, settings.host(),
-                                          _cores(pool))
+                                          _cores(pool), settings.tracer("decode", worker_id))
         self._adopt(self.decode_worker, settings)
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
                       params: SamplingParams, local: LocalPrefill = NO_LOCAL_PREFILL,
-                      router_id: str = "") -> Reservation | None:
+                      router_id: str = "", trace: Carrier | None = None,
+                      ) -> Reservation | None:
         return await self.decode_worker.reserve(request_id, prompt_token_ids, params, local,
-                                                router_id)
+                                                router_id, trace)
 
 
 class ColocatedActor(_WorkerActor):
@@ -250,13 +259,15 @@ class ColocatedActor(_WorkerActor):
         _restart_backoff(settings)
         self.colocated_worker = ColocatedWorker(worker_id, model_dir,
                                                 pool.engine_config("colocated", _device()),
-                                                settings.host(), _cores(pool))
+                                                settings.host(), _cores(pool),
+                                                settings.tracer("colocated", worker_id))
         self._adopt(self.colocated_worker, settings)
 
     async def admit(self, request_id: str, prompt_token_ids: Sequence[int],
-                    params: SamplingParams, router_id: str = "") -> bool:
+                    params: SamplingParams, router_id: str = "",
+                    trace: Carrier | None = None) -> bool:
         return await self.colocated_worker.admit(request_id, prompt_token_ids, params,
-                                                 router_id)
+                                                 router_id, trace)
 
 
 REMOTE: dict[str, Any] = {"prefill": ray.remote(PrefillActor), "decode": ray.remote(DecodeActor),
@@ -330,14 +341,16 @@ class RayWorker:
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
                       params: SamplingParams, local: LocalPrefill = NO_LOCAL_PREFILL,
-                      router_id: str = "") -> Reservation | None:
+                      router_id: str = "", trace: Carrier | None = None,
+                      ) -> Reservation | None:
         return await self._call("reserve", request_id, list(prompt_token_ids), params,
-                                local, router_id)
+                                local, router_id, trace)
 
     async def admit(self, request_id: str, prompt_token_ids: Sequence[int],
-                    params: SamplingParams, router_id: str = "") -> bool:
+                    params: SamplingParams, router_id: str = "",
+                    trace: Carrier | None = None) -> bool:
         return bool(await self._call("admit", request_id, list(prompt_token_ids), params,
-                                     router_id))
+                                     router_id, trace))
 
 
 if TYPE_CHECKING:  # mypy holds every worker class, and the Ray proxy, to what the router calls

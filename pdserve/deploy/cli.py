@@ -138,6 +138,13 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    metavar="S", help="on SIGTERM/SIGINT, stop admitting and give requests in "
                                      "flight this long to finish (default 30; a second signal "
                                      "stops at once)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export OpenTelemetry traces (router, prefill and decode spans of each "
+                        "request) to this OTLP collector (gRPC; OTEL_EXPORTER_OTLP_TRACES_"
+                        "PROTOCOL=http/protobuf for HTTP), as vLLM's flag")
+    p.add_argument("--trace-sample-ratio", type=float, default=None, metavar="R",
+                   help="share of new traces recorded (default 1; a client's traceparent "
+                        "keeps its own decision)")
     p.add_argument("--ttft-slo-ms", type=float, default=None, help="TTFT target for SLO metrics")
     p.add_argument("--tpot-slo-ms", type=float, default=None, help="TPOT target for SLO metrics")
     p.add_argument("--autoscale", action="store_true", default=None,
@@ -266,6 +273,8 @@ def _load_cluster_config(args: argparse.Namespace, formats: dict[str, Any]) -> C
         "protect_probes": getattr(args, "protect_probes", None),
         "file_sd_path": getattr(args, "file_sd", None),
         "ttft_slo_ms": getattr(args, "ttft_slo_ms", None),
+        "otlp_traces_endpoint": getattr(args, "otlp_traces_endpoint", None),
+        "trace_sample_ratio": getattr(args, "trace_sample_ratio", None),
         "shutdown_timeout_s": getattr(args, "shutdown_timeout_s", None),
         "tpot_slo_ms": getattr(args, "tpot_slo_ms", None),
         "autoscale": getattr(args, "autoscale", None),

@@ -40,6 +40,7 @@ from pdserve.engine.gguf_convert import resolve_model
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.placement import Slo
 from pdserve.router.router import Router
+from pdserve.tracing import Tracing
 
 log = logging.getLogger("pdserve.deploy")
 
@@ -169,7 +170,7 @@ class Cluster:
         self._next_index[role] += 1
         cfg = self.config
         settings = ActorSettings(cfg.transfer, cfg.transfer_options, cfg.kv_timeout_s,
-                                 self.loopback, cfg.restart_backoff_s)
+                                 self.loopback, cfg.restart_backoff_s, cfg.tracing)
         name = (f"pdserve-{wid}-{time.time_ns()}" if cfg.deployment is None
                 else f"{cfg.deployment}:{wid}")
         opts = actor_options(self.pools()[role], self._has_gpus, name, cfg.max_restarts,
@@ -273,8 +274,9 @@ class Cluster:
         cfg = self.config
         slo = Slo(cfg.ttft_slo_ms / 1e3 if cfg.ttft_slo_ms else None,
                   cfg.tpot_slo_ms / 1e3 if cfg.tpot_slo_ms else None)
+        tracing = Tracing("pdserve-router", cfg.tracing) if cfg.tracing is not None else None
         return Router(self.model_dir.name, Tokenizer.from_dir(self.model_dir), max_len,
-                      self.workers(), router_cfg, metrics, slo)
+                      self.workers(), router_cfg, metrics, slo, tracing)
 
     def metrics_targets(self) -> dict[str, tuple[str, int]]:
         """worker id -> (host, port) of its ``/metrics`` (the running incarnation's)."""

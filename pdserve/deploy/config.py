@@ -39,6 +39,7 @@ import yaml
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer.sharded import PER_RANK_BACKENDS
 from pdserve.router.router import RouterConfig
+from pdserve.tracing import TracingConfig
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,10 @@ class ClusterConfig:
     file_sd_path: str | None = None  # Prometheus file-SD targets file (None = not written)
     ttft_slo_ms: float | None = None  # SLO targets for the attainment counters
     tpot_slo_ms: float | None = None
+    # OpenTelemetry traces (pdserve/tracing.py): every process of the deployment
+    # exports its spans to this OTLP endpoint (None: off), of this share of requests
+    otlp_traces_endpoint: str | None = None
+    trace_sample_ratio: float = 1.0
     # Autoscaling (pdserve/deploy/autoscale.py): the prefill/decode pools sized to the
     # SLOs above at runtime, within these bounds, every interval.
     autoscale: bool = False
@@ -229,6 +234,7 @@ class ClusterConfig:
                              "format (a hand-off copies blocks as they are), got " + ", ".join(
                                  f"{name} {fmt}" for name, fmt in formats.items())
                              + ": set engine.kv_cache_dtype (and dtype) alike on both")
+        _ = self.tracing  # checks the ratio and the endpoint
         for name in ("ttft_slo_ms", "tpot_slo_ms"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -263,6 +269,14 @@ class ClusterConfig:
                              "hashes blocks by it), got " + ", ".join(
                                  f"{name} {size}" for name, size in sizes.items()))
         return next(iter(sizes.values()), EngineConfig().block_size)
+
+    @property
+    def tracing(self) -> TracingConfig | None:
+        if self.otlp_traces_endpoint is None:
+            if self.trace_sample_ratio != 1.0:
+                raise ValueError("trace_sample_ratio needs otlp_traces_endpoint")
+            return None
+        return TracingConfig(self.otlp_traces_endpoint, self.trace_sample_ratio)
 
     @property
     def prefill_pool(self) -> PoolConfig:

@@ -49,6 +49,7 @@ from pdserve.kv_transfer import KVSender, SendEvent
 from pdserve.kv_transfer.driver import ChannelThread
 from pdserve.kv_transfer.with_draft import DraftSender
 from pdserve.messages import FirstToken, PrefillResult, PrefillTask, TokenLogprob, WorkerMetrics
+from pdserve.tracing import Tracing
 from pdserve.worker_loop import WorkerLoop, prompt_logprobs_of
 
 # A hand-off answer resolved this long ago and not taken was its router's, which died.
@@ -76,8 +77,8 @@ class _InFlight:
 class PrefillWorker(WorkerLoop):
     def __init__(self, worker_id: str, model_dir: str | Path, config: EngineConfig,
                  transfer: str = "local", transfer_options: dict[str, Any] | None = None,
-                 cores: CoreShare | None = None) -> None:
-        super().__init__("prefill", worker_id, model_dir, config, cores)
+                 cores: CoreShare | None = None, tracing: Tracing | None = None) -> None:
+        super().__init__("prefill", worker_id, model_dir, config, cores, tracing)
         self.sender = cast(KVSender, self._on_loop_now(
             lambda: self._open_channel("send", transfer, transfer_options)))
         self.transfer = ChannelThread(self.sender, self._on_send_events,
@@ -116,6 +117,7 @@ class PrefillWorker(WorkerLoop):
                 raise AttemptFailed(FailReason.NOT_CONNECTED,
                                     f"no channel to decode worker {task.decode_worker!r}")
             self.engine.add_request(task.request_id, task.prompt_token_ids, task.params)
+            self._traced(task.request_id, task.trace)
             # Only the loop resolves them from now on: a caller that gives up (cancelling
             # its wrapper) cannot cancel one between a done() check here and the set.
             first.set_running_or_notify_cancel()
@@ -202,10 +204,14 @@ class PrefillWorker(WorkerLoop):
         self._handoffs.pop(rid, None)
         f.future.set_result(PrefillResult(rid, kv_transfer_s=0.0, kv_bytes=0))
         self._answer(f, out, now, None, None, final=True)
+        self.marks.pop(rid, None)
 
     def _answer(self, f: _InFlight, out: RequestOutput, now: float, token: int | None,
                 lp: TokenLogprob | None, final: bool) -> None:
         scheduled = out.first_scheduled_time if out.first_scheduled_time is not None else now
+        if not f.first.done() and (marks := self.marks.get(f.task.request_id)) is not None:
+            marks.span("prefill", "start", prompt_tokens=len(f.task.prompt_token_ids),
+                       cached_tokens=out.num_cached_tokens)
         if not f.first.done():
             f.first.set_result(FirstToken(
                 f.task.request_id, token, lp, final, num_cached_tokens=out.num_cached_tokens,
@@ -230,6 +236,8 @@ class PrefillWorker(WorkerLoop):
         rest of the target's with the first token: the final send."""
         f.final_sent = time.monotonic()
         rid = f.task.request_id
+        if rid in self.marks:
+            self.marks[rid].mark("kv_send")
         blocks = self.engine.block_ids(rid)
         if f.task.draft_dst_block_ids and isinstance(self.sender, DraftSender):
             dst, sender, peer = f.task.draft_dst_block_ids, self.sender, f.peer
@@ -261,8 +269,12 @@ class PrefillWorker(WorkerLoop):
             # being prefilled (a dead peer fails every request sent to it): free it
             # wherever it is.
             self.engine.abort(ev.request_id)
+            marks = self.marks.pop(ev.request_id, None)
             if f is None:
                 continue
+            if marks is not None:
+                marks.span("kv_send", "kv_send", blocks=len(f.pinned), decode_worker=
+                           f.task.decode_worker, failure=None if ev.ok else str(ev.reason))
             self.engine.unpin(f.pinned)
             if not ev.ok:
                 self.publisher.counters.kv_transfer_failures += 1
@@ -286,6 +298,7 @@ class PrefillWorker(WorkerLoop):
                                               nbytes))
 
     def _abort(self, request_id: str) -> None:
+        self.marks.pop(request_id, None)
         f = self._inflight.get(request_id)
         if f is not None and f.pinned:  # sends started: the event ends it (pins, release)
             self.transfer.post(lambda: self.sender.abort(request_id))

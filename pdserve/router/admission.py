@@ -45,6 +45,7 @@ from pdserve.router.policies import (
 )
 from pdserve.router.types import ErrorKind, RouterError
 from pdserve.router.workers import WorkerSet, WorkerState
+from pdserve.tracing import Carrier
 
 # Seconds of waiting worth one priority level (see the module doc); the engine's
 # waiting queue (engine/scheduler.py, which the router may not import) uses the same.
@@ -137,9 +138,10 @@ class Admission:
 
     async def admit(self, attempt_id: str, ids: list[int], params: SamplingParams,
                     route: RouteInput, deadline: float, avoid: frozenset[str] = frozenset(),
-                    ) -> Target:
-        """``avoid``: workers this request already failed on (tried last). Waits its
-        turn in the queue (module doc) while there is no room."""
+                    trace: Carrier | None = None) -> Target:
+        """``avoid``: workers this request already failed on (tried last); ``trace``:
+        the attempt's trace context, for the worker's spans. Waits its turn in the
+        queue (module doc) while there is no room."""
         now = time.monotonic()
         give_up = min(deadline, now + self.queue_timeout_s)
         need = -(-len(ids) // self._block_size)
@@ -158,7 +160,7 @@ class Admission:
                         lambda d: self.pick_prefill(d.worker_id, route, avoid))
                     for w in ranked:
                         target = await self._try(w, attempt_id, ids, params, need, route,
-                                                 avoid)
+                                                 avoid, trace)
                         if target is not None:
                             if w is faster:
                                 target.reason = "faster_colocated"
@@ -196,7 +198,7 @@ class Admission:
 
     async def _try(self, w: WorkerState, attempt_id: str, ids: list[int],
                    params: SamplingParams, need: int, route: RouteInput,
-                   avoid: frozenset[str]) -> Target | None:
+                   avoid: frozenset[str], trace: Carrier | None) -> Target | None:
         self.claims.ask(w, need)
         w.outstanding_requests += 1
         granted = False
@@ -206,13 +208,14 @@ class Admission:
                 placing = self.placer.prepare(w, p, route, params)
                 try:  # counted before the call: the admissions meanwhile see this one
                     got = await self._workers.call(w, w.decode.reserve(
-                        attempt_id, ids, params, placing.local, self._workers.router_id))
+                        attempt_id, ids, params, placing.local, self._workers.router_id,
+                        trace))
                 finally:
                     placing.claim.undo()
                 granted = got is not None
                 return self.placer.placed(placing, got) if got is not None else None
             granted = bool(await self._workers.call(w, w.colocated.admit(
-                attempt_id, ids, params, self._workers.router_id)))
+                attempt_id, ids, params, self._workers.router_id, trace)))
             return Target(w, None, uncached=len(ids)) if granted else None
         except ValueError as exc:  # the worker can never serve it: the request's fault
             raise RouterError(ErrorKind.INVALID, str(exc)) from exc

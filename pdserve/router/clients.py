@@ -29,6 +29,7 @@ from pdserve.messages import (
     Reservation,
     WorkerLoad,
 )
+from pdserve.tracing import Carrier
 
 
 class WorkerHandle(Protocol):
@@ -51,9 +52,11 @@ class PrefillHandle(WorkerHandle, Protocol):
 class DecodeHandle(WorkerHandle, Protocol):
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
                       params: SamplingParams, local: LocalPrefill = NO_LOCAL_PREFILL,
-                      router_id: str = "") -> Reservation | None: ...
+                      router_id: str = "", trace: Carrier | None = None,
+                      ) -> Reservation | None: ...
 
 
 class ColocatedHandle(WorkerHandle, Protocol):
     async def admit(self, request_id: str, prompt_token_ids: Sequence[int],
-                    params: SamplingParams, router_id: str = "") -> bool: ...
+                    params: SamplingParams, router_id: str = "",
+                    trace: Carrier | None = None) -> bool: ...

@@ -77,6 +77,7 @@ from pdserve.router.types import (
     RouterError,
     StreamChunk,
 )
+from pdserve.tracing import trace_headers
 
 logger = logging.getLogger(__name__)
 
@@ -362,7 +363,7 @@ class GenerationServicer:
                                 public_message(ErrorKind.INVALID, str(exc), rid))
             return  # not reached
         await context.send_initial_metadata(((REQUEST_ID_KEY, req.request_id),))
-
+        req.trace = trace_headers(dict(context.invocation_metadata() or ()))
         stream = self._router.generate(req)
         error: RouterError | None = None
         try:

@@ -116,6 +116,7 @@ from pdserve.router.types import (
     StreamChunk,
     Usage,
 )
+from pdserve.tracing import trace_headers
 
 log = logging.getLogger("pdserve.http")
 
@@ -263,6 +264,9 @@ class _Api:
         if rid in self.in_flight:
             raise ApiError(400, error_object(f"request id {rid!r} is already in flight",
                                              param="X-Request-Id"))
+        trace = trace_headers(request.headers)  # the client's trace goes on (tracing.py)
+        for req in reqs:
+            req.trace = trace
         if self.closing:
             raise ApiError.from_router(RouterError(ErrorKind.NOT_READY,
                                                    "the server is shutting down"), rid)

@@ -52,6 +52,7 @@ from pdserve.messages import FirstToken, PrefillResult, PrefillTask, RequestDelt
 from pdserve.router.admission import Admission
 from pdserve.router.fanout import Fanout, Inbox
 from pdserve.router.policies import PrefixIndex, RouteInput
+from pdserve.router.trace import RequestTrace
 from pdserve.router.types import (
     ErrorKind,
     FinalChunk,
@@ -62,6 +63,7 @@ from pdserve.router.types import (
     Usage,
 )
 from pdserve.router.workers import WorkerSet, WorkerState
+from pdserve.tracing import Tracing
 
 log = logging.getLogger("pdserve.router")
 _DEADLINE = object()  # pushed into an attempt's inbox when the request's deadline passes
@@ -80,6 +82,8 @@ class Services:
     block_size: int
     max_retries: int
     metrics: Any = None  # RouterMetrics or None
+    tracing: Tracing | None = None  # tracing.py: None when off
+    model: str = ""  # the served model's name (in traces)
     attempt_ids: itertools.count[int] = field(default_factory=itertools.count)
 
 
@@ -109,6 +113,9 @@ class RequestRun:
                  deadline: float) -> None:
         self.s = s
         self.req = req
+        self.trace = RequestTrace(s.tracing, req.trace, req.request_id, s.model, req.params,
+                                  len(prompt))
+        self._attempts = 0
         self.prompt = prompt
         self.arrival = arrival
         self.deadline = deadline
@@ -124,6 +131,18 @@ class RequestRun:
         self._prompt_logprobs_sent = False
 
     async def stream(self) -> AsyncIterator[StreamChunk | FinalChunk]:
+        final: FinalChunk | None = None
+        try:
+            async for item in self._stream():
+                if isinstance(item, FinalChunk):
+                    final = item
+                yield item
+        except BaseException as exc:  # a failure, the client gone (the stream closed)
+            self.trace.finished(final, None if final is not None else repr(exc))
+            raise
+        self.trace.finished(final)
+
+    async def _stream(self) -> AsyncIterator[StreamChunk | FinalChunk]:
         failures: list[AttemptFailed] = []
         for attempt in range(self.s.max_retries + 1):
             try:
@@ -159,16 +178,25 @@ class RequestRun:
         # Open before admitting: a colocated worker computes as soon as it admits, and
         # its first tokens can reach the router before admit() returns here.
         inbox = s.fanout.open(aid, ())
+        carrier = self.trace.attempt(self._attempts)
+        self._attempts += 1
         try:
-            target = await s.admission.admit(aid, ids, params, route, self.deadline, avoid)
-        except BaseException:
+            target = await s.admission.admit(aid, ids, params, route, self.deadline, avoid,
+                                             carrier)
+        except BaseException as exc:
             s.fanout.close(aid)
+            self.trace.attempt_ended(type(exc).__name__, str(exc))
             raise
         if self.timings.router_queue is None:
             self.timings.router_queue = time.monotonic() - self.arrival
         token = target.worker
         inbox.workers = (token.worker_id,)  # its failure now ends the attempt
         self.timings.placement, self.timings.placement_reason = target.placement, target.reason
+        self.trace.admitted({"pdserve.worker": token.worker_id,
+                             "pdserve.prefill_worker": target.prefill.worker_id
+                             if target.prefill else None,
+                             "pdserve.placement": target.placement,
+                             "pdserve.placement_reason": target.reason})
         if s.metrics is not None:
             s.metrics.observe_placement(target.placement, target.reason)
         local_pending = target.uncached if target.placement == "local" else 0
@@ -184,8 +212,8 @@ class RequestRun:
                     raise AttemptFailed(FailReason.NOT_CONNECTED,
                                         f"no prefill worker is connected to {token.worker_id}")
                 leg = self._start_prefill(p, inbox, PrefillTask(
-                    aid, ids, params, token.worker_id, r.blocks, r.reused, r.draft_blocks),
-                    hashes)
+                    aid, ids, params, token.worker_id, r.blocks, r.reused, r.draft_blocks,
+                    carrier), hashes)
             wants_prompt = params.prompt_logprobs is not None
             first_sent = False  # the client has this attempt's first token, from P
             decoding = False  # the decode worker's first tokens came (its copy of P's first)
@@ -234,10 +262,12 @@ class RequestRun:
                                       f"request {self.req.request_id} passed its deadline")
                 elif isinstance(item, AttemptFailed):
                     raise item
-        except AttemptFailed:
+        except AttemptFailed as exc:
             self._failed_on.update((token.worker_id, *([leg.worker.worker_id] if leg else [])))
+            self.trace.attempt_ended(exc.reason.value, exc.message)
             raise
         finally:
+            self.trace.attempt_ended()
             timer.cancel()
             s.fanout.close(aid)
             token.outstanding_requests -= 1

@@ -45,6 +45,7 @@ from pdserve.router.types import (
     StreamChunk,
 )
 from pdserve.router.workers import HealthConfig, WorkerSet, WorkerState
+from pdserve.tracing import Tracing
 
 log = logging.getLogger("pdserve.router")
 
@@ -86,9 +87,11 @@ class RouterConfig:
 class Router:
     def __init__(self, model_name: str, tokenizer: Tokenizer, max_model_len: int,
                  workers: Sequence[WorkerHandle], config: RouterConfig | None = None,
-                 metrics: Any = None, slo: Slo | None = None) -> None:
+                 metrics: Any = None, slo: Slo | None = None,
+                 tracing: Tracing | None = None) -> None:
         """``workers``: handles of every worker, any role (``router/clients.py``);
-        ``slo``: the deployment's targets, which the placement rule serves."""
+        ``slo``: the deployment's targets, which the placement rule serves;
+        ``tracing``: this process's tracer (pdserve/tracing.py), None: off."""
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -103,7 +106,8 @@ class Router:
                                    cfg.max_waiting, cfg.queue_timeout_s, cfg.block_size,
                                    cfg.local_prefill_max_tokens, cfg.placement, slo)
         self._services = Services(self.workers, self.admission, self.fanout, self.prefix,
-                                  tokenizer, cfg.block_size, cfg.max_retries, metrics)
+                                  tokenizer, cfg.block_size, cfg.max_retries, metrics, tracing,
+                                  model_name)
         self._active: set[str] = set()  # request ids in flight (client ids are unique)
         self._draining = False
         self._idle = asyncio.Event()  # set whenever nothing is in flight
@@ -124,6 +128,8 @@ class Router:
 
     async def stop(self) -> None:
         await self.workers.stop()
+        if self._services.tracing is not None:  # what is left goes out (a few seconds at most)
+            await asyncio.to_thread(self._services.tracing.shutdown)
 
     def ready(self) -> bool:
         return not self._draining and self.workers.ready()

@@ -43,6 +43,9 @@ class GenerateRequest:
     bad_words: tuple[str, ...] = ()
     # Keep the prompt's last N tokens (-1: as many as leave room for max_tokens).
     truncate_prompt_tokens: int | None = None
+    # The client's W3C trace context (traceparent, tracestate): its trace continues
+    # through the router and the workers when tracing is on (pdserve/tracing.py)
+    trace: dict[str, str] | None = None
 
 
 @dataclass
