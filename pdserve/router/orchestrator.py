@@ -136,11 +136,11 @@ class RequestRun:
             async for item in self._stream():
                 if isinstance(item, FinalChunk):
                     final = item
+                    self.trace.finished(final)  # now: a client may stop reading at it
                 yield item
         except BaseException as exc:  # a failure, the client gone (the stream closed)
             self.trace.finished(final, None if final is not None else repr(exc))
             raise
-        self.trace.finished(final)
 
     async def _stream(self) -> AsyncIterator[StreamChunk | FinalChunk]:
         failures: list[AttemptFailed] = []

@@ -36,7 +36,7 @@ class _Service(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self, sink: list[Received], lock: threading.Lock) -> None:
         self.sink, self.lock = sink, lock
 
-    def Export(self, request: Any, context: Any) -> Any:  # noqa: N802 (the proto's name)
+    def Export(self, request: Any, context: Any) -> Any:  # the proto's name
         got = []
         for rs in request.resource_spans:
             resource = _values(rs.resource.attributes)

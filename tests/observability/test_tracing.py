@@ -14,11 +14,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pdserve.decode_worker.worker import DecodeWorker
+from pdserve.deploy.cluster import Cluster
 from pdserve.deploy.config import ClusterConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.router.http_api import build_app, start_http_server
 from pdserve.router.router import Router, RouterConfig
+from pdserve.router.trace import RequestTrace
 from pdserve.router.types import FinalChunk, GenerateRequest
 from pdserve.tracing import Tracing, TracingConfig, trace_headers
 from tests.observability.otlp_receiver import OtlpReceiver, Received
@@ -90,6 +93,7 @@ def test_the_clients_trace_goes_on_through_router_prefill_and_decode(
     finally:
         p.close()
         d.close()
+    # (the client stopped reading at the final chunk: the request's own span ends there)
     until("the spans of all three", lambda: len(receiver.spans(TRACE_ID)) >= 7)
     named = check_one_trace(receiver.spans(TRACE_ID))
     assert {s.resource["service.name"] for s in receiver.spans(TRACE_ID)} == {
@@ -100,10 +104,6 @@ def test_the_clients_trace_goes_on_through_router_prefill_and_decode(
 @pytest.mark.usefixtures("ray_address")
 def test_a_served_request_is_one_trace_over_three_processes(
         tiny_model: Callable[[str], Path], receiver: OtlpReceiver) -> None:
-    from pdserve.deploy.cluster import Cluster
-    from pdserve.router.http_server import start_http_server
-    from pdserve.router.http_api import build_app
-
     cfg = ClusterConfig.from_dict({
         "model": str(tiny_model("llama-gqa")), "transfer": "torch",
         "prefill": {"workers": 1, "num_cpus": 1, "engine": {"num_blocks": 128}},
@@ -147,8 +147,6 @@ def test_a_served_request_is_one_trace_over_three_processes(
 def test_a_request_not_sampled_sends_nothing(
         tiny_model: Callable[[str], Path], receiver: OtlpReceiver) -> None:
     tracing = Tracing("pdserve-router", TracingConfig(receiver.endpoint, sample_ratio=0.0))
-    from pdserve.router.trace import RequestTrace
-
     trace = RequestTrace(tracing, None, "r", "m", GREEDY, 10)
     assert trace.attempt(0) is None  # no context goes to the workers
     trace.finished(None)
