@@ -5,9 +5,10 @@ Two groups:
 * ``pdserve_efficiency`` — MFU, MBU and busy fraction per worker and per pool,
   computed from the workers' counters over 1 minute (formulas in
   ``docs/observability.md``). The dashboards read these.
-* ``pdserve_vllm_compat`` — the same series under vLLM's names (``vllm:...``, with
-  vLLM's ``model_name`` label added), so dashboards and autoscaling rules written for
-  vLLM keep working against a pdserve cluster.
+* ``pdserve_vllm_compat`` — the workers' engine counters under vLLM's names
+  (``vllm:...``, with vLLM's ``model_name`` label added) and two of vLLM's old names.
+  The router serves vLLM's request-level series and per-engine gauges itself
+  (``pdserve/router/vllm_metrics.py``), with no rule.
 
 Run ``python deploy/prometheus/build_rules.py`` after changing it; a test checks
 that the committed file is what this script writes.
@@ -24,21 +25,15 @@ import yaml
 OUT = Path(__file__).resolve().parent / "rules" / "pdserve.rules.yml"
 WINDOW = "1m"
 
-# vLLM histogram name <- pdserve histogram name.
+# vLLM's names the router does not serve natively (pdserve/router/vllm_metrics.py
+# serves the request-level series and the per-engine gauges; a rule for one of those
+# would duplicate it). vLLM histogram name <- pdserve histogram name:
 VLLM_HISTOGRAMS = {
-    "vllm:time_to_first_token_seconds": "pdserve_time_to_first_token_seconds",
-    "vllm:time_per_output_token_seconds": "pdserve_time_per_output_token_seconds",
-    "vllm:request_time_per_output_token_seconds": "pdserve_time_per_output_token_seconds",
-    "vllm:inter_token_latency_seconds": "pdserve_inter_token_latency_seconds",
-    "vllm:e2e_request_latency_seconds": "pdserve_e2e_request_latency_seconds",
-    "vllm:request_queue_time_seconds": "pdserve_request_queue_seconds",
-    "vllm:request_prefill_time_seconds": "pdserve_prefill_seconds",
+    "vllm:time_per_output_token_seconds": "pdserve_time_per_output_token_seconds",  # old name
     "vllm:iteration_tokens_total": "pdserve_batch_tokens",
 }
-# vLLM counter / gauge name <- PromQL over pdserve series.
+# vLLM counter / gauge name <- PromQL over pdserve series (the workers' own).
 VLLM_SERIES = {
-    "vllm:prompt_tokens_total": "pdserve_prompt_tokens_total",
-    "vllm:generation_tokens_total": "pdserve_generation_tokens_total",
     "vllm:num_preemptions_total": "pdserve_num_preemptions_total",
     "vllm:spec_decode_num_drafts_total": "pdserve_spec_decode_num_drafts_total",
     "vllm:spec_decode_num_draft_tokens_total": "pdserve_spec_decode_num_draft_tokens_total",
@@ -48,10 +43,7 @@ VLLM_SERIES = {
     "vllm:prefix_cache_hits_total": "pdserve_prefix_cache_hits_total",
     "vllm:gpu_prefix_cache_queries_total": "pdserve_prefix_cache_queries_total",
     "vllm:gpu_prefix_cache_hits_total": "pdserve_prefix_cache_hits_total",
-    "vllm:num_requests_running": "pdserve_num_requests_running",
-    "vllm:num_requests_waiting": "pdserve_num_requests_waiting",
-    "vllm:kv_cache_usage_perc": "pdserve_kv_cache_usage_ratio",
-    "vllm:gpu_cache_usage_perc": "pdserve_kv_cache_usage_ratio",
+    "vllm:gpu_cache_usage_perc": "pdserve_kv_cache_usage_ratio",  # old name
 }
 
 
@@ -91,10 +83,6 @@ def vllm_rules() -> list[dict[str, Any]]:
             rules.append({"record": vllm + suffix, "expr": _model_name(ours + suffix)})
     for vllm, ours in VLLM_SERIES.items():
         rules.append({"record": vllm, "expr": _model_name(ours)})
-    # vLLM counts finished requests by finished_reason (stop/length/abort).
-    success = ('label_replace(pdserve_requests_total{status=~"stop|length|abort"}, '
-               '"finished_reason", "$1", "status", "(.*)")')
-    rules.append({"record": "vllm:request_success_total", "expr": _model_name(success)})
     return rules
 
 

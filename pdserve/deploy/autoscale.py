@@ -118,6 +118,10 @@ class MetricsTap:
         if self.inner is not None:
             self.inner.observe_attempt_failed(reason)
 
+    def watch(self, max_model_len: int, loads: Any) -> None:
+        if self.inner is not None:
+            self.inner.watch(max_model_len, loads)
+
     def observe_worker(self, worker: str, pool: str, what: str, in_routing: int) -> None:
         if self.inner is not None:
             self.inner.observe_worker(worker, pool, what, in_routing)

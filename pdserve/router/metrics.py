@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from pdserve.failures import FailReason
 from pdserve.router.placement import REASONS
 from pdserve.router.types import ErrorKind, FinalChunk
+from pdserve.router.vllm_metrics import EngineLoads, VllmMetrics
 
 ROLE = "router"
 
@@ -211,6 +212,16 @@ class RouterMetrics:
             registry=registry,
         )
         self._labels = labels
+        self._registry = registry
+        self.vllm: VllmMetrics | None = None  # vLLM's names, once a router serves these
+
+    def watch(self, max_model_len: int, loads: EngineLoads) -> None:
+        """The router these metrics serve: its model length (vLLM's token buckets) and
+        its workers' loads (vLLM's per-engine gauges); vLLM's series start here."""
+        if self.vllm is None:
+            self.vllm = VllmMetrics(self._registry, self.model, max_model_len,
+                                    self.ttft_slo_s, self.tpot_slo_s)
+        self.vllm.watch(loads)
 
     def observe_attempt_failed(self, reason: FailReason) -> None:
         self._failed.labels(**self._labels, reason=reason.value).inc()
@@ -246,6 +257,8 @@ class RouterMetrics:
         if final.num_retries:
             self._retries.inc(final.num_retries)
         self._observe_slo(final)
+        if self.vllm is not None:
+            self.vllm.observe_finished(final)
 
     def observe_rejected(self, kind: ErrorKind) -> None:
         """Record one request that ended with a RouterError instead of a FinalChunk."""
@@ -274,5 +287,8 @@ class RouterMetrics:
 
 
 def metrics_text(registry: CollectorRegistry) -> bytes:
-    """The registry in Prometheus text exposition format (for ``GET /metrics``)."""
+    """The registry in Prometheus text exposition format (for ``GET /metrics``).
+    Always the text format, never negotiated OpenMetrics: prometheus_client 0.26's
+    OpenMetrics encoder escapes the colons of vLLM's names (``vllm:x`` would reach
+    Prometheus as ``vllm_x``; prometheus/client_python#1177)."""
     return generate_latest(registry)

@@ -192,6 +192,7 @@ class RequestRun:
         token = target.worker
         inbox.workers = (token.worker_id,)  # its failure now ends the attempt
         self.timings.placement, self.timings.placement_reason = target.placement, target.reason
+        self.timings.worker = token.worker_id
         self.trace.admitted({"pdserve.worker": token.worker_id,
                              "pdserve.prefill_worker": target.prefill.worker_id
                              if target.prefill else None,

@@ -29,7 +29,7 @@ from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams, request_problem
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.messages import ServingLimits
+from pdserve.messages import ServingLimits, WorkerLoad
 from pdserve.router.admission import Admission
 from pdserve.router.clients import WorkerHandle
 from pdserve.router.fanout import Fanout
@@ -112,6 +112,7 @@ class Router:
         self._draining = False
         self._idle = asyncio.Event()  # set whenever nothing is in flight
         self._idle.set()
+        self.metrics = metrics  # (the setter: the metrics see this router's workers)
 
     @property
     def metrics(self) -> Any:
@@ -121,6 +122,13 @@ class Router:
     @metrics.setter
     def metrics(self, metrics: Any) -> None:
         self._services.metrics = metrics
+        if metrics is not None:
+            metrics.watch(self.max_model_len, self._engine_loads)
+
+    def _engine_loads(self) -> dict[str, WorkerLoad]:
+        """Each worker in routing's last answered load (the metrics' per-engine gauges)."""
+        return {wid: w.load for wid, w in self.workers.workers.items()
+                if w.alive and w.load is not None}
 
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:

@@ -85,6 +85,7 @@ class StageTimings:
     # worker, "colocated") and why (router/placement.py), for the last attempt
     placement: str | None = None
     placement_reason: str | None = None
+    worker: str | None = None  # the worker that streamed its tokens (the last attempt's)
     ttft: float | None = None  # router: arrival -> first token received
     e2e: float | None = None  # router: arrival -> finished
     # router: gaps between deliveries of tokens (one delivery may carry several: the

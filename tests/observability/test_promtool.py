@@ -59,7 +59,6 @@ def test_rules_evaluate_to_the_documented_values(prometheus_bins: tuple[str, str
                                                  tmp_path: Path) -> None:
     w = 'model="m",role="prefill",worker="prefill-0"'
     d = 'model="m",role="decode",worker="decode-0"'
-    r = 'model="m",role="router"'
     # Per 15 s: 6e11 FLOPs and 7.5 busy seconds -> 4e10 FLOP/s over 0.5 busy = 8e10
     # FLOP/s while busy, 80% of a 1e11 peak. Bytes: 1.5e11 / 7.5 s = 2e10 B/s = 20%.
     tests = {"rule_files": [str(RULES)], "evaluation_interval": "15s", "tests": [{
@@ -70,22 +69,18 @@ def test_rules_evaluate_to_the_documented_values(prometheus_bins: tuple[str, str
             {"series": f"pdserve_engine_step_seconds_sum{{{w}}}", "values": "0+7.5x10"},
             {"series": f"pdserve_device_peak_flops{{{w}}}", "values": "1e11x10"},
             {"series": f"pdserve_device_peak_bytes_per_second{{{w}}}", "values": "1e11x10"},
-            {"series": f"pdserve_num_requests_running{{{d}}}", "values": "3x10"},
-            {"series": f'pdserve_requests_total{{{r},status="stop"}}', "values": "0+1x10"},
-            {"series": f'pdserve_requests_total{{{r},status="overloaded"}}', "values": "0+1x10"},
-            {"series": f'pdserve_time_to_first_token_seconds_bucket{{{r},le="+Inf"}}',
-             "values": "0+2x10"},
+            {"series": f"pdserve_num_preemptions_total{{{d}}}", "values": "3x10"},
+            {"series": f"pdserve_kv_cache_usage_ratio{{{d}}}", "values": "0.25x10"},
+            {"series": f'pdserve_batch_tokens_bucket{{{d},le="+Inf"}}', "values": "0+2x10"},
         ],
         "promql_expr_test": [
             _expect("worker:pdserve_mfu_ratio:rate1m", w, 0.8),
             _expect("worker:pdserve_mbu_ratio:rate1m", w, 0.2),
             _expect("worker:pdserve_engine_busy_ratio:rate1m", w, 0.5),
             _expect("pool:pdserve_mfu_ratio:rate1m", 'model="m",role="prefill"', 0.8),
-            _expect("vllm:num_requests_running", d + ',model_name="m"', 3),
-            _expect("vllm:request_success_total",
-                    r + ',status="stop",finished_reason="stop",model_name="m"', 8),
-            _expect("vllm:time_to_first_token_seconds_bucket", r + ',le="+Inf",model_name="m"',
-                    16),
+            _expect("vllm:num_preemptions_total", d + ',model_name="m"', 3),
+            _expect("vllm:gpu_cache_usage_perc", d + ',model_name="m"', 0.25),
+            _expect("vllm:iteration_tokens_total_bucket", d + ',le="+Inf",model_name="m"', 16),
         ],
     }]}
     path = tmp_path / "rules_test.yml"

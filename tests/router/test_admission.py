@@ -36,7 +36,7 @@ class ScriptedWorker:
         self.hold: asyncio.Event | None = None  # set: every admit call waits for it
 
     async def admit(self, attempt_id: str, ids: list[int], params: SamplingParams,
-                    router_id: str = "") -> bool:
+                    router_id: str = "", trace: Any = None) -> bool:
         self.calls += 1
         self.in_flight += 1
         try:

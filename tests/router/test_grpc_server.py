@@ -390,6 +390,9 @@ class _WriteFailsContext:
     def time_remaining(self) -> float | None:
         return None
 
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return ()
+
     async def send_initial_metadata(self, metadata: Any) -> None:
         pass
 

@@ -1,0 +1,76 @@
+"""vLLM's names on the router's /metrics (router/vllm_metrics.py): vLLM's bounds with
+the SLO targets among them, each request's stages under vLLM's meanings, and the
+per-engine gauges read from the workers' loads at scrape time."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry
+from pytest import approx
+
+from pdserve.messages import WorkerLoad
+from pdserve.router.metrics import RouterMetrics
+from pdserve.router.types import FinalChunk, StageTimings, Usage
+from pdserve.router.vllm_metrics import TTFT_BUCKETS, token_buckets, with_targets
+
+M = {"model_name": "tiny", "engine": "decode-0"}
+
+
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float | None:
+    return registry.get_sample_value(name, {**M, **labels})
+
+
+def test_bounds_are_vllms_with_the_targets_among_them() -> None:
+    assert token_buckets(2048) == (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000)
+    assert token_buckets(1000)[-1] == 1000
+    bounds = with_targets(TTFT_BUCKETS, 0.3, None)
+    assert 0.3 in bounds and set(TTFT_BUCKETS) <= set(bounds) and list(bounds) == sorted(bounds)
+    assert with_targets(TTFT_BUCKETS, 1.0) == TTFT_BUCKETS  # already a bound: once
+
+
+def finished(placement: str, cached: int = 0) -> FinalChunk:
+    t = StageTimings(router_queue=0.1, prefill_queue=0.2, ttft=0.5, e2e=2.5,
+                     inter_token=[0.2] * 10, tokens_after_first=10, placement=placement,
+                     worker="decode-0")
+    return FinalChunk("length", Usage(100, 11, cached), timings=t)
+
+
+def test_a_request_under_vllms_meanings() -> None:
+    registry = CollectorRegistry()
+    metrics = RouterMetrics(registry, "tiny", ttft_slo_s=0.3, tpot_slo_s=0.25)
+    metrics.observe_finished(finished("remote"))
+    assert value(registry, "vllm:time_to_first_token_seconds_count") is None  # not served yet
+    metrics.watch(4096, dict)
+    metrics.observe_finished(finished("remote"))
+    metrics.observe_finished(finished("local", cached=64))
+    assert value(registry, "vllm:time_to_first_token_seconds_count") == 2
+    # the SLO tile's bucket: TTFT 0.5 s misses a 0.3 s target, TPOT 0.2 s meets 0.25 s
+    assert value(registry, "vllm:time_to_first_token_seconds_bucket", le="0.3") == 0
+    assert value(registry, "vllm:request_time_per_output_token_seconds_bucket", le="0.25") == 2
+    assert value(registry, "vllm:inter_token_latency_seconds_count") == 20
+    # queue: router + prefill worker; prefill: the rest of the TTFT; decode: after it
+    for stage, seconds in (("queue", 0.6), ("prefill", 0.4), ("decode", 4.0), ("inference", 4.4)):
+        assert value(registry, f"vllm:request_{stage}_time_seconds_sum") == approx(seconds)
+    # prompt tokens by source: moved from a prefill worker, computed here, from the cache
+    assert value(registry, "vllm:prompt_tokens_by_source_total",
+                 source="external_kv_transfer") == 100
+    assert value(registry, "vllm:prompt_tokens_by_source_total", source="local_compute") == 36
+    assert value(registry, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") == 64
+    assert value(registry, "vllm:prompt_tokens_cached_total") == 64
+    assert value(registry, "vllm:prompt_tokens_total") == 200
+    assert value(registry, "vllm:generation_tokens_total") == 22
+    assert value(registry, "vllm:request_success_total", finished_reason="length") == 2
+    assert value(registry, "vllm:request_prompt_tokens_bucket", le="100.0") == 2
+
+
+def test_engine_gauges_are_the_loads_at_scrape_time() -> None:
+    registry = CollectorRegistry()
+    metrics = RouterMetrics(registry, "tiny")
+    loads: dict[str, WorkerLoad] = {}
+    metrics.watch(2048, lambda: loads)
+    assert value(registry, "vllm:num_requests_running") is None
+    loads["decode-0"] = WorkerLoad("decode-0", "decode", "i", num_running=3, num_waiting=1,
+                                   num_waiting_for_kv=2, num_free_blocks=25, num_blocks=100,
+                                   queued_prefill_tokens=0)
+    assert value(registry, "vllm:num_requests_running") == 3
+    assert value(registry, "vllm:num_requests_waiting") == 3
+    assert value(registry, "vllm:kv_cache_usage_perc") == 0.75
