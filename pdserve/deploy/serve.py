@@ -93,7 +93,8 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
         base = f"http://{_url_host(cfg.host)}:{http_port}"
         _progress(f"gRPC   {cfg.host}:{grpc_port} (pdserve.v1.Generation, grpc.health.v1)")
         _progress(f"HTTP   {base}/v1 (OpenAI: /v1/completions, /v1/chat/completions, "
-                  f"/v1/models{f'; {len(keys)} Bearer key(s) required' if keys else ''})")
+                  f"/v1/responses, /v1/models; vLLM's /tokenize, /detokenize"
+                  f"{f'; {len(keys)} Bearer key(s) required' if keys else ''})")
         _progress(f"HTTP   {base}/health, {base}/metrics (router; "
                   f"{'key required' if keys and cfg.protect_probes else 'open'})")
         _progress(f"HTTP   {base}/admin/workers, {base}/admin/scale (pdserve workers, pdserve "

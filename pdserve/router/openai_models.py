@@ -188,7 +188,8 @@ class MessageToolCall(Body):
 
 
 class ChatMessage(Body):
-    role: Literal["system", "user", "assistant", "tool"]
+    # developer: OpenAI's newer name for system instructions (rendered as system)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None  # None: assistant messages only
     tool_calls: list[MessageToolCall] | None = None  # assistant messages only
     tool_call_id: str | None = None  # tool messages: the call answered

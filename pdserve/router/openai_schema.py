@@ -285,6 +285,7 @@ def chat_messages(messages: list[ChatMessage], syntax: ToolSyntax,
     ``syntax`` and ``tools`` (OpenAI tool objects) declared in a system prompt."""
     out: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
+        role = "system" if m.role == "developer" else m.role  # as /v1/responses, vLLM
         content = m.content
         if content is None:
             if m.role != "assistant":
@@ -296,7 +297,7 @@ def chat_messages(messages: list[ChatMessage], syntax: ToolSyntax,
             raise InvalidRequest(f"messages[{i}].tool_calls is only allowed in assistant "
                                  "messages", "messages")
         if native:
-            msg: dict[str, Any] = {"role": m.role, "content": content}
+            msg: dict[str, Any] = {"role": role, "content": content}
             if m.tool_calls:
                 msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                     "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
@@ -311,7 +312,7 @@ def chat_messages(messages: list[ChatMessage], syntax: ToolSyntax,
             content = f"{content}\n{calls}" if content else calls
         elif m.role == "tool":
             content = syntax.render_result(content)
-        out.append({"role": m.role, "content": content})
+        out.append({"role": role, "content": content})
     return syntax.with_tools(out, tools) if tools and not native else out
 
 

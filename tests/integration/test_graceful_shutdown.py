@@ -51,6 +51,7 @@ def test_sigterm_lets_admitted_requests_finish(tiny_model: Callable[[str], Path]
                              tmp_path / "serve.log", env)
     try:
         base = text.split("HTTP   ", 1)[1].split("/v1", 1)[0]
+        assert all(f"{route}," in text for route in ("/v1/responses", "/tokenize"))  # the banner
         started = threading.Semaphore(0)
         results: list[tuple[int, str | None]] = []
 

@@ -56,6 +56,11 @@ def test_tokenize_counts_what_the_generate_routes_prefill(
                 c, {"messages": CHAT, **extra})
             counts.append(r["count"])
         assert counts[1] > counts[0]  # the tools were rendered
+        # OpenAI's developer role is system instructions (a 400 before)
+        developer = [{**CHAT[0], "role": "developer"}, CHAT[1]]
+        assert (await c.post("/tokenize", json={"messages": developer})).json()["tokens"] == (
+            await c.post("/tokenize", json={"messages": CHAT})).json()["tokens"]
+        assert await prompt_tokens(c, {"messages": developer}) == counts[0]
         without = (await c.post("/tokenize", json={"messages": CHAT,
                                                    "add_generation_prompt": False})).json()
         whole = (await c.post("/tokenize", json={"messages": CHAT})).json()
