@@ -76,7 +76,6 @@ from pdserve.router.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
     InvalidRequest,
-    refuse_unsupported,
     validate_body,
 )
 from pdserve.router.openai_responses import (
@@ -180,9 +179,8 @@ class _Api:
         rid: str = request.state.request_id
         body = await _json(request, rid)
         try:
-            if isinstance(body, dict):
-                refuse_unsupported(body, REFUSED_RESPONSES)
-            r: ResponsesRequest = self.stored.continued(validate_body(ResponsesRequest, body))
+            r: ResponsesRequest = self.stored.continued(
+                validate_body(ResponsesRequest, body, REFUSED_RESPONSES))
         except InvalidRequest as exc:
             raise _invalid(exc, rid) from exc
         base = skeleton(r, r.model or self.model_name, int(time.time()))

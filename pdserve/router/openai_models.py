@@ -3,6 +3,7 @@ models, and the fields we refuse (each ``Refused`` rule with the JSON schema of 
 harmless values, which ``openapi_doc`` publishes). ``openai_schema.py`` maps a
 validated body to router requests; its docstring has the rules both follow."""
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -18,6 +19,8 @@ from pdserve.engine.sampling_params import (
     MAX_TEMPERATURE,
 )
 from pdserve.engine.structured import MAX_CHOICES, StructuredOutput
+
+log = logging.getLogger("pdserve.router")
 
 MAX_N = 16  # choices per prompt
 MAX_PROMPTS = 64  # prompts per completions request (a batch, as lm-eval's batch_size sends)
@@ -313,17 +316,45 @@ REFUSED_CHAT = {
 }
 
 
-def refuse_unsupported(body: Mapping[str, Any], refused: Mapping[str, Refused]) -> None:
+# Fields OpenAI's clients send that cannot change this server's answers (its models
+# do not reason, it stores no chat completions, it has one service tier): accepted and
+# logged as ignored, as vLLM does. A route's own field of the same name is its own.
+IGNORED_FIELDS = frozenset({
+    "store", "service_tier", "metadata", "user", "prompt_cache_key", "safety_identifier",
+    "reasoning_effort", "reasoning", "verbosity",
+})
+
+
+def known_fields(model: type[Body]) -> frozenset[str]:
+    """The body fields ``model`` reads (by name and by alias)."""
+    return frozenset(n for name, f in model.model_fields.items() for n in (name, f.alias) if n)
+
+
+def validate_body(model: type[Body], body: Any,
+                  refused: Mapping[str, Refused] | None = None,
+                  besides: frozenset[str] = frozenset()) -> Any:
+    """A request body as ``model``, by one rule for every route's top-level fields: a
+    field the route reads is validated; one in ``refused`` is accepted only at its
+    harmless values; one of ``IGNORED_FIELDS`` is accepted and logged as ignored;
+    one of ``besides`` (another route's, a body sent to be counted) is accepted; any
+    other is refused, naming it (InvalidRequest)."""
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    refused = refused or {}
+    known = known_fields(model)
+    unknown = sorted(k for k in body if k not in known and k not in refused
+                     and k not in IGNORED_FIELDS and k not in besides)
+    if unknown:
+        raise InvalidRequest(f"unknown field{'s' * (len(unknown) > 1)} "
+                             f"{', '.join(map(repr, unknown))}", unknown[0])
     for name, rule in refused.items():
         if name in body and not rule.harmless(body[name]):
             why = f": {rule.why}" if rule.why else ""
             raise InvalidRequest(f"{name}={body[name]!r} is not supported by this server{why}",
                                  name)
-
-
-def validate_body(model: type[Body], body: Any) -> Any:
-    if not isinstance(body, dict):
-        raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    if ignored := sorted(k for k in body if k in IGNORED_FIELDS and k not in known):
+        log.warning("request fields ignored (they cannot change the answer here): %s",
+                    ", ".join(ignored))
     try:
         return model.model_validate(body)
     except ValidationError as exc:

@@ -36,7 +36,6 @@ from pdserve.router.openai_models import (
     InvalidRequest,
     JsonSchema,
     NonEmpty,
-    Refused,
     TopN,
     only,
 )
@@ -131,10 +130,6 @@ class ResponsesRequest(GenerationFields):
     user: str | None = None
 
 
-def _no_reasoning(value: Any) -> bool:
-    return value is None or (isinstance(value, dict) and all(v is None for v in value.values()))
-
-
 REFUSED_RESPONSES = {
     **VLLM_UNIMPLEMENTED,
     "prompt_logprobs": only(None),
@@ -145,9 +140,6 @@ REFUSED_RESPONSES = {
     "background": only(None, False),
     "prompt": EMPTY,  # stored prompt templates
     "truncation": only(None, "disabled"),
-    # not a reasoning model: OpenAI answers its non-reasoning models the same
-    "reasoning": Refused(_no_reasoning, {"anyOf": [
-        {"type": "null"}, {"type": "object", "additionalProperties": {"type": "null"}}]}),
 }
 # The chat body's fields that are the Responses body's too, same names and rules.
 SHARED = frozenset(GenerationFields.model_fields)

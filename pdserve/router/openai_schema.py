@@ -74,7 +74,6 @@ from pdserve.router.openai_models import (
     SamplingFields,
     StructuralTagFormat,
     StructuredOutputs,
-    refuse_unsupported,
     validate_body,
 )
 from pdserve.router.tool_calls import ToolSyntax
@@ -243,9 +242,7 @@ def completion_request(body: Any, request_id: str,
                        ) -> tuple[CompletionRequest, list[GenerateRequest], Plan]:
     """A ``/v1/completions`` body -> (parsed body, a router request per prompt, plan);
     InvalidRequest. A batch of prompts: ids ``{id}-{i}``; one prompt: ``{id}``."""
-    if isinstance(body, dict):
-        refuse_unsupported(body, REFUSED_COMPLETION)
-    r: CompletionRequest = validate_body(CompletionRequest, body)
+    r: CompletionRequest = validate_body(CompletionRequest, body, REFUSED_COMPLETION)
     if r.max_tokens == 0 and not r.echo and r.prompt_logprobs is None:
         raise InvalidRequest("max_tokens must be >= 1 (0 only with echo or prompt_logprobs: "
                              "the prompt alone)", "max_tokens")
@@ -395,9 +392,7 @@ def chat_request(body: Any, request_id: str,
     template; it is called only when the client set no token limit (the default is the
     rest of the context).
     """
-    if isinstance(body, dict):
-        refuse_unsupported(body, REFUSED_CHAT)
-    r: ChatCompletionRequest = validate_body(ChatCompletionRequest, body)
+    r: ChatCompletionRequest = validate_body(ChatCompletionRequest, body, REFUSED_CHAT)
     offered, schemas, forced = _tool_constraints(r, syntax)
     tools = [t.model_dump(exclude_none=True) for t in r.tools or []] if offered else None
     messages = chat_messages(r.messages, syntax, tools, native_tools)

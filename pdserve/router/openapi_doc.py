@@ -27,6 +27,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
 from pdserve.router.openai_models import (
+    IGNORED_FIELDS,
     REFUSED_CHAT,
     REFUSED_COMPLETION,
     ChatCompletionRequest,
@@ -67,6 +68,10 @@ def _schema(model: type[BaseModel], refused: dict[str, Refused], served: Sequenc
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
     schemas.update(schema.pop("$defs", {}))
     schema["properties"].update({name: rule.schema for name, rule in refused.items()})
+    # ignored fields take anything; no other field is accepted (models.validate_body)
+    schema["properties"].update({name: {} for name in IGNORED_FIELDS
+                                 if name not in schema["properties"]})
+    schema["additionalProperties"] = False
     schema["properties"]["model"] = {"anyOf": [{"type": "null"}, {"enum": list(served)}]}
     schemas[model.__name__] = schema
     return {"$ref": f"#/components/schemas/{model.__name__}"}

@@ -23,13 +23,17 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.openai_models import (
     EMPTY,
     OWN_TEMPLATE,
+    REFUSED_CHAT,
+    REFUSED_COMPLETION,
     Body,
+    ChatCompletionRequest,
     ChatMessage,
     ChatTemplateFields,
+    CompletionRequest,
     InvalidRequest,
     Refused,
     Tool,
-    refuse_unsupported,
+    known_fields,
     validate_body,
 )
 from pdserve.router.openai_schema import chat_messages, chat_template_args
@@ -60,15 +64,20 @@ REFUSED_TOKENIZE_CHAT: dict[str, Refused] = {
     "chat_template": OWN_TEMPLATE,
     "mm_processor_kwargs": EMPTY,
 }
+# the generate routes' bodies, sent whole to count their prompt: their other fields
+# are accepted (and change nothing here)
+_CHAT_BODY = known_fields(ChatCompletionRequest) | frozenset(REFUSED_CHAT)
+_COMPLETION_BODY = known_fields(CompletionRequest) | frozenset(REFUSED_COMPLETION)
 
 
 def parse_tokenize(body: Any) -> TokenizeCompletionRequest | TokenizeChatRequest:
     """A ``/tokenize`` body: a chat one when it has ``messages``; InvalidRequest."""
     if isinstance(body, dict) and "messages" in body:
-        refuse_unsupported(body, REFUSED_TOKENIZE_CHAT)
-        chat: TokenizeChatRequest = validate_body(TokenizeChatRequest, body)
+        chat: TokenizeChatRequest = validate_body(TokenizeChatRequest, body,
+                                                  REFUSED_TOKENIZE_CHAT, _CHAT_BODY)
         return chat
-    plain: TokenizeCompletionRequest = validate_body(TokenizeCompletionRequest, body)
+    plain: TokenizeCompletionRequest = validate_body(TokenizeCompletionRequest, body,
+                                                     besides=_COMPLETION_BODY)
     return plain
 
 

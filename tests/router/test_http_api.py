@@ -252,6 +252,11 @@ BAD: list[tuple[str, Any, int, str | None]] = [
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),
     ("/v1/completions", {"prompt": "x", "timeout_s": 0}, 400, "timeout_s"),
+    # a field no route knows: refused, naming it (chat accepted it silently before)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "foo_bar": 1},
+     400, "foo_bar"),
+    ("/v1/completions", {"prompt": "x", "foo_bar": 1}, 400, "foo_bar"),
+    ("/tokenize", {"prompt": "x", "foo_bar": 1}, 400, "foo_bar"),
     # vLLM's extensions this server does not implement: refused, not ignored
     ("/v1/completions", {"prompt": "x", "spaces_between_special_tokens": False}, 400,
      "spaces_between_special_tokens"),
@@ -351,9 +356,15 @@ def test_bad_input_is_a_4xx_and_the_server_keeps_serving(
             "skip_special_tokens": True, "use_beam_search": False, "length_penalty": 1.0,
             "bad_words": [], "add_special_tokens": False, "echo": False, "cache_salt": None,
             "allowed_token_ids": None, "truncate_prompt_tokens": None,
-            "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True},
+            "return_tokens_as_token_ids": False, "spaces_between_special_tokens": True,
+            # OpenAI's fields that cannot change the answer here: accepted, logged ignored
+            "reasoning_effort": "low", "service_tier": "auto", "verbosity": "low",
+            "prompt_cache_key": "k", "safety_identifier": "s"},
             headers=key)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        r = await c.post("/v1/responses", json={**GREEDY, "input": "x", "max_output_tokens": 2,
+                                                "reasoning": {"effort": "high"}}, headers=key)
+        assert r.status_code == 200, r.text  # a 400 before: the Agents SDK sends it
         assert (await c.get("/nope", headers=key)).json()["error"]["message"] == "Not Found"
         r = await c.post("/v1/completions", json={"prompt": "x"}, headers={**key, "X-Request-Id": "x" * 200})
         assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id"

@@ -18,7 +18,12 @@ import pytest
 from pdserve.engine.structured import StructuredOutput
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.openai_models import validate_body
-from pdserve.router.openai_responses import ResponsesRequest, ResponseStore, chat_body
+from pdserve.router.openai_responses import (
+    REFUSED_RESPONSES,
+    ResponsesRequest,
+    ResponseStore,
+    chat_body,
+)
 from pdserve.router.types import ErrorKind, FinalChunk, RouterError, StreamChunk, Usage
 from tests.integration.test_inprocess import Pair, pair_factory  # noqa: F401  (fixture)
 from tests.router.test_http_api import GREEDY, LEAKY, Client, serve
@@ -48,7 +53,7 @@ async def events(client: Client, body: dict[str, Any]) -> list[tuple[str, dict[s
 
 
 def parsed(body: dict[str, Any]) -> dict[str, Any]:
-    return chat_body(validate_body(ResponsesRequest, body))
+    return chat_body(validate_body(ResponsesRequest, body, REFUSED_RESPONSES))
 
 
 def test_a_conversation_maps_to_chat_messages() -> None:
@@ -332,7 +337,8 @@ BAD = [
      "not a response this server keeps"),
     ({"input": "x", "conversation": "conv_1"}, "conversation", "previous_response_id"),
     ({"input": "x", "background": True}, "background", "background"),
-    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "reasoning"),
+    ({"input": "x", "foo_bar": 1, "reasoning": {"effort": "high"}}, "foo_bar",
+     "unknown field 'foo_bar'"),  # (reasoning: ignored, test_http_api.py)
     ({"input": "x", "truncation": "auto"}, "truncation", "truncation"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
      "input", "input"),
