@@ -20,6 +20,7 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ROLES = ("router", "prefill", "decode", "colocated")
 
@@ -61,6 +62,14 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def target_groups(targets: Iterable[Target]) -> list[dict[str, Any]]:
+    """``targets`` as Prometheus reads them: a file-SD file's contents, or an HTTP-SD
+    answer (the same JSON)."""
+    return [{"targets": [t.address], "labels": {"role": t.role, "worker": t.worker,
+                                                "model": t.model}}
+            for t in sorted(targets, key=lambda t: (ROLES.index(t.role), t.worker))]
+
+
 class FileSD:
     """The targets file at ``path`` (its folder is created if missing)."""
 
@@ -69,11 +78,7 @@ class FileSD:
 
     def update(self, targets: Iterable[Target]) -> None:
         """Replace the file's contents with ``targets`` (atomically)."""
-        groups = [
-            {"targets": [t.address], "labels": {"role": t.role, "worker": t.worker,
-                                                 "model": t.model}}
-            for t in sorted(targets, key=lambda t: (ROLES.index(t.role), t.worker))
-        ]
+        groups = target_groups(targets)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", dir=self.path.parent)
         try:

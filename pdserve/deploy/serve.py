@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.deploy.autoscale import AutoscaleLoop, build_autoscaler
 from pdserve.deploy.cluster import Cluster, StartupError
 from pdserve.deploy.config import ClusterConfig
-from pdserve.deploy.file_sd import FileSD, cluster_targets
+from pdserve.deploy.file_sd import FileSD, cluster_targets, target_groups
 from pdserve.deploy.scaler import Scaler
 from pdserve.deploy.step_times import Profile
 from pdserve.engine.sampling_params import SamplingParams
@@ -88,14 +88,17 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
         grpc_server, grpc_port = await start_grpc_server(
             router, cfg.host, cfg.grpc_port, api_keys=keys, protect_probes=cfg.protect_probes)
         app = build_app(router, router.model_name, registry, api_keys=keys,
-                        protect_probes=cfg.protect_probes, admin=scaler)
+                        protect_probes=cfg.protect_probes, admin=scaler,
+                        targets=lambda here: target_groups(cluster_targets(
+                            router.model_name, here, router.metrics_targets())))
         http_server, http_port = await start_http_server(app, cfg.host, cfg.http_port)
         base = f"http://{_url_host(cfg.host)}:{http_port}"
         _progress(f"gRPC   {cfg.host}:{grpc_port} (pdserve.v1.Generation, grpc.health.v1)")
         _progress(f"HTTP   {base}/v1 (OpenAI: /v1/completions, /v1/chat/completions, "
                   f"/v1/responses, /v1/models; vLLM's /tokenize, /detokenize"
                   f"{f'; {len(keys)} Bearer key(s) required' if keys else ''})")
-        _progress(f"HTTP   {base}/health, {base}/metrics (router; "
+        _progress(f"HTTP   {base}/health, {base}/metrics (router), {base}/metrics/targets "
+                  f"(Prometheus HTTP service discovery; "
                   f"{'key required' if keys and cfg.protect_probes else 'open'})")
         _progress(f"HTTP   {base}/admin/workers, {base}/admin/scale (pdserve workers, pdserve "
                   f"scale; {'key required' if keys else 'OPEN: no API key is set'})")

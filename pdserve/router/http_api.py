@@ -539,10 +539,14 @@ class _ClientGone(Exception):
 def build_app(router: RouterLike, model_name: str, registry: CollectorRegistry,
               api_keys: ApiKeys | None = None, protect_probes: bool = False,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, admin: Admin | None = None,
-              body_timeout_s: float = BODY_TIMEOUT_S) -> FastAPI:
+              body_timeout_s: float = BODY_TIMEOUT_S,
+              targets: Callable[[tuple[str, int]], list[dict[str, Any]]] | None = None,
+              ) -> FastAPI:
     """The ASGI app serving ``router`` as ``model_name``; see the module docstring.
     ``api_keys``: None = open; ``protect_probes``: the keys guard ``/health`` and
-    ``/metrics`` too; ``admin``: serve ``/admin/`` (``admin_api``) over it."""
+    ``/metrics`` too; ``admin``: serve ``/admin/`` (``admin_api``) over it;
+    ``targets``: serve ``/metrics/targets``, Prometheus HTTP service discovery (the
+    deployment's ``/metrics`` endpoints, given where the scraper reached this one)."""
     api = _Api(router, model_name, registry)
 
     v1 = APIRouter(prefix="/v1")
@@ -614,6 +618,15 @@ def build_app(router: RouterLike, model_name: str, registry: CollectorRegistry,
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(metrics_text(registry), media_type=CONTENT_TYPE_LATEST)
+
+    if targets is not None:
+        discover = targets
+
+        @app.get("/metrics/targets")
+        async def metrics_targets(request: Request) -> Response:
+            here = (request.url.hostname or "127.0.0.1",
+                    request.url.port or (443 if request.url.scheme == "https" else 80))
+            return JSONResponse(discover(here))
 
     openapi_doc.install(app, [m.id for m in router.models()], api_keys is not None,
                         protect_probes)

@@ -11,8 +11,8 @@
   is read here whole and replayed to the app; later ``receive()`` calls go to the
   server, so disconnects still arrive.
 * ``ApiKeyMiddleware`` (with keys configured): every path needs ``Authorization:
-  Bearer <key>`` (401 otherwise) except the probes ``/health`` and ``/metrics``,
-  which stay open unless ``protect_probes``. Deny by default: a route added later
+  Bearer <key>`` (401 otherwise) except the probes ``/health``, ``/metrics`` and
+  ``/metrics/targets``, which stay open unless ``protect_probes``. Deny by default: a route added later
   (``/admin/*``, ...) is protected without anyone remembering to.
 
 A 413 and its connection: the whole response is written first (so the client can
@@ -182,7 +182,7 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
-PROBES = ("/health", "/metrics")
+PROBES = ("/health", "/metrics", "/metrics/targets")
 
 
 class ApiKeyMiddleware:

@@ -258,6 +258,12 @@ def test_sigint_stops_everything(served: Served) -> None:
     s = served
     targets = json.loads(s.file_sd.read_text())
     assert sorted(g["labels"]["worker"] for g in targets) == ["decode-0", "prefill-0", "router"]
+    # HTTP service discovery: the same groups, the router's as the scraper reached it
+    base = str(s.client.base_url).removesuffix("/").removesuffix("/v1")
+    discovered = json.loads(urllib.request.urlopen(f"{base}/metrics/targets", timeout=10).read())
+    assert discovered == targets, (discovered, targets)
+    for group in discovered:  # each a live /metrics
+        urllib.request.urlopen(f"http://{group['targets'][0]}/metrics", timeout=10).read()
     s.proc.send_signal(signal.SIGINT)
     assert s.proc.wait(timeout=60) == 0, s.log.read_text(errors="replace")[-3000:]
     until("no process left behind", lambda: not processes_with(s.mark), 20, poll_s=0.2)
