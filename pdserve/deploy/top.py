@@ -4,8 +4,10 @@
 This module owns target discovery for the view, the window arithmetic (rates and
 histogram percentiles from the difference between the newest scrape and the oldest
 one kept, at most ``--window`` seconds old) and the frame layout. Targets come from
-the Prometheus file-SD file that ``pdserve serve`` writes (``--file-sd``), or from
-``--router`` plus ``--worker`` URLs. The screen is redrawn in place (cursor home,
+the Prometheus file-SD file that ``pdserve serve`` writes (``--file-sd``), from the
+router's own list (``/metrics/targets``, asked each frame: workers come and go) when
+only ``--router`` (default ``127.0.0.1:8000``) is given, or from ``--router`` plus
+``--worker`` URLs. The screen is redrawn in place (cursor home,
 each line cleared to its end) so it does not flicker. ``--once`` scrapes twice,
 ``--interval`` apart, prints one frame (rates over that interval, percentiles since
 the processes started) and exits.
@@ -14,8 +16,11 @@ the processes started) and exits.
 from __future__ import annotations
 
 import argparse
+import json
+import signal
 import sys
 import time
+import urllib.parse
 import urllib.request
 from collections import deque
 from dataclasses import dataclass
@@ -62,14 +67,33 @@ def _metrics_url(url: str) -> str:
     return url if url.rstrip("/").endswith("/metrics") else url.rstrip("/") + "/metrics"
 
 
+def _asks_router(args: argparse.Namespace) -> bool:
+    """Whether the workers come from the router's ``/metrics/targets``."""
+    return not args.file_sd and not args.worker
+
+
 def discover(args: argparse.Namespace) -> list[Source]:
     out = []
     if args.file_sd:
         out += [Source(_metrics_url(t.address), t.role, t.worker) for t in FileSD(args.file_sd).read()]
-    if args.router or not args.file_sd:
-        out.append(Source(_metrics_url(args.router or "127.0.0.1:8000"), "router", "router"))
-    out += [Source(_metrics_url(u), "", u) for u in args.worker]
+    router = args.router or (None if args.file_sd else "127.0.0.1:8000")
+    if router is not None:
+        listed = _listed(router, args.timeout) if _asks_router(args) else []
+        out += listed or [Source(_metrics_url(router), "router", "router")]
+    out += [Source(_metrics_url(u), "", urllib.parse.urlsplit(_metrics_url(u)).netloc)
+            for u in args.worker]
     return out
+
+
+def _listed(router: str, timeout: float) -> list[Source]:
+    """The router's HTTP service discovery answer (none: an older or unreachable one)."""
+    url = _metrics_url(router) + "/targets"
+    try:
+        groups = json.loads(urllib.request.urlopen(url, timeout=timeout).read())
+        return [Source(_metrics_url(g["targets"][0]), g["labels"]["role"], g["labels"]["worker"])
+                for g in groups]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return []
 
 
 def scrape(src: Source, timeout: float) -> Samples | None:
@@ -204,18 +228,20 @@ class View:
                 f"{sum(total(scrapes[u], 'pdserve_num_requests_waiting') for u in up):>6.0f}"
                 f"{_pct(sum(kv) / len(kv) if kv else None):>8}{_num(tok):>10}"
                 f"{_pct(mfu):>8}{_pct(mbu):>8}")
-        lines += ["", f"{'WORKER':<14}{'ROLE':<9}{'RUN':>5}{'WAIT':>5}{'KV USE':>8}{'TOK/S':>9}"
-                      f"{'STEP p50':>10}{'STEP p90':>10}{'MFU':>8}{'MBU':>8}{'KV MB/s':>9}"]
+        width = max([14, *(len(w.name) + 1 for w in workers)])  # names never run into roles
+        lines += ["", f"{'WORKER':<{width}}{'ROLE':<9}{'RUN':>5}{'WAIT':>5}{'KV USE':>8}"
+                      f"{'TOK/S':>9}{'STEP p50':>10}{'STEP p90':>10}{'MFU':>8}{'MBU':>8}"
+                      f"{'KV MB/s':>9}"]
         for w in workers:
             s = scrapes.get(w.url)
             if s is None:
-                lines.append(f"{w.name:<14}{w.role:<9}DOWN ({w.url})")
+                lines.append(f"{w.name:<{width}}{w.role:<9}DOWN ({w.url})")
                 continue
             step = self.window_buckets(w.url, "pdserve_engine_step_seconds")
             mfu, mbu = self.efficiency([w.url])
             kv_bps = self.rate(w.url, "pdserve_kv_transfer_bytes_total")
             lines.append(
-                f"{w.name:<14}{_role(w, scrapes):<9}"
+                f"{w.name:<{width}}{_role(w, scrapes):<9}"
                 f"{total(s, 'pdserve_num_requests_running'):>5.0f}"
                 f"{total(s, 'pdserve_num_requests_waiting'):>5.0f}"
                 f"{_pct(total(s, 'pdserve_kv_cache_usage_ratio')):>8}"
@@ -274,10 +300,12 @@ def run(args: argparse.Namespace) -> int:
         print("\n".join(view.frame()))
         return 0 if any(v is not None for v in view.history[-1][1].values()) else 1
     out = sys.stdout
+    # SIGTERM ends the loop as Ctrl-C does, through the finally that shows the cursor
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     out.write("\x1b[?25l\x1b[2J")  # hide the cursor, clear once
     try:
         while True:
-            if args.file_sd:  # workers come and go
+            if args.file_sd or _asks_router(args):  # workers come and go
                 view.sources = discover(args)
             _scrape_all(view, args.timeout)
             out.write("\x1b[H" + "".join(line + "\x1b[K\n" for line in view.frame()) + "\x1b[J")

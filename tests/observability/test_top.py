@@ -4,6 +4,13 @@ over real ``/metrics`` servers on loopback."""
 from __future__ import annotations
 
 import argparse
+import http.server
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,6 +48,52 @@ def test_discovery(tmp_path: Path) -> None:
                                              ("decode", "http://127.0.0.1:9/metrics")]
     got = top.discover(parse("--router", "h:1", "--worker", "http://h:2/metrics"))
     assert [s.url for s in got] == ["http://h:1/metrics", "http://h:2/metrics"]
+    assert got[1].name == "h:2"  # not the URL (it ran into the role column)
+
+
+def test_discovery_asks_the_router(tmp_path: Path) -> None:
+    """Given only the router, the workers are the ones its /metrics/targets lists."""
+    groups = FileSD(tmp_path / "t.json")
+    groups.update(cluster_targets("m", ("127.0.0.1", 8000), {"prefill-0": ("127.0.0.1", 9),
+                                                            "decode-0": ("127.0.0.1", 10)}))
+    body = (tmp_path / "t.json").read_bytes()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            ok = self.path == "/metrics/targets"
+            self.send_response(200 if ok else 404)
+            self.end_headers()
+            self.wfile.write(body if ok else b"")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        got = top.discover(parse("--router", f"127.0.0.1:{server.server_port}"))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [(s.role, s.name, s.url) for s in got] == [
+        ("router", "router", "http://127.0.0.1:8000/metrics"),
+        ("prefill", "prefill-0", "http://127.0.0.1:9/metrics"),
+        ("decode", "decode-0", "http://127.0.0.1:10/metrics")]
+
+
+def test_sigterm_shows_the_cursor_again() -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.deploy.cli", "top", "--router",
+                             "127.0.0.1:1", "--interval", "0.1", "--timeout", "0.1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    seen = b""
+    deadline = time.monotonic() + 60
+    while b"DOWN" not in seen and time.monotonic() < deadline:  # a frame is on screen
+        seen += os.read(proc.stdout.fileno(), 4096)
+    assert b"\x1b[?25l" in seen
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0 and (seen + rest).endswith(b"\x1b[?25h")
 
 
 @pytest.fixture
