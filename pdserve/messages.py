@@ -184,6 +184,9 @@ class WorkerLoad:
     # minus this is what it reserved that the snapshot does not show yet.
     blocks_granted: int = 0
     compute: Compute | None = None  # its threads and measured step times (None: not a CPU worker yet)
+    # its last published metrics snapshot (the router serves its engine counters under
+    # vLLM's names: router/vllm_metrics.py)
+    metrics: WorkerMetrics | None = None
 
 
 @dataclass(frozen=True)
@@ -317,6 +320,15 @@ class WorkerMetrics:
                                           info.num_tokens)
         self.model_flops += flops
         self.memory_bytes_read += bytes_read
+
+
+def bucket_samples(bounds: tuple[float, ...], counts: tuple[int, ...]) -> list[tuple[str, float]]:
+    """Per-bucket counts -> Prometheus cumulative ``(le, count)`` pairs ending in +Inf."""
+    out, total = [], 0
+    for le, n in zip((*(repr(float(b)) for b in bounds), "+Inf"), counts, strict=True):
+        total += n
+        out.append((le, float(total)))
+    return out
 
 
 def _bump(counts: tuple[int, ...], bounds: tuple[float, ...], value: float) -> tuple[int, ...]:

@@ -272,7 +272,7 @@ class WorkerLoop:
         return WorkerLoad(self.worker_id, self.role, self.incarnation, e.num_running,
                           e.num_waiting, e.num_waiting_for_kv, e.num_free_blocks,
                           e.num_blocks, e.queued_prefill_tokens, self.blocks_granted,
-                          compute)
+                          compute, self.publisher.snapshot())
 
     def _publish_metrics(self, force: bool = False) -> None:
         c = self.publisher.counters

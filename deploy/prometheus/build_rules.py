@@ -5,10 +5,10 @@ Two groups:
 * ``pdserve_efficiency`` — MFU, MBU and busy fraction per worker and per pool,
   computed from the workers' counters over 1 minute (formulas in
   ``docs/observability.md``). The dashboards read these.
-* ``pdserve_vllm_compat`` — the workers' engine counters under vLLM's names
-  (``vllm:...``, with vLLM's ``model_name`` label added) and two of vLLM's old names.
-  The router serves vLLM's request-level series and per-engine gauges itself
-  (``pdserve/router/vllm_metrics.py``), with no rule.
+* ``pdserve_vllm_compat`` — vLLM's old names (``vllm:gpu_cache_usage_perc``, ...,
+  with vLLM's ``model_name`` label added) for dashboards older than vLLM 0.10. The
+  router serves vLLM's current names itself (``pdserve/router/vllm_metrics.py``),
+  with no rule.
 
 Run ``python deploy/prometheus/build_rules.py`` after changing it; a test checks
 that the committed file is what this script writes.
@@ -25,25 +25,16 @@ import yaml
 OUT = Path(__file__).resolve().parent / "rules" / "pdserve.rules.yml"
 WINDOW = "1m"
 
-# vLLM's names the router does not serve natively (pdserve/router/vllm_metrics.py
-# serves the request-level series and the per-engine gauges; a rule for one of those
-# would duplicate it). vLLM histogram name <- pdserve histogram name:
+# vLLM's old names (before 0.10; its old example dashboard reads them), from
+# pdserve's series. The router serves vLLM's current names itself
+# (pdserve/router/vllm_metrics.py); a rule for one of those would duplicate it.
 VLLM_HISTOGRAMS = {
-    "vllm:time_per_output_token_seconds": "pdserve_time_per_output_token_seconds",  # old name
-    "vllm:iteration_tokens_total": "pdserve_batch_tokens",
+    "vllm:time_per_output_token_seconds": "pdserve_time_per_output_token_seconds",
 }
-# vLLM counter / gauge name <- PromQL over pdserve series (the workers' own).
 VLLM_SERIES = {
-    "vllm:num_preemptions_total": "pdserve_num_preemptions_total",
-    "vllm:spec_decode_num_drafts_total": "pdserve_spec_decode_num_drafts_total",
-    "vllm:spec_decode_num_draft_tokens_total": "pdserve_spec_decode_num_draft_tokens_total",
-    "vllm:spec_decode_num_accepted_tokens_total":
-        "pdserve_spec_decode_num_accepted_tokens_total",
-    "vllm:prefix_cache_queries_total": "pdserve_prefix_cache_queries_total",
-    "vllm:prefix_cache_hits_total": "pdserve_prefix_cache_hits_total",
     "vllm:gpu_prefix_cache_queries_total": "pdserve_prefix_cache_queries_total",
     "vllm:gpu_prefix_cache_hits_total": "pdserve_prefix_cache_hits_total",
-    "vllm:gpu_cache_usage_perc": "pdserve_kv_cache_usage_ratio",  # old name
+    "vllm:gpu_cache_usage_perc": "pdserve_kv_cache_usage_ratio",
 }
 
 

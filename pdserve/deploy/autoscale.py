@@ -118,9 +118,9 @@ class MetricsTap:
         if self.inner is not None:
             self.inner.observe_attempt_failed(reason)
 
-    def watch(self, max_model_len: int, loads: Any) -> None:
+    def watch(self, max_model_len: int, loads: Any, block_size: int) -> None:
         if self.inner is not None:
-            self.inner.watch(max_model_len, loads)
+            self.inner.watch(max_model_len, loads, block_size)
 
     def observe_worker(self, worker: str, pool: str, what: str, in_routing: int) -> None:
         if self.inner is not None:

@@ -41,6 +41,7 @@ from pdserve.messages import (
     BATCH_TOKENS_BUCKETS,
     STEP_SECONDS_BUCKETS,
     WorkerMetrics,
+    bucket_samples,
 )
 
 Getter = Callable[[WorkerMetrics], float]
@@ -123,15 +124,6 @@ RATIO_GAUGES = (
 )
 INFO_GAUGE = ("pdserve_device_info", "The device whose peaks MFU/MBU use, and how many "
                "(tensor_parallel_size: one per rank) (value 1).")
-
-
-def bucket_samples(bounds: tuple[float, ...], counts: tuple[int, ...]) -> list[tuple[str, float]]:
-    """Per-bucket counts -> Prometheus cumulative ``(le, count)`` pairs ending in +Inf."""
-    out, total = [], 0
-    for le, n in zip((*(repr(float(b)) for b in bounds), "+Inf"), counts, strict=True):
-        total += n
-        out.append((le, float(total)))
-    return out
 
 
 class _Window:

@@ -215,13 +215,14 @@ class RouterMetrics:
         self._registry = registry
         self.vllm: VllmMetrics | None = None  # vLLM's names, once a router serves these
 
-    def watch(self, max_model_len: int, loads: EngineLoads) -> None:
-        """The router these metrics serve: its model length (vLLM's token buckets) and
-        its workers' loads (vLLM's per-engine gauges); vLLM's series start here."""
+    def watch(self, max_model_len: int, loads: EngineLoads, block_size: int) -> None:
+        """The router these metrics serve: its model length (vLLM's token buckets), its
+        workers' loads (vLLM's per-engine series) and block size; vLLM's series start
+        here."""
         if self.vllm is None:
             self.vllm = VllmMetrics(self._registry, self.model, max_model_len,
                                     self.ttft_slo_s, self.tpot_slo_s)
-        self.vllm.watch(loads)
+        self.vllm.watch(loads, block_size)
 
     def observe_attempt_failed(self, reason: FailReason) -> None:
         self._failed.labels(**self._labels, reason=reason.value).inc()

@@ -123,7 +123,7 @@ class Router:
     def metrics(self, metrics: Any) -> None:
         self._services.metrics = metrics
         if metrics is not None:
-            metrics.watch(self.max_model_len, self._engine_loads)
+            metrics.watch(self.max_model_len, self._engine_loads, self.config.block_size)
 
     def _engine_loads(self) -> dict[str, WorkerLoad]:
         """Each worker in routing's last answered load (the metrics' per-engine gauges)."""

@@ -34,8 +34,15 @@ attempt's):
 * ``vllm:request_success_total{finished_reason}`` (stop, length, abort, error).
 
 Per engine, read at scrape time from the load each worker last answered the router's
-health probe with: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``
-(queued, and reserved waiting for KV), ``vllm:kv_cache_usage_perc``.
+health probe with (and the metrics snapshot it carries, at most ~0.5 s older):
+``vllm:num_requests_running``, ``vllm:num_requests_waiting`` (queued, and reserved
+waiting for KV), ``vllm:kv_cache_usage_perc``; the counters ``vllm:prefix_cache_
+queries_total`` and ``_hits_total`` (tokens: the engine's blocks x block size),
+``vllm:num_preemptions_total``, ``vllm:spec_decode_num_drafts_total``,
+``_num_draft_tokens_total``, ``_num_accepted_tokens_total``; and the histogram
+``vllm:iteration_tokens_total`` (tokens per engine step; pdserve's bounds, 1 to 32,768
+in powers of two, where vLLM's are 1, 8, 16, ... 16,384). A worker's counters start
+again from 0 when it restarts (a counter reset, as Prometheus expects).
 """
 
 from __future__ import annotations
@@ -43,10 +50,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
-from pdserve.messages import WorkerLoad
+from pdserve.messages import BATCH_TOKENS_BUCKETS, WorkerLoad, WorkerMetrics, bucket_samples
 from pdserve.router.types import FinalChunk
 
 # vLLM 0.32's bounds (v1/metrics/buckets.py)
@@ -140,9 +152,9 @@ class VllmMetrics:
         self._engines = _Engines(model)
         registry.register(self._engines)
 
-    def watch(self, loads: EngineLoads) -> None:
-        """Where the per-engine gauges come from: each worker's last answered load."""
-        self._engines.loads = loads
+    def watch(self, loads: EngineLoads, block_size: int) -> None:
+        """Where the per-engine series come from: each worker's last answered load."""
+        self._engines.loads, self._engines.block_size = loads, block_size
 
     def observe_finished(self, final: FinalChunk) -> None:
         t, u = final.timings, final.usage
@@ -175,14 +187,31 @@ class VllmMetrics:
             hist.labels(**labels).observe(value)
 
 
+# vLLM counter (its name without _total) <- (help, WorkerMetrics field, x block size)
+_COUNTERS = {
+    "vllm:prefix_cache_queries": ("Prefix cache queries, in terms of number of queried "
+                                  "tokens.", "prefix_queries", True),
+    "vllm:prefix_cache_hits": ("Prefix cache hits, in terms of number of cached tokens.",
+                               "prefix_hits", True),
+    "vllm:num_preemptions": ("Cumulative number of preemption from the engine.",
+                             "num_preemptions", False),
+    "vllm:spec_decode_num_drafts": ("Number of spec decoding drafts.", "spec_drafts", False),
+    "vllm:spec_decode_num_draft_tokens": ("Number of draft tokens.", "spec_draft_tokens",
+                                          False),
+    "vllm:spec_decode_num_accepted_tokens": ("Number of accepted tokens.",
+                                             "spec_accepted_tokens", False),
+}
+
+
 class _Engines(Collector):
-    """The per-engine gauges, read from the workers' loads at scrape time."""
+    """The per-engine series, read from the workers' loads at scrape time."""
 
     def __init__(self, model: str) -> None:
         self.model = model
         self.loads: EngineLoads = dict
+        self.block_size = 1
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         running = GaugeMetricFamily("vllm:num_requests_running",
                                     "Number of requests in model execution batches.",
                                     labels=LABELS)
@@ -191,9 +220,23 @@ class _Engines(Collector):
                                     labels=LABELS)
         usage = GaugeMetricFamily("vllm:kv_cache_usage_perc",
                                   "KV-cache usage. 1 means 100 percent usage.", labels=LABELS)
+        counters = {name: CounterMetricFamily(name, doc, labels=LABELS)
+                    for name, (doc, _, _) in _COUNTERS.items()}
+        steps = HistogramMetricFamily("vllm:iteration_tokens_total",
+                                      "Histogram of number of tokens per engine_step.",
+                                      labels=LABELS)
         for engine, load in sorted(self.loads().items()):
             values = [self.model, engine]
             running.add_metric(values, load.num_running)
             waiting.add_metric(values, load.num_waiting + load.num_waiting_for_kv)
             usage.add_metric(values, 1 - load.num_free_blocks / max(1, load.num_blocks))
-        yield from (running, waiting, usage)
+            m: WorkerMetrics | None = load.metrics
+            if m is None:
+                continue
+            for name, (_, field, in_blocks) in _COUNTERS.items():
+                scale = self.block_size if in_blocks else 1
+                counters[name].add_metric(values, getattr(m, field) * scale)
+            steps.add_metric(values, bucket_samples(BATCH_TOKENS_BUCKETS,
+                                                    m.batch_tokens_buckets),
+                             float(m.tokens_computed))
+        yield from (running, waiting, usage, *counters.values(), steps)

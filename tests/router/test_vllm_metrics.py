@@ -4,10 +4,13 @@ per-engine gauges read from the workers' loads at scrape time."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from prometheus_client import CollectorRegistry
 from pytest import approx
 
-from pdserve.messages import WorkerLoad
+from pdserve.engine.results import StepInfo
+from pdserve.messages import WorkerLoad, WorkerMetrics
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.types import FinalChunk, StageTimings, Usage
 from pdserve.router.vllm_metrics import TTFT_BUCKETS, token_buckets, with_targets
@@ -39,7 +42,7 @@ def test_a_request_under_vllms_meanings() -> None:
     metrics = RouterMetrics(registry, "tiny", ttft_slo_s=0.3, tpot_slo_s=0.25)
     metrics.observe_finished(finished("remote"))
     assert value(registry, "vllm:time_to_first_token_seconds_count") is None  # not served yet
-    metrics.watch(4096, dict)
+    metrics.watch(4096, dict, 16)
     metrics.observe_finished(finished("remote"))
     metrics.observe_finished(finished("local", cached=64))
     assert value(registry, "vllm:time_to_first_token_seconds_count") == 2
@@ -66,7 +69,7 @@ def test_engine_gauges_are_the_loads_at_scrape_time() -> None:
     registry = CollectorRegistry()
     metrics = RouterMetrics(registry, "tiny")
     loads: dict[str, WorkerLoad] = {}
-    metrics.watch(2048, lambda: loads)
+    metrics.watch(2048, lambda: loads, 16)
     assert value(registry, "vllm:num_requests_running") is None
     loads["decode-0"] = WorkerLoad("decode-0", "decode", "i", num_running=3, num_waiting=1,
                                    num_waiting_for_kv=2, num_free_blocks=25, num_blocks=100,
@@ -74,3 +77,18 @@ def test_engine_gauges_are_the_loads_at_scrape_time() -> None:
     assert value(registry, "vllm:num_requests_running") == 3
     assert value(registry, "vllm:num_requests_waiting") == 3
     assert value(registry, "vllm:kv_cache_usage_perc") == 0.75
+    assert value(registry, "vllm:prefix_cache_hits_total") is None  # no snapshot yet
+    m = WorkerMetrics("decode-0", "decode", prefix_queries=10, prefix_hits=4,
+                      num_preemptions=2, spec_drafts=5, spec_draft_tokens=20,
+                      spec_accepted_tokens=12)
+    m.observe_step(StepInfo(1, 30, 0, 30, 0.01), 0.0, 0.0)
+    m.observe_step(StepInfo(1, 1, 0, 1, 0.01), 0.0, 0.0)
+    loads["decode-0"] = dataclasses.replace(loads["decode-0"], metrics=m)
+    assert value(registry, "vllm:prefix_cache_queries_total") == 160  # tokens: x 16
+    assert value(registry, "vllm:prefix_cache_hits_total") == 64
+    assert value(registry, "vllm:num_preemptions_total") == 2
+    assert value(registry, "vllm:spec_decode_num_accepted_tokens_total") == 12
+    assert value(registry, "vllm:iteration_tokens_total_count") == 2
+    assert value(registry, "vllm:iteration_tokens_total_sum") == 31
+    assert value(registry, "vllm:iteration_tokens_total_bucket", le="32.0") == 2
+    assert value(registry, "vllm:iteration_tokens_total_bucket", le="16.0") == 1
