@@ -1,6 +1,7 @@
 """Writes ``dashboards/pdserve.json``: the pdserve Grafana dashboard.
 
-Rows follow a request's path: overview -> faults -> latency -> per-stage breakdown ->
+Rows follow a request's path: overview -> disaggregation -> faults -> latency ->
+per-stage breakdown ->
 prefill pool -> KV transfer -> decode pool (with colocated workers) -> efficiency ->
 per-worker drill-down. Template
 variables ``model`` and ``worker`` filter every panel (``=~`` matchers, so "All"
@@ -87,13 +88,43 @@ ROWS: list[tuple[str, list[Panel]]] = [
               [(rate("pdserve_prompt_tokens_total", M), "prompt"),
                (rate("pdserve_generation_tokens_total", M), "generation")], "short"),
         Panel("Goodput", "Finished requests per second that met both the TTFT and the TPOT SLO "
-              "(needs both --ttft-slo and --tpot-slo). Falls while request rate holds: see SLO "
-              "attainment and the per-stage breakdown.",
+              "(needs both `serve --ttft-slo-ms` and `--tpot-slo-ms`, or ttft_slo_ms / "
+              "tpot_slo_ms in the YAML). Falls while request rate holds: see SLO attainment "
+              "and the per-stage breakdown.",
               [(rate("pdserve_slo_requests_total", M + ', slo="both", met="true"'), "goodput")], "reqps"),
         Panel("SLO attainment", "Share of finished requests meeting each SLO. TTFT misses: look at "
               "queue/prefill stages; TPOT misses: decode batch size and decode step time.",
               [(f"{rate('pdserve_slo_requests_total', M + MET, 'slo')}"
                 f" / {rate('pdserve_slo_requests_total', M, 'slo')}", "{{slo}}")], "percentunit"),
+        Panel("SLO attainment over the dashboard's range", "Share of the finished requests of "
+              "the whole time range meeting each target (ttft, tpot, both): the number to "
+              "compare with an SLO's objective. Empty: no --ttft-slo-ms / --tpot-slo-ms.",
+              [(f"sum by (slo) (increase(pdserve_slo_requests_total{{{M}{MET}}}[$__range]))"
+                f" / sum by (slo) (increase(pdserve_slo_requests_total{{{M}}}[$__range]))",
+                "{{slo}}")], "percentunit", extra={"type": "stat", "options": {
+                    "reduceOptions": {"calcs": ["lastNotNull"]}, "colorMode": "value",
+                    "graphMode": "none", "textMode": "value_and_name"}}),
+    ]),
+    ("Disaggregation", [
+        Panel("Where prompts are computed", "Attempts per second by where their prompt ran: "
+              "remote (a prefill worker, KV moved), local (the decode worker itself) or "
+              "colocated. The router decides per request from the workers' measured step "
+              "times, their queues and the SLOs (docs/disaggregation.md).",
+              [(rate("pdserve_prompt_placements_total", M, "where"), "{{where}}")], "reqps",
+              stacked=True),
+        Panel("Placement decisions by reason", "Why each prompt went where it did: "
+              "faster_here / within_ttft_slo / cached_suffix (local), protects_tpot / "
+              "faster_remote (remote), static / unmeasured (the rule off or not yet "
+              "measured). Mostly protects_tpot under load: decode is busy, prefill pays.",
+              [(rate("pdserve_prompt_placements_total", M, "where, reason"),
+                "{{where}} {{reason}}")], "reqps"),
+        Panel("Cores per worker (phase sharing)", "CPU threads each worker's last step ran on: "
+              "workers that share a node lend their cores while idle (core_sharing: phase). "
+              "Steps per second run on borrowed cores, and seconds per second an owner waited "
+              "for its cores back (should stay near 0).",
+              [("sum by (worker) (pdserve_engine_threads{" + W + "})", "{{worker}} threads"),
+               (rate("pdserve_core_borrowed_steps_total", W, "worker"), "{{worker}} borrowed steps/s"),
+               (rate("pdserve_core_wait_seconds_total", W, "worker"), "{{worker}} wait s/s")]),
     ]),
     ("Faults", [
         Panel("Failed attempts by reason", "Request attempts that failed on a worker per second, by "

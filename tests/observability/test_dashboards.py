@@ -14,7 +14,7 @@ import yaml
 from tests.observability.conftest import DEPLOY, REPO, RULES, load_script
 
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "pdserve.json"
-ROW_ORDER = ["Overview", "Faults", "Latency", "Per-stage breakdown", "Prefill pool",
+ROW_ORDER = ["Overview", "Disaggregation", "Faults", "Latency", "Per-stage breakdown", "Prefill pool",
              "KV transfer", "Decode pool (and colocated workers)", "Efficiency",
              "Per-worker drill-down"]
 # A name right before a selector or range, or one of our prefixes anywhere.

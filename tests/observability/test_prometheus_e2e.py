@@ -137,7 +137,7 @@ class Prometheus:
 
 def grafana_to_promql(expr: str) -> str:
     """A panel query with Grafana's variables as the dashboard's "All" would set them."""
-    return (expr.replace("$__rate_interval", "1m").replace("$model", ".*")
+    return (expr.replace("$__rate_interval", "1m").replace("$__range", "1h").replace("$model", ".*")
             .replace("$worker", ".*"))
 
 
