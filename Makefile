@@ -73,6 +73,7 @@ bench: $(VENV)/.test $(KERNELS) model
 	$(PY) -m pdserve.kv_transfer.bench --slice
 	$(PY) -m pdserve.deploy.bench_serving
 	$(PY) -m pdserve.deploy.bench_pd $(if $(VLLM_PYTHON),--vllm $(VLLM_PYTHON))
+	$(PY) -m pdserve.deploy.bench_tracing
 
 # 20 minutes of steady load on a real deployment (not in CI): RSS and fds per process,
 # KV blocks in use at idle, latency drift. SOAK_ARGS="--minutes 5 --rate 1" etc.

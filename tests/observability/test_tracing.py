@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.deploy.cluster import Cluster
 from pdserve.deploy.config import ClusterConfig
+from pdserve.deploy.otlp_sink import OtlpReceiver, Received
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.prefill_worker.worker import PrefillWorker
@@ -24,7 +25,6 @@ from pdserve.router.router import Router, RouterConfig
 from pdserve.router.trace import RequestTrace
 from pdserve.router.types import FinalChunk, GenerateRequest
 from pdserve.tracing import Tracing, TracingConfig, trace_headers
-from tests.observability.otlp_receiver import OtlpReceiver, Received
 from tests.waiting import until
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

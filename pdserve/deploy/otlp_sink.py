@@ -1,5 +1,6 @@
-"""A real OTLP/gRPC trace receiver for the tests: the collector's TraceService on a
-loopback port, keeping every span it is sent (with its resource's attributes)."""
+"""An OTLP/gRPC trace receiver: the collector's TraceService on a loopback port,
+keeping every span it is sent (with its resource's attributes). What the tracing
+tests check traces against, and where ``bench_tracing`` sends them."""
 
 from __future__ import annotations
 
