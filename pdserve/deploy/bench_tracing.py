@@ -17,7 +17,7 @@ made and exported to the receiver, against the untraced TPOT x tokens of a reque
 an upper bound of the share of a request's time tracing takes (none of it is per
 token; the export runs on its own thread).
 
-Run: ``python -m pdserve.deploy.bench_tracing [--rounds 2] [--requests 8]
+Run: ``python -m pdserve.deploy.bench_tracing [--rounds 4] [--requests 12]
 [--max-tokens 128] [--json FILE]``.
 """
 
@@ -81,8 +81,8 @@ def tracing_work_s(sink: OtlpReceiver, ratio: float, n: int = 2000) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args()

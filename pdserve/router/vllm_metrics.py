@@ -124,18 +124,11 @@ class VllmMetrics:
         self.e2e = histogram("vllm:e2e_request_latency_seconds",
                              "Histogram of e2e request latency in seconds.",
                              REQUEST_LATENCY_BUCKETS)
-        self.queue = histogram("vllm:request_queue_time_seconds",
-                               "Histogram of time spent in WAITING phase for request.",
-                               REQUEST_LATENCY_BUCKETS)
-        self.prefill = histogram("vllm:request_prefill_time_seconds",
-                                 "Histogram of time spent in PREFILL phase for request.",
-                                 REQUEST_LATENCY_BUCKETS)
-        self.decode = histogram("vllm:request_decode_time_seconds",
-                                "Histogram of time spent in DECODE phase for request.",
-                                REQUEST_LATENCY_BUCKETS)
-        self.inference = histogram("vllm:request_inference_time_seconds",
-                                   "Histogram of time spent in RUNNING phase for request.",
-                                   REQUEST_LATENCY_BUCKETS)
+        self.phases = {phase: histogram(f"vllm:request_{phase}_time_seconds",
+                                        f"Histogram of time spent in {vllm_name} phase for "
+                                        "request.", REQUEST_LATENCY_BUCKETS)
+                       for phase, vllm_name in (("queue", "WAITING"), ("prefill", "PREFILL"),
+                                                ("decode", "DECODE"), ("inference", "RUNNING"))}
         self.prompt_hist = histogram("vllm:request_prompt_tokens",
                                      "Number of prefill tokens processed.", tokens)
         self.generation_hist = histogram("vllm:request_generation_tokens",
@@ -182,9 +175,9 @@ class VllmMetrics:
         waited = (t.router_queue or 0.0) + (t.prefill_queue or 0.0)
         prefill = max(0.0, t.ttft - waited)
         decode = max(0.0, t.e2e - t.ttft)
-        for hist, value in ((self.queue, waited), (self.prefill, prefill),
-                            (self.decode, decode), (self.inference, prefill + decode)):
-            hist.labels(**labels).observe(value)
+        for phase, value in (("queue", waited), ("prefill", prefill), ("decode", decode),
+                             ("inference", prefill + decode)):
+            self.phases[phase].labels(**labels).observe(value)
 
 
 # vLLM counter (its name without _total) <- (help, WorkerMetrics field, x block size)
