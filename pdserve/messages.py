@@ -36,6 +36,11 @@ BATCH_TOKENS_BUCKETS = (
     1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768,
 )  # fmt: skip
 
+# One request's KV transfer (vLLM's NIXL bounds, v1/.../nixl/stats.py): seconds from
+# the last send to the acknowledgement, and bytes.
+KV_XFER_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+KV_XFER_BYTES_BUCKETS = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))
+
 ROLES = ("prefill", "decode", "colocated")
 
 
@@ -286,6 +291,9 @@ class WorkerMetrics:
     kv_transfers: int = 0
     kv_sends: int = 0  # send calls: one per step that completed blocks, plus the last
     kv_transfer_seconds: float = 0.0
+    # per transfer (a request's), counts per bucket of KV_XFER_*_BUCKETS plus +Inf
+    kv_xfer_seconds_buckets: tuple[int, ...] = (0,) * (len(KV_XFER_SECONDS_BUCKETS) + 1)
+    kv_xfer_bytes_buckets: tuple[int, ...] = (0,) * (len(KV_XFER_BYTES_BUCKETS) + 1)
     blocks_in_flight: int = 0  # blocks held for transfers not yet acknowledged
     # core sharing (core_share.py): the last step's threads, steps run on another
     # worker's cores too, seconds waited for its own cores back
@@ -305,6 +313,16 @@ class WorkerMetrics:
     batch_tokens_buckets: tuple[int, ...] = (0,) * (len(BATCH_TOKENS_BUCKETS) + 1)
     model_flops: float = 0.0  # model FLOPs of those steps (``engine/cost.py``)
     memory_bytes_read: float = 0.0  # weights + KV bytes read by those steps
+
+    def observe_transfer(self, seconds: float, nbytes: int) -> None:
+        """One request's KV sent and acknowledged (``seconds``: its last send to the ack)."""
+        self.kv_transfers += 1
+        self.kv_transfer_bytes += nbytes
+        self.kv_transfer_seconds += seconds
+        self.kv_xfer_seconds_buckets = _bump(self.kv_xfer_seconds_buckets,
+                                             KV_XFER_SECONDS_BUCKETS, seconds)
+        self.kv_xfer_bytes_buckets = _bump(self.kv_xfer_bytes_buckets, KV_XFER_BYTES_BUCKETS,
+                                           nbytes)
 
     def observe_step(self, info: StepInfo, flops: float, bytes_read: float) -> None:
         """Add one engine step that ran a batch (the worker's loop thread, after the step)."""

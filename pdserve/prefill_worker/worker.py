@@ -291,9 +291,7 @@ class PrefillWorker(WorkerLoop):
             nbytes = (len(f.pinned) - f.draft_blocks) * self.layout.block_bytes
             if isinstance(self.sender, DraftSender):
                 nbytes += f.draft_blocks * self.sender.draft_layout.block_bytes
-            self.publisher.counters.kv_transfers += 1
-            self.publisher.counters.kv_transfer_bytes += nbytes
-            self.publisher.counters.kv_transfer_seconds += when - f.final_sent
+            self.publisher.counters.observe_transfer(when - f.final_sent, nbytes)
             f.future.set_result(PrefillResult(ev.request_id, max(0.0, when - f.final_sent),
                                               nbytes))
 

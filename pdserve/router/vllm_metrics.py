@@ -39,9 +39,13 @@ health probe with (and the metrics snapshot it carries, at most ~0.5 s older):
 waiting for KV), ``vllm:kv_cache_usage_perc``; the counters ``vllm:prefix_cache_
 queries_total`` and ``_hits_total`` (tokens: the engine's blocks x block size),
 ``vllm:num_preemptions_total``, ``vllm:spec_decode_num_drafts_total``,
-``_num_draft_tokens_total``, ``_num_accepted_tokens_total``; and the histogram
-``vllm:iteration_tokens_total`` (tokens per engine step; pdserve's bounds, 1 to 32,768
-in powers of two, where vLLM's are 1, 8, 16, ... 16,384). A worker's counters start
+``_num_draft_tokens_total``, ``_num_accepted_tokens_total``,
+``vllm:nixl_num_failed_transfers_total``; the histograms ``vllm:iteration_tokens_total``
+(tokens per engine step; pdserve's bounds, 1 to 32,768 in powers of two, where vLLM's
+are 1, 8, 16, ... 16,384), ``vllm:nixl_xfer_time_seconds`` and
+``vllm:nixl_bytes_transferred`` (per request sent, on the prefill worker, whatever the
+channel: vLLM's bounds; the time is from the request's last send to the decode
+worker's acknowledgement, the part of the transfer prefill did not overlap). A worker's counters start
 again from 0 when it restarts (a counter reset, as Prometheus expects).
 """
 
@@ -58,7 +62,14 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from pdserve.messages import BATCH_TOKENS_BUCKETS, WorkerLoad, WorkerMetrics, bucket_samples
+from pdserve.messages import (
+    BATCH_TOKENS_BUCKETS,
+    KV_XFER_BYTES_BUCKETS,
+    KV_XFER_SECONDS_BUCKETS,
+    WorkerLoad,
+    WorkerMetrics,
+    bucket_samples,
+)
 from pdserve.router.types import FinalChunk
 
 # vLLM 0.32's bounds (v1/metrics/buckets.py)
@@ -193,6 +204,21 @@ _COUNTERS = {
                                           False),
     "vllm:spec_decode_num_accepted_tokens": ("Number of accepted tokens.",
                                              "spec_accepted_tokens", False),
+    "vllm:nixl_num_failed_transfers": ("Number of failed KV cache transfers.",
+                                       "kv_transfer_failures", False),
+}
+# vLLM histogram <- (help, bounds, WorkerMetrics bucket counts, its sum)
+_HISTOGRAMS = {
+    "vllm:iteration_tokens_total": (
+        "Histogram of number of tokens per engine_step.", BATCH_TOKENS_BUCKETS,
+        "batch_tokens_buckets", "tokens_computed"),
+    "vllm:nixl_xfer_time_seconds": (
+        "Histogram of transfer duration for KV cache transfers (a request's, from its "
+        "last send to the acknowledgement).", KV_XFER_SECONDS_BUCKETS,
+        "kv_xfer_seconds_buckets", "kv_transfer_seconds"),
+    "vllm:nixl_bytes_transferred": (
+        "Histogram of bytes transferred per KV cache transfer (a request's).",
+        KV_XFER_BYTES_BUCKETS, "kv_xfer_bytes_buckets", "kv_transfer_bytes"),
 }
 
 
@@ -215,9 +241,8 @@ class _Engines(Collector):
                                   "KV-cache usage. 1 means 100 percent usage.", labels=LABELS)
         counters = {name: CounterMetricFamily(name, doc, labels=LABELS)
                     for name, (doc, _, _) in _COUNTERS.items()}
-        steps = HistogramMetricFamily("vllm:iteration_tokens_total",
-                                      "Histogram of number of tokens per engine_step.",
-                                      labels=LABELS)
+        histograms = {name: HistogramMetricFamily(name, doc, labels=LABELS)
+                      for name, (doc, _, _, _) in _HISTOGRAMS.items()}
         for engine, load in sorted(self.loads().items()):
             values = [self.model, engine]
             running.add_metric(values, load.num_running)
@@ -229,7 +254,7 @@ class _Engines(Collector):
             for name, (_, field, in_blocks) in _COUNTERS.items():
                 scale = self.block_size if in_blocks else 1
                 counters[name].add_metric(values, getattr(m, field) * scale)
-            steps.add_metric(values, bucket_samples(BATCH_TOKENS_BUCKETS,
-                                                    m.batch_tokens_buckets),
-                             float(m.tokens_computed))
-        yield from (running, waiting, usage, *counters.values(), steps)
+            for name, (_, bounds, counts, total) in _HISTOGRAMS.items():
+                histograms[name].add_metric(values, bucket_samples(bounds, getattr(m, counts)),
+                                            float(getattr(m, total)))
+        yield from (running, waiting, usage, *counters.values(), *histograms.values())

@@ -53,7 +53,8 @@ VLLM_NATIVE = (
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
     "vllm:num_preemptions_total", "vllm:iteration_tokens_total_count",
-    "vllm:iteration_tokens_total_sum",
+    "vllm:iteration_tokens_total_sum", "vllm:nixl_xfer_time_seconds_count",
+    "vllm:nixl_bytes_transferred_sum", "vllm:nixl_num_failed_transfers_total",
 )
 ROUTER_STAGES = ("pdserve_request_queue_seconds", "pdserve_prefill_queue_seconds",
                  "pdserve_prefill_seconds", "pdserve_kv_transfer_seconds",

@@ -83,6 +83,8 @@ def test_engine_gauges_are_the_loads_at_scrape_time() -> None:
                       spec_accepted_tokens=12)
     m.observe_step(StepInfo(1, 30, 0, 30, 0.01), 0.0, 0.0)
     m.observe_step(StepInfo(1, 1, 0, 1, 0.01), 0.0, 0.0)
+    m.observe_transfer(0.02, 5000)
+    m.kv_transfer_failures = 1
     loads["decode-0"] = dataclasses.replace(loads["decode-0"], metrics=m)
     assert value(registry, "vllm:prefix_cache_queries_total") == 160  # tokens: x 16
     assert value(registry, "vllm:prefix_cache_hits_total") == 64
@@ -92,3 +94,9 @@ def test_engine_gauges_are_the_loads_at_scrape_time() -> None:
     assert value(registry, "vllm:iteration_tokens_total_sum") == 31
     assert value(registry, "vllm:iteration_tokens_total_bucket", le="32.0") == 2
     assert value(registry, "vllm:iteration_tokens_total_bucket", le="16.0") == 1
+    # a request's KV transfer, under vLLM's NIXL names and bounds
+    assert value(registry, "vllm:nixl_xfer_time_seconds_bucket", le="0.025") == 1
+    assert value(registry, "vllm:nixl_xfer_time_seconds_bucket", le="0.01") == 0
+    assert value(registry, "vllm:nixl_bytes_transferred_bucket", le="8192.0") == 1
+    assert value(registry, "vllm:nixl_bytes_transferred_sum") == 5000
+    assert value(registry, "vllm:nixl_num_failed_transfers_total") == 1
