@@ -16,8 +16,9 @@ Spans, each on its own process's clock:
 * router: ``llm_request`` (server span: arrival to the end, with vLLM's ``gen_ai.*``
   attributes), ``queue`` (arrival to admitted), one ``attempt`` per attempt (its
   workers, where its prompt was computed and why, the failure that ended it);
-* prefill worker: ``prefill`` (received to first token), ``kv_send`` (the last send to
-  the decode worker's acknowledgement);
+* prefill worker: ``prefill_queue`` (received to first scheduled), ``prefill`` (first
+  scheduled to first token), ``kv_send`` (the last send to the decode worker's
+  acknowledgement);
 * decode worker: ``kv_receive`` (reserved to KV arrived) or, for a prompt it computed
   itself, ``prefill``; ``decode`` (the first token to the end);
 * colocated worker: ``prefill`` and ``decode``.
@@ -156,8 +157,9 @@ class Marks:
         self._worker = worker_id
         self.at: dict[str, int] = {"start": now_ns()}
 
-    def mark(self, event: str) -> None:
-        self.at.setdefault(event, now_ns())
+    def mark(self, event: str, ago_s: float = 0.0) -> None:
+        """``event`` happened now (or ``ago_s`` seconds ago); its first time is kept."""
+        self.at.setdefault(event, now_ns() - int(ago_s * 1e9))
 
     def span(self, name: str, start: str, end: str | None = None, **attributes: Any) -> None:
         """The span ``name`` from event ``start`` to event ``end`` (now, if None)."""

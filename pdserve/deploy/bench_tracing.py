@@ -8,12 +8,13 @@ over minutes); each round starts each server anew. Reports median TPOT per mode 
 round, each traced mode's ratio to the untraced one of the same round, and the spans
 the receiver got (none at ratio 0; at 1.0 five per request whose prompt the decode
 worker computed -- the router's llm_request, queue and attempt, prefill and decode --
-and seven for one computed on the prefill worker: kv_send and kv_receive too).
+and eight for one computed on the prefill worker: prefill_queue, kv_send and
+kv_receive too).
 
 A server started anew lands on this VM's cores differently each time (a few percent
 of TPOT either way), more than tracing can cost, so the bench also times tracing's own
-work per request in this process: a request's router spans and four worker spans,
-made and exported to the receiver, against the untraced TPOT x tokens of a request --
+work per request in this process: a request's router spans and five worker spans,
+made and exported, against the untraced TPOT x tokens of a request --
 an upper bound of the share of a request's time tracing takes (none of it is per
 token; the export runs on its own thread).
 
@@ -71,7 +72,7 @@ def tracing_work_s(sink: OtlpReceiver, ratio: float, n: int = 250) -> float:
         carrier = trace.attempt(0)
         trace.admitted({"pdserve.worker": "decode-0", "pdserve.placement": "remote"})
         if carrier is not None:
-            for name in ("prefill", "kv_send", "kv_receive", "decode"):
+            for name in ("prefill_queue", "prefill", "kv_send", "kv_receive", "decode"):
                 marks = Marks(tracing, carrier, "w")
                 marks.mark("end")
                 marks.span(name, "start", "end", prompt_tokens=128)
@@ -106,7 +107,7 @@ def main() -> None:
               f"{', '.join(f'{x:.3f}' for x in ratios)})")
     traced = rounds[0]["ratio 1"]
     print(f"spans per traced request: {traced['spans'] / traced['requests']:.1f} "
-          f"(5 to 7 by where its prompt ran); at ratio 0: "
+          f"(5 to 8 by where its prompt ran); at ratio 0: "
           f"{sum(r['ratio 0']['spans'] for r in rounds):.0f}")
     request_s = statistics.median(r["off"]["tpot_ms"] for r in rounds) / 1e3 * args.max_tokens
     sink = OtlpReceiver()

@@ -210,7 +210,9 @@ class PrefillWorker(WorkerLoop):
                 lp: TokenLogprob | None, final: bool) -> None:
         scheduled = out.first_scheduled_time if out.first_scheduled_time is not None else now
         if not f.first.done() and (marks := self.marks.get(f.task.request_id)) is not None:
-            marks.span("prefill", "start", prompt_tokens=len(f.task.prompt_token_ids),
+            marks.mark("scheduled", ago_s=max(0.0, now - scheduled))
+            marks.span("prefill_queue", "start", "scheduled")
+            marks.span("prefill", "scheduled", prompt_tokens=len(f.task.prompt_token_ids),
                        cached_tokens=out.num_cached_tokens)
         if not f.first.done():
             f.first.set_result(FirstToken(

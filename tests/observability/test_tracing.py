@@ -56,10 +56,12 @@ def check_one_trace(spans: list[Received]) -> dict[str, list[Received]]:
     assert attempt.parent_id == request.span_id and named["queue"][0].parent_id == request.span_id
     assert (attempt.attributes["pdserve.placement"], attempt.attributes["pdserve.attempt"]) == (
         "remote", 0)
-    for name in ("prefill", "kv_send", "kv_receive", "decode"):
+    for name in ("prefill_queue", "prefill", "kv_send", "kv_receive", "decode"):
         [span] = named[name]
         assert span.parent_id == attempt.span_id, name
         assert request.start_ns <= span.start_ns <= span.end_ns
+    # the prefill worker's queue ends where its prefill begins
+    assert named["prefill_queue"][0].end_ns == named["prefill"][0].start_ns
     assert named["decode"][0].attributes["pdserve.output_tokens"] == 8
     return named
 
@@ -94,7 +96,7 @@ def test_the_clients_trace_goes_on_through_router_prefill_and_decode(
         p.close()
         d.close()
     # (the client stopped reading at the final chunk: the request's own span ends there)
-    until("the spans of all three", lambda: len(receiver.spans(TRACE_ID)) >= 7)
+    until("the spans of all three", lambda: len(receiver.spans(TRACE_ID)) >= 8)
     named = check_one_trace(receiver.spans(TRACE_ID))
     assert {s.resource["service.name"] for s in receiver.spans(TRACE_ID)} == {
         "pdserve-router", "pdserve-prefill", "pdserve-decode"}
@@ -134,7 +136,7 @@ def test_a_served_request_is_one_trace_over_three_processes(
         answer = asyncio.run(main())
         assert answer["usage"]["completion_tokens"] == 8  # type: ignore[index]
         until("the spans of all three processes",
-              lambda: {"prefill", "kv_send", "kv_receive", "decode", "llm_request"}
+              lambda: {"prefill_queue", "prefill", "kv_send", "kv_receive", "decode", "llm_request"}
               <= {s.name for s in receiver.spans(TRACE_ID)}, timeout_s=60)
     finally:
         cluster.shutdown()
