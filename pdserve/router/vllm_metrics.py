@@ -31,46 +31,21 @@ attempt's):
   ``vllm:prompt_tokens_cached_total``, ``vllm:prompt_tokens_by_source_total{source}``
   (``local_cache_hit``: the prefix cache; ``external_kv_transfer``: computed by a
   prefill worker and moved; ``local_compute``: computed where it decodes);
-* ``vllm:request_success_total{finished_reason}`` (stop, length, abort, error).
+* ``vllm:request_success_total{finished_reason}`` (stop, length, abort, error);
+* ``vllm:prompt_tokens_cached_by_source_total{source="device"}`` (the prefix cache),
+  ``vllm:external_prefix_cache_queries_total`` / ``_hits_total`` (the KV connector's:
+  the tokens its engine did not hold / those moved from a prefill worker),
+  ``vllm:request_prefill_kv_computed_tokens`` (a request's prompt tokens not cached).
 
-Per engine, read at scrape time from the load each worker last answered the router's
-health probe with (and the metrics snapshot it carries, at most ~0.5 s older):
-``vllm:num_requests_running``, ``vllm:num_requests_waiting`` (queued, and reserved
-waiting for KV), ``vllm:kv_cache_usage_perc``; the counters ``vllm:prefix_cache_
-queries_total`` and ``_hits_total`` (tokens: the engine's blocks x block size),
-``vllm:num_preemptions_total``, ``vllm:spec_decode_num_drafts_total``,
-``_num_draft_tokens_total``, ``_num_accepted_tokens_total``,
-``vllm:nixl_num_failed_transfers_total``; the histograms ``vllm:iteration_tokens_total``
-(tokens per engine step; pdserve's bounds, 1 to 32,768 in powers of two, where vLLM's
-are 1, 8, 16, ... 16,384), ``vllm:nixl_xfer_time_seconds`` and
-``vllm:nixl_bytes_transferred`` (per request sent, on the prefill worker, whatever the
-channel: vLLM's bounds; the time is from the request's last send to the decode
-worker's acknowledgement, the part of the transfer prefill did not overlap). A worker's counters start
-again from 0 when it restarts (a counter reset, as Prometheus expects).
+Per engine: ``vllm_engines.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-from prometheus_client.registry import Collector
 
-from pdserve.messages import (
-    BATCH_TOKENS_BUCKETS,
-    KV_XFER_BYTES_BUCKETS,
-    KV_XFER_SECONDS_BUCKETS,
-    WorkerLoad,
-    WorkerMetrics,
-    bucket_samples,
-)
 from pdserve.router.types import FinalChunk
+from pdserve.router.vllm_engines import LABELS, EngineLoads, Engines
 
 # vLLM 0.32's bounds (v1/metrics/buckets.py)
 TTFT_BUCKETS = (
@@ -87,9 +62,6 @@ REQUEST_LATENCY_BUCKETS = (
 )  # fmt: skip
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
-LABELS = ("model_name", "engine")
-
-EngineLoads = Callable[[], Mapping[str, WorkerLoad]]
 
 
 def token_buckets(max_model_len: int) -> tuple[float, ...]:
@@ -149,11 +121,23 @@ class VllmMetrics:
                                  "Number of prompt tokens by source.", ("source",))
         self.cached = counter("vllm:prompt_tokens_cached",
                               "Number of cached prompt tokens (local + external).")
+        self.cached_by_source = counter(
+            "vllm:prompt_tokens_cached_by_source", "Prefix-cache hit tokens by the cache "
+            "tier that supplied them (device: the engine's own).", ("source",))
+        self.external_queries = counter(
+            "vllm:external_prefix_cache_queries", "External prefix cache queries from the "
+            "KV connector, in tokens (a request's tokens its engine did not hold).")
+        self.external_hits = counter(
+            "vllm:external_prefix_cache_hits", "External prefix cache hits from the KV "
+            "connector, in tokens (moved from a prefill worker).")
+        self.kv_computed = histogram(
+            "vllm:request_prefill_kv_computed_tokens", "Histogram of new KV tokens computed "
+            "during prefill (excluding cached tokens).", tokens)
         self.generation_tokens = counter("vllm:generation_tokens",
                                          "Number of generation tokens processed.")
         self.success = counter("vllm:request_success", "Count of successfully processed "
                                "requests.", ("finished_reason",))
-        self._engines = _Engines(model)
+        self._engines = Engines(model)
         registry.register(self._engines)
 
     def watch(self, loads: EngineLoads, block_size: int) -> None:
@@ -171,9 +155,13 @@ class VllmMetrics:
         self.generation_hist.labels(**labels).observe(u.completion_tokens)
         computed = max(0, u.prompt_tokens - u.cached_tokens)
         self.cached.labels(**labels).inc(u.cached_tokens)
+        self.cached_by_source.labels(**labels, source="device").inc(u.cached_tokens)
+        self.kv_computed.labels(**labels).observe(computed)
         self.by_source.labels(**labels, source="local_cache_hit").inc(u.cached_tokens)
         moved = t.placement == "remote"
         self.by_source.labels(**labels, source="external_kv_transfer").inc(computed * moved)
+        self.external_queries.labels(**labels).inc(computed)
+        self.external_hits.labels(**labels).inc(computed * moved)
         self.by_source.labels(**labels, source="local_compute").inc(computed * (not moved))
         for hist, value in ((self.ttft, t.ttft), (self.e2e, t.e2e), (self.tpot, t.tpot)):
             if value is not None:
@@ -189,72 +177,3 @@ class VllmMetrics:
         for phase, value in (("queue", waited), ("prefill", prefill), ("decode", decode),
                              ("inference", prefill + decode)):
             self.phases[phase].labels(**labels).observe(value)
-
-
-# vLLM counter (its name without _total) <- (help, WorkerMetrics field, x block size)
-_COUNTERS = {
-    "vllm:prefix_cache_queries": ("Prefix cache queries, in terms of number of queried "
-                                  "tokens.", "prefix_queries", True),
-    "vllm:prefix_cache_hits": ("Prefix cache hits, in terms of number of cached tokens.",
-                               "prefix_hits", True),
-    "vllm:num_preemptions": ("Cumulative number of preemption from the engine.",
-                             "num_preemptions", False),
-    "vllm:spec_decode_num_drafts": ("Number of spec decoding drafts.", "spec_drafts", False),
-    "vllm:spec_decode_num_draft_tokens": ("Number of draft tokens.", "spec_draft_tokens",
-                                          False),
-    "vllm:spec_decode_num_accepted_tokens": ("Number of accepted tokens.",
-                                             "spec_accepted_tokens", False),
-    "vllm:nixl_num_failed_transfers": ("Number of failed KV cache transfers.",
-                                       "kv_transfer_failures", False),
-}
-# vLLM histogram <- (help, bounds, WorkerMetrics bucket counts, its sum)
-_HISTOGRAMS = {
-    "vllm:iteration_tokens_total": (
-        "Histogram of number of tokens per engine_step.", BATCH_TOKENS_BUCKETS,
-        "batch_tokens_buckets", "tokens_computed"),
-    "vllm:nixl_xfer_time_seconds": (
-        "Histogram of transfer duration for KV cache transfers (a request's, from its "
-        "last send to the acknowledgement).", KV_XFER_SECONDS_BUCKETS,
-        "kv_xfer_seconds_buckets", "kv_transfer_seconds"),
-    "vllm:nixl_bytes_transferred": (
-        "Histogram of bytes transferred per KV cache transfer (a request's).",
-        KV_XFER_BYTES_BUCKETS, "kv_xfer_bytes_buckets", "kv_transfer_bytes"),
-}
-
-
-class _Engines(Collector):
-    """The per-engine series, read from the workers' loads at scrape time."""
-
-    def __init__(self, model: str) -> None:
-        self.model = model
-        self.loads: EngineLoads = dict
-        self.block_size = 1
-
-    def collect(self) -> Iterator[Metric]:
-        running = GaugeMetricFamily("vllm:num_requests_running",
-                                    "Number of requests in model execution batches.",
-                                    labels=LABELS)
-        waiting = GaugeMetricFamily("vllm:num_requests_waiting",
-                                    "Number of requests waiting to be processed.",
-                                    labels=LABELS)
-        usage = GaugeMetricFamily("vllm:kv_cache_usage_perc",
-                                  "KV-cache usage. 1 means 100 percent usage.", labels=LABELS)
-        counters = {name: CounterMetricFamily(name, doc, labels=LABELS)
-                    for name, (doc, _, _) in _COUNTERS.items()}
-        histograms = {name: HistogramMetricFamily(name, doc, labels=LABELS)
-                      for name, (doc, _, _, _) in _HISTOGRAMS.items()}
-        for engine, load in sorted(self.loads().items()):
-            values = [self.model, engine]
-            running.add_metric(values, load.num_running)
-            waiting.add_metric(values, load.num_waiting + load.num_waiting_for_kv)
-            usage.add_metric(values, 1 - load.num_free_blocks / max(1, load.num_blocks))
-            m: WorkerMetrics | None = load.metrics
-            if m is None:
-                continue
-            for name, (_, field, in_blocks) in _COUNTERS.items():
-                scale = self.block_size if in_blocks else 1
-                counters[name].add_metric(values, getattr(m, field) * scale)
-            for name, (_, bounds, counts, total) in _HISTOGRAMS.items():
-                histograms[name].add_metric(values, bucket_samples(bounds, getattr(m, counts)),
-                                            float(getattr(m, total)))
-        yield from (running, waiting, usage, *counters.values(), *histograms.values())

@@ -55,6 +55,12 @@ VLLM_NATIVE = (
     "vllm:num_preemptions_total", "vllm:iteration_tokens_total_count",
     "vllm:iteration_tokens_total_sum", "vllm:nixl_xfer_time_seconds_count",
     "vllm:nixl_bytes_transferred_sum", "vllm:nixl_num_failed_transfers_total",
+    'vllm:num_requests_waiting_by_reason{reason="deferred"}',
+    'vllm:engine_sleep_state{sleep_state="awake"}', "vllm:cache_config_info",
+    "vllm:estimated_flops_per_gpu_total", "vllm:estimated_read_bytes_per_gpu_total",
+    'vllm:prompt_tokens_cached_by_source_total{source="device"}',
+    "vllm:external_prefix_cache_queries_total", "vllm:external_prefix_cache_hits_total",
+    "vllm:request_prefill_kv_computed_tokens_count",
 )
 ROUTER_STAGES = ("pdserve_request_queue_seconds", "pdserve_prefill_queue_seconds",
                  "pdserve_prefill_seconds", "pdserve_kv_transfer_seconds",

@@ -59,6 +59,10 @@ def test_a_request_under_vllms_meanings() -> None:
     assert value(registry, "vllm:prompt_tokens_by_source_total", source="local_compute") == 36
     assert value(registry, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") == 64
     assert value(registry, "vllm:prompt_tokens_cached_total") == 64
+    assert value(registry, "vllm:prompt_tokens_cached_by_source_total", source="device") == 64
+    assert value(registry, "vllm:external_prefix_cache_queries_total") == 136
+    assert value(registry, "vllm:external_prefix_cache_hits_total") == 100
+    assert value(registry, "vllm:request_prefill_kv_computed_tokens_sum") == 136
     assert value(registry, "vllm:prompt_tokens_total") == 200
     assert value(registry, "vllm:generation_tokens_total") == 22
     assert value(registry, "vllm:request_success_total", finished_reason="length") == 2
@@ -77,11 +81,16 @@ def test_engine_gauges_are_the_loads_at_scrape_time() -> None:
     assert value(registry, "vllm:num_requests_running") == 3
     assert value(registry, "vllm:num_requests_waiting") == 3
     assert value(registry, "vllm:kv_cache_usage_perc") == 0.75
+    assert value(registry, "vllm:num_requests_waiting_by_reason", reason="capacity") == 1
+    assert value(registry, "vllm:num_requests_waiting_by_reason", reason="deferred") == 2
+    assert value(registry, "vllm:engine_sleep_state", sleep_state="awake") == 1
+    assert value(registry, "vllm:engine_sleep_state", sleep_state="discard_all") == 0
+    assert value(registry, "vllm:cache_config_info", block_size="16", num_gpu_blocks="100") == 1
     assert value(registry, "vllm:prefix_cache_hits_total") is None  # no snapshot yet
     m = WorkerMetrics("decode-0", "decode", prefix_queries=10, prefix_hits=4,
                       num_preemptions=2, spec_drafts=5, spec_draft_tokens=20,
                       spec_accepted_tokens=12)
-    m.observe_step(StepInfo(1, 30, 0, 30, 0.01), 0.0, 0.0)
+    m.observe_step(StepInfo(1, 30, 0, 30, 0.01), 1e9, 2e6)
     m.observe_step(StepInfo(1, 1, 0, 1, 0.01), 0.0, 0.0)
     m.observe_transfer(0.02, 5000)
     m.kv_transfer_failures = 1
@@ -91,6 +100,8 @@ def test_engine_gauges_are_the_loads_at_scrape_time() -> None:
     assert value(registry, "vllm:num_preemptions_total") == 2
     assert value(registry, "vllm:spec_decode_num_accepted_tokens_total") == 12
     assert value(registry, "vllm:iteration_tokens_total_count") == 2
+    assert value(registry, "vllm:estimated_flops_per_gpu_total") == 1e9
+    assert value(registry, "vllm:estimated_read_bytes_per_gpu_total") == 2e6
     assert value(registry, "vllm:iteration_tokens_total_sum") == 31
     assert value(registry, "vllm:iteration_tokens_total_bucket", le="32.0") == 2
     assert value(registry, "vllm:iteration_tokens_total_bucket", le="16.0") == 1
