@@ -321,7 +321,8 @@ REFUSED_CHAT = {
 # logged as ignored, as vLLM does. A route's own field of the same name is its own.
 IGNORED_FIELDS = frozenset({
     "store", "service_tier", "metadata", "user", "prompt_cache_key", "safety_identifier",
-    "reasoning_effort", "reasoning", "verbosity",
+    "prompt_cache_retention", "reasoning_effort", "reasoning", "verbosity",
+    "stream_options",  # /v1/responses: include_obfuscation (chat and completions read it)
 })
 
 
