@@ -130,7 +130,7 @@ class WorkerLoop:
     async def abort(self, request_id: str) -> None:
         """Drop a request wherever it is and free its blocks (idempotent). Queued on
         the loop; never waits for it (a stalled worker must not stall the caller)."""
-        self.loop.post(lambda: self._abort(request_id))
+        self.loop.post(lambda: self._drop(request_id))
 
     async def check_integrity(self) -> None:
         await self._on_loop(self.engine.check_integrity)
@@ -173,6 +173,12 @@ class WorkerLoop:
             self.tracing.shutdown()
 
     # ------------------------------------------------------------- loop side
+    def _drop(self, request_id: str) -> None:
+        """A request aborted: its trace marks go (it makes no spans), then the role's
+        own ``_abort``."""
+        self.marks.pop(request_id, None)
+        self._abort(request_id)
+
     def _abort(self, request_id: str) -> None:
         raise NotImplementedError
 
@@ -181,7 +187,7 @@ class WorkerLoop:
         them, so they are aborted on the loop and their blocks freed now."""
         def abort_all() -> None:
             for rid in request_ids:
-                self._abort(rid)
+                self._drop(rid)
 
         self.loop.post(abort_all)
 

@@ -65,7 +65,6 @@ class ColocatedWorker(WorkerLoop):
         return True
 
     def _abort(self, rid: str) -> None:
-        self.marks.pop(rid, None)
         self.outputs.forget(rid)
         self._received.pop(rid, None)
         self.engine.abort(rid)

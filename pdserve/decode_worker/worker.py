@@ -138,7 +138,6 @@ class DecodeWorker(WorkerLoop):
         return Reservation(blocks, reused, draft_blocks=draft)
 
     def _abort(self, rid: str) -> None:
-        self.marks.pop(rid, None)
         self.outputs.forget(rid)
         self._kv_arrived.pop(rid, None)
         self._received.pop(rid, None)

@@ -298,7 +298,6 @@ class PrefillWorker(WorkerLoop):
                                               nbytes))
 
     def _abort(self, request_id: str) -> None:
-        self.marks.pop(request_id, None)
         f = self._inflight.get(request_id)
         if f is not None and f.pinned:  # sends started: the event ends it (pins, release)
             self.transfer.post(lambda: self.sender.abort(request_id))

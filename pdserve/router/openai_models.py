@@ -3,6 +3,7 @@ models, and the fields we refuse (each ``Refused`` rule with the JSON schema of 
 harmless values, which ``openapi_doc`` publishes). ``openai_schema.py`` maps a
 validated body to router requests; its docstring has the rules both follow."""
 
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -326,6 +327,7 @@ IGNORED_FIELDS = frozenset({
 })
 
 
+@functools.cache
 def known_fields(model: type[Body]) -> frozenset[str]:
     """The body fields ``model`` reads (by name and by alias)."""
     return frozenset(n for name, f in model.model_fields.items() for n in (name, f.alias) if n)

@@ -106,13 +106,13 @@ class Router:
                                    cfg.max_waiting, cfg.queue_timeout_s, cfg.block_size,
                                    cfg.local_prefill_max_tokens, cfg.placement, slo)
         self._services = Services(self.workers, self.admission, self.fanout, self.prefix,
-                                  tokenizer, cfg.block_size, cfg.max_retries, metrics, tracing,
+                                  tokenizer, cfg.block_size, cfg.max_retries, None, tracing,
                                   model_name)
         self._active: set[str] = set()  # request ids in flight (client ids are unique)
         self._draining = False
         self._idle = asyncio.Event()  # set whenever nothing is in flight
         self._idle.set()
-        self.metrics = metrics  # (the setter: the metrics see this router's workers)
+        self.metrics = metrics  # the setter: they also see this router's workers
 
     @property
     def metrics(self) -> Any:
