@@ -13,6 +13,34 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="device for the engine tests (scripts/gpu_check.sh passes cuda)")
 
 
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The CPU and the kernel families it runs: a failure's report names the class."""
+    import os
+    import platform
+
+    import torch
+
+    from pdserve.engine import kernels
+    from pdserve.engine.attention import attention_families
+    from pdserve.engine.linear import cpu_families
+
+    model = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines()
+                  if line.startswith("model name")), platform.machine())
+    hidden = os.environ.get(kernels.HIDE_FLAGS_ENV, "")
+    runs = ("kernels: " + (kernels.reason() or "built") if not kernels.available() else
+            f"families: linear bf16 {cpu_families(torch.bfloat16)}, attention "
+            f"{attention_families('bfloat16')}")
+    return [f"cpu: {model}, {torch.get_num_threads()} torch threads"
+            + (f", hiding {hidden!r}" if hidden else ""), runs]
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
 @pytest.fixture(scope="session")
 def device(request: pytest.FixtureRequest) -> str:
     return str(request.config.getoption("--device"))

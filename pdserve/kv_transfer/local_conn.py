@@ -79,7 +79,7 @@ class LocalReceiver(KVReceiver):
                 scatter(self.kv, list(msg.dst), msg.layers, data,
                         local_heads(self.layout, msg.heads))
                 self._state.landed(msg.request_id, msg.seq, msg.total, msg.notify, peer,
-                                   msg.part, msg.parts)
+                                   msg.part, msg.parts, msg.dst)
 
     def sender_gone(self, peer: str, request_id: str | None, reason: FailReason, why: str) -> None:
         """A sender aborted one request (request_id) or closed (None: all it touched)."""

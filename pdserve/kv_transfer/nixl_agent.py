@@ -24,6 +24,7 @@ import base64
 import importlib
 import json
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -84,12 +85,17 @@ def decode_metadata(text: str) -> bytes:
 
 
 def encode_notif(rid: str, seq: int, total: int | None, notify: dict[str, Any] | None,
-                 part: int = 0, parts: int = 1) -> bytes:
-    return json.dumps({"r": rid, "s": seq, "n": total, "p": notify, "q": [part, parts]}).encode()
+                 part: int = 0, parts: int = 1, blocks: Sequence[int] = ()) -> bytes:
+    return json.dumps({"r": rid, "s": seq, "n": total, "p": notify, "q": [part, parts],
+                       "b": list(blocks)}).encode()
 
 
-def decode_notif(raw: bytes) -> tuple[str, int, int | None, dict[str, Any] | None, int, int]:
-    """(request id, message index, total, notify, part, parts)."""
+def decode_notif(raw: bytes) -> tuple[str, int, int | None, dict[str, Any] | None, int, int,
+                                      list[int] | None]:
+    """(request id, message index, total, notify, part, parts, the blocks it wrote:
+    None from a sender that does not say)."""
     msg = json.loads(raw)
     part, parts = msg.get("q", (0, 1))
-    return str(msg["r"]), int(msg["s"]), msg["n"], msg["p"], int(part), int(parts)
+    blocks = msg.get("b")
+    return (str(msg["r"]), int(msg["s"]), msg["n"], msg["p"], int(part), int(parts),
+            None if blocks is None else [int(b) for b in blocks])

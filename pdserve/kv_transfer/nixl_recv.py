@@ -73,8 +73,8 @@ class NixlReceiver(KVReceiver):
         self._poll_links()
         for sender, notifs in self._agent.get_new_notifs().items():
             for raw in notifs:
-                rid, seq, total, notify, part, parts = decode_notif(raw)
-                self._state.landed(rid, seq, total, notify, str(sender), part, parts)
+                rid, seq, total, notify, part, parts, blocks = decode_notif(raw)
+                self._state.landed(rid, seq, total, notify, str(sender), part, parts, blocks)
         for rid in self._state.expired():
             self._start_abort(rid, FailReason.TIMEOUT, "no complete KV within the timeout")
         self._settle_aborts()

@@ -91,7 +91,8 @@ class NixlSender(BaseSender):
             return
         if numbered.first_seq == 0:  # D now fails rid if this link dies
             peer.link.send({"t": "begin", "r": request_id})
-        note = encode_notif(request_id, msg.seq, msg.total, msg.notify, msg.part, msg.parts)
+        note = encode_notif(request_id, msg.seq, msg.total, msg.notify, msg.part, msg.parts,
+                            msg.dst)
         regions = byte_regions(self.layout, src, list(msg.dst), msg.layers, peer.layout,
                                msg.heads)
         try:

@@ -160,7 +160,7 @@ class RayReceiver(KVReceiver):
                 data_shape(self.layout, len(msg.dst), msg.layers, msg.heads))
             scatter(self.kv, list(msg.dst), msg.layers, data, local_heads(self.layout, msg.heads))
         self._state.landed(msg.request_id, msg.seq, msg.total, msg.notify, sender, msg.part,
-                           msg.parts)
+                           msg.parts, msg.dst)
 
 
 class RaySender(BaseSender):

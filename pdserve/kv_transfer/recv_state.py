@@ -13,7 +13,10 @@ A request is in one of three states:
                                                          stop: wait for the sender's ack)
 
 Writes are accepted only for live requests and only into their expected blocks; late
-messages for ended requests are dropped.
+messages for ended requests are dropped. A request whose messages all landed but left
+an expected block unwritten fails (``FailReason.TRANSPORT``, "KV incomplete") instead of
+reporting done: its decode would read whatever the block held before -- silently wrong
+tokens, and a wrong block in the prefix cache for every later request sharing it.
 
 A request may come in parts (tensor parallel: several sender ranks each write their KV
 heads into one receiver rank, ``layout.Slice``): every message says its part and how
@@ -23,6 +26,7 @@ request is done when every part is.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +35,8 @@ from typing import Any
 
 from .base import FailReason, RecvEvent
 from .layout import check_block_ids
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,6 +50,8 @@ class _Expected:
     parts: int = 1  # the parts the request comes in (every message says)
     notify: dict[str, Any] | None = None
     ending: tuple[FailReason, str] | None = None  # set while waiting for a sender's ack
+    # part -> the blocks its messages wrote; None once a message did not say (unchecked)
+    written: dict[int, set[int]] | None = field(default_factory=dict)
 
 
 class RecvTracker:
@@ -116,9 +124,12 @@ class RecvTracker:
         peer: str = "",
         part: int = 0,
         parts: int = 1,
+        blocks: Sequence[int] | None = None,
     ) -> None:
         """Message `seq` of part `part` (of `parts`) of request_id is in place; `total`
-        (that part's number of messages) is set on the part's final message."""
+        (that part's number of messages) is set on the part's final message. `blocks`:
+        the destination blocks it wrote (None: the backend cannot say; the request's
+        coverage is then not checked)."""
         with self.lock:
             exp = self._live.get(request_id)
             if exp is None or exp.ending is not None:
@@ -128,12 +139,33 @@ class RecvTracker:
             exp.seen.add((part, seq))
             exp.parts = parts
             exp.deadline = max(exp.deadline, self._clock() + exp.timeout_s)
+            if exp.written is not None:
+                if blocks is None:
+                    exp.written = None
+                else:
+                    exp.written.setdefault(part, set()).update(blocks)
             if total is not None:
                 exp.totals[part] = total
                 exp.notify = exp.notify or notify
             if len(exp.totals) >= exp.parts and len(exp.seen) >= sum(exp.totals.values()):
+                missing = self._unwritten(exp)
+                if missing:  # a sender's bug, never the data's: say so loudly
+                    why = (f"KV incomplete: {len(missing)} of {len(exp.dst_set)} blocks never "
+                           f"written (blocks {missing[:8]}, {len(exp.seen)} messages)")
+                    log.error("request %s: %s", request_id, why)
+                    self.end(request_id, FailReason.TRANSPORT, why)
+                    return
                 del self._live[request_id]
                 self._events.append(RecvEvent(request_id, True, notify=exp.notify or {}))
+
+    @staticmethod
+    def _unwritten(exp: _Expected) -> list[int]:
+        """Expected blocks some part's messages did not write (sorted; [] when every
+        part covered them all, or when coverage is unknown)."""
+        if exp.written is None:
+            return []
+        return sorted({b for p in range(exp.parts)
+                       for b in exp.dst_set - exp.written.get(p, set())})
 
     def end(self, request_id: str, reason: FailReason, error: str) -> bool:
         """Fail a live or ending request now; False if it is not pending."""

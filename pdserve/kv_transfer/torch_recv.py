@@ -187,7 +187,7 @@ class TorchReceiver(KVReceiver):
                         local_heads(self.layout, msg.heads))
                 sync(self.kv.device)
             self._state.landed(msg.request_id, msg.seq, msg.total, msg.notify, peer,
-                               msg.part, msg.parts)
+                               msg.part, msg.parts, msg.dst)
 
     def _peer_gone(self, peer: str, why: str) -> None:
         for rid in self._state.requests_of(peer):

@@ -158,6 +158,19 @@ def test_layer_ranges_then_final_notify(pair: Pair) -> None:
     assert pair.recv.digest(dst) == pair.expected(src)
 
 
+def test_a_block_left_unwritten_fails_the_request(pair: Pair) -> None:
+    """Every message landed, but one reserved block got none of them (a sender that
+    skipped it): the request fails as a transport error, never reports its KV ready
+    (the decode would read the block's old bytes -- silently wrong tokens)."""
+    pair.recv.expect("r", [10, 11, 12], WAIT_S)
+    pair.send.send(pair.peer, "r", [1, 2], [10, 11], layers=(0, 4))
+    pair.send.send(pair.peer, "r", [], [], notify={"first_token": 3})
+    _, got = collect([pair.send, pair.recv], [1, 1], WAIT_S)
+    assert [(e.ok, e.reason) for e in got] == [(False, FailReason.TRANSPORT)]
+    assert "KV incomplete: 1 of 3 blocks never written (blocks [12]" in got[0].error
+    assert pair.recv.num_pending() == 0
+
+
 def test_out_of_order_completion(pair: Pair) -> None:
     plan = {"a": ([1, 2], [10, 11]), "b": ([3], [20]), "c": ([4, 5, 6], [30, 31, 32])}
     for rid, (_, dst) in plan.items():  # reserved a, b, c

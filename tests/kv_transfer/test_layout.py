@@ -212,6 +212,20 @@ def test_recv_tracker_completes_in_any_order_and_fails_once() -> None:
     assert not t.end("s", FailReason.ABORTED, "again")
 
 
+def test_recv_tracker_checks_every_part_wrote_every_block() -> None:
+    t = RecvTracker(num_blocks=8)
+    t.expect("r", [1, 2], 10)
+    t.landed("r", 0, None, None, part=0, parts=2, blocks=[1, 2])
+    t.landed("r", 1, 2, {"tok": 1}, part=0, parts=2, blocks=[])
+    t.landed("r", 0, 1, {"tok": 1}, part=1, parts=2, blocks=[1])  # part 1 skipped block 2
+    (event,) = t.drain()
+    assert (event.ok, event.reason) == (False, FailReason.TRANSPORT)
+    assert "1 of 2 blocks never written (blocks [2]" in event.error and t.num_pending == 0
+    t.expect("s", [3], 10)  # a backend that cannot say which blocks: not checked
+    t.landed("s", 0, 1, {}, blocks=None)
+    assert [e.ok for e in t.drain()] == [True]
+
+
 def test_send_tracker_numbers_messages_and_waits_for_inflight() -> None:
     t = SendTracker(timeout_s=10)
     a = t.begin("p", "r", final=False, n_messages=2)
