@@ -13,7 +13,13 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.router import Router
-from pdserve.router.types import ErrorKind, GenerateRequest, RouterError, StreamChunk
+from pdserve.router.types import (
+    ErrorKind,
+    FinalChunk,
+    GenerateRequest,
+    RouterError,
+    StreamChunk,
+)
 from tests.waiting import until_async
 
 LONG_PROMPT = 1200  # tokens: 38 chunks of 32 on the prefill side, KV sent as they go
@@ -25,14 +31,28 @@ def prompt(i: int, n: int = LONG_PROMPT) -> list[int]:
     return [5 + (i * 31 + j) % 400 for j in range(n)]
 
 
+class Tokens(list[int]):
+    """A request's tokens (equal to the plain list), and where they came from: what a
+    mismatch's report needs to tell a wrong worker from a wrong path."""
+
+    path = ""
+
+
 async def request(router: Router, rid: str, ids: list[int], max_tokens: int) -> Any:
-    """All the request's tokens, or the RouterError it ended with."""
+    """All the request's tokens (``Tokens``), or the RouterError it ended with."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    tokens: list[int] = []
+    tokens = Tokens()
+    if (task := asyncio.current_task()) is not None:
+        task.set_name(rid)  # a hung one is named in settle()'s report
     try:
         async for item in router.generate(GenerateRequest(rid, params, prompt_token_ids=ids)):
             if isinstance(item, StreamChunk):
                 tokens += item.token_ids
+            elif isinstance(item, FinalChunk):
+                t = item.timings
+                tokens.path = (f"{t.placement} ({t.placement_reason}) to {t.worker}, "
+                               f"{item.num_retries} retries, {item.usage.cached_tokens} "
+                               f"cached prompt tokens")
     except RouterError as exc:
         return exc
     return tokens
@@ -46,6 +66,22 @@ def greedy(cluster: Cluster, prompts: list[list[int]], max_tokens: int) -> list[
         prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
 
 
+async def settle(router: Router, tasks: list[asyncio.Task[Any]], bound_s: float = BOUND_S,
+                 ) -> list[Any]:
+    """Every task's result, in order; an AssertionError naming the requests still
+    running after ``bound_s`` (cancelled then) and the workers' states."""
+    _, pending = await asyncio.wait(tasks, timeout=bound_s)
+    if pending:
+        for t in pending:
+            t.cancel()
+        busy = {w.worker_id: w.outstanding_requests
+                for w in router.workers.workers.values() if w.outstanding_requests}
+        raise AssertionError(f"{len(pending)} requests hung past {bound_s:.0f} s: "
+                             f"{sorted(t.get_name() for t in pending)}; in routing: "
+                             f"{router.worker_states()}; outstanding: {busy}")
+    return [t.result() for t in tasks]
+
+
 def check_outcomes(results: list[Any], want: list[list[int]]) -> int:
     """Each request finished with the engine's greedy tokens (``want``, in the same
     order: a retry continues exactly) or a clear error; returns how many finished."""
@@ -54,7 +90,8 @@ def check_outcomes(results: list[Any], want: list[list[int]]) -> int:
         if isinstance(r, RouterError):
             assert r.kind in CLEAR and r.message, r
         else:
-            assert r == w, f"request {i}: {len(r)} tokens {r} != the engine's {w}"
+            assert r == w, (f"request {i}: {len(r)} tokens {r} != the engine's {w}; "
+                            f"{getattr(r, 'path', '')}")
             ok += 1
     return ok
 

@@ -25,12 +25,12 @@ from pdserve.deploy.config import ClusterConfig
 from pdserve.router.router import Router
 from pdserve.router.types import RouterError
 from tests.integration.chaos import (
-    BOUND_S,
     check_outcomes,
     greedy,
     prompt,
     recovered,
     request,
+    settle,
     with_router,
 )
 from tests.integration.chaos_summary import SUMMARY, Case
@@ -89,7 +89,7 @@ async def kill9_and_settle(cluster: Cluster, router: Router, wid: str,
     killed worker to be back in routing. Returns the tasks' results and the fault time."""
     restarted = await kill9(cluster, router, wid)
     fault_at = time.monotonic()
-    results = await asyncio.wait_for(asyncio.gather(*tasks), BOUND_S)
+    results = await settle(router, tasks)
     await recovered(router, cluster, restarted)
     return results, fault_at
 
@@ -162,7 +162,7 @@ def test_sigstop_past_the_timeouts(cluster: Cluster, role: str) -> None:
             await until_async("the stalled worker out of routing",
                               lambda: not router.worker_states()[victim[0]], 30)
             assert all(router.worker_states()[w] for w in others), router.worker_states()
-            results = await asyncio.wait_for(asyncio.gather(*tasks), BOUND_S)
+            results = await settle(router, tasks)
             assert all(router.worker_states()[w] for w in others), router.worker_states()
         finally:
             os.kill(pid, signal.SIGCONT)

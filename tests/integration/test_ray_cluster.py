@@ -88,7 +88,10 @@ def test_golden_disaggregated_equals_colocated(tiny_model: Callable[[str], Path]
 
         results = with_router(cluster, body)
         for (tokens, text, final), exp in zip(results, expected, strict=True):  # type: ignore[call-overload]
-            assert tokens == exp.token_ids and text == exp.text
+            t = final.timings
+            assert tokens == exp.token_ids and text == exp.text, (
+                f"{tokens} != {exp.token_ids}: {t.placement} to {t.worker}, "
+                f"{final.num_retries} retries")
             assert final.timings.kv_transfer is not None
         cluster.check_integrity()
     finally:
