@@ -288,6 +288,7 @@ class WorkerMetrics:
     spec_accepted_tokens: int = 0
     kv_transfer_bytes: int = 0
     kv_transfer_failures: int = 0
+    kv_empty_blocks: int = 0  # blocks with no KV where there must be (sent / arrived)
     kv_transfers: int = 0
     kv_sends: int = 0  # send calls: one per step that completed blocks, plus the last
     kv_transfer_seconds: float = 0.0

@@ -170,6 +170,9 @@ class DecodeWorker(WorkerLoop):
                                           failure=ev.reason or FailReason.TRANSPORT,
                                           error=f"KV transfer failed: {ev.error}"))
                 continue
+            if empty := self.engine.empty_blocks(self.engine.block_ids(rid)):
+                self._arrived_empty(rid, empty, batch)
+                continue
             if (marks := self.marks.get(rid)) is not None:  # the first token came with it
                 marks.mark("first_token")
                 marks.span("kv_receive", "start", blocks=len(self.engine.block_ids(rid)))
@@ -185,6 +188,18 @@ class DecodeWorker(WorkerLoop):
         # Arrivals carry each request's first token: publish them now, not after the
         # next decode step (that would add a whole step to every TTFT).
         self.outputs.publish(batch)
+
+    def _arrived_empty(self, rid: str, empty: list[int], batch: list[RequestDelta]) -> None:
+        """A request whose KV "landed" with blocks still empty: decoding it would read
+        whatever those blocks hold, and its prompt's blocks would enter the prefix cache
+        for later requests. Fail it instead (the router retries elsewhere)."""
+        self.publisher.counters.kv_empty_blocks += len(empty)
+        log.error("decode worker %s: request %s: KV arrived with %d of its blocks empty "
+                  "(%s)", self.worker_id, rid, len(empty), empty[:8])
+        self.marks.pop(rid, None)
+        self.engine.abort(rid)
+        batch.append(RequestDelta(rid, [], finish_reason="error", failure=FailReason.TRANSPORT,
+                                  error=f"KV arrived with {len(empty)} blocks empty"))
 
     def _run_step(self) -> None:
         t0 = time.monotonic()

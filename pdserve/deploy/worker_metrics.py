@@ -91,6 +91,10 @@ COUNTERS: list[tuple[str, str, Getter]] = [
     ("pdserve_kv_transfer_busy_seconds", "Seconds summed over completed KV transfers "
      "(overlapping transfers add up).", lambda s: s.kv_transfer_seconds),
     ("pdserve_kv_transfer_failures", "KV transfers that failed.", lambda s: s.kv_transfer_failures),
+    ("pdserve_kv_empty_blocks", "KV blocks found empty where computed KV must be: sent so "
+     "(prefill worker) or arrived so (decode worker: the request fails and is retried). "
+     "Never expected: each one is a bug, logged with its request.",
+     lambda s: s.kv_empty_blocks),
     ("pdserve_core_borrowed_steps", "Engine steps run on another worker's idle cores too.",
      lambda s: s.borrowed_steps),
     ("pdserve_core_wait_seconds", "Seconds spent waiting for this worker's own cores back "

@@ -338,6 +338,20 @@ class LLMEngine:
             return []
         return list(req.block_ids[:req.num_computed_tokens // self.block_size])
 
+    def computed_tokens(self, request_id: str) -> int:
+        req = self.requests.get(request_id)
+        return 0 if req is None else req.num_computed_tokens
+
+    def empty_blocks(self, block_ids: Sequence[int]) -> list[int]:
+        """The blocks among ``block_ids`` that hold no KV: the first token slot of the
+        first layer's keys all zero, which no computed key is (a few bytes read per
+        block). A block a transfer never wrote, or one sent before it was computed."""
+        if not block_ids:
+            return []
+        first = self.kv_cache[torch.tensor(list(block_ids)), 0, 0, :, 0]
+        empty = ~first.reshape(len(block_ids), -1).any(dim=1)
+        return [b for b, e in zip(block_ids, empty.tolist(), strict=True) if e]
+
     def cached_tokens(self, request_id: str) -> int:
         """Prompt tokens the prefix cache served (a reservation's shared blocks)."""
         return self.requests[request_id].num_cached_tokens

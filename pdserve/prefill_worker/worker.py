@@ -33,6 +33,7 @@ calls it in-process, ``deploy/`` wraps the class itself as a Ray actor.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -51,6 +52,8 @@ from pdserve.kv_transfer.with_draft import DraftSender
 from pdserve.messages import FirstToken, PrefillResult, PrefillTask, TokenLogprob, WorkerMetrics
 from pdserve.tracing import Tracing
 from pdserve.worker_loop import WorkerLoop, prompt_logprobs_of
+
+log = logging.getLogger("pdserve.prefill_worker")
 
 # A hand-off answer resolved this long ago and not taken was its router's, which died.
 HANDOFF_KEEP_S = 60.0
@@ -252,6 +255,12 @@ class PrefillWorker(WorkerLoop):
     def _send(self, f: _InFlight, src: list[int], start: int, notify: dict[str, Any] | None,
               ) -> None:
         rid, dst = f.task.request_id, f.task.dst_block_ids[start:start + len(src)]
+        if empty := self.engine.empty_blocks(src):  # the decode worker fails the request
+            self.publisher.counters.kv_empty_blocks += len(empty)
+            log.error("prefill worker %s: request %s: sending %d empty blocks (%s; blocks "
+                      "%d.. of %d, %d computed tokens)", self.worker_id, rid, len(empty),
+                      empty[:8], start, len(f.task.dst_block_ids),
+                      self.engine.computed_tokens(rid))
         self.engine.pin(src)
         f.pinned.extend(src)
         f.sent_blocks = start + len(src)

@@ -82,6 +82,14 @@ async def settle(router: Router, tasks: list[asyncio.Task[Any]], bound_s: float 
     return [t.result() for t in tasks]
 
 
+def empty_kv_blocks(router: Router) -> int:
+    """KV blocks the live workers found empty where KV must be (sent or arrived so;
+    WorkerMetrics.kv_empty_blocks): each one a bug the decode side turned into a retry."""
+    loads = [w.load for w in router.workers.workers.values()]
+    return sum(load.metrics.kv_empty_blocks for load in loads
+               if load is not None and load.metrics is not None)
+
+
 def check_outcomes(results: list[Any], want: list[list[int]]) -> int:
     """Each request finished with the engine's greedy tokens (``want``, in the same
     order: a retry continues exactly) or a clear error; returns how many finished."""

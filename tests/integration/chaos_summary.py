@@ -15,6 +15,7 @@ class Case:
     cancelled: int = 0  # ... given up by their client
     recovered: int = 0  # workers back in routing after the fault
     recovery_s: float = 0.0  # fault (or SIGCONT) -> every worker in routing, every block free
+    empty_kv: int = 0  # KV blocks the live workers found empty (sent or arrived so), so far
 
 
 SUMMARY: dict[str, Case] = {}
@@ -25,7 +26,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         return
     terminalreporter.section("chaos cases")
     terminalreporter.write_line(f"{'case':44} {'ok':>3} {'error':>5} {'cancel':>6} {'hung':>4} "
-                                f"{'leaked':>6} {'recovered':>9} {'in s':>6}")
+                                f"{'leaked':>6} {'recovered':>9} {'in s':>6} {'empty KV':>8}")
     for name, c in SUMMARY.items():
         terminalreporter.write_line(f"{name:44} {c.ok:3d} {c.errors:5d} {c.cancelled:6d} {0:4d} "
-                                    f"{0:6d} {c.recovered:9d} {c.recovery_s:6.1f}")
+                                    f"{0:6d} {c.recovered:9d} {c.recovery_s:6.1f} {c.empty_kv:8d}")

@@ -26,6 +26,7 @@ from pdserve.router.router import Router
 from pdserve.router.types import RouterError
 from tests.integration.chaos import (
     check_outcomes,
+    empty_kv_blocks,
     greedy,
     prompt,
     recovered,
@@ -61,13 +62,14 @@ def cluster(tiny_model: Callable[[str], Path]) -> Iterator[Cluster]:
         c.shutdown()
 
 
-def record(case: str, results: list[Any], want: list[list[int]], recovered_workers: int,
-           fault_at: float) -> int:
+def record(router: Router, case: str, results: list[Any], want: list[list[int]],
+           recovered_workers: int, fault_at: float) -> int:
     """Check the outcomes against the engine's tokens ``want`` (hung requests fail the
     test before: every wait is bounded) and note the case for the summary; returns how
     many finished."""
     ok = check_outcomes(results, want)
-    SUMMARY[case] = Case(ok, len(results) - ok, 0, recovered_workers, time.monotonic() - fault_at)
+    SUMMARY[case] = Case(ok, len(results) - ok, 0, recovered_workers,
+                         time.monotonic() - fault_at, empty_kv_blocks(router))
     return ok
 
 
@@ -112,7 +114,7 @@ def test_kill9_mid_prefill_and_transfer(cluster: Cluster, role: str) -> None:
 
         await until_async("a worker mid-prefill", transferring)
         results, fault_at = await kill9_and_settle(cluster, router, victim[0], tasks)
-        assert record(f"kill -9 {role} mid-prefill/transfer", results,
+        assert record(router, f"kill -9 {role} mid-prefill/transfer", results,
                       greedy(cluster, [prompt(i) for i in range(6)], 8), 1, fault_at) >= 1
 
     with_router(cluster, body)
@@ -132,7 +134,7 @@ def test_kill9_mid_decode(cluster: Cluster) -> None:
         await until_async("a decode worker decoding", decoding)
         results, fault_at = await kill9_and_settle(cluster, router, victim[0], tasks)
         # the other pair takes them all over
-        assert record("kill -9 decode mid-decode", results,
+        assert record(router, "kill -9 decode mid-decode", results,
                       greedy(cluster, [prompt(i, 40) for i in range(4)], 300), 1, fault_at) == 4
 
     with_router(cluster, body)
@@ -168,7 +170,7 @@ def test_sigstop_past_the_timeouts(cluster: Cluster, role: str) -> None:
             os.kill(pid, signal.SIGCONT)
         fault_at = time.monotonic()  # recovery counts from SIGCONT
         await recovered(router, cluster, {})
-        assert record(f"SIGSTOP {role} past KV + health timeouts", results,
+        assert record(router, f"SIGSTOP {role} past KV + health timeouts", results,
                       greedy(cluster, [prompt(i) for i in range(8)], 8), 1, fault_at) >= 1
         tokens = await request(router, f"after-{role}", prompt(99, 64), 8)
         assert not isinstance(tokens, RouterError) and len(tokens) == 8
