@@ -26,8 +26,65 @@ MAX_BAD_WORDS = 128  # token sequences (a word is tokenized with and without a s
 MAX_BAD_WORD_TEXTS = MAX_BAD_WORDS // 2  # words a request gives as text
 MAX_BAD_WORD_TOKENS = 64
 AGING_S = 1.0  # priority aging: every second of waiting is worth one priority level
-_INT64_MIN = -(2**63)
-_INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values one numeric field allows: ``RANGES`` is the one table both
+    ``SamplingParams`` (every API's check) and the HTTP request models (their pydantic
+    bounds and published JSON schema) read."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False  # lo itself is not allowed
+    hi_open: bool = False
+    text: str = ""  # how an error states it; "" = from the bounds
+
+    def holds(self, value: float) -> bool:
+        """Inside the range (NaN never is)."""
+        above = self.lo is None or (value > self.lo if self.lo_open else value >= self.lo)
+        below = self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
+        return above and below
+
+    def describe(self) -> str:
+        """``in [0, 1]``, ``in (0, 1]``, ``>= -1``, ``> 0``, or ``text``."""
+        if self.text:
+            return self.text
+        if self.lo is not None and self.hi is not None:
+            return (f"in {'(' if self.lo_open else '['}{self.lo:g}, "
+                    f"{self.hi:g}{')' if self.hi_open else ']'}")
+        if self.lo is not None:
+            return f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        return f"{'<' if self.hi_open else '<='} {self.hi:g}"
+
+    def bounds(self) -> dict[str, Any]:
+        """As pydantic ``Field`` keywords (``ge``/``gt``, ``le``/``lt``)."""
+        out: dict[str, Any] = {}
+        if self.lo is not None:
+            out["gt" if self.lo_open else "ge"] = self.lo
+        if self.hi is not None:
+            out["lt" if self.hi_open else "le"] = self.hi
+        return out
+
+
+_INT64 = "in the int64 range [-2**63, 2**63-1]"
+# Checked in this order after max_tokens and min_tokens (min_tokens <= max_tokens is a
+# rule between fields, not a range). None (an optional field unset) is never checked.
+RANGES: dict[str, Range] = {
+    "temperature": Range(0.0, MAX_TEMPERATURE, text=f"in [0, {MAX_TEMPERATURE:g}] (0 = greedy)"),
+    "top_p": Range(0.0, 1.0, lo_open=True),
+    "top_k": Range(-1, text=">= -1 (0 or -1 = disabled)"),
+    "min_p": Range(0.0, 1.0),
+    "repetition_penalty": Range(0.0, lo_open=True),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "presence_penalty": Range(-2.0, 2.0),
+    "seed": Range(INT64_MIN, INT64_MAX, text=_INT64),
+    "logprobs": Range(0, MAX_LOGPROBS),
+    "prompt_logprobs": Range(0, MAX_LOGPROBS),
+    "priority": Range(INT64_MIN, INT64_MAX, text=_INT64),
+}
 
 
 @dataclass(frozen=True)
@@ -154,33 +211,12 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
-        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
-            raise ValueError(
-                f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), "
-                f"got {self.temperature}"
-            )
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be >= -1 (0 or -1 = disabled), got {self.top_k}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not self.repetition_penalty > 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for name in ("frequency_penalty", "presence_penalty"):
+        for name, allowed in RANGES.items():
             value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}")
-        if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
-            raise ValueError(f"seed must be in the int64 range [-2**63, 2**63-1], got {self.seed}")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
+            if value is not None and not allowed.holds(value):
+                raise ValueError(f"{name} must be {allowed.describe()}, got {value}")
         if self.resumed_tokens < 0:
             raise ValueError(f"resumed_tokens must be >= 0, got {self.resumed_tokens}")
-        if not _INT64_MIN <= self.priority <= _INT64_MAX:
-            raise ValueError(f"priority must be in the int64 range, got {self.priority}")
 
     def _set(self, name: str, value: object) -> None:
         # Frozen dataclass: normalisation in __post_init__ has to bypass __setattr__.

@@ -15,9 +15,8 @@ from pdserve.engine.sampling_params import (
     MAX_BAD_WORD_TEXTS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
-    MAX_LOGPROBS,
     MAX_STOP_STRINGS,
-    MAX_TEMPERATURE,
+    RANGES,
 )
 from pdserve.engine.structured import MAX_CHOICES, StructuredOutput
 
@@ -28,9 +27,15 @@ MAX_PROMPTS = 64  # prompts per completions request (a batch, as lm-eval's batch
 INT64 = 2**63
 TokenId = Annotated[int, Field(ge=0)]
 StopString = Annotated[str, Field(min_length=1)]
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-TopN = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
-Int64 = Annotated[int, Field(ge=-INT64, lt=INT64)]
+
+
+def _in(name: str) -> Any:
+    """The bounds of sampling field ``name``: SamplingParams' own (one table for both,
+    ``sampling_params.RANGES``), so gRPC and HTTP refuse the same values."""
+    return Field(**RANGES[name].bounds())
+
+
+TopN = Annotated[int, _in("logprobs")]
 NonEmpty = Annotated[str, Field(min_length=1)]
 JsonSchema = dict[str, Any]
 Choices = Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_CHOICES)]
@@ -111,22 +116,22 @@ class GenerationFields(Body):
 
     model: str | None = None
     stream: bool = False
-    temperature: Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE)] = 1.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    seed: Int64 | None = None
+    temperature: Annotated[float, _in("temperature")] = 1.0
+    top_p: Annotated[float, _in("top_p")] = 1.0
+    seed: Annotated[int, _in("seed")] | None = None
     logit_bias: LogitBias | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    presence_penalty: Penalty = 0.0
-    frequency_penalty: Penalty = 0.0
+    presence_penalty: Annotated[float, _in("presence_penalty")] = 0.0
+    frequency_penalty: Annotated[float, _in("frequency_penalty")] = 0.0
     # vLLM's extensions (OpenAI clients send them through ``extra_body``)
-    top_k: Annotated[int, Field(ge=-1)] = 0
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
-    repetition_penalty: Annotated[float, Field(gt=0.0)] = 1.0
+    top_k: Annotated[int, _in("top_k")] = 0
+    min_p: Annotated[float, _in("min_p")] = 0.0
+    repetition_penalty: Annotated[float, _in("repetition_penalty")] = 1.0
     min_tokens: Annotated[int, Field(ge=0)] = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
-    priority: Int64 = 0  # lower runs first
+    priority: Annotated[int, _in("priority")] = 0  # lower runs first
     allowed_token_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
     # words the output must not write (each tokenized with and without a leading space)
     bad_words: Annotated[list[NonEmpty], Field(max_length=MAX_BAD_WORD_TEXTS)] | None = None
