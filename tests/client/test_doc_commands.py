@@ -1,6 +1,6 @@
-"""Every ``pdserve bench`` command in the README and docs/bench.md parses (the
-README once showed ``--save-result result.json``, which the CLI rejects) and
-makes a valid `BenchConfig`."""
+"""Every ``pdserve bench`` command in the README, docs/bench.md, docs/usage.md and
+docs/performance.md parses (the README once showed ``--save-result result.json``, which
+the CLI rejects) and makes a valid `BenchConfig`."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def _bench_commands(path: Path) -> list[str]:
     return [line.split("#")[0] for line in joined if re.search(r"pdserve bench\b", line)]
 
 
-COMMANDS = [cmd for doc in ("README.md", "docs/bench.md")
+COMMANDS = [cmd for doc in ("README.md", "docs/bench.md", "docs/usage.md", "docs/performance.md")
             for cmd in _bench_commands(ROOT / doc)]
 
 
