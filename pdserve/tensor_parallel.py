@@ -25,7 +25,6 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.tp.collectives import TIMEOUT_S, TPGroup
 from pdserve.engine.tp.lockstep import follow
-from pdserve.kv_transfer.layout import KVLayout
 from pdserve.kv_transfer.rank_channel import serve_rank
 
 
@@ -106,7 +105,7 @@ def _follower_main(model_dir: str, config: EngineConfig, rank: int, size: int, h
     except Exception as exc:
         group.store.set(f"ready/{rank}", f"error: {type(exc).__name__}: {exc}")
         raise
-    layout = KVLayout(**engine.kv_layout_spec())  # type: ignore[arg-type]
+    layout = engine.kv_layout()
     channel = threading.Thread(target=serve_rank, args=(link, engine.kv_cache, layout,
                                                         f"rank{rank}"),
                                name=f"kv-rank{rank}", daemon=True)

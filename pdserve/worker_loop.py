@@ -31,7 +31,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.cost import attended_tokens, cost_model
 from pdserve.engine.results import RequestOutput, StepInfo
 from pdserve.failures import WorkerGone
-from pdserve.kv_transfer import KVLayout, KVReceiver, KVSender
+from pdserve.kv_transfer import KVReceiver, KVSender
 from pdserve.kv_transfer.sharded import open_channel
 from pdserve.kv_transfer.with_draft import with_draft
 from pdserve.messages import (
@@ -70,7 +70,7 @@ class WorkerLoop:
         threading.Thread(target=self.engine.grammars.warm, name="pdserve-grammar-warm",
                          daemon=True).start()
         # This rank's KV cache; ``layout`` is the whole model's (what a request's KV is).
-        self._rank_layout = KVLayout(**self.engine.kv_layout_spec())  # type: ignore[arg-type]
+        self._rank_layout = self.engine.kv_layout()
         self.layout = self._rank_layout.model_wide()
         self.publisher = MetricsPublisher(
             worker_id, role, self.engine.num_blocks,
@@ -102,7 +102,7 @@ class WorkerLoop:
         if draft is None:
             return main
         return with_draft(role, main, transfer, draft.kv_cache,
-                          KVLayout(**draft.layout_spec()), options)  # type: ignore[arg-type]
+                          draft.kv_layout(), options)
 
     def _on_loop_now(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the loop thread and wait for it (while the worker is built:

@@ -63,6 +63,7 @@ from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SamplingRow
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.spec_decode import moving_average
+from pdserve.kv_layout import KVLayout
 
 if TYPE_CHECKING:
     import llguidance
@@ -267,12 +268,12 @@ class DraftModel:
                     self.inputs.release(m)
             active = [m for m in active if m.num_new_tokens]
 
-    def layout_spec(self) -> dict[str, object]:
-        """The fields of the ``KVLayout`` of this draft's cache (its transfer channel)."""
+    def kv_layout(self) -> KVLayout:
+        """This draft's cache, as its transfer channel sees it."""
         mc = self.model_config
-        return {"model_id": self.model_id, "dtype": self.kv_dtype,
-                "num_layers": mc.num_layers, "num_kv_heads": mc.num_kv_heads,
-                "head_dim": mc.head_dim, "block_size": self.block_size}
+        return KVLayout(model_id=self.model_id, dtype=self.kv_dtype, num_layers=mc.num_layers,
+                        num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                        block_size=self.block_size)
 
     def _run(self, work: list[tuple[Request, int]],
              rows: dict[str, SamplingRow]) -> dict[str, int]:

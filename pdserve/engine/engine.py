@@ -64,6 +64,7 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.tp.collectives import TPGroup
 from pdserve.engine.tp.lockstep import STOP, close_link, replicated
 from pdserve.engine.tp.shard import Shard
+from pdserve.kv_layout import KVLayout
 
 
 class LLMEngine:
@@ -75,7 +76,7 @@ class LLMEngine:
         "close": "the leader stops its followers",
         "validate": "reads", "block_ids": "reads", "has_unfinished": "reads",
         "has_request": "reads", "computed_blocks": "reads", "cached_tokens": "reads",
-        "stats": "reads", "kv_layout_spec": "reads", "check_integrity": "reads",
+        "stats": "reads", "kv_layout": "reads", "check_integrity": "reads",
         "generate": "made of replicated calls (add_request, step)",
         "set_num_threads": "each rank's own (core sharing runs without tensor parallelism)",
     }
@@ -602,18 +603,17 @@ class LLMEngine:
             if self.spec_config is not None or self.spec_stats.num_drafts else None,
         )
 
-    def kv_layout_spec(self) -> dict[str, object]:
-        """The fields of the transfer channels' ``KVLayout`` for this engine's cache."""
+    def kv_layout(self) -> KVLayout:
+        """This engine's cache, as the transfer channels see it (``pdserve.kv_layout``):
+        under tensor parallelism this rank's KV heads only; with a draft model, its name
+        (its KV travels too: both ends need this draft)."""
         mc = self.model_config
-        spec: dict[str, object] = {
-            "model_id": mc.name or self.model_dir.name, "dtype": self.config.kv_cache_dtype,
-            "num_layers": mc.num_layers, "num_kv_heads": mc.num_kv_heads,
-            "head_dim": mc.head_dim, "block_size": self.block_size}
-        if self.tp is not None:  # this rank's cache holds its KV heads only
-            spec["heads"] = self.kv_heads[self.tp.rank]
-        if self.draft_model_id is not None:  # its KV travels too: both ends need this draft
-            spec["draft"] = self.draft_model_id
-        return spec
+        return KVLayout(model_id=mc.name or self.model_dir.name,
+                        dtype=self.config.kv_cache_dtype, num_layers=mc.num_layers,
+                        num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                        block_size=self.block_size,
+                        heads=None if self.tp is None else self.kv_heads[self.tp.rank],
+                        draft=self.draft_model_id)
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()

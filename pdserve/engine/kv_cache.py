@@ -25,13 +25,9 @@ from __future__ import annotations
 
 import torch
 
-# name -> (element dtype of the tensor, bytes a row has beyond head_dim elements)
-KV_CACHE_DTYPES: dict[str, tuple[torch.dtype, int]] = {
-    "float32": (torch.float32, 0),
-    "bfloat16": (torch.bfloat16, 0),
-    "float16": (torch.float16, 0),
-    "int8": (torch.int8, 4),
-}
+from pdserve.kv_layout import KV_CACHE_DTYPES
+
+__all__ = ["KV_CACHE_DTYPES", "new_kv_cache", "row_bytes", "row_width"]
 _SCALE_BYTES = KV_CACHE_DTYPES["int8"][1]  # the float32 scale ending an int8 row
 
 

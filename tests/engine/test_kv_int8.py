@@ -33,7 +33,7 @@ def test_int8_cache_holds_the_rows_and_their_scales(tiny_model: Callable[[str], 
     mc = eng.model_config
     assert eng.kv_cache.dtype == torch.int8
     assert eng.kv_cache.shape[-1] == mc.head_dim + 4
-    assert eng.kv_layout_spec()["dtype"] == "int8"
+    assert eng.kv_layout().dtype == "int8"
     # at the same memory, the default model's shape (head_dim 64): 1.88x the blocks of
     # a bfloat16 cache
     smol = dataclasses.replace(mc, num_layers=30, num_kv_heads=3, head_dim=64)

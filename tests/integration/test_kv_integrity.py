@@ -15,7 +15,6 @@ from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer import KVLayout
 from pdserve.kv_transfer.factory import make_sender
 from tests.waiting import until_async
 
@@ -37,7 +36,7 @@ def test_kv_that_lands_with_an_empty_block_fails_the_request(
         tiny_model: Callable[[str], Path]) -> None:
     model = tiny_model("llama-gqa")
     dec = DecodeWorker("decode-0", model, EngineConfig(role="decode", num_blocks=128), "local")
-    layout = KVLayout(**dec.engine.kv_layout_spec()).model_wide()  # type: ignore[arg-type]
+    layout = dec.engine.kv_layout().model_wide()
     # a sender whose cache holds computed-looking KV everywhere but in its block 1
     kv = torch.ones(layout.kv_shape(4), dtype=dec.engine.kv_cache.dtype)
     kv[1] = 0
