@@ -44,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 from dataclasses import replace
 from typing import Any
 
@@ -53,7 +52,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from pdserve.engine.sampling_params import MAX_BAD_WORD_TEXTS, SamplingParams
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured import StructuredOutput
 from pdserve.protos import pb
 from pdserve.router.api_common import (
@@ -217,15 +216,10 @@ def request_from_proto(request: Any, time_remaining: float | None) -> GenerateRe
     kind = request.WhichOneof("prompt")
     if kind is None:
         raise ValueError("prompt is required: set one of text, chat, token_ids")
-    timeouts = [time_remaining] if time_remaining is not None else []
-    if request.HasField("timeout_s"):
-        if not (math.isfinite(request.timeout_s) and request.timeout_s > 0):
-            raise ValueError(f"timeout_s must be > 0 and finite, got {request.timeout_s}")
-        timeouts.append(request.timeout_s)
     req = GenerateRequest(
         request_id=checked_request_id(request.request_id or None),
         params=sampling_params_from_proto(request.params),
-        timeout_s=min(timeouts) if timeouts else None,
+        timeout_s=request.timeout_s if request.HasField("timeout_s") else None,
     )
     if kind == "text":
         req.prompt = request.text
@@ -252,13 +246,13 @@ def request_from_proto(request: Any, time_remaining: float | None) -> GenerateRe
     elif predicted == "prediction_token_ids":
         req.params = replace(req.params, prediction=tuple(request.prediction_token_ids.ids))
     if request.HasField("truncate_prompt_tokens"):
-        if not (request.truncate_prompt_tokens == -1 or request.truncate_prompt_tokens >= 1):
-            raise ValueError(f"truncate_prompt_tokens must be -1 or >= 1, got "
-                             f"{request.truncate_prompt_tokens}")
         req.truncate_prompt_tokens = request.truncate_prompt_tokens
-    if len(request.bad_words) > MAX_BAD_WORD_TEXTS or not all(request.bad_words):
-        raise ValueError(f"bad_words must hold at most {MAX_BAD_WORD_TEXTS} words, none empty")
     req.bad_words = tuple(request.bad_words)
+    if (problem := req.problem()) is not None:  # the router's rules, before the deadline
+        raise ValueError(problem[1])
+    if time_remaining is not None:  # the gRPC deadline, when earlier (past: ends at once)
+        left = max(time_remaining, 1e-6)
+        req.timeout_s = min(req.timeout_s or left, left)
     return req
 
 

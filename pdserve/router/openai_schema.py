@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -214,8 +213,6 @@ def _params(r: SamplingFields, max_tokens: int | None, logprobs: int | None,
     if r.prompt_logprobs is not None and r.stream:
         raise InvalidRequest("prompt_logprobs is not available when streaming (as in vLLM)",
                              "prompt_logprobs")
-    if r.timeout_s is not None and not (math.isfinite(r.timeout_s) and r.timeout_s > 0):
-        raise InvalidRequest(f"timeout_s must be > 0 and finite, got {r.timeout_s}", "timeout_s")
     stop = [r.stop] if isinstance(r.stop, str) else (r.stop or [])
     extra: dict[str, Any] = {} if max_tokens is None else {"max_tokens": max_tokens}
     try:

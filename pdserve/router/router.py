@@ -204,6 +204,8 @@ class Router:
             if self._draining:
                 raise RouterError(ErrorKind.NOT_READY, "the server is shutting down",
                                   retry_after_s=1.0)
+            if (problem := req.problem()) is not None:
+                raise RouterError(ErrorKind.INVALID, problem[1], param=problem[0])
             prompt = self._tokenize(req)
             if req.prediction:
                 ids = self.tokenizer.encode(req.prediction, add_special_tokens=False)

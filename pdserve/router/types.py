@@ -8,10 +8,11 @@ No torch, no Ray here: API layers import this module only.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling_params import MAX_BAD_WORD_TEXTS, SamplingParams
 from pdserve.messages import TokenLogprob  # the one logprobs shape, worker to API
 
 __all__ = ["ErrorKind", "FinalChunk", "GenerateRequest", "ModelInfo", "RouterError",
@@ -46,6 +47,22 @@ class GenerateRequest:
     # The client's W3C trace context (traceparent, tracestate): its trace continues
     # through the router and the workers when tracing is on (pdserve/tracing.py)
     trace: dict[str, str] | None = None
+
+    def problem(self) -> tuple[str, str] | None:
+        """The first field the router's own rules refuse, and why; None when all hold.
+        The one copy of these rules: ``Router.generate`` asks every request, whichever
+        front end made it (the HTTP models' pydantic bounds say the same for the schema;
+        sampling fields are ``SamplingParams``' own)."""
+        t = self.timeout_s
+        if t is not None and not (math.isfinite(t) and t > 0):
+            return "timeout_s", f"timeout_s must be > 0 and finite, got {t}"
+        n = self.truncate_prompt_tokens
+        if n is not None and not (n == -1 or n >= 1):
+            return "truncate_prompt_tokens", f"truncate_prompt_tokens must be -1 or >= 1, got {n}"
+        if len(self.bad_words) > MAX_BAD_WORD_TEXTS or not all(self.bad_words):
+            return "bad_words", (f"bad_words must hold at most {MAX_BAD_WORD_TEXTS} words, "
+                                 f"none empty")
+        return None
 
 
 @dataclass
