@@ -19,7 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.deploy.step_times import ENGINE_BLOCK_SIZE, ENGINE_MAX_NUM_SEQS, StepTimes
+from pdserve.deploy.step_times import StepTimes
+from pdserve.engine import defaults
 
 
 @dataclass(frozen=True)
@@ -164,8 +165,8 @@ class Planner:
     the step-time model's); ``max_batch``: the decode engine's ``max_num_seqs``."""
 
     def __init__(self, times: StepTimes, slo: SLO, bounds: Bounds | None = None, *,
-                 max_batch: int = ENGINE_MAX_NUM_SEQS, kv_tokens: int | None = None,
-                 block_size: int = ENGINE_BLOCK_SIZE) -> None:
+                 max_batch: int = defaults.MAX_NUM_SEQS, kv_tokens: int | None = None,
+                 block_size: int = defaults.BLOCK_SIZE) -> None:
         if max_batch < 1:
             raise ValueError(f"--max-batch must be >= 1, got {max_batch}")
         if block_size < 1:

@@ -14,8 +14,6 @@ from pdserve.deploy.planner import SLO, Bounds, Planner
 from pdserve.deploy.step_times import (
     DEFAULT_MBU,
     DEFAULT_MFU,
-    ENGINE_BLOCK_SIZE,
-    ENGINE_MAX_NUM_SEQS,
     HARDWARE,
     MODEL_PRESETS,
     AnalyticModel,
@@ -24,6 +22,7 @@ from pdserve.deploy.step_times import (
     resolve_hardware,
     resolve_model_config,
 )
+from pdserve.engine import defaults
 
 
 # --------------------------------------------------------------------- CLI
@@ -48,12 +47,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peak-flops", type=float, default=None, help="device FLOP/s (overrides)")
     p.add_argument("--peak-bandwidth", type=float, default=None, help="device bytes/s (overrides)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per worker (cpu, profile)")
-    p.add_argument("--max-batch", type=int, default=ENGINE_MAX_NUM_SEQS,
+    p.add_argument("--max-batch", type=int, default=defaults.MAX_NUM_SEQS,
                    help="decode engine's max_num_seqs (default %(default)s)")
     p.add_argument("--kv-cache-gb", type=float, default=None,
                    help="KV cache of one decode worker, GB (default: GPU memory left after "
                         "the weights at 90%%; CPU: the engine's 256 MiB)")
-    p.add_argument("--block-size", type=int, default=ENGINE_BLOCK_SIZE)
+    p.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE)
     for pool in ("prefill", "decode"):
         p.add_argument(f"--min-{pool}", type=int, default=1)
         p.add_argument(f"--max-{pool}", type=int, default=64)

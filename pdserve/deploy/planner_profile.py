@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.deploy.step_times import CLOCKS, ENGINE_BLOCK_SIZE, Profile, coef3
+from pdserve.deploy.step_times import CLOCKS, Profile, coef3
+from pdserve.engine import defaults
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import LLMEngine
@@ -206,7 +207,7 @@ def measure_profile(model_dir: str | Path, *, dtype: str = "auto", quantization:
     t0 = time.perf_counter()
     try:
         blocks = _blocks_needed(prefill_lens, decode_batches, decode_contexts, decode_steps,
-                                ENGINE_BLOCK_SIZE)
+                                defaults.BLOCK_SIZE)
         eng = _engine(model_dir, dtype, quantization, threads, max(decode_batches),
                       max(prefill_lens), blocks)
         prefill, decode = _measure(eng, prefill_lens, decode_batches, decode_contexts,
@@ -266,7 +267,7 @@ def validate(model_dir: str | Path | None = None, threads: int = 1, repeats: int
     try:
         lens, batches, ctxs, steps = (32, 128, 256, 512), (1, 4, 8, 16), (128, 512), 6
         eng = _engine(path, "auto", "none", threads, max(batches), 2048,
-                      _blocks_needed(lens, batches, ctxs, steps, ENGINE_BLOCK_SIZE))
+                      _blocks_needed(lens, batches, ctxs, steps, defaults.BLOCK_SIZE))
         print(f"measuring the profile of {path.name} ({threads} thread(s), {clock} clock) ...",
               flush=True)
         prefill, decode = _measure(eng, lens, batches, ctxs, steps, 2,

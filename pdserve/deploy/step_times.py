@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pdserve.deploy.efficiency import lookup_device
+from pdserve.engine import defaults
 
 if TYPE_CHECKING:
     from pdserve.engine.config import ModelConfig
@@ -35,10 +36,6 @@ CLOCKS: dict[str, Callable[[], float]] = {"cpu": time.process_time, "wall": time
 DEFAULT_MFU = 0.5  # prefill: large matmuls; well-tuned GPU stacks reach 0.4-0.6
 DEFAULT_MBU = 0.8  # decode: streaming the weights; 0.7-0.85 is typical on GPUs
 GPU_MEMORY_UTILIZATION = 0.9  # share of HBM for weights + KV (the rest: activations)
-# The engine's defaults (EngineConfig): KV cache bytes, max_num_seqs, block_size.
-ENGINE_KV_CACHE_BYTES = 256 * 1024 * 1024
-ENGINE_MAX_NUM_SEQS = 64
-ENGINE_BLOCK_SIZE = 16
 
 # --hardware name -> (efficiency.DEVICE_PEAKS key, HBM bytes of one GPU)
 HARDWARE: dict[str, tuple[str, float]] = {
@@ -239,7 +236,7 @@ class AnalyticModel:
         default KV cache (256 MiB)."""
         mem = self.hardware.memory_bytes
         if mem is None:
-            return ENGINE_KV_CACHE_BYTES // self.kv_bytes_per_token
+            return defaults.KV_CACHE_BYTES // self.kv_bytes_per_token
         free = self.tp * mem * GPU_MEMORY_UTILIZATION - self.weight_memory_bytes
         return max(0, int(free // self.kv_bytes_per_token))
 

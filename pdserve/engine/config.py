@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import torch
 
+from pdserve.engine import defaults
 from pdserve.engine.kv_cache import KV_CACHE_DTYPES, row_bytes
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -221,13 +222,13 @@ class EngineConfig:
     # exact-parity reference and this class's default.
     dtype: str = "float32"
     device: str = "cpu"
-    block_size: int = 16
+    block_size: int = defaults.BLOCK_SIZE
     # KV cache size: an explicit block count, or derived from ``kv_cache_bytes``.
     num_blocks: int | None = None
-    kv_cache_bytes: int = 256 * 1024 * 1024
+    kv_cache_bytes: int = defaults.KV_CACHE_BYTES
     # Tokens computed per step across all sequences (chunked prefill falls out of it).
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
+    max_num_batched_tokens: int = defaults.MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = defaults.MAX_NUM_SEQS
     max_model_len: int | None = None  # defaults to the model's context
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU; None = leave as is
