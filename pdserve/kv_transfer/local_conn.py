@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from .base import FailReason, KVReceiver, RecvEvent, SendEvent
+from .base import FailReason, SendEvent
 from .layout import KVLayout
-from .recv_state import RecvTracker
+from .receiver_base import BaseReceiver
 from .regions import Staging, scatter
 from .send_state import Numbered
 from .sender_base import BaseSender, Outgoing
@@ -28,46 +27,23 @@ _TABLE: dict[str, LocalReceiver] = {}
 _TABLE_LOCK = threading.Lock()
 
 
-class LocalReceiver(KVReceiver):
+class LocalReceiver(BaseReceiver):
     def __init__(self, kv: torch.Tensor, layout: KVLayout) -> None:
-        self.layout = layout
-        self.kv = kv
-        self.num_blocks = layout.check_tensor(kv)
-        self._state = RecvTracker(self.num_blocks)
+        super().__init__(kv, layout)
         self._id = f"local-{uuid.uuid4().hex[:12]}"
         self._closed = False
         with _TABLE_LOCK:
             _TABLE[self._id] = self
 
     def endpoint(self) -> dict[str, Any]:
-        return {
-            "backend": "local",
-            "id": self._id,
-            "layout": self.layout.to_dict(),
-            "num_blocks": self.num_blocks,
-        }
-
-    def expect(self, request_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> None:
-        self._state.expect(request_id, dst_block_ids, timeout_s)
-
-    def poll(self) -> list[RecvEvent]:
-        return self._state.expire_and_drain()
-
-    def abort(self, request_id: str) -> None:
-        # Writes happen under the tracker lock, so once end() returns none can land.
-        self._state.end(request_id, FailReason.ABORTED, "aborted by receiver")
+        return self._endpoint("local", id=self._id)
 
     def close(self) -> None:
         with self._state.lock:
             self._closed = True
-            for rid in self._state.pending_ids():
-                self._state.end(rid, FailReason.CLOSED, "receiver closed")
+            self._fail_pending()
         with _TABLE_LOCK:
             _TABLE.pop(self._id, None)
-
-    @property
-    def num_pending(self) -> int:
-        return self._state.num_pending
 
     # --- called by LocalSender -------------------------------------------------------
 

@@ -16,21 +16,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from .base import FailReason, KVReceiver, RecvEvent
+from .base import FailReason, RecvEvent
 from .control_link import Link, Listener
 from .layout import KVLayout, KVLayoutMismatch
 from .nixl_agent import decode_notif, device_id, encode_metadata, mem_type, new_agent
-from .recv_state import RecvTracker
+from .receiver_base import BaseReceiver
 
 log = logging.getLogger(__name__)
 
 
-class NixlReceiver(KVReceiver):
+class NixlReceiver(BaseReceiver):
     def __init__(
         self,
         kv: torch.Tensor,
@@ -38,10 +37,7 @@ class NixlReceiver(KVReceiver):
         host: str = "127.0.0.1",
         abort_timeout_s: float = 10.0,
     ) -> None:
-        self.layout = layout
-        self.kv = kv
-        self.num_blocks = layout.check_tensor(kv)
-        self._state = RecvTracker(self.num_blocks)
+        super().__init__(kv, layout)
         self._abort_timeout_s = abort_timeout_s
         self._agent, self._name = new_agent("recv")
         self._reg = self._agent.register_memory(kv)
@@ -52,20 +48,10 @@ class NixlReceiver(KVReceiver):
         self._closed = False
 
     def endpoint(self) -> dict[str, Any]:
-        return {
-            "backend": "nixl",
-            "agent": self._name,
-            "metadata": encode_metadata(self._agent.get_agent_metadata()),
-            "base": self.kv.data_ptr(),
-            "device_id": device_id(self.kv),
-            "mem": mem_type(self.kv),
-            "control": list(self._listener.address),
-            "layout": self.layout.to_dict(),
-            "num_blocks": self.num_blocks,
-        }
-
-    def expect(self, request_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> None:
-        self._state.expect(request_id, dst_block_ids, timeout_s)
+        return self._endpoint(
+            "nixl", agent=self._name, metadata=encode_metadata(self._agent.get_agent_metadata()),
+            base=self.kv.data_ptr(), device_id=device_id(self.kv), mem=mem_type(self.kv),
+            control=list(self._listener.address))
 
     def poll(self) -> list[RecvEvent]:
         if self._closed:
@@ -87,8 +73,7 @@ class NixlReceiver(KVReceiver):
         if self._closed:
             return
         self._closed = True
-        for rid in self._state.pending_ids():
-            self._state.end(rid, FailReason.CLOSED, "receiver closed")
+        self._fail_pending()
         for link in self._links:
             link.close()
         self._listener.close()
@@ -96,10 +81,6 @@ class NixlReceiver(KVReceiver):
             self._agent.deregister_memory(self._reg)
         except Exception as exc:  # best effort: the agent goes away with us
             log.warning("NIXL deregister failed: %s", exc)
-
-    @property
-    def num_pending(self) -> int:
-        return self._state.num_pending
 
     # --- control links -----------------------------------------------------------------
 

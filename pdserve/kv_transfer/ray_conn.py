@@ -24,14 +24,13 @@ from __future__ import annotations
 import logging
 import uuid
 import warnings
-from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
 
-from .base import FailReason, KVReceiver, RecvEvent, SendEvent
+from .base import FailReason, RecvEvent, SendEvent
 from .layout import KVLayout
-from .recv_state import RecvTracker
+from .receiver_base import BaseReceiver
 from .regions import Staging, scatter
 from .send_state import Numbered
 from .send_worker import Job, PeerWorker, describe
@@ -74,15 +73,12 @@ def _ray() -> Any:
     return ray
 
 
-class RayReceiver(KVReceiver):
+class RayReceiver(BaseReceiver):
     def __init__(self, kv: torch.Tensor, layout: KVLayout) -> None:
         from ray.util.queue import Queue
 
-        self.layout = layout
-        self.kv = kv
-        self.num_blocks = layout.check_tensor(kv)
+        super().__init__(kv, layout)
         self._ray = _ray()
-        self._state = RecvTracker(self.num_blocks)
         self._name = f"pdserve-kv-{uuid.uuid4().hex[:12]}"
         opts = {"num_cpus": 0, "name": self._name, "namespace": NAMESPACE}
         self._queue = Queue(actor_options=opts)
@@ -91,16 +87,7 @@ class RayReceiver(KVReceiver):
         self._closed = False
 
     def endpoint(self) -> dict[str, Any]:
-        return {
-            "backend": "ray",
-            "queue": self._name,
-            "namespace": NAMESPACE,
-            "layout": self.layout.to_dict(),
-            "num_blocks": self.num_blocks,
-        }
-
-    def expect(self, request_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> None:
-        self._state.expect(request_id, dst_block_ids, timeout_s)
+        return self._endpoint("ray", queue=self._name, namespace=NAMESPACE)
 
     def poll(self) -> list[RecvEvent]:
         if not self._closed:
@@ -114,22 +101,14 @@ class RayReceiver(KVReceiver):
                     self._broken(describe(exc))
                     break
                 self._apply(sender, _from_plain(fields), data)
-        return self._state.expire_and_drain()
-
-    def abort(self, request_id: str) -> None:
-        self._state.end(request_id, FailReason.ABORTED, "aborted by receiver")
+        return super().poll()
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for rid in self._state.pending_ids():
-            self._state.end(rid, FailReason.CLOSED, "receiver closed")
+        self._fail_pending()
         self._ray.kill(self._actor)
-
-    @property
-    def num_pending(self) -> int:
-        return self._state.num_pending
 
     def _broken(self, why: str) -> None:
         self._closed = True

@@ -20,15 +20,14 @@ import json
 import logging
 import socket
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .base import FailReason, KVReceiver, RecvEvent
+from .base import FailReason
 from .layout import KVLayout, KVLayoutMismatch
-from .recv_state import RecvTracker
+from .receiver_base import BaseReceiver
 from .regions import scatter
 from .send_worker import describe
 from .torch_group import (
@@ -45,7 +44,7 @@ from .wire import HEADER_LEN, Kind, decode_header, local_heads, unpack
 log = logging.getLogger(__name__)
 
 
-class TorchReceiver(KVReceiver):
+class TorchReceiver(BaseReceiver):
     def __init__(
         self,
         kv: torch.Tensor,
@@ -55,10 +54,7 @@ class TorchReceiver(KVReceiver):
         connect_timeout_s: float = 30.0,
         peer_timeout_s: float = 10.0,
     ) -> None:
-        self.layout = layout
-        self.kv = kv
-        self.num_blocks = layout.check_tensor(kv)
-        self._state = RecvTracker(self.num_blocks)
+        super().__init__(kv, layout)
         self._connect_timeout_s = connect_timeout_s
         self._peer_timeout_s = peer_timeout_s
         # TCPStore's own server listens on every interface: hand it a socket bound to
@@ -80,37 +76,16 @@ class TorchReceiver(KVReceiver):
         self._accept.start()
 
     def endpoint(self) -> dict[str, Any]:
-        return {
-            "backend": "torch",
-            "host": self._host,
-            "port": self._store.port,
-            "layout": self.layout.to_dict(),
-            "num_blocks": self.num_blocks,
-        }
-
-    def expect(self, request_id: str, dst_block_ids: Sequence[int], timeout_s: float) -> None:
-        self._state.expect(request_id, dst_block_ids, timeout_s)
-
-    def poll(self) -> list[RecvEvent]:
-        return self._state.expire_and_drain()
-
-    def abort(self, request_id: str) -> None:
-        # Scatters run under the tracker lock: once end() returns, none can land.
-        self._state.end(request_id, FailReason.ABORTED, "aborted by receiver")
+        return self._endpoint("torch", host=self._host, port=self._store.port)
 
     def close(self) -> None:
         with self._state.lock:
             self._closed.set()
-            for rid in self._state.pending_ids():
-                self._state.end(rid, FailReason.CLOSED, "receiver closed")
+            self._fail_pending()
         self._accept.join(2.0)
         # A receive thread wakes at its sender's next PING/BYE (or error) and exits.
         for t in self._threads:
             t.join(2 * PING_INTERVAL_S)
-
-    @property
-    def num_pending(self) -> int:
-        return self._state.num_pending
 
     # --- background threads ------------------------------------------------------------
 
