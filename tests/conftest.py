@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.inprocess import Pair
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -95,3 +99,20 @@ def ray_address() -> Iterator[str]:
         yield str(ray.get_runtime_context().gcs_address)
     finally:
         ray.shutdown()
+
+
+@pytest.fixture
+def pair_factory(tiny_model: Callable[[str], Path]) -> Iterator[Callable[..., Pair]]:
+    """``pair_factory(**kw)`` -> a ``tests.inprocess.Pair`` (closed, and checked for
+    leaked blocks, after the test)."""
+    from tests.inprocess import Pair
+
+    made: list[Pair] = []
+
+    def make(**kw: object) -> Pair:
+        made.append(Pair(tiny_model("llama-gqa"), **kw))  # type: ignore[arg-type]
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.close()

@@ -26,10 +26,8 @@ from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.router import Router
 from pdserve.router.types import ErrorKind, FinalChunk, GenerateRequest, StageTimings, Usage
-from tests.integration.test_inprocess import GREEDY, Pair, collect, pair_factory, run
+from tests.inprocess import GREEDY, Pair, collect, run
 from tests.waiting import until_async
-
-__all__ = ["pair_factory"]  # the fixture, shared with test_inprocess
 
 # 100 ms per prompt (a prefill worker serves ~9.5 req/s within a 1 s TTFT), decode
 # steps far inside the TPOT SLO: the rate decides prefill, decode needs one worker.

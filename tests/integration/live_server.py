@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.router.api_keys import ApiKeys
 from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http_api import build_app, start_http_server
-from tests.integration.test_inprocess import Pair
+from tests.inprocess import Pair
 from tests.router.test_http_api import wait_freed
 
 CALL_TIMEOUT_S = 30.0  # a call still open after this long has hung

@@ -20,7 +20,7 @@ from pdserve.router.metrics import RouterMetrics, metrics_text
 from pdserve.router.placement import Slo
 from pdserve.router.router import Router, RouterConfig
 from pdserve.router.types import FinalChunk, GenerateRequest, StreamChunk
-from tests.integration.test_inprocess import Pair, collect
+from tests.inprocess import Pair, collect
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 

@@ -15,7 +15,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.types import GenerateRequest
 from tests.engine.handoff import hand_off
-from tests.integration.test_inprocess import Pair, collect
+from tests.inprocess import Pair, collect
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 

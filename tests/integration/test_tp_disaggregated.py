@@ -18,18 +18,16 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.router import Router
 from pdserve.router.types import GenerateRequest
-from tests.integration.test_inprocess import (
+from tests.inprocess import (
     GREEDY,
     Pair,
     collect,
     draft_first_work,
     generate_all,
-    pair_factory,
     run,
 )
 from tests.waiting import until_async
 
-__all__ = ["pair_factory"]  # the fixture, shared with test_inprocess
 PROMPTS = [[5 + (i * 11 + j) % 300 for j in range(5 + 17 * i)] for i in range(4)]
 
 

@@ -15,11 +15,10 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.router import Router
 from pdserve.router.types import GenerateRequest
-from tests.integration.test_inprocess import GREEDY, Pair, collect, pair_factory, run
+from tests.inprocess import GREEDY, Pair, collect, run
 from tests.router.test_http_api import wait_freed
 from tests.waiting import until_async
 
-__all__ = ["pair_factory"]  # the fixture, shared with test_inprocess
 PROMPTS = [[5 + (i * 7 + j) % 300 for j in range(8 + 5 * i)] for i in range(8)]
 
 

@@ -25,7 +25,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import STEP_SECONDS_BUCKETS, WorkerMetrics, bucket_samples
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.types import FinalChunk, GenerateRequest
-from tests.integration.test_inprocess import Pair
+from tests.inprocess import Pair
 from tests.observability.conftest import PEAKS, worker_registry
 from tests.waiting import until_async
 

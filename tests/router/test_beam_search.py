@@ -17,7 +17,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import TokenLogprob
 from pdserve.router.beam_search import beam_search
 from pdserve.router.types import FinalChunk, GenerateRequest, StreamChunk, Usage
-from tests.integration.test_inprocess import Pair, pair_factory  # noqa: F401  (fixture)
+from tests.inprocess import Pair
 from tests.router.test_http_api import GREEDY, Client, serve, wait_freed
 
 EOS = 0
@@ -93,7 +93,7 @@ def test_a_width_that_covers_everything_finds_the_best_sequences(ignore_eos: boo
     assert router.calls <= 1 + width * (max_tokens - 1)  # one request per beam per step
 
 
-def test_beam_search_over_http(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+def test_beam_search_over_http(pair_factory: Callable[..., Pair]) -> None:
     pair = pair_factory()
     base = {**GREEDY, "prompt": "hello there", "max_tokens": 8, "use_beam_search": True}
 

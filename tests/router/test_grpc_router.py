@@ -25,7 +25,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protos import pb, pb_grpc
 from pdserve.router.grpc_server import REQUEST_ID_KEY, RETRY_AFTER_KEY, start_grpc_server
-from tests.integration.test_inprocess import Pair, pair_factory  # noqa: F401  (fixture)
+from tests.inprocess import Pair
 from tests.router.test_http_api import wait_freed
 
 HOST = "127.0.0.1"
@@ -70,7 +70,7 @@ async def status_of(stub: pb_grpc.GenerationStub, request: Any) -> grpc.aio.AioR
     return info.value
 
 
-def test_streams_what_the_engine_computes(pair_factory: Callable[..., Pair],  # noqa: F811
+def test_streams_what_the_engine_computes(pair_factory: Callable[..., Pair],
                                           tiny_model: Callable[[str], Path]) -> None:
     pair = pair_factory()
     # No two share a first block: one whose KV landed on the decode worker first would
@@ -122,7 +122,7 @@ def test_streams_what_the_engine_computes(pair_factory: Callable[..., Pair],  # 
     serve(pair, scenario)
 
 
-def test_a_prediction_drafts_and_usage_counts_it(pair_factory: Callable[..., Pair],  # noqa: F811
+def test_a_prediction_drafts_and_usage_counts_it(pair_factory: Callable[..., Pair],
                                                  tiny_model: Callable[[str], Path]) -> None:
     """``prediction_token_ids`` / ``prediction_text`` (OpenAI's predicted outputs): the
     same tokens as without, and ``Usage`` counts the drafted tokens accepted and
@@ -162,7 +162,7 @@ def test_a_prediction_drafts_and_usage_counts_it(pair_factory: Callable[..., Pai
 
 
 def test_a_real_routers_errors_have_their_status(
-        pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+        pair_factory: Callable[..., Pair]) -> None:
     pair = pair_factory(decode_blocks=110, queue_timeout_s=0.3)
     vocab = pair.router.tokenizer.vocab_size
     limit = pair.router.max_model_len
@@ -233,7 +233,7 @@ async def error_of(call: Any) -> grpc.aio.AioRpcError:
     return info.value
 
 
-def test_leaving_clients_free_their_blocks(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+def test_leaving_clients_free_their_blocks(pair_factory: Callable[..., Pair]) -> None:
     pair = pair_factory()
     long = pb.SamplingParameters(max_tokens=1500, ignore_eos=True)
     held = HeldDecode(pair)

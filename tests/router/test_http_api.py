@@ -32,7 +32,7 @@ from pdserve.router.types import (
     StreamChunk,
     Usage,
 )
-from tests.integration.test_inprocess import Pair, pair_factory  # noqa: F401  (fixture)
+from tests.inprocess import Pair
 
 Client = httpx2.AsyncClient
 GREEDY = {"model": "tiny", "temperature": 0, "ignore_eos": True}
@@ -80,7 +80,7 @@ async def wait_freed(pair: Pair) -> None:
     raise AssertionError("blocks were not freed")
 
 
-def test_completions_and_chat(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+def test_completions_and_chat(pair_factory: Callable[..., Pair]) -> None:
     pair = pair_factory()
 
     async def body(c: Client) -> None:
@@ -148,7 +148,7 @@ def test_completions_and_chat(pair_factory: Callable[..., Pair]) -> None:  # noq
     serve(pair, body)
 
 
-def test_every_output_token_has_logprobs(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+def test_every_output_token_has_logprobs(pair_factory: Callable[..., Pair]) -> None:
     async def body(c: Client) -> None:
         r = await c.post("/v1/completions", json={**GREEDY, "prompt": "a", "max_tokens": 4,
                                                   "logprobs": 1})
@@ -157,7 +157,7 @@ def test_every_output_token_has_logprobs(pair_factory: Callable[..., Pair]) -> N
     serve(pair_factory(), body)
 
 
-def test_disconnect_aborts_on_both_workers(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+def test_disconnect_aborts_on_both_workers(pair_factory: Callable[..., Pair]) -> None:
     pair = pair_factory()
     long = {**GREEDY, "prompt": [5] * 40, "max_tokens": 1500}
 
@@ -188,7 +188,7 @@ def test_disconnect_aborts_on_both_workers(pair_factory: Callable[..., Pair]) ->
 
 
 def test_a_request_cancelled_while_reserving_frees_its_blocks(
-        pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+        pair_factory: Callable[..., Pair]) -> None:
     """A batch whose second prompt is refused (empty) fails at once, cancelling the first
     choice while its reservation is on its way to the decode worker: the router aborts
     it there too, so its blocks are free long before the KV timeout (60 s) would free
@@ -204,7 +204,7 @@ def test_a_request_cancelled_while_reserving_frees_its_blocks(
     serve(pair, body)
 
 
-def test_stop_ends_open_streams_cleanly(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+def test_stop_ends_open_streams_cleanly(pair_factory: Callable[..., Pair]) -> None:
     pair = pair_factory()
 
     async def main() -> None:
@@ -329,7 +329,7 @@ BAD: list[tuple[str, Any, int, str | None]] = [
 
 
 def test_bad_input_is_a_4xx_and_the_server_keeps_serving(
-        pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+        pair_factory: Callable[..., Pair]) -> None:
     key = {"Authorization": "Bearer sesame"}
 
     async def body(c: Client) -> None:
@@ -540,7 +540,7 @@ def test_token_strings_carry_the_raw_bytes(tiny_model: Callable[[str], Path]) ->
     assert all(re.fullmatch(r"bytes:(\\x[0-9a-f]{2})+", s) for s in split)
 
 
-def test_n_choices_share_one_prefill(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+def test_n_choices_share_one_prefill(pair_factory: Callable[..., Pair]) -> None:
     """Choices 1.. start after choice 0's first token: the prompt's full blocks are
     computed once and the other choices find them in a prefix cache -- the prefill
     worker's, or the decode worker's when choice 0's KV has landed there first (it then
@@ -562,7 +562,7 @@ def test_n_choices_share_one_prefill(pair_factory: Callable[..., Pair]) -> None:
 
 
 def test_a_predicted_output_is_drafted_and_changes_nothing(
-        pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+        pair_factory: Callable[..., Pair]) -> None:
     """OpenAI's ``prediction`` (text, or text parts): accepted, the answer the one without
     it, usage with the drafted tokens accepted and rejected; a malformed one is a 400."""
     pair = pair_factory()
@@ -601,7 +601,7 @@ def test_a_predicted_output_is_drafted_and_changes_nothing(
     serve(pair, body)
 
 
-def test_vllms_token_controls(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+def test_vllms_token_controls(pair_factory: Callable[..., Pair]) -> None:
     """allowed_token_ids, bad_words, skip_special_tokens, truncate_prompt_tokens,
     return_tokens_as_token_ids, prompt_logprobs, return_token_ids and cache_salt reach the
     engine and the response."""

@@ -25,7 +25,7 @@ from pdserve.router.openai_responses import (
     chat_body,
 )
 from pdserve.router.types import ErrorKind, FinalChunk, RouterError, StreamChunk, Usage
-from tests.integration.test_inprocess import Pair, pair_factory  # noqa: F401  (fixture)
+from tests.inprocess import Pair
 from tests.router.test_http_api import GREEDY, LEAKY, Client, serve
 from tests.router.test_structured_api import ChoicesRouter
 from tests.router.test_tool_calls import HERMES_CALL
@@ -376,7 +376,7 @@ def test_bad_input_is_a_400_naming_the_field(tiny_model: Callable[[str], Path], 
     serve(router, run)
 
 
-def test_the_same_answer_as_chat(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+def test_the_same_answer_as_chat(pair_factory: Callable[..., Pair]) -> None:
     """A real pair: greedy, the response's text is the chat completion's, token for
     token, whole and streamed, and the usage counts the same prompt."""
     pair = pair_factory()
@@ -398,7 +398,7 @@ def test_the_same_answer_as_chat(pair_factory: Callable[..., Pair]) -> None:  # 
     serve(pair, run)
 
 
-def test_the_openai_sdk_reads_it(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+def test_the_openai_sdk_reads_it(pair_factory: Callable[..., Pair]) -> None:
     """The ``openai`` client's own Responses types and stream helper accept the
     answers (run in a thread: the SDK's sync client against the served app)."""
     import asyncio

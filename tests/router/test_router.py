@@ -22,7 +22,7 @@ from pdserve.engine.structured import StructuredOutput
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.router import Router
 from pdserve.router.types import ErrorKind, GenerateRequest, RouterError, StreamChunk
-from tests.integration.test_inprocess import Pair, collect, pair_factory, run  # noqa: F401
+from tests.inprocess import Pair, collect, run
 from tests.waiting import until_async
 
 PARAMS = SamplingParams(max_tokens=30, ignore_eos=True)
@@ -43,7 +43,7 @@ def stall(worker: object) -> threading.Event:
 
 
 def test_failed_attempt_is_retried_elsewhere_and_costs_no_worker(
-        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:  # noqa: F811
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:
     # prefill-0 is stuck: decode's KV expectation for the first attempt times out
     # (a request-level failure); the retry goes to prefill-1.
     pair = pair_factory(n_prefill=2, kv_timeout_s=1)
@@ -89,7 +89,7 @@ async def stream_losing_its_decode_worker(router: Router, pair: Pair, req: Gener
 
 
 def test_gone_worker_leaves_routing_and_its_stream_continues_elsewhere(
-        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:  # noqa: F811
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:
     pair = pair_factory(n_decode=2)
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     expected = LLMEngine(tiny_model("llama-gqa"), EngineConfig(num_blocks=64)).generate(
@@ -105,7 +105,7 @@ def test_gone_worker_leaves_routing_and_its_stream_continues_elsewhere(
 
 
 def test_speculating_seeded_stream_moved_mid_way_is_exact(
-        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:  # noqa: F811
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:
     """Decode workers speculate (n-gram); the one serving a seeded random stream goes
     away: the retry rebuilds the proposer from prompt + tokens sent and continues the
     random stream, and the client gets exactly what one unspeculated engine makes."""
@@ -129,7 +129,7 @@ def test_speculating_seeded_stream_moved_mid_way_is_exact(
 
 
 def test_structured_stream_moved_mid_json_stays_valid_and_exact(
-        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:  # noqa: F811
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:
     """The decode worker of a seeded, schema-constrained stream goes away mid-JSON: the
     retry resumes the grammar and the random stream after the tokens already sent, so
     the client gets the very JSON an uninterrupted run makes."""
@@ -154,7 +154,7 @@ def test_structured_stream_moved_mid_json_stays_valid_and_exact(
     run(pair, body)
 
 
-def test_retry_budget_ends_with_a_clear_error(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+def test_retry_budget_ends_with_a_clear_error(pair_factory: Callable[..., Pair]) -> None:
     pair = pair_factory(kv_timeout_s=0.5, max_retries=1)
 
     async def body(router: Router) -> None:
@@ -175,7 +175,7 @@ def test_retry_budget_ends_with_a_clear_error(pair_factory: Callable[..., Pair])
     run(pair, body)
 
 
-def test_deadline_ends_a_stuck_request(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+def test_deadline_ends_a_stuck_request(pair_factory: Callable[..., Pair]) -> None:
     pair = pair_factory()
 
     async def body(router: Router) -> None:
@@ -192,7 +192,7 @@ def test_deadline_ends_a_stuck_request(pair_factory: Callable[..., Pair]) -> Non
     run(pair, body)
 
 
-def test_colocated_and_pairs_side_by_side(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+def test_colocated_and_pairs_side_by_side(pair_factory: Callable[..., Pair]) -> None:
     """Routing picks a pair or a colocated worker; both serve, and a request whose
     colocated worker is gone continues on a pair."""
     pair = pair_factory(n_colocated=1)
@@ -214,7 +214,7 @@ def test_colocated_and_pairs_side_by_side(pair_factory: Callable[..., Pair]) -> 
     assert pair.prefill[0].metrics().kv_transfers > 0  # the pairs' prefill worker served
 
 
-def test_overload_burst_gets_429s_and_recovers(pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+def test_overload_burst_gets_429s_and_recovers(pair_factory: Callable[..., Pair]) -> None:
     """10x what the decode worker can hold at once: admission keeps at most
     ``max_waiting`` requests waiting and refuses the rest with OVERLOADED (429);
     every admitted one finishes; afterwards nothing of the burst remains."""
@@ -249,7 +249,7 @@ def test_overload_burst_gets_429s_and_recovers(pair_factory: Callable[..., Pair]
 
 
 def test_a_prefill_worker_that_leaves_is_forgotten_by_prefix_affinity(
-        pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+        pair_factory: Callable[..., Pair]) -> None:
     pair = pair_factory(n_prefill=2)
 
     async def body(router: Router) -> None:

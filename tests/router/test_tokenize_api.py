@@ -16,7 +16,7 @@ from typing import Any
 import openai
 from lm_eval.utils import RemoteTokenizer
 
-from tests.integration.test_inprocess import Pair, pair_factory  # noqa: F401  (fixture)
+from tests.inprocess import Pair
 from tests.router.test_http_api import GREEDY, Client, serve, sse
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi there"}]
@@ -32,7 +32,7 @@ async def prompt_tokens(c: Client, body: dict[str, Any]) -> int:
 
 
 def test_tokenize_counts_what_the_generate_routes_prefill(
-        pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+        pair_factory: Callable[..., Pair]) -> None:
     pair = pair_factory()
     tok = pair.router.tokenizer
 
@@ -81,7 +81,7 @@ def test_tokenize_counts_what_the_generate_routes_prefill(
 
 
 def test_bad_tokenizer_bodies_are_4xx_naming_the_field(
-        pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+        pair_factory: Callable[..., Pair]) -> None:
     pair = pair_factory()
     vocab = pair.router.tokenizer.vocab_size
 
@@ -189,7 +189,7 @@ def test_chat_template_extras(tiny_model: Callable[[str], Path], tmp_path: Path)
 
 
 def test_lm_eval_remote_tokenizer_and_the_openai_sdk(
-        pair_factory: Callable[..., Pair]) -> None:  # noqa: F811
+        pair_factory: Callable[..., Pair]) -> None:
     """Real clients: lm-evaluation-harness' ``RemoteTokenizer`` (its
     ``tokenizer_backend=remote``) and ``openai``'s ``models.retrieve``."""
     pair = pair_factory()
