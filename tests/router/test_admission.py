@@ -110,12 +110,13 @@ async def queue_up(adm: Admission, worker: ScriptedWorker,
 
 
 async def release(adm: Admission, worker: ScriptedWorker, room: int) -> None:
-    """Make room for ``room`` more requests, wake admission, wait until they got in."""
+    """Make room for ``room`` more requests, wake admission, wait until they got in and
+    left admission (the worker refuses anything past its room, so no more can)."""
     target = len(worker.admitted) + room
+    waiting = adm.num_waiting - room
     worker.room += room
     adm.wake()
-    await settle(lambda: len(worker.admitted) >= target)
-    await asyncio.sleep(0.01)  # anything admitted beyond the room would show by now
+    await settle(lambda: len(worker.admitted) >= target and adm.num_waiting == waiting)
 
 
 def test_effective_priority() -> None:
