@@ -6,7 +6,6 @@ sockets opened by the test only."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,9 +13,10 @@ import pytest
 
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
+from tests.deps import has_nixl
 from tests.integration.procs import listening_sockets, sockets_of
 
-NIXL = any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12"))
+NIXL = has_nixl()
 
 
 def listening() -> dict[int, str]:

@@ -12,7 +12,6 @@ crash a process that made NIXL agents (seen with and without this change).
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import multiprocessing
 import os
 import threading
@@ -27,13 +26,14 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import PrefillTask
 from pdserve.prefill_worker.worker import PrefillWorker
+from tests.deps import has_nixl
 from tests.waiting import until_async
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
-NIXL = any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12"))
+NIXL = has_nixl()
 
 
-@pytest.mark.skipif(not NIXL, reason="nixl not installed")
+@pytest.mark.skipif(not NIXL, reason="no nixl wheel for this platform")
 def test_aborted_reservation_keeps_its_blocks_until_the_receiver_lets_go(
         tiny_model: Callable[[str], Path]) -> None:
     ctx = multiprocessing.get_context("spawn")

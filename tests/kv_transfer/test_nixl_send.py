@@ -3,7 +3,6 @@ WRITE. The contract suite (test_contract) covers the backend end to end across p
 
 from __future__ import annotations
 
-import importlib.util
 import time
 
 import pytest
@@ -11,12 +10,13 @@ import pytest
 from pdserve.kv_transfer import FailReason, KVLayout
 from pdserve.kv_transfer.nixl_recv import NixlReceiver
 from pdserve.kv_transfer.nixl_send import NixlSender
+from tests.deps import has_nixl
 from tests.waiting import until
 
 from .kvdata import make_kv
 
-if not any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12", "nixl_cu13")):
-    pytest.skip("nixl not installed", allow_module_level=True)
+if not has_nixl():  # (raises where pyproject installs it)
+    pytest.skip("no nixl wheel for this platform", allow_module_level=True)
 
 LAYOUT = KVLayout("test-model", "float32", num_layers=2, num_kv_heads=1, head_dim=8, block_size=4)
 WAIT_S = 20.0

@@ -1,16 +1,12 @@
-"""Shared pieces of the observability tests: the Prometheus binaries (installed
-from Debian's ``prometheus`` package where missing), the metric catalog built from
+"""Shared pieces of the observability tests: the Prometheus binaries (``make test``
+installs them; ``tests/deps.py``), the metric catalog built from
 the code's metric definitions plus the recording rules' outputs, and the repo's
 generated artifacts (rules, dashboards) loaded as modules."""
 
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
-import subprocess
 import sys
-import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -23,11 +19,11 @@ from pdserve.deploy.worker_metrics import WorkerCollector
 from pdserve.messages import WorkerMetrics
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.types import ErrorKind, FinalChunk, StageTimings, Usage
+from tests import deps
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 RULES = DEPLOY / "prometheus" / "rules" / "pdserve.rules.yml"
-INSTALL_CMD = ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "prometheus"]
 PEAKS = DevicePeaks("test-device", 1e12, 1e11, "datasheet")
 
 
@@ -42,33 +38,10 @@ def load_script(rel: str) -> ModuleType:
     return module
 
 
-def _install_prometheus() -> str | None:
-    """Install Debian's prometheus package; returns why not, or None on success."""
-    if shutil.which("apt-get") is None:
-        return "apt-get not found (not a Debian/Ubuntu machine)"
-    if os.geteuid() != 0:
-        return "not root: cannot apt-get install prometheus"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (INSTALL_CMD, ["apt-get", "update", "-qq"], INSTALL_CMD):
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        if done.returncode == 0 and cmd is INSTALL_CMD:
-            return None
-    return f"apt-get install prometheus failed: {done.stderr.strip()[-500:]}"
-
-
 @pytest.fixture(scope="session")
 def prometheus_bins() -> tuple[str, str]:
-    """(promtool, prometheus) paths; installs the Debian package where missing."""
-    if not (shutil.which("promtool") and shutil.which("prometheus")):
-        why = _install_prometheus()
-        if why is not None or not (shutil.which("promtool") and shutil.which("prometheus")):
-            msg = f"PROMETHEUS UNAVAILABLE, SKIPPING: {why or 'installed but not on PATH'}"
-            warnings.warn(msg, stacklevel=1)
-            print(f"\n*** {msg} ***", file=sys.stderr)
-            pytest.skip(msg)
-    promtool, prometheus = shutil.which("promtool"), shutil.which("prometheus")
-    assert promtool is not None and prometheus is not None
-    return promtool, prometheus
+    """(promtool, prometheus) paths (``make test`` installs them; missing: raises)."""
+    return deps.prometheus_bins()
 
 
 def sample_stats() -> WorkerMetrics:
