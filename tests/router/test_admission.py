@@ -18,6 +18,7 @@ from pdserve.router.admission import Admission
 from pdserve.router.policies import PrefixIndex, least_loaded
 from pdserve.router.types import ErrorKind, RouterError
 from pdserve.router.workers import WorkerState
+from tests.waiting import until_async
 
 T = TypeVar("T")
 
@@ -93,9 +94,7 @@ def admit(adm: Admission, rid: str, priority: int = 0) -> asyncio.Task[Any]:
 
 
 async def settle(until: Any, timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not until():
-            await asyncio.sleep(0.001)
+    await until_async("admission to settle", until, timeout_s)
 
 
 async def queue_up(adm: Admission, worker: ScriptedWorker,

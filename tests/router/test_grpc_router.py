@@ -27,6 +27,7 @@ from pdserve.protos import pb, pb_grpc
 from pdserve.router.grpc_server import REQUEST_ID_KEY, RETRY_AFTER_KEY, start_grpc_server
 from tests.inprocess import Pair
 from tests.router.test_http_api import wait_freed
+from tests.waiting import until_async
 
 HOST = "127.0.0.1"
 GREEDY = pb.SamplingParameters(max_tokens=12, temperature=0, ignore_eos=True)
@@ -238,12 +239,9 @@ def test_leaving_clients_free_their_blocks(pair_factory: Callable[..., Pair]) ->
     long = pb.SamplingParameters(max_tokens=1500, ignore_eos=True)
     held = HeldDecode(pair)
 
-    async def running() -> None:
-        for _ in range(200):  # the request reaches the decode worker asynchronously
-            if any(w.engine.pool.num_used for w in pair.decode):
-                return
-            await asyncio.sleep(0.02)
-        raise AssertionError("the request never ran on the decode worker")
+    async def running() -> None:  # the request reaches the decode worker asynchronously
+        await until_async("the request to run on the decode worker",
+                          lambda: any(w.engine.pool.num_used for w in pair.decode))
 
     async def scenario(stub: pb_grpc.GenerationStub) -> None:
         call = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5] * 40),

@@ -39,6 +39,7 @@ from pdserve.router.types import (
     TokenLogprob,
     Usage,
 )
+from tests.waiting import until_async
 
 HOST = "127.0.0.1"
 LEAKY = ("ray::PrefillActor.prefill() (pid=4242, ip=10.1.2.3, actor_id=8d1a2c3b4e5f60718293a4b5)"
@@ -374,10 +375,7 @@ def test_client_cancel_closes_router_stream() -> None:
         call = stub.Generate(pb.GenerateRequest(request_id="d1", text="hang"), timeout=0.3)
         await call.read()
         assert await call.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        for _ in range(500):
-            if {"c1", "d1"} <= set(router.exits):
-                break
-            await asyncio.sleep(0.01)
+        await until_async("both handlers to end", lambda: {"c1", "d1"} <= set(router.exits))
 
     serve(router, scenario)
     assert router.exits["c1"] in ("cancelled", "aclose")

@@ -33,6 +33,7 @@ from pdserve.router.types import (
     Usage,
 )
 from tests.inprocess import Pair
+from tests.waiting import until_async
 
 Client = httpx2.AsyncClient
 GREEDY = {"model": "tiny", "temperature": 0, "ignore_eos": True}
@@ -73,11 +74,9 @@ async def sse(client: Client, path: str, body: dict[str, Any]) -> list[Any]:
 
 
 async def wait_freed(pair: Pair) -> None:
-    for _ in range(200):  # aborts reach the workers' loops asynchronously
-        if all(w.engine.pool.num_used == 0 for w in [*pair.prefill, *pair.decode]):
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("blocks were not freed")
+    """Until every block is free (aborts reach the workers' loops asynchronously)."""
+    await until_async("every block freed", lambda: all(
+        w.engine.pool.num_used == 0 for w in [*pair.prefill, *pair.decode]))
 
 
 def test_completions_and_chat(pair_factory: Callable[..., Pair]) -> None:
@@ -172,12 +171,8 @@ def test_disconnect_aborts_on_both_workers(pair_factory: Callable[..., Pair]) ->
         # not streamed: the client gives up while the request runs
         task = asyncio.create_task(c.post("/v1/chat/completions", json={
             **GREEDY, "max_tokens": 1500, "messages": [{"role": "user", "content": "x"}]}))
-        for _ in range(500):  # until it runs on the decode worker (bounded)
-            if any(w.engine.pool.num_used for w in pair.decode):
-                break
-            await asyncio.sleep(0.01)
-        else:
-            raise AssertionError("request not running")
+        await until_async("the request to run on the decode worker",
+                          lambda: any(w.engine.pool.num_used for w in pair.decode))
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         await wait_freed(pair)

@@ -36,6 +36,7 @@ from pdserve.router.types import (
     Usage,
 )
 from tests.router.test_http_api import Client, ScriptedRouter, serve, sse
+from tests.waiting import until_async
 
 SCHEMA: dict[str, Any] = {"type": "object", "properties": {"a": {"type": "integer"}},
                           "required": ["a"]}
@@ -357,11 +358,8 @@ def test_n_choices_over_http(tiny_model: Callable[[str], Path]) -> None:
                 "prompt": "x", "n": 2, "stream": True}, headers={"X-Request-Id": "g"}) as s:
             lines = [line async for line in s.aiter_lines() if line.startswith("data: ")]
         assert '"too slow"' in lines[-2] and lines[-1] == "data: [DONE]"
-        for _ in range(100):
-            if {"f-0", "f-1", "g-0", "g-1"} <= set(router.closed):
-                break
-            await asyncio.sleep(0.02)
-        assert {"f-0", "f-1", "g-0", "g-1"} <= set(router.closed)
+        await until_async("every choice's stream closed",
+                          lambda: {"f-0", "f-1", "g-0", "g-1"} <= set(router.closed))
 
     serve(router, run)
 
