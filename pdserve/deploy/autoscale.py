@@ -46,11 +46,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pdserve.deploy.autoscaler import POOLS, Autoscaler, LoadSnapshot, PoolLoad
 from pdserve.deploy.config import ClusterConfig
-from pdserve.deploy.planner import SLO, Bounds, Planner
 from pdserve.deploy.scaler import Scaler
-from pdserve.deploy.step_times import (
+from pdserve.planner.autoscaler import POOLS, Autoscaler, LoadSnapshot, PoolLoad
+from pdserve.planner.sizing import SLO, Bounds, Planner
+from pdserve.planner.step_times import (
     AnalyticModel,
     Profile,
     StepTimes,

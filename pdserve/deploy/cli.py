@@ -193,7 +193,7 @@ def cmd_top(args: argparse.Namespace) -> int:
 
 
 def _add_plan(sub: argparse._SubParsersAction) -> None:
-    from pdserve.deploy.planner_cli import add_arguments
+    from pdserve.planner.cli import add_arguments
 
     p = sub.add_parser("plan", help="size the prefill/decode pools for a rate and TTFT/TPOT SLOs")
     add_arguments(p)
@@ -201,7 +201,7 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from pdserve.deploy.planner_cli import run
+    from pdserve.planner.cli import run
 
     return run(args)
 

@@ -24,8 +24,8 @@ from pdserve.deploy.cluster import Cluster, StartupError
 from pdserve.deploy.config import ClusterConfig
 from pdserve.deploy.file_sd import FileSD, cluster_targets, target_groups
 from pdserve.deploy.scaler import Scaler
-from pdserve.deploy.step_times import Profile
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.planner.step_times import Profile
 from pdserve.router.api_keys import ApiKeys
 from pdserve.router.grpc_server import start_grpc_server
 from pdserve.router.http_api import build_app, start_http_server

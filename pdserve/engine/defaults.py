@@ -1,5 +1,5 @@
 """The engine's sizing defaults, in a module without torch: ``EngineConfig`` takes them
-as its field defaults, and the planner (``deploy/step_times.py``, which must not pull
+as its field defaults, and the planner (``planner/step_times.py``, which must not pull
 torch into ``pdserve plan``) sizes pools with the very same numbers."""
 
 BLOCK_SIZE = 16  # tokens per KV block

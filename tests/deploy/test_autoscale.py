@@ -20,8 +20,8 @@ from pdserve.deploy.cli import main as cli_main
 from pdserve.deploy.cluster import Cluster, StartupError
 from pdserve.deploy.config import ClusterConfig
 from pdserve.deploy.scaler import Scaler
-from pdserve.deploy.step_times import Profile
 from pdserve.engine.config import EngineConfig
+from pdserve.planner.step_times import Profile
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.router import Router

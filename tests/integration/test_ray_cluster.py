@@ -17,6 +17,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.router import Router
 from pdserve.router.types import FinalChunk, GenerateRequest, StreamChunk
+from tests.inprocess import collect
 from tests.waiting import until_async
 
 BACKENDS = ["torch", "ray", "nixl"]
@@ -44,15 +45,7 @@ def start(model: Path, transfer: str, prefill: int = 1, decode: int = 1,
 
 async def run_one(router: Router, rid: str, prompt: list[int], params: SamplingParams = GREEDY,
                   ) -> tuple[list[int], str, FinalChunk]:
-    tokens: list[int] = []
-    text = ""
-    async for item in router.generate(GenerateRequest(rid, params, prompt_token_ids=prompt)):
-        if isinstance(item, StreamChunk):
-            tokens += item.token_ids
-            text += item.text
-        else:
-            return tokens, text, item
-    raise AssertionError("stream ended without a final chunk")
+    return await collect(router.generate(GenerateRequest(rid, params, prompt_token_ids=prompt)))
 
 
 def with_router(cluster: Cluster, body: Callable[[Router], object]) -> object:

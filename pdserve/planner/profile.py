@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.deploy.step_times import CLOCKS, Profile, coef3
 from pdserve.engine import defaults
+from pdserve.planner.step_times import CLOCKS, Profile, coef3
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import LLMEngine

@@ -1,7 +1,7 @@
 """The step-time models the planner and the autoscaler run on: what a prefill and a
 decode step cost on a worker, from an ``AnalyticModel`` (``pdserve.engine.cost`` FLOPs
 and bytes over datasheet peaks x ``tp`` x MFU/MBU) or from a measured ``Profile``
-(``planner_profile.py`` measures one)::
+(``profile.py`` measures one)::
 
     prefill_ms(N)      = max(FLOPs(N) / (peak·tp·mfu), bytes(N) / (bw·tp·mbu))
     decode_ms(B, ctx)  = max(bytes(B, ctx) / (bw·tp·mbu), FLOPs(B, ctx) / (peak·tp·mfu))

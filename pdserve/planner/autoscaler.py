@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass
 from itertools import pairwise
 
-from pdserve.deploy.planner import Plan, Planner
+from pdserve.planner.sizing import Plan, Planner
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
-"""``pdserve plan``'s command line (and ``python -m pdserve.deploy.planner_cli
+"""``pdserve plan``'s command line (and ``python -m pdserve.planner.cli
 --validate``): the flags, the step-time model they choose (analytic or a measured
 profile), the plan printed; ``--measure-profile`` and ``--validate`` run the engine
-(``planner_profile.py``)."""
+(``profile.py``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import json
 import sys
 from collections.abc import Sequence
 
-from pdserve.deploy.planner import SLO, Bounds, Planner
-from pdserve.deploy.step_times import (
+from pdserve.engine import defaults
+from pdserve.planner.sizing import SLO, Bounds, Planner
+from pdserve.planner.step_times import (
     DEFAULT_MBU,
     DEFAULT_MFU,
     HARDWARE,
@@ -22,7 +23,6 @@ from pdserve.deploy.step_times import (
     resolve_hardware,
     resolve_model_config,
 )
-from pdserve.engine import defaults
 
 
 # --------------------------------------------------------------------- CLI
@@ -86,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
     if args.measure_profile:
         if not args.model:
             raise ValueError("--measure-profile needs --model DIR (a local model directory)")
-        from pdserve.deploy.planner_profile import measure_profile
         from pdserve.engine.gguf_convert import resolve_model
+        from pdserve.planner.profile import measure_profile
 
         prof = measure_profile(resolve_model(args.model), dtype=args.dtype or "auto",
                                quantization=args.quantization, threads=args.threads,
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pdserve.deploy.planner_cli",
+    ap = argparse.ArgumentParser(prog="python -m pdserve.planner.cli",
                                  description="pdserve plan, plus --validate")
     add_arguments(ap)
     ap.add_argument("--validate", action="store_true",
@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.validate:
-            from pdserve.deploy.planner_profile import validate
+            from pdserve.planner.profile import validate
 
             validate(args.model, threads=args.threads, profile_out=args.profile)
             return 0

@@ -11,7 +11,7 @@ in short:
   requests/s (context = N + M/2, the mean over a request's decode);
 * P and D are the smallest counts within the bounds whose capacity covers R.
 
-The command line is ``planner_cli.py``; the live decision is ``autoscaler.py``.
+The command line is ``cli.py``; the live decision is ``autoscaler.py``.
 """
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.deploy.step_times import StepTimes
 from pdserve.engine import defaults
+from pdserve.planner.step_times import StepTimes
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.deploy.autoscaler import Autoscaler, LoadSnapshot, PoolLoad
 from pdserve.deploy.cli import main
-from pdserve.deploy.planner import SLO, Bounds, Planner, ttft_mdl
-from pdserve.deploy.planner_profile import fit_nonnegative, measure_profile
-from pdserve.deploy.step_times import AnalyticModel, Profile, resolve_hardware, resolve_model_config
+from pdserve.planner.autoscaler import Autoscaler, LoadSnapshot, PoolLoad
+from pdserve.planner.profile import fit_nonnegative, measure_profile
+from pdserve.planner.sizing import SLO, Bounds, Planner, ttft_mdl
+from pdserve.planner.step_times import (
+    AnalyticModel,
+    Profile,
+    resolve_hardware,
+    resolve_model_config,
+)
 
 PLAN = ["plan", "--model", "llama-3-70b", "--hardware", "h100", "--tp", "4",
         "--prompt-len", "1024", "--output-len", "256", "--ttft-slo", "500",
@@ -204,7 +209,7 @@ def test_cli_plans_on_a_profile(tiny_profile: Path, capsys: pytest.CaptureFixtur
 def test_cli_measure_profile(tiny_model: Callable[[str], Path], tmp_path: Path,
                              capsys: pytest.CaptureFixture[str],
                              monkeypatch: pytest.MonkeyPatch) -> None:
-    import pdserve.deploy.planner_profile as planner
+    import pdserve.planner.profile as planner
 
     fast = dict(prefill_lens=(8, 16, 32), decode_batches=(1, 2), decode_contexts=(16,),
                 decode_steps=2, repeats=1)
