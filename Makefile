@@ -54,31 +54,31 @@ prometheus:
 	   --no-install-recommends prometheus >/dev/null) || echo "prometheus not installed"; }
 
 test: $(VENV)/.test $(KERNELS) model prometheus
-	$(VENV)/bin/ruff check pdserve tests
+	$(VENV)/bin/ruff check pdserve benchmarks tests
 	$(VENV)/bin/mypy
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 lint: $(VENV)/.test
-	$(VENV)/bin/ruff check pdserve tests
+	$(VENV)/bin/ruff check pdserve benchmarks tests
 	$(VENV)/bin/mypy
 
 bench: $(VENV)/.test $(KERNELS) model
-	$(PY) -m pdserve.engine.bench_gemm
-	$(PY) -m pdserve.engine.bench
-	$(PY) -m pdserve.deploy.bench_tp
-	$(PY) -m pdserve.engine.bench_structured
-	$(PY) -m pdserve.engine.bench_kv
-	$(PY) -m pdserve.deploy.bench_spec
-	$(PY) -m pdserve.deploy.bench_conversations
-	$(PY) -m pdserve.kv_transfer.bench --slice
-	$(PY) -m pdserve.deploy.bench_serving
-	$(PY) -m pdserve.deploy.bench_pd $(if $(VLLM_PYTHON),--vllm $(VLLM_PYTHON))
-	$(PY) -m pdserve.deploy.bench_tracing
+	$(PY) -m benchmarks.gemm
+	$(PY) -m benchmarks.engine
+	$(PY) -m benchmarks.tp
+	$(PY) -m benchmarks.structured
+	$(PY) -m benchmarks.kv_cache
+	$(PY) -m benchmarks.spec
+	$(PY) -m benchmarks.conversations
+	$(PY) -m benchmarks.kv_transfer --slice
+	$(PY) -m benchmarks.serving
+	$(PY) -m benchmarks.pd $(if $(VLLM_PYTHON),--vllm $(VLLM_PYTHON))
+	$(PY) -m benchmarks.tracing
 
 # 20 minutes of steady load on a real deployment (not in CI): RSS and fds per process,
 # KV blocks in use at idle, latency drift. SOAK_ARGS="--minutes 5 --rate 1" etc.
 soak: $(VENV)/.test model
-	$(PY) -m pdserve.deploy.soak $(SOAK_ARGS)
+	$(PY) -m benchmarks.soak $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache pdserve/engine/_kernels

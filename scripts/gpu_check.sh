@@ -27,5 +27,5 @@ else
     echo "SKIP tensor parallel on CUDA: $NGPU GPU(s) here, TP=2 needs 2"
 fi
 echo "== engine bench on CUDA"
-$PY -m pdserve.engine.bench --device cuda --threads 1 --formats float32,bfloat16 \
+$PY -m benchmarks.engine --device cuda --threads 1 --formats float32,bfloat16 \
     --concurrency 1,32 --prefill 128,1024,4096

@@ -106,6 +106,13 @@ def test_a_cycle_is_found() -> None:
 LEAVES = ("pdserve.kv_layout",)  # the KV cache's shape: the engine's and the channels'
 
 
+def test_the_package_never_imports_the_benchmarks() -> None:
+    """benchmarks/ does not ship in the wheel: nothing installed may need it."""
+    bad = [f"{name} imports {imp}" for name, path in MODULES.items()
+           for imp in imports_of(path) if imp == "benchmarks" or imp.startswith("benchmarks.")]
+    assert bad == []
+
+
 def test_leaves_import_nothing_of_pdserve() -> None:
     for leaf in LEAVES:
         assert not [imp for imp in imports_of(MODULES[leaf]) if imp.startswith("pdserve")]

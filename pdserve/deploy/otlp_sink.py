@@ -1,6 +1,6 @@
 """An OTLP/gRPC trace receiver: the collector's TraceService on a loopback port,
 keeping every span it is sent (with its resource's attributes). What the tracing
-tests check traces against, and where ``bench_tracing`` sends them."""
+tests check traces against, and where ``benchmarks.tracing`` sends them."""
 
 from __future__ import annotations
 

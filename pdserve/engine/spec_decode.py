@@ -66,14 +66,14 @@ ACCEPTANCE_WEIGHT = 0.2
 PREDICTION_DEFAULTS = SpeculativeConfig(num_speculative_tokens=8)
 # No drafts in a step with more running requests than this, where
 # ``disable_by_batch_size`` is unset: where drafting stops paying under sustained load,
-# measured per kernel family (``bench_spec --parts 1``; docs/speculative-decoding.md,
+# measured per kernel family (``benchmarks.spec --parts 1``; docs/speculative-decoding.md,
 # "Under sustained load"). On AMX's tile unit it pays up to 8; the other families
 # keep 4 until measured on their own classes.
 BATCH_LIMIT = 4
 BATCH_LIMITS = {"cpu-amx": 8}  # linear backend -> limit, bf16 / fp32 weights
 # A draft model's own steps cost at every batch size (one forward per draft token),
 # where an n-gram draft is free: the default model's int4 copy drafting for it paid
-# 1.3x at 2 running requests and lost at 3-4 (k = 6; ``bench_spec --parts 1``).
+# 1.3x at 2 running requests and lost at 3-4 (k = 6; ``benchmarks.spec --parts 1``).
 DRAFT_MODEL_BATCH_LIMIT = 2
 
 

@@ -10,7 +10,7 @@
 - first-token latency of one request: no schema, a cold schema (never seen by this
   process), a cached schema.
 
-Run: ``python -m pdserve.engine.bench_structured [--model DIR] [--threads 1]
+Run: ``python -m benchmarks.structured [--model DIR] [--threads 1]
 [--concurrency 32] [--json FILE]``.
 """
 

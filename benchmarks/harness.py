@@ -2,7 +2,7 @@
 subprocess from a YAML config, ``pdserve bench`` runs against it (their result JSON),
 its ``/metrics`` pages, and the processes it started (RSS, open fds) from /proc.
 
-Used by ``make soak`` (``deploy/soak.py``) and ``make bench`` (``deploy/bench_serving.py``).
+Used by ``make soak`` (``benchmarks/soak.py``) and ``make bench`` (``benchmarks/serving.py``).
 Every process the server starts inherits a unique environment mark, so ``processes()``
 finds Ray's and the workers' processes too, and ``stop()`` leaves none behind.
 """

@@ -1,4 +1,4 @@
-"""The workloads and the scoring of ``bench_pd`` (where disaggregation pays).
+"""The workloads and the scoring of ``benchmarks.pd`` (where disaggregation pays).
 
 Workloads are trace files in Mooncake's JSONL shape (``timestamp`` ms,
 ``input_length``, ``output_length``, ``hash_ids``), replayed by ``pdserve bench

@@ -15,7 +15,7 @@ of its 512-token hash blocks is one 16-token KV block: the KV bytes saved agains
 window's own prefix reuse (the share of its prompts' blocks an earlier request of the
 window already had).
 
-Run: ``python -m pdserve.deploy.bench_conversations [--conversations 4] [--turns 8]
+Run: ``python -m benchmarks.conversations [--conversations 4] [--turns 8]
 [--max-tokens 48] [--mooncake 200] [--json FILE]``.
 """
 
@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import Served, metric
+from benchmarks.serving import mooncake_window, trace_run
 from pdserve.client.openai_stream import CHAT_COMPLETIONS, OpenAIStreamClient
-from pdserve.deploy.bench_serving import mooncake_window, trace_run
-from pdserve.deploy.harness import Served, metric
 
 MODEL = "SmolLM2-135M-Instruct"
 TOPICS = ["the ocean", "volcanoes", "the history of bread", "how bicycles work",

@@ -7,7 +7,7 @@ Per thread count, and per weight format (float32, bfloat16, int8, int4, w8a8):
   a fraction of the memory read bandwidth measured just before;
 - output tokens/s with 1, 8 and 32 concurrent requests (128-token prompts);
 - prefill: TTFT, tokens/s and MFU (model FLOPs / the peak of the linear layers'
-  kernel family, ``bench_gemm``; torch's float32 matmul peak on the reference
+  kernel family, ``benchmarks.gemm``; torch's float32 matmul peak on the reference
   path) for 128, 1024 and 4096-token prompts;
 - a per-op profile of a decode step through the per-layer Python loop (calls per
   step; share of time in matmuls, attention and everything else; served engines
@@ -15,7 +15,7 @@ Per thread count, and per weight format (float32, bfloat16, int8, int4, w8a8):
 - transformers' single-stream, throughput and prefill on the same weights, and
   every pdserve figure as a ratio against its reference.
 
-Run: ``python -m pdserve.engine.bench [--model DIR] [--threads 1,2]
+Run: ``python -m benchmarks.engine [--model DIR] [--threads 1,2]
 [--formats float32,bfloat16,int8,int4] [--concurrency 1,8,32] [--prefill 128,1024,4096]
 [--prompt-len 128] [--kv-cache-dtype auto|int8] [--linear-backend cpu-FAMILY]
 [--attention-backend cpu-FAMILY] [--no-hf]

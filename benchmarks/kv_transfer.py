@@ -1,6 +1,6 @@
 """Transfer bandwidth of each backend, against torch memcpy measured in the same run.
 
-    python -m pdserve.kv_transfer.bench [--backends nixl torch ray local] [--blocks 1 16 256]
+    python -m benchmarks.kv_transfer [--backends nixl torch ray local] [--blocks 1 16 256]
                                         [--slice]
 
 For every backend the receiver runs in a spawned process (like a decode worker: it polls
@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from .base import KVReceiver
-from .factory import make_receiver, make_sender
-from .layout import KVLayout, Slice
+from pdserve.kv_transfer.base import KVReceiver
+from pdserve.kv_transfer.factory import make_receiver, make_sender
+from pdserve.kv_transfer.layout import KVLayout, Slice
 
 SMOLLM2_135M = KVLayout("HuggingFaceTB/SmolLM2-135M", "float32", 30, 3, 64, 16)
 RAY_NODE_IP = "127.0.0.2"  # loopback, but not one Ray rewrites to the machine's address

@@ -6,7 +6,7 @@ The load is rounds of ``pdserve bench`` at a fixed request rate (random prompts)
 between rounds the deployment is idle for a moment and sampled. A leak shows as RSS or
 fds that grow round after round, blocks in use at idle, or latency that climbs.
 
-Run: ``python -m pdserve.deploy.soak [--minutes 20] [--rate 2] [--round-s 60]
+Run: ``python -m benchmarks.soak [--minutes 20] [--rate 2] [--round-s 60]
 [--model DIR] [--transfer nixl]``.
 """
 
@@ -16,7 +16,7 @@ import argparse
 import time
 from typing import Any
 
-from pdserve.deploy.harness import Served, metric, proc_usage
+from benchmarks.harness import Served, metric, proc_usage
 
 
 def sample(served: Served) -> dict[str, Any]:

@@ -45,7 +45,7 @@ run.
 Workloads: *copy* (repeat a paragraph, copy a list adding numbers, repeat a code
 snippet) and *open* (open-ended questions: nothing to copy).
 
-Run: ``python -m pdserve.deploy.bench_spec [--parts 1,2,3,4] [--threads 2]
+Run: ``python -m benchmarks.spec [--parts 1,2,3,4] [--threads 2]
 [--max-tokens 160] [--llama-server PATH] [--json FILE]``.
 """
 
@@ -69,8 +69,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import Served
 from pdserve.client.openai_stream import CHAT_COMPLETIONS, OpenAIStreamClient
-from pdserve.deploy.harness import Served
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.gguf_convert import default_gguf_path, resolve_model

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.deploy.bench_spec import _llama_server, sustained_load, verification_cost
+from benchmarks.spec import _llama_server, sustained_load, verification_cost
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams

@@ -7,7 +7,7 @@ holds and what a decode step costs at long context, bfloat16 against int8, one r
 - decode: the time of one decode step (prefill excluded) with ``batch`` requests of
   ``--context`` tokens each, best of 3 interleaved rounds.
 
-Run: ``python -m pdserve.engine.bench_kv [--model DIR] [--threads 1] [--kv-mib 64]
+Run: ``python -m benchmarks.kv_cache [--model DIR] [--threads 1] [--kv-mib 64]
 [--context 1024] [--batches 1,8,32] [--json FILE]``.
 """
 

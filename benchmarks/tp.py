@@ -8,7 +8,7 @@ thread per rank), measured in one run.
   slower rank included).
 
 Each figure prints with its TP=1 reference as a ratio. Run: ``python -m
-pdserve.deploy.bench_tp [--model DIR] [--ranks 2] [--dtype float32]
+benchmarks.tp [--model DIR] [--ranks 2] [--dtype float32]
 [--prefill 2048,8192] [--new-tokens 64]``.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from pdserve.engine.bench import random_prompts
+from benchmarks.engine import random_prompts
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.gguf_convert import resolve_model
 from pdserve.engine.sampling_params import SamplingParams

@@ -1,4 +1,4 @@
-"""bench_pd's workloads and scoring (pdserve/deploy/pd_workloads.py): the mix, Poisson
+"""benchmarks.pd's workloads and scoring (benchmarks/pd_workloads.py): the mix, Poisson
 trace files pdserve bench replays, TTFT targets by prompt length, goodput."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.deploy.pd_workloads import (
+from benchmarks.pd_workloads import (
     CHAT_PROMPT,
     LONG_PROMPT,
     Record,

@@ -17,13 +17,13 @@ Capacity of (b) and (c): the colocated server's completed requests per second wi
 16 requests in flight at once (its saturated throughput on that mix).
 
 SLOs, measured first on the colocated server alone (the DistServe convention, also
-``bench_serving``'s): TTFT within 5x an unloaded request's of the same prompt length
+``benchmarks.serving``'s): TTFT within 5x an unloaded request's of the same prompt length
 (measured at 128, 1024, 2048 and 4096 tokens, linear between), TPOT within 2x an
 unloaded single stream's. Each system is scored on goodput (requests meeting both
 per second), attainment per stage, TPOT p99 and TTFT p50.
 
 Rounds run the systems in one order, then the reverse (this VM drifts). Run:
-``python -m pdserve.deploy.bench_pd [--workloads uniform,mix,mooncake]
+``python -m benchmarks.pd [--workloads uniform,mix,mooncake]
 [--systems default,colocated,static] [--vllm /path/to/venv/bin/python] [--rounds 2]
 [--out result.json]``.
 """
@@ -37,9 +37,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pdserve.deploy.bench_serving import MOONCAKE
-from pdserve.deploy.harness import External, Served
-from pdserve.deploy.pd_workloads import Record, Slo, mix, mooncake, score, write_trace
+from benchmarks.harness import External, Served
+from benchmarks.pd_workloads import Record, Slo, mix, mooncake, score, write_trace
+from benchmarks.serving import MOONCAKE
 from pdserve.engine.gguf_convert import resolve_model
 
 ROUTER = {"queue_timeout_s": 600}

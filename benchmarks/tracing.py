@@ -18,7 +18,7 @@ made and exported, against the untraced TPOT x tokens of a request --
 an upper bound of the share of a request's time tracing takes (none of it is per
 token; the export runs on its own thread).
 
-Run: ``python -m pdserve.deploy.bench_tracing [--rounds 4] [--requests 12]
+Run: ``python -m benchmarks.tracing [--rounds 4] [--requests 12]
 [--max-tokens 128] [--json FILE]``.
 """
 
@@ -30,7 +30,7 @@ import statistics
 import time
 from typing import Any
 
-from pdserve.deploy.harness import Served
+from benchmarks.harness import Served
 from pdserve.deploy.otlp_sink import OtlpReceiver
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.trace import RequestTrace

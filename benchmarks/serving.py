@@ -20,7 +20,7 @@ worker with both).
    TPOT = 2x the colocated unloaded single-request values), TPOT p50/p99. Goal:
    disaggregated goodput >= 1.3x colocated, TPOT p99 >= 2x lower.
 
-Run: ``python -m pdserve.deploy.bench_serving [--parts 1,2,3] [--transfer nixl]
+Run: ``python -m benchmarks.serving [--parts 1,2,3] [--transfer nixl]
 [--quantization none|int8|int4]
 [--lengths 512,2048,8000] [--length-scale 0.05] [--rates 0.04,0.07,0.1,0.2,0.3]``.
 """
@@ -35,10 +35,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.engine import engine_single_stream, engine_throughput, random_prompts
+from benchmarks.harness import Served, metric
 from pdserve.client.sweep import describe_goodput, distserve_goodput
 from pdserve.deploy.config import ClusterConfig
-from pdserve.deploy.harness import Served, metric
-from pdserve.engine.bench import engine_single_stream, engine_throughput, random_prompts
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.gguf_convert import resolve_model

@@ -16,7 +16,7 @@ model's layer shapes (qkv 960x576, o 576x576, gate/up 3072x576, down 576x1536):
   integer peak (``w8a8_peak``: vpmaddwd on avx2, vpdpbusd on avx512vnni) and bf16
   ``F.linear``, and int4's and int8's decode bandwidth.
 
-Run: ``python -m pdserve.engine.bench_gemm [--threads 1,2] [--rows 1,8,32,128,1024]``.
+Run: ``python -m benchmarks.gemm [--threads 1,2] [--rows 1,8,32,128,1024]``.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from benchmarks.engine import memory_read_bandwidth
 from pdserve.engine import kernels
-from pdserve.engine.bench import memory_read_bandwidth
 from pdserve.engine.linear import (
     FAMILIES,
     INT_FAMILIES,
