@@ -106,13 +106,15 @@ def test_kill9_mid_prefill_and_transfer(cluster: Cluster, role: str) -> None:
         victim: list[str] = []
 
         def transferring() -> bool:
-            victim[:] = [w for w in [busy_worker(router, "prefill")] if w]
-            if role == "decode" and victim:
-                victim[:] = [w.worker_id for w in router.workers.live("decode")
-                             if w.outstanding_requests][:1]
+            """A victim with KV on the way: a prefill worker holding blocks for sends not
+            yet acknowledged, or a decode worker expecting KV (as its loads say)."""
+            loads = {w.worker_id: w.load for w in router.workers.live(role)}
+            victim[:] = [wid for wid, load in loads.items() if load is not None and (
+                load.metrics is not None and load.metrics.blocks_in_flight > 0
+                if role == "prefill" else load.num_waiting_for_kv > 0)][:1]
             return bool(victim)
 
-        await until_async("a worker mid-prefill", transferring)
+        await until_async(f"a {role} worker with KV in flight", transferring)
         results, fault_at = await kill9_and_settle(cluster, router, victim[0], tasks)
         assert record(router, f"kill -9 {role} mid-prefill/transfer", results,
                       greedy(cluster, [prompt(i) for i in range(6)], 8), 1, fault_at) >= 1
