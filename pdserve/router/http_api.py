@@ -24,7 +24,7 @@ compiled before the request runs (``openai_schema.check_grammars``: a 400 naming
 field, bounded in time).
 
 ``n`` > 1: ``n`` router requests of the same prompt (``openai_schema.choice_requests``)
-read as one (``_Choices``), the others started once the first has its first token so
+read as one (``Choices``), the others started once the first has its first token so
 that they reuse its prompt's KV through the prefix cache; the response merges them, a
 stream interleaves their chunks by choice index, and one failing fails the request and
 cancels the others. A completions batch of prompts is the same with ``n`` choices per
@@ -41,8 +41,7 @@ import asyncio
 import json
 import logging
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -54,17 +53,24 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pdserve.router import openapi_doc
 from pdserve.router.admin_api import Admin, admin_routes
-from pdserve.router.api_common import RouterLike, RouterStream, check_model, served_model
+from pdserve.router.api_common import RouterLike, check_model, served_model
 from pdserve.router.api_keys import ApiKeys
 from pdserve.router.beam_search import beam_search
+from pdserve.router.http_choices import Choices, chunks, collect_whole
 from pdserve.router.http_middleware import (
     BODY_TIMEOUT_S,
     ApiKeyMiddleware,
     BodyLimitMiddleware,
     RequestIdMiddleware,
 )
+from pdserve.router.http_request import (
+    ApiError,
+    ClientGone,
+    invalid,
+    read_json,
+    unless_disconnected,
+)
 from pdserve.router.http_server import HttpServer, start_http_server
-from pdserve.router.json_body import BadJson, parse_json
 from pdserve.router.metrics import metrics_text
 from pdserve.router.openai_format import (
     ResponseBuilder,
@@ -98,7 +104,6 @@ from pdserve.router.openai_schema import (
     choice_requests,
     completion_request,
 )
-from pdserve.router.public_errors import public_message
 from pdserve.router.tokenize_api import (
     DetokenizeRequest,
     detokenize,
@@ -124,24 +129,6 @@ T = TypeVar("T")
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "HttpServer", "build_app", "start_http_server"]
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, body: dict[str, Any], headers: dict[str, str] | None = None):
-        self.status, self.body, self.headers = status, body, headers or {}
-
-    @classmethod
-    def from_router(cls, exc: RouterError, request_id: str,
-                    fields: Mapping[str, str] | None = None) -> ApiError:
-        """``fields``: the client's name of each router request field it sent
-        differently (chat's ``messages`` for ``prompt``, ...)."""
-        param = None if exc.param is None else (fields or {}).get(exc.param, exc.param)
-        status, body = router_error_object(exc, request_id, param)
-        headers = {}
-        if exc.kind is ErrorKind.OVERLOADED or (exc.kind is ErrorKind.NOT_READY
-                                                and exc.retry_after_s is not None):
-            headers["Retry-After"] = str(max(1, round(exc.retry_after_s or 1)))
-        return cls(status, body, headers)
-
-
 class _Api:
     """The handlers' shared state: one per app."""
 
@@ -160,7 +147,7 @@ class _Api:
             Gauge(name, doc, ("model",), registry=registry).labels(
                 model=model_name).set_function(value)
         self.tasks: set[asyncio.Task[None]] = set()  # RouterStream tasks until cleaned up
-        self.in_flight: dict[str, _Choices] = {}  # by request id (ids must be unique)
+        self.in_flight: dict[str, Choices] = {}  # by request id (ids must be unique)
         self.closing = False
 
     def begin_shutdown(self) -> None:
@@ -172,17 +159,17 @@ class _Api:
 
     async def generate(self, request: Request, chat: bool) -> Response:
         rid: str = request.state.request_id
-        return await self._serve(request, rid, await _json(request, rid), chat)
+        return await self._serve(request, rid, await read_json(request, rid), chat)
 
     async def responses(self, request: Request) -> Response:
         """``/v1/responses``: served as the chat body it maps to (``openai_responses``)."""
         rid: str = request.state.request_id
-        body = await _json(request, rid)
+        body = await read_json(request, rid)
         try:
             r: ResponsesRequest = self.stored.continued(
                 validate_body(ResponsesRequest, body, REFUSED_RESPONSES))
         except InvalidRequest as exc:
-            raise _invalid(exc, rid) from exc
+            raise invalid(exc, rid) from exc
         base = skeleton(r, r.model or self.model_name, int(time.time()))
         log.info("request %s: response %s", rid, base["id"])
         return await self._serve(request, rid, chat_body(r), True, _Responses(
@@ -191,7 +178,7 @@ class _Api:
     async def tokenizer_call(self, request: Request, detok: bool) -> Response:
         """``/tokenize`` and ``/detokenize`` (``tokenize_api``)."""
         rid: str = request.state.request_id
-        body = await _json(request, rid)
+        body = await read_json(request, rid)
         try:
             if isinstance(body, dict) and isinstance(body.get("model"), str):
                 check_model(self.router, body["model"])
@@ -201,7 +188,7 @@ class _Api:
             return JSONResponse(tokenize(parse_tokenize(body), tok, self.tools,
                                          self.router.models()[0].max_model_len))
         except InvalidRequest as exc:
-            raise _invalid(exc, rid) from exc
+            raise invalid(exc, rid) from exc
         except RouterError as exc:
             raise ApiError.from_router(exc, rid) from exc
 
@@ -256,7 +243,7 @@ class _Api:
                     req.prompt, req.messages, req.prompt_token_ids = None, None, ids
             await check_grammars(plan.grammars)
         except InvalidRequest as exc:
-            raise _invalid(exc if responses is None else renamed(exc), rid) from exc
+            raise invalid(exc if responses is None else renamed(exc), rid) from exc
         except RouterError as exc:  # echo, return_token_ids: the prompt checked as tokenized
             raise ApiError.from_router(exc, rid, fields) from exc
         if rid in self.in_flight:
@@ -282,15 +269,15 @@ class _Api:
             echo=echo, n=n, prompts=len(reqs), tools=plan.tools)
         if parsed.use_beam_search:
             try:
-                return JSONResponse(await _unless_disconnected(
+                return JSONResponse(await unless_disconnected(
                     request, self._beam_search(reqs, n, parsed.length_penalty, out)))
             except RouterError as exc:
                 raise ApiError.from_router(exc, rid, fields) from exc
-        choices = self.in_flight[rid] = _Choices(
+        choices = self.in_flight[rid] = Choices(
             self.router, [c for req in reqs for c in choice_requests(req, n)], n, self.tasks, rid)
         handed_over = False
         try:
-            await _unless_disconnected(request, choices.start())
+            await unless_disconnected(request, choices.start())
             if parsed.stream:
                 handed_over = True
                 # The background task also runs when the client left before the
@@ -299,7 +286,7 @@ class _Api:
                                          media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache"},
                                          background=BackgroundTask(self._done, choices))
-            whole = await _unless_disconnected(request, _collect(choices, out))
+            whole = await unless_disconnected(request, collect_whole(choices, out))
             if responses is not None:
                 whole = response_object(responses.base, whole, responses.logprobs)
                 responses.done(whole)
@@ -326,11 +313,11 @@ class _Api:
                                          Usage(len(prompt), len(beam.tokens))))
         return out.response(finals)
 
-    def _done(self, choices: _Choices) -> None:
+    def _done(self, choices: Choices) -> None:
         choices.close()
         self.in_flight.pop(choices.request_id, None)
 
-    async def _sse(self, choices: _Choices, out: ResponseBuilder,
+    async def _sse(self, choices: Choices, out: ResponseBuilder,
                    responses: _Responses | None) -> AsyncIterator[bytes]:
         # Runs inside the response; a disconnect cancels it (Starlette) and the
         # finally closes the router streams.
@@ -342,11 +329,11 @@ class _Api:
         try:
             if responses is not None:
                 events = ResponseEvents(responses.base, responses.logprobs)
-                async for event in events.events(_chunks(choices, out), failed, responses.done):
+                async for event in events.events(chunks(choices, out), failed, responses.done):
                     yield event
                 return
             try:
-                async for obj in _chunks(choices, out):
+                async for obj in chunks(choices, out):
                     yield _event(obj)
             except RouterError as exc:
                 yield _event({"error": failed(exc)})
@@ -376,164 +363,8 @@ class _Responses:
     done: Callable[[dict[str, Any]], None]
 
 
-async def _json(request: Request, rid: str) -> Any:
-    """The request's JSON body; ApiError (415, 400) if it is not one."""
-    _check_json_content_type(request)
-    try:
-        return parse_json(await request.body())
-    except BadJson as exc:
-        raise ApiError(400, error_object(public_message(ErrorKind.INVALID, exc.message, rid),
-                                         param=exc.param)) from exc
-
-
-def _invalid(exc: InvalidRequest, rid: str) -> ApiError:
-    return ApiError(400, error_object(public_message(ErrorKind.INVALID, exc.message, rid),
-                                      param=exc.param))
-
-
-async def _chunks(choices: _Choices, out: ResponseBuilder) -> AsyncIterator[dict[str, Any]]:
-    """The stream's chunk objects, in arrival order; RouterError if a choice failed."""
-    while (got := await choices.next()) is not None:
-        i, item = got
-        for obj in (out.chunk(item, i) if isinstance(item, StreamChunk)
-                    else out.final_chunks(item, i)):
-            yield obj
-
-
-class _Choices:
-    """The router streams of one request's choices (``n`` per prompt, prompt-major)
-    read as one: ``start`` waits for each choice's first item (so that admission
-    errors keep their status), ``next`` gives (choice index, item) in arrival order
-    and None once every choice has finished. A choice's error is raised for the whole
-    request; ``close`` then ends the others.
-
-    Each prompt's first choice starts at once, its others when it has its first
-    token: by then its prompt is in the prefill worker's prefix cache (and a
-    colocated worker's), so the prefix-affinity policy sends the others where their
-    prompt is computed already and each computes only its last, partial block. One
-    prefill per prompt, n decodes."""
-
-    def __init__(self, router: RouterLike, reqs: list[GenerateRequest], n: int,
-                 tasks: set[asyncio.Task[None]], request_id: str):
-        self.request_id = request_id
-        self._router, self._reqs, self._n, self._tasks = router, reqs, n, tasks
-        self._calls: list[RouterStream] = []
-        self._pumps: list[asyncio.Task[None]] = []
-        self._queue: asyncio.Queue[tuple[int, StreamChunk | FinalChunk | RouterError]] = (
-            asyncio.Queue())
-        self._ready: deque[tuple[int, StreamChunk | FinalChunk]] = deque()  # read by start
-        self._finished = 0
-        self._closed = False
-        self._waiting = set(range(0, len(reqs), n))  # first choices, their others not started
-        for index in sorted(self._waiting):
-            self._launch(index)
-
-    def _launch(self, index: int) -> None:
-        req = self._reqs[index]
-        call = RouterStream(self._router, req, self._tasks)
-        self._calls.append(call)
-        self._pumps.append(asyncio.create_task(self._pump(index, call),
-                                               name=f"choice-{req.request_id}"))
-
-    async def _pump(self, index: int, call: RouterStream) -> None:
-        try:
-            while (item := await call.next()) is not None:
-                self._queue.put_nowait((index, item))
-                if isinstance(item, FinalChunk):
-                    return
-            self._queue.put_nowait((index, RouterError(ErrorKind.INTERNAL,
-                                                       "stream ended without a final chunk")))
-        except RouterError as exc:
-            self._queue.put_nowait((index, exc))
-
-    async def _take(self) -> tuple[int, StreamChunk | FinalChunk]:
-        index, item = await self._queue.get()
-        if isinstance(item, RouterError):
-            if item.param == "prompt" and len(self._reqs) > self._n:  # which of the batch
-                raise RouterError(item.kind, f"prompt[{index // self._n}]: {item.message}",
-                                  item.retry_after_s, item.param)
-            raise item
-        self._finished += isinstance(item, FinalChunk)
-        if index in self._waiting and not self._closed:  # its prompt is prefilled: the rest
-            self._waiting.discard(index)
-            for i in range(index + 1, index + self._n):
-                self._launch(i)
-        return index, item
-
-    async def start(self) -> None:
-        """Wait until every choice has sent its first item; RouterError if one failed."""
-        waiting = set(range(len(self._reqs)))
-        while waiting:
-            got = await self._take()
-            self._ready.append(got)
-            waiting.discard(got[0])
-
-    async def next(self) -> tuple[int, StreamChunk | FinalChunk] | None:
-        if self._ready:
-            return self._ready.popleft()
-        if self._finished == len(self._reqs):
-            return None
-        return await self._take()
-
-    def close(self, error: RouterError | None = None) -> None:
-        """Abort every choice the router has not finished, and start no more
-        (idempotent). ``error``: what a reader waiting in ``next`` gets instead."""
-        self._closed = True
-        for call in self._calls:
-            call.close(error)
-        if error is None:
-            for pump in self._pumps:
-                pump.cancel()
-
-
-def _check_json_content_type(request: Request) -> None:
-    """415 unless the body is declared ``application/json`` (charset, if given, UTF-8)."""
-    media, *params = request.headers.get("content-type", "").split(";")
-    charset = next((p.split("=", 1)[1].strip().strip('"').lower() for p in params
-                    if p.strip().lower().startswith("charset=")), "utf-8")
-    if media.strip().lower() != "application/json" or charset not in ("utf-8", "utf8"):
-        raise ApiError(415, error_object("the request body must be JSON, sent with "
-                                         "Content-Type: application/json",
-                                         code="unsupported_media_type"))
-
-
 def _event(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
-
-
-async def _collect(choices: _Choices, out: ResponseBuilder) -> dict[str, Any]:
-    finals: dict[int, FinalChunk] = {}
-    while (got := await choices.next()) is not None:
-        i, item = got
-        if isinstance(item, StreamChunk):
-            out.add(item, i)
-        else:
-            finals[i] = item
-    return out.response([finals[i] for i in range(len(finals))])
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """``await work``, unless the client disconnects first (then ``_ClientGone``)."""
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(disconnected())
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-    if task.done() and not task.cancelled():
-        return task.result()
-    raise _ClientGone
-
-
-class _ClientGone(Exception):
-    """The client disconnected before the response started."""
 
 
 def build_app(router: RouterLike, model_name: str, registry: CollectorRegistry,
@@ -649,7 +480,7 @@ def build_app(router: RouterLike, model_name: str, registry: CollectorRegistry,
         return JSONResponse(error_object("internal error", "server_error"), status_code=500)
 
     app.add_exception_handler(ApiError, on_api_error)
-    app.add_exception_handler(_ClientGone, on_client_gone)
+    app.add_exception_handler(ClientGone, on_client_gone)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
     app.add_exception_handler(Exception, on_unexpected)
     # Added last = outermost: request id, then the body limit, then the keys (the
