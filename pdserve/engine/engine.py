@@ -40,6 +40,7 @@ from pdserve.engine import kernels
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ceil_div
 from pdserve.engine.draft_model import DraftModel, draft_dir, draft_model_id
+from pdserve.engine.drafting import Drafting
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.input_batch import InputBatch
 from pdserve.engine.kv_cache import new_kv_cache
@@ -47,8 +48,9 @@ from pdserve.engine.loader import load_model
 from pdserve.engine.output import OutputProcessor
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.results import Completion, EngineStats, RequestOutput, StepInfo, StepOutput
+from pdserve.engine.roles import DisaggregatedRoles
 from pdserve.engine.runner import ModelRunner, Sampled
-from pdserve.engine.sampler import TokenLogprobs, make_generator, own_generator, skip_draws
+from pdserve.engine.sampler import TokenLogprobs, make_generator, skip_draws
 from pdserve.engine.sampling_params import SamplingParams, request_problem
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.spec_decode import (
@@ -67,7 +69,7 @@ from pdserve.engine.tp.shard import Shard
 from pdserve.kv_layout import KVLayout
 
 
-class LLMEngine:
+class LLMEngine(DisaggregatedRoles, Drafting):
     # Under tensor parallelism a follower replays the leader's state-changing calls:
     # every public method is either ``@replicated`` or named here with why it is not
     # (tests/engine/test_tensor_parallel.py holds every new method to one or the other).
@@ -259,123 +261,8 @@ class LLMEngine:
             prompt = self.tokenizer.encode(prompt)
         self.scheduler.add(self._new_request(request_id, prompt, params))
 
-    # ------------------------------------------------------ disaggregated roles
-    @replicated
-    def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
-                params: SamplingParams) -> list[int] | None:
-        """Decode role: blocks for the prompt's KV, or ``None`` when full."""
-        req = self._new_request(request_id, prompt_token_ids, params)
-        blocks = self.scheduler.reserve(req)
-        if blocks is None:
-            self._forget(request_id)
-        return blocks
-
-    @replicated
-    def prefill_reserved(self, request_id: str) -> None:
-        """Decode role: compute the rest of a reserved prompt here (the blocks its
-        reservation shared from this engine's prefix cache, then a prefill chunk of
-        what is left) instead of receiving its KV; its first token comes from this
-        engine's next step, sampled here, as a colocated engine's."""
-        req = self.requests[request_id]
-        if req.status is not RequestStatus.WAITING_FOR_KV:
-            raise ValueError(f"request {request_id!r} is {req.status.value}, not waiting for KV")
-        self.scheduler.prefill_reserved(req)
-
-    @replicated
-    def start_decode(self, request_id: str, first_token: int,
-                     first_logprobs: TokenLogprobs | None = None) -> RequestOutput:
-        """Decode role: the prompt's KV is in the reserved blocks; ``first_token``
-        was sampled by the prefill worker. Returns that token's output."""
-        req = self.requests[request_id]
-        if req.status is not RequestStatus.WAITING_FOR_KV:
-            raise ValueError(f"request {request_id!r} is {req.status.value}, not waiting for KV")
-        if req.grammar is not None and req.grammar.validate_tokens([first_token]) != 1:
-            raise ValueError(f"request {request_id!r}: first token {first_token} does not "
-                             f"match its structured output constraint")
-        self.scheduler.start_decode(req)
-        if self.draft is not None:  # the draft's prompt KV came too, if it reserved any
-            self.draft.adopt(request_id, req.prompt_token_ids)
-        skip_draws(req.params, req.generator, 1)  # the prefill worker drew the first token
-        return self._append_tokens(Sampled(req, [first_token],
-                                           [] if first_logprobs is None else [first_logprobs]))
-
-    @replicated
-    def reserve_draft(self, request_id: str) -> list[int]:
-        """Decode role, after ``reserve``: the draft model's blocks for the prompt's
-        draft KV, which the prefill worker sends with the target's ([] without a draft
-        model, for a request that does not speculate, or with no room: its draft then
-        catches up on the prompt here; for a draft of this engine's own checkpoint,
-        which copies the target's prompt KV here, none is sent)."""
-        req = self.requests[request_id]
-        if self.draft is None or req.spec is None or self.draft.target_kv is not None:
-            return []
-        return self.draft.reserve(request_id, req.num_prompt_tokens)
-
-    @replicated
-    def prefill_draft(self, request_ids: Sequence[str]) -> None:
-        """Prefill role: compute the draft model's KV of these PREFILLED requests'
-        prompts, into the draft cache at the target's blocks (``block_ids``), where
-        the transfer reads it."""
-        if self.draft_model_id is None:
-            raise ValueError("prefill_draft: this engine has no draft model")
-        reqs = [self.requests[rid] for rid in request_ids]
-        for req in reqs:
-            if req.status is not RequestStatus.PREFILLED:
-                raise ValueError(f"request {req.request_id!r} is {req.status.value}, "
-                                 "not prefilled")
-        if self.draft is not None:  # (a tensor-parallel follower: rank 0's draft)
-            self.draft.prefill([(r.request_id, r.prompt_token_ids, r.block_ids) for r in reqs])
-
-    def block_ids(self, request_id: str) -> list[int]:
-        return list(self.requests[request_id].block_ids)
-
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests
-
-    def computed_blocks(self, request_id: str) -> list[int]:
-        """The request's full blocks whose KV is computed so far ([] when unknown):
-        what a prefill worker may send before the prompt is done."""
-        req = self.requests.get(request_id)
-        if req is None:
-            return []
-        return list(req.block_ids[:req.num_computed_tokens // self.block_size])
-
-    def computed_tokens(self, request_id: str) -> int:
-        req = self.requests.get(request_id)
-        return 0 if req is None else req.num_computed_tokens
-
-    def empty_blocks(self, block_ids: Sequence[int]) -> list[int]:
-        """The blocks among ``block_ids`` that hold no KV: the first token slot of the
-        first layer's keys all zero, which no computed key is (a few bytes read per
-        block). A block a transfer never wrote, or one sent before it was computed."""
-        if not block_ids:
-            return []
-        first = self.kv_cache[torch.tensor(list(block_ids)), 0, 0, :, 0]
-        empty = ~first.reshape(len(block_ids), -1).any(dim=1)
-        return [b for b, e in zip(block_ids, empty.tolist(), strict=True) if e]
-
-    def cached_tokens(self, request_id: str) -> int:
-        """Prompt tokens the prefix cache served (a reservation's shared blocks)."""
-        return self.requests[request_id].num_cached_tokens
-
-    @replicated
-    def pin(self, block_ids: Sequence[int]) -> None:
-        """Hold these blocks (a transfer reads them) until ``unpin``: on every rank, so
-        every rank's pool hands out the same blocks next."""
-        self.pool.acquire(list(block_ids))
-
-    @replicated
-    def unpin(self, block_ids: Sequence[int]) -> None:
-        self.pool.free(list(block_ids))
-
-    @replicated
-    def release(self, request_id: str) -> None:
-        """Prefill role: free a PREFILLED request's blocks after hand-off
-        (idempotent; unknown ids are ignored)."""
-        req = self.requests.pop(request_id, None)
-        self._stops.pop(request_id, None)
-        if req is not None and req.status is RequestStatus.PREFILLED:
-            self.scheduler.release(req)
 
     @replicated
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -443,76 +330,6 @@ class LLMEngine:
                 outputs.append(self._output(req, [], []))
                 self._forget(req.request_id)
         return StepOutput(outputs, info)
-
-    def _propose(self, max_batch: int) -> None:
-        """Drafts for this step's decoding requests (none in a batch over ``max_batch``
-        requests, or for a request not one token behind)."""
-        on = len(self.scheduler.running) <= max_batch
-        drafting: list[tuple[Request, int]] = []  # draft model: (request, k), batched
-        cost = self._draft_cost()
-        for req in self.scheduler.running:
-            if not on or req.spec is None or req.num_new_tokens != 1:
-                req.spec_token_ids.clear()
-                continue
-            # All of a draft accepted, plus one: still within max_tokens.
-            room = req.params.max_tokens - req.num_output_tokens - 1
-            if self.draft_model_id is None:
-                req.spec_token_ids = req.spec.propose(req.token_ids, room)
-                continue
-            req.spec_token_ids = []
-            k = req.spec.draft_length(room, cost)
-            if k:
-                if req.generator is None and not req.params.greedy and self.draft is not None:
-                    req.generator = own_generator(self.config.device)  # the draft reads ahead
-                drafting.append((req, k))
-        if drafting:
-            drafts = None if self.draft is None else self.draft.propose(drafting)
-            if self.tp is not None:
-                drafts = self._share_drafts(drafting, drafts)
-            assert drafts is not None
-            for (req, _), draft in zip(drafting, drafts, strict=True):
-                req.spec_token_ids = draft
-        self._within_grammars()
-
-    def _draft_cost(self) -> float:
-        """A draft model's token as a fraction of a decoding step, measured (0: not yet
-        measured, or tensor parallel, where every rank must pick the same lengths)."""
-        if self.draft is None or self.tp is not None or not self._decode_step_s:
-            return 0.0
-        return self.draft.forward_s / self._decode_step_s
-
-    def _within_grammars(self) -> None:
-        """Cut each structured-output request's draft at the first token its grammar
-        does not allow there (verification could never accept it or what follows).
-        Under tensor parallelism the grammars are rank 0's: it tells the others where."""
-        cut = [req for req in self.scheduler.running
-               if req.params.structured is not None and req.spec_token_ids]
-        if not cut:
-            return
-        lengths = None
-        if self.tp is None or self.tp.rank == 0:
-            lengths = [req.grammar.validate_tokens(req.spec_token_ids)  # type: ignore[union-attr]
-                       for req in cut]
-        if self.tp is not None:
-            lengths = self.tp.broadcast_ints(lengths, len(cut))
-        assert lengths is not None
-        for req, n in zip(cut, lengths, strict=True):
-            del req.spec_token_ids[n:]
-
-    def _share_drafts(self, drafting: list[tuple[Request, int]],
-                      drafts: list[list[int]] | None) -> list[list[int]]:
-        """Rank 0's drafts on every tensor-parallel rank (each rank knows the lengths
-        asked for: its requests and their adaptive states are the same)."""
-        assert self.tp is not None
-        n = sum(k for _, k in drafting)
-        flat = None if drafts is None else [t for (_, k), d in zip(drafting, drafts, strict=True)
-                                            for t in d + [-1] * (k - len(d))]
-        got = self.tp.broadcast_ints(flat, n)
-        out, at = [], 0
-        for _, k in drafting:
-            out.append([t for t in got[at : at + k] if t >= 0])
-            at += k
-        return out
 
     def _append_tokens(self, s: Sampled) -> RequestOutput:
         """Append a step's tokens in order, each through the grammar and the stop rules;

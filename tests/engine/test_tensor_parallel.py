@@ -169,7 +169,9 @@ def test_every_engine_method_is_replicated_or_says_why_not() -> None:
     from pdserve.engine.engine import LLMEngine
     from pdserve.engine.tp.lockstep import REPLICATED
 
-    public = {n for n, v in vars(LLMEngine).items() if callable(v) and not n.startswith("_")}
+    public = {n for cls in LLMEngine.__mro__[:-1]  # its mixins' too, not object's
+              for n, v in vars(cls).items() if callable(v) and not n.startswith("_")}
+    assert {"reserve", "empty_blocks", "step"} <= public
     assert public >= REPLICATED
     assert not REPLICATED & LLMEngine.NOT_REPLICATED.keys()
     unclassified = public - REPLICATED - LLMEngine.NOT_REPLICATED.keys()
