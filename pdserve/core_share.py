@@ -11,6 +11,8 @@ it says so (``release``):
   none (idle owners lend; busy ones share what is lent, a core at a time), up to its
   pool's maximum (``num_cpus + shared_cpus``); cores no live member owns (the other
   pool's worker died, or has not started) are lent too;
+* a member whose process is stopped (SIGSTOP, a debugger) counts as gone until it
+  runs again: its cores are lent, and nobody waits for the threads it held;
 * an owner that has work again takes its cores back at the borrowers' next step
   boundary: ``acquire`` waits, polling, until the others' threads in use leave its
   own cores free (at most ``max_wait_s``; then it starts anyway), so no two
@@ -54,14 +56,16 @@ def default_path() -> Path:
     return base / f"pdserve-cores-{os.getuid()}"
 
 
-def _started(pid: int) -> int:
-    """When process ``pid`` started (clock ticks since boot), 0 if there is none: a
-    slot's pid is its writer only while this matches (pids are reused)."""
+def _process(pid: int) -> tuple[int, bool]:
+    """When process ``pid`` started (clock ticks since boot; 0 if there is none: a
+    slot's pid is its writer only while this matches, pids are reused), and whether
+    it is stopped (SIGSTOP, a debugger: it computes nothing and answers nothing)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return 0
-    return int(stat[stat.rindex(")") + 2:].split()[19])
+        return 0, False
+    fields = stat[stat.rindex(")") + 2:].split()
+    return int(fields[19]), fields[0] in ("T", "t")
 
 
 class CoreShare:
@@ -73,7 +77,7 @@ class CoreShare:
             raise ValueError(f"core sharing needs 1 <= own ({own}) <= most ({most})")
         self.own, self.most, self.max_wait_s = own, most, max_wait_s
         self.path = path or default_path()
-        self._started = _started(os.getpid())
+        self._started = _process(os.getpid())[0]
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             with self._locked():
@@ -98,11 +102,15 @@ class CoreShare:
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
-    def _read(self, i: int) -> tuple[int, int, int, int, int]:
-        """Slot ``i``'s (own, most, wants, in_use, pid); pid 0 when its writer is gone."""
+    def _read(self, i: int) -> tuple[int, int, int, int, int, bool]:
+        """Slot ``i``'s (own, most, wants, in_use, pid, stopped); pid 0 when its writer
+        is gone (the slot is free), ``stopped`` while its writer is stopped (the slot is
+        still its own, but it uses and owns no core until it runs again)."""
         own, most, wants, in_use, pid, started = _SLOT.unpack_from(self._map, i * _SLOT.size)
-        alive = 0 < pid < 1 << 22 and started > 0 and _started(pid) == started
-        return own, most, wants, in_use, pid if alive else 0
+        if not (0 < pid < 1 << 22 and started > 0):
+            return own, most, wants, in_use, 0, False
+        began, stopped = _process(pid)
+        return own, most, wants, in_use, pid if began == started else 0, stopped
 
     def _write(self, wants: int, in_use: int) -> None:
         _SLOT.pack_into(self._map, self.slot * _SLOT.size, self.own, self.most, wants, in_use,
@@ -117,13 +125,14 @@ class CoreShare:
         raise RuntimeError(f"core sharing: all {SLOTS} slots of {self.path} are taken")
 
     def _others(self) -> list[tuple[int, int, int, int, int]]:
-        """(slot, own, most, wants, in_use) of the live members besides this one."""
+        """(slot, own, most, wants, in_use) of the live members besides this one (a
+        stopped one's cores are lent: waiting for it would stall every step)."""
         out = []
         for i in range(SLOTS):
             if i == self.slot:
                 continue
-            own, most, wants, in_use, pid = self._read(i)
-            if pid and own:
+            own, most, wants, in_use, pid, stopped = self._read(i)
+            if pid and own and not stopped:
                 out.append((i, own, most, wants, in_use))
         return out
 

@@ -4,6 +4,8 @@ granted one core, a dead member's slot lends everything, the wait is bounded."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -87,6 +89,38 @@ def test_a_dead_members_slot_lends_everything(tmp_path: Path) -> None:
         assert alive.acquire() == 2
     finally:
         alive.close()
+
+
+def test_a_stopped_members_cores_are_lent_and_nobody_waits_for_them(tmp_path: Path) -> None:
+    """A member stopped mid-step (SIGSTOP, a debugger) holds its threads' claim but will
+    not give them back: the others take its cores at once instead of waiting
+    ``max_wait_s`` at every step (a stopped prefill worker slowed the whole node so
+    much that every retried transfer timed out); running again, it counts again."""
+    code = (f"from pdserve.core_share import CoreShare; import sys; "
+            f"c = CoreShare(1, 2, __import__('pathlib').Path({str(tmp_path / 'cores')!r})); "
+            f"print(c.acquire(), flush=True); sys.stdin.read()")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    other = None
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "2"
+        os.kill(child.pid, signal.SIGSTOP)
+        until("the member to stop", lambda: Path(f"/proc/{child.pid}/stat").read_text()
+              .rsplit(")", 1)[1].split()[0] in ("T", "t"))
+        other = CoreShare(1, 2, tmp_path / "cores", max_wait_s=30.0)
+        assert other.acquire() == 2 and other.waited_s == 0.0
+        other.release()
+        os.kill(child.pid, signal.SIGCONT)  # running again: its own core is its own
+        until("the member to run", lambda: Path(f"/proc/{child.pid}/stat").read_text()
+              .rsplit(")", 1)[1].split()[0] not in ("T", "t"))
+        other.max_wait_s = 0.05  # it claims 2 threads and never comes to a step boundary
+        assert other.acquire() == 1 and other.waited_s > 0  # waited for it, as for any
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+        child.kill()
+        child.wait(30)
+        if other is not None:
+            other.close()
 
 
 def test_bad_limits_are_refused(tmp_path: Path) -> None:
