@@ -28,13 +28,11 @@ from typing import Any, cast
 
 import torch
 
-from .base import FailReason, RecvEvent, SendEvent
+from .base import FailReason, RecvEvent
 from .layout import KVLayout
 from .receiver_base import BaseReceiver
 from .regions import Staging, scatter
-from .send_state import Numbered
-from .send_worker import Job, PeerWorker, describe
-from .sender_base import BaseSender, Outgoing
+from .send_worker import Job, PeerWorker, ThreadedSender, describe
 from .wire import Kind, Message, data_shape, local_heads
 
 log = logging.getLogger(__name__)
@@ -142,7 +140,7 @@ class RayReceiver(BaseReceiver):
                            msg.parts, msg.dst)
 
 
-class RaySender(BaseSender):
+class RaySender(ThreadedSender):
     def __init__(
         self,
         kv: torch.Tensor,
@@ -155,7 +153,6 @@ class RaySender(BaseSender):
         self._timeout_s = timeout_s
         self.chunk_bytes = chunk_bytes
         self._me = f"ray-sender-{uuid.uuid4().hex[:12]}"
-        self._peers: dict[str, tuple[Any, int, PeerWorker]] = {}  # actor, num_blocks, thread
 
     def connect(self, endpoint: dict[str, Any]) -> str:
         cut = self._plan(endpoint)
@@ -173,26 +170,4 @@ class RaySender(BaseSender):
             self._ray.get(actor.put_nowait.remote(item), timeout=self._timeout_s)
 
         worker = PeerWorker(f"kv-send-{peer}", transmit, self.state.completions)
-        self._peers[peer] = (actor, int(endpoint["num_blocks"]), worker)
-        return self._bind(peer, cut)
-
-    def poll(self) -> list[SendEvent]:
-        for peer_id, (_, _, worker) in self._peers.items():
-            if worker.dead is not None:
-                self.state.fail_peer(peer_id, FailReason.PEER_DIED, worker.dead)
-        return self.state.drain()
-
-    def _peer_blocks(self, peer_id: str) -> int:
-        return self._peers[peer_id][1]
-
-    def _transmit(self, peer_id: str, jobs: list[Outgoing], numbered: Numbered) -> None:
-        for msg, src in jobs:
-            self._peers[peer_id][2].submit(Job(msg, tuple(src), numbered.cancel))
-
-    def _tell_abort(self, peer_id: str, request_id: str) -> None:
-        self._peers[peer_id][2].submit(Job(Message(Kind.ABORT, request_id)))
-
-    def _goodbye(self) -> None:
-        for _, _, worker in self._peers.values():
-            worker.stop(Job(Message(Kind.BYE)), timeout_s=5.0)
-        self._peers.clear()
+        return self._add_peer(peer, cut, worker, int(endpoint["num_blocks"]))

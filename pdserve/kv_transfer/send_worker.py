@@ -1,5 +1,6 @@
 """One background thread per (sender, peer) for the two-sided backends, so send() never
-blocks: it queues jobs, the thread gathers and transmits them in order.
+blocks: it queues jobs, the thread gathers and transmits them in order; and
+``ThreadedSender``, the sender half those backends (torch, ray) share around it.
 
 The thread reports each data job's outcome on the tracker's completion queue and never
 touches the tracker itself. When the peer is gone (a transmit raised) it records why in
@@ -17,9 +18,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .base import FailReason
-from .send_state import Cancel
-from .wire import Message
+import torch
+
+from .base import FailReason, SendEvent
+from .layout import KVLayout, Slice
+from .send_state import Cancel, Numbered
+from .sender_base import BaseSender, Outgoing
+from .wire import Kind, Message
 
 log = logging.getLogger(__name__)
 
@@ -101,3 +106,43 @@ def describe(exc: BaseException) -> str:
     """Short one-line form of a transport exception for events."""
     text: Any = str(exc).strip().splitlines()
     return text[0][:200] if text else type(exc).__name__
+
+
+class ThreadedSender(BaseSender):
+    """A ``BaseSender`` whose every peer has a ``PeerWorker`` thread (the two-sided
+    backends, torch and ray): a dead thread fails its peer's requests at ``poll``,
+    numbered messages and aborts are queued on the peer's thread, ``close`` sends each
+    peer a BYE after what it has queued. A backend's ``connect`` builds the thread with
+    its transmit function and hands it to ``_add_peer``."""
+
+    bye_timeout_s = 5.0  # how long close() waits for a peer's thread to send its BYE
+
+    def __init__(self, kv: torch.Tensor, layout: KVLayout, timeout_s: float) -> None:
+        super().__init__(kv, layout, timeout_s)
+        self._threads: dict[str, tuple[PeerWorker, int]] = {}  # peer -> (thread, its blocks)
+
+    def _add_peer(self, peer_id: str, cut: Slice, worker: PeerWorker, num_blocks: int) -> str:
+        self._threads[peer_id] = (worker, num_blocks)
+        return self._bind(peer_id, cut)
+
+    def poll(self) -> list[SendEvent]:
+        for peer_id, (worker, _) in self._threads.items():
+            if worker.dead is not None:
+                self.state.fail_peer(peer_id, FailReason.PEER_DIED, worker.dead)
+        return self.state.drain()
+
+    def _peer_blocks(self, peer_id: str) -> int:
+        return self._threads[peer_id][1]
+
+    def _transmit(self, peer_id: str, jobs: list[Outgoing], numbered: Numbered) -> None:
+        for msg, src in jobs:
+            self._threads[peer_id][0].submit(Job(msg, tuple(src), numbered.cancel))
+
+    def _tell_abort(self, peer_id: str, request_id: str) -> None:
+        # tell D so it can release the blocks now
+        self._threads[peer_id][0].submit(Job(Message(Kind.ABORT, request_id)))
+
+    def _goodbye(self) -> None:
+        for worker, _ in self._threads.values():
+            worker.stop(Job(Message(Kind.BYE)), timeout_s=self.bye_timeout_s)
+        self._threads.clear()

@@ -20,12 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .base import FailReason, SendEvent
 from .layout import KVLayout, KVLayoutMismatch, Slice
 from .regions import Staging
-from .send_state import Numbered
-from .send_worker import Job, PeerWorker
-from .sender_base import BaseSender, Outgoing
+from .send_worker import Job, PeerWorker, ThreadedSender
 from .torch_group import (
     PING_INTERVAL_S,
     RECEIVER_RANK,
@@ -85,7 +82,7 @@ class _Dialed:
     pair: _Pair
 
 
-class TorchSender(BaseSender):
+class TorchSender(ThreadedSender):
     def __init__(
         self,
         kv: torch.Tensor,
@@ -99,7 +96,8 @@ class TorchSender(BaseSender):
         self.connect_timeout_s = connect_timeout_s
         self.peer_timeout_s = peer_timeout_s
         self.chunk_bytes = chunk_bytes
-        self._pairs: dict[str, _Pair] = {}
+        self.bye_timeout_s = peer_timeout_s
+        self._pairs: dict[str, _Pair] = {}  # (their threads: ThreadedSender's)
 
     def connect(self, endpoint: dict[str, Any]) -> str:
         return self.attach(self.dial(endpoint))
@@ -113,26 +111,5 @@ class TorchSender(BaseSender):
 
     def attach(self, dialed: _Dialed) -> str:
         self._pairs[dialed.peer_id] = dialed.pair
-        return self._bind(dialed.peer_id, dialed.cut)
-
-    def poll(self) -> list[SendEvent]:
-        for peer_id, pair in self._pairs.items():
-            if pair.worker.dead is not None:
-                self.state.fail_peer(peer_id, FailReason.PEER_DIED, pair.worker.dead)
-        return self.state.drain()
-
-    def _peer_blocks(self, peer_id: str) -> int:
-        return self._pairs[peer_id].num_blocks
-
-    def _transmit(self, peer_id: str, jobs: list[Outgoing], numbered: Numbered) -> None:
-        for msg, src in jobs:
-            self._pairs[peer_id].worker.submit(Job(msg, tuple(src), numbered.cancel))
-
-    def _tell_abort(self, peer_id: str, request_id: str) -> None:
-        # tell D so it can release the blocks now
-        self._pairs[peer_id].worker.submit(Job(Message(Kind.ABORT, request_id)))
-
-    def _goodbye(self) -> None:
-        for pair in self._pairs.values():
-            pair.worker.stop(Job(Message(Kind.BYE)), timeout_s=self.peer_timeout_s)
-        self._pairs.clear()
+        return self._add_peer(dialed.peer_id, dialed.cut, dialed.pair.worker,
+                              dialed.pair.num_blocks)
