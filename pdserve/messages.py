@@ -11,12 +11,14 @@ routing and health probes, asked for every ``stats_interval_s``) and
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.failures import FailReason
+
+__all__ = ["TokenLogprob"]  # re-exported: the workers' and the API layers' shape
 
 if TYPE_CHECKING:
     from pdserve.engine.results import StepInfo
@@ -42,26 +44,6 @@ KV_XFER_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 
 KV_XFER_BYTES_BUCKETS = tuple(float(2 ** (10 + i)) for i in range(1, 25, 2))
 
 ROLES = ("prefill", "decode", "colocated")
-
-
-class TokenLogprob(NamedTuple):
-    """One sampled token's logprobs: the one shape from the worker to the API layers
-    (the engine's sampler fills the same fields)."""
-
-    token_id: int
-    logprob: float  # under the raw model distribution
-    top: Sequence[tuple[int, float]] = ()  # top-N (token id, logprob), best first
-    rank: int = 0  # 1 + tokens with a strictly higher logprob (0: not computed)
-
-    def to_json(self) -> dict[str, Any]:
-        """For the KV transfer's notify payload (JSON on every backend)."""
-        return {"token_id": self.token_id, "logprob": self.logprob,
-                "top": [list(t) for t in self.top], "rank": self.rank}
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> TokenLogprob:
-        return cls(int(d["token_id"]), float(d["logprob"]),
-                   [(int(t), float(v)) for t, v in d["top"]], int(d["rank"]))
 
 
 class LocalPrefill(NamedTuple):

@@ -306,8 +306,7 @@ def delta_of(out: RequestOutput, stages: Stages | None = None,
              logprobs: list[TokenLogprob] | None = None) -> RequestDelta:
     """The router's view of one engine output (decode and colocated workers)."""
     if logprobs is None and out.logprobs:
-        logprobs = [TokenLogprob(lp.token_id, lp.logprob, lp.top, lp.rank)
-                    for lp in out.logprobs]
+        logprobs = list(out.logprobs)
     return RequestDelta(out.request_id, out.new_token_ids, logprobs,
                         out.finish_reason if out.finished else None, out.stop_reason,
                         stages=stages, prompt_logprobs=prompt_logprobs_of(out),
@@ -318,5 +317,4 @@ def prompt_logprobs_of(out: RequestOutput) -> list[TokenLogprob | None] | None:
     """An output's prompt logprobs in the boundary's shape (None when not asked)."""
     if out.prompt_logprobs is None:
         return None
-    return [None if lp is None else TokenLogprob(lp.token_id, lp.logprob, lp.top, lp.rank)
-            for lp in out.prompt_logprobs]
+    return list(out.prompt_logprobs)

@@ -45,12 +45,13 @@ from pdserve.engine.grammar import Grammars
 from pdserve.engine.input_batch import InputBatch
 from pdserve.engine.kv_cache import new_kv_cache
 from pdserve.engine.loader import load_model
+from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.output import OutputProcessor
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.results import Completion, EngineStats, RequestOutput, StepInfo, StepOutput
 from pdserve.engine.roles import DisaggregatedRoles
 from pdserve.engine.runner import ModelRunner, Sampled
-from pdserve.engine.sampler import TokenLogprobs, make_generator, skip_draws
+from pdserve.engine.sampler import make_generator, skip_draws
 from pdserve.engine.sampling_params import SamplingParams, request_problem
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.spec_decode import (
@@ -368,7 +369,7 @@ class LLMEngine(DisaggregatedRoles, Drafting):
             self.scheduler.trim(req)
         return self._output(req, s.token_ids, s.logprobs)
 
-    def _output(self, req: Request, tokens: list[int], logprobs: list[TokenLogprobs],
+    def _output(self, req: Request, tokens: list[int], logprobs: list[TokenLogprob],
                 stop_reason: int | None = None, prefilled: bool = False) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id,
@@ -387,7 +388,7 @@ class LLMEngine(DisaggregatedRoles, Drafting):
                                                  req.spec.num_accepted_tokens),
         )
 
-    def _prompt_logprobs(self, req: Request, num_new: int) -> list[TokenLogprobs | None] | None:
+    def _prompt_logprobs(self, req: Request, num_new: int) -> list[TokenLogprob | None] | None:
         """The prompt's logprobs, on the first output of a request that computed them
         (``num_new``: the output's tokens)."""
         if (req.params.prompt_logprobs is None or self.role == "decode"

@@ -24,7 +24,7 @@ from pdserve.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from llguidance import LLMatcher
 
-    from pdserve.engine.sampler import TokenLogprobs
+    from pdserve.engine.logprobs import TokenLogprob
     from pdserve.engine.spec_decode import SpecState
 
 
@@ -63,7 +63,7 @@ class Request:
     first_token_time: float | None = None  # engine
     # runner: logprobs of prompt tokens 1.. as their positions are computed (kept
     # through preemption: recomputed positions are not recorded twice)
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     # engine: speculative decoding's proposer and draft length (None: not speculating)
     spec: SpecState | None = None
     # engine -> scheduler: this step's draft, computed after the request's next token

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.output import OutputProcessor
-from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.spec_decode import SpecStats
 from pdserve.engine.stop import StopDecision
 
@@ -25,13 +25,13 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served by the prefix cache
     num_output_tokens: int
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     stop_reason: int | None = None  # the stop token id that ended it (None for EOS)
     prefilled: bool = False  # prefill role: KV held for hand-off
     first_scheduled_time: float | None = None  # monotonic; ends the request's queue time
     # With the request's first output when it asked for prompt logprobs: one entry per
     # prompt token, None for the first (nothing predicts it).
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # speculative decoding: (draft tokens verified, accepted) so far (None: not speculating)
     spec: tuple[int, int] | None = None
 
@@ -53,8 +53,8 @@ class Completion:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def add(self, out: RequestOutput, processor: OutputProcessor) -> bool:
         """Add one step's output; True once the request is over."""

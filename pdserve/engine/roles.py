@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.results import RequestOutput
 from pdserve.engine.runner import Sampled
-from pdserve.engine.sampler import TokenLogprobs, skip_draws
+from pdserve.engine.sampler import skip_draws
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tp.lockstep import replicated
 
@@ -69,7 +70,7 @@ class DisaggregatedRoles:
 
     @replicated
     def start_decode(self, request_id: str, first_token: int,
-                     first_logprobs: TokenLogprobs | None = None) -> RequestOutput:
+                     first_logprobs: TokenLogprob | None = None) -> RequestOutput:
         """Decode role: the prompt's KV is in the reserved blocks; ``first_token``
         was sampled by the prefill worker. Returns that token's output."""
         req = self.requests[request_id]

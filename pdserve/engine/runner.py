@@ -19,9 +19,10 @@ import torch
 
 from pdserve.engine.grammar import Grammars
 from pdserve.engine.input_batch import InputBatch
+from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.model import LlamaModel
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import Sampler, SamplingRow, TokenLogprobs, token_logprobs
+from pdserve.engine.sampler import Sampler, SamplingRow, token_logprobs
 from pdserve.engine.scheduler import ScheduledBatch
 from pdserve.engine.spec_decode import Verified, verify
 
@@ -34,7 +35,7 @@ class Sampled:
 
     request: Request
     token_ids: list[int]
-    logprobs: list[TokenLogprobs]  # one per token where the request asked, else []
+    logprobs: list[TokenLogprob]  # one per token where the request asked, else []
     num_draft: int = 0  # draft tokens it verified (accepted: len(token_ids) - 1)
 
 
@@ -130,5 +131,4 @@ class ModelRunner:
             for req, lp in zip(owners[lo:hi], token_logprobs(logits, tokens[lo:hi], n_top),
                                strict=True):
                 keep = req.params.prompt_logprobs or 0
-                req.prompt_logprobs.append(TokenLogprobs(lp.token_id, lp.logprob, lp.rank,
-                                                         lp.top[:keep]))
+                req.prompt_logprobs.append(lp._replace(top=lp.top[:keep]))

@@ -54,6 +54,7 @@ import torch
 
 from pdserve.engine import kernels
 from pdserve.engine.grammar import apply_bitmask
+from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.sampling_params import SamplingParams
 
 # Temperatures below this are clamped so logits / temperature stays finite.
@@ -95,19 +96,9 @@ class SamplingRow:
 
 
 @dataclass
-class TokenLogprobs:
-    """Raw-model logprob information for one sampled token."""
-
-    token_id: int  # the sampled token
-    logprob: float  # its logprob under the raw model distribution
-    rank: int  # 1 + number of tokens with a strictly higher raw logprob
-    top: list[tuple[int, float]]  # top-N (token_id, logprob), best first; [] when N == 0
-
-
-@dataclass
 class SampleOutput:
     token_ids: list[int]  # one per row, in row order
-    logprobs: list[TokenLogprobs | None]  # per row; None where params.logprobs is None
+    logprobs: list[TokenLogprob | None]  # per row; None where params.logprobs is None
 
 
 def make_generator(
@@ -439,7 +430,7 @@ def _filter_sorted(
 
 
 def token_logprobs(raw_logits: torch.Tensor, token_ids: Sequence[int],
-                   n_top: int) -> list[TokenLogprobs]:
+                   n_top: int) -> list[TokenLogprob]:
     """Raw-model logprob, rank and top-``n_top`` of ``token_ids[i]`` under row i."""
     lp = torch.log_softmax(raw_logits, dim=-1)
     chosen = torch.tensor(list(token_ids), device=lp.device)[:, None]
@@ -448,16 +439,16 @@ def token_logprobs(raw_logits: torch.Tensor, token_ids: Sequence[int],
     top_vals, top_ids = lp.topk(min(n_top, lp.shape[1]), dim=-1)  # sorted, best first
     top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
     chosen_l = chosen_lp.squeeze(1).tolist()
-    return [TokenLogprobs(t, chosen_l[j], ranks[j], list(zip(top_ids_l[j], top_vals_l[j],
-                                                             strict=True)))
+    return [TokenLogprob(t, chosen_l[j], list(zip(top_ids_l[j], top_vals_l[j], strict=True)),
+                         ranks[j])
             for j, t in enumerate(token_ids)]
 
 
 def _logprobs(
     raw_logits: torch.Tensor, token_ids: Sequence[int], rows: Sequence[SamplingRow]
-) -> list[TokenLogprobs | None]:
+) -> list[TokenLogprob | None]:
     """Raw-model logprobs of the sampled tokens (and top-N) for rows that ask."""
-    result: list[TokenLogprobs | None] = [None] * len(rows)
+    result: list[TokenLogprob | None] = [None] * len(rows)
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if not want:
         return result
@@ -465,5 +456,5 @@ def _logprobs(
     got = token_logprobs(raw_logits[want], [token_ids[i] for i in want], n_top)
     for i, lp in zip(want, got, strict=True):
         n = rows[i].params.logprobs or 0
-        result[i] = TokenLogprobs(lp.token_id, lp.logprob, lp.rank, lp.top[:n])
+        result[i] = lp._replace(top=lp.top[:n])
     return result

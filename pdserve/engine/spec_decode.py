@@ -55,7 +55,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.config import SpeculativeConfig
-from pdserve.engine.sampler import Sampler, SamplingRow, TokenLogprobs, is_plain_greedy
+from pdserve.engine.logprobs import TokenLogprob
+from pdserve.engine.sampler import Sampler, SamplingRow, is_plain_greedy
 
 MAX_PAUSE_STEPS = 32  # longest pause of a request whose drafts were all rejected
 # A draft model's per-request acceptance estimate: where it starts, and the weight of
@@ -402,7 +403,7 @@ class Verified:
     """What verification kept of one request's rows: accepted drafts + one token."""
 
     token_ids: list[int]
-    logprobs: list[TokenLogprobs]  # one per token where the request asked, else []
+    logprobs: list[TokenLogprob]  # one per token where the request asked, else []
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, rows: Sequence[SamplingRow],

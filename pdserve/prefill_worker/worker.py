@@ -227,9 +227,7 @@ class PrefillWorker(WorkerLoop):
                ) -> tuple[int, TokenLogprob | None, bool]:
         """The first token, its logprob, and whether it ends the request."""
         token = out.new_token_ids[0]
-        lp = (None if not out.logprobs else
-              TokenLogprob(out.logprobs[0].token_id, out.logprobs[0].logprob,
-                           out.logprobs[0].top, out.logprobs[0].rank))
+        lp = out.logprobs[0] if out.logprobs else None
         # The engine's stop rules for this one token (the decode worker applies them
         # again in start_decode): a token that ends the request is not streamed early.
         final = StopChecker(params, self.engine.eos_token_ids).token_decision(
