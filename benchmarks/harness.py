@@ -25,7 +25,7 @@ from typing import Any
 import yaml
 
 MARK_VAR = "PDSERVE_HARNESS_MARK"
-CLI = [sys.executable, "-m", "pdserve.deploy.cli"]
+CLI = [sys.executable, "-m", "pdserve.cli.main"]
 
 
 class Served:

@@ -38,7 +38,7 @@ from typing import Any
 from benchmarks.engine import engine_single_stream, engine_throughput, random_prompts
 from benchmarks.harness import Served, metric
 from pdserve.client.sweep import describe_goodput, distserve_goodput
-from pdserve.deploy.config import ClusterConfig
+from pdserve.cluster.config import ClusterConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.gguf_convert import resolve_model

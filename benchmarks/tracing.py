@@ -31,8 +31,8 @@ import time
 from typing import Any
 
 from benchmarks.harness import Served
-from pdserve.deploy.otlp_sink import OtlpReceiver
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.observability.otlp_sink import OtlpReceiver
 from pdserve.router.trace import RequestTrace
 from pdserve.router.types import FinalChunk, Usage
 from pdserve.tracing import Marks, Tracing, TracingConfig

@@ -1,7 +1,7 @@
 """``WorkerLoop``: what every worker kind (prefill, decode, colocated) shares -- the
 engine in its role on the loop thread, its KV layout, the async methods the router
 calls (the same object in-process and inside a Ray actor, which holds it:
-``deploy/actors.py``), the load answer of health probes, the per-step metrics (batch shape, step
+``pdserve/cluster/actors.py``), the load answer of health probes, the per-step metrics (batch shape, step
 time, FLOPs and bytes for MFU/MBU) and their snapshot, the integrity check.
 
 Threads: the engine belongs to the worker's loop thread (``self.loop``, a

@@ -92,7 +92,7 @@ def ray_address() -> Iterator[str]:
     """One embedded Ray cluster (loopback only) shared by every test that needs Ray."""
     import ray
 
-    from pdserve.deploy.cluster import init_local_ray
+    from pdserve.cluster.cluster import init_local_ray
 
     init_local_ray(num_cpus=4)
     try:

@@ -120,8 +120,11 @@ def test_leaves_import_nothing_of_pdserve() -> None:
 
 @pytest.mark.parametrize(("layer", "may_not"), [
     ("pdserve.engine", ("pdserve.", "ray")),  # only itself (checked below)
-    ("pdserve.kv_transfer", ("pdserve.engine", "pdserve.router", "pdserve.deploy")),
-    ("pdserve.router", ("torch", "ray", "pdserve.deploy", "pdserve.kv_transfer")),
+    ("pdserve.kv_transfer", ("pdserve.engine", "pdserve.router", "pdserve.cluster",
+                             "pdserve.cli", "pdserve.planner")),
+    ("pdserve.router", ("torch", "ray", "pdserve.cluster", "pdserve.cli",
+                        "pdserve.kv_transfer")),
+    ("pdserve.planner", ("ray", "pdserve.cluster", "pdserve.cli", "pdserve.router")),
 ])
 def test_layers_import_only_below_them(layer: str, may_not: tuple[str, ...]) -> None:
     bad = []

@@ -1,7 +1,7 @@
 """Model FLOPs and memory bytes of one engine step (the numerators of MFU and MBU).
 
 Pure Python on engine types: workers call ``cost_model(...).step(...)`` after each
-step; ``pdserve.deploy.efficiency`` holds the device peaks they are divided by.
+step; ``pdserve.observability.efficiency`` holds the device peaks they are divided by.
 
 Cost of one step (``StepInfo`` + the model's shape; ``L`` layers, hidden ``h``,
 ``Hq`` query heads of ``d`` dims, ``Hkv`` KV heads, MLP width ``i``, vocab ``V``,

@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from pdserve.deploy.efficiency import lookup_device
 from pdserve.engine import defaults
+from pdserve.observability.efficiency import lookup_device
 
 if TYPE_CHECKING:
     from pdserve.engine.config import ModelConfig
@@ -116,7 +116,7 @@ def resolve_hardware(name: str, *, peak_flops: float | None = None,
             raise ValueError(f"--threads must be >= 1, got {threads}")
         import torch
 
-        from pdserve.deploy.efficiency import measure_peaks
+        from pdserve.observability.efficiency import measure_peaks
 
         before = torch.get_num_threads()
         torch.set_num_threads(threads)

@@ -25,7 +25,7 @@ from pdserve.router.openai_format import error_object
 
 
 class Admin(Protocol):
-    """What the admin API drives (``pdserve.deploy.scaler.Scaler``)."""
+    """What the admin API drives (``pdserve.cluster.scaler.Scaler``)."""
 
     def workers(self) -> list[dict[str, Any]]: ...
     def status(self) -> dict[str, Any]: ...

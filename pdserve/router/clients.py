@@ -2,7 +2,7 @@
 
 The worker classes themselves (``PrefillWorker``, ``DecodeWorker``,
 ``ColocatedWorker``) implement these with async methods, so the in-process "client"
-is the worker object; ``deploy/actors.py`` wraps the same classes as Ray actors and
+is the worker object; ``pdserve/cluster/actors.py`` wraps the same classes as Ray actors and
 hands the router ``RayWorker`` proxies with the same methods. That is the one
 forwarding layer: router -> (Ray) -> worker -> its engine loop.
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.deploy.cli import main
+from pdserve.cli.main import main
 from tests.client.fake_server import FakeServer
 
 Make = Callable[..., FakeServer]

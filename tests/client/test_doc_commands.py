@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.cli.main import build_parser
 from pdserve.client.bench_cli import config_from_args
-from pdserve.deploy.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,12 +1,12 @@
-"""The options every worker actor is created with (deploy/actors.py), on a real Ray."""
+"""The options every worker actor is created with (pdserve/cluster/actors.py), on a real Ray."""
 
 from __future__ import annotations
 
 import pytest
 import ray
 
-from pdserve.deploy.actors import MAX_BACKOFF_S, STABLE_S, actor_options, restart_backoff
-from pdserve.deploy.config import ClusterConfig, PoolConfig
+from pdserve.cluster.actors import MAX_BACKOFF_S, STABLE_S, actor_options, restart_backoff
+from pdserve.cluster.config import ClusterConfig, PoolConfig
 from tests.waiting import until
 
 
@@ -57,7 +57,7 @@ class EnvProbe:
 
 def test_embedded_workers_spin_less_between_parallel_regions(ray_address: str) -> None:
     """The embedded cluster's pools share its cores: its worker processes start with
-    libgomp's short spin (deploy/cluster.py says what the default spin cost)."""
+    libgomp's short spin (pdserve/cluster/cluster.py says what the default spin cost)."""
     handle = ray.remote(EnvProbe).options(
         **actor_options(PoolConfig(), False, "probe-env", 0)).remote()
     try:

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from pdserve.cli.main import _cluster_config, build_parser
+from pdserve.cli.main import main as cli_main
+from pdserve.cluster.autoscale import AutoscaleLoop, build_autoscaler, p90
+from pdserve.cluster.cluster import Cluster, StartupError
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.scaler import Scaler
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.deploy.autoscale import AutoscaleLoop, build_autoscaler, p90
-from pdserve.deploy.cli import _cluster_config, build_parser
-from pdserve.deploy.cli import main as cli_main
-from pdserve.deploy.cluster import Cluster, StartupError
-from pdserve.deploy.config import ClusterConfig
-from pdserve.deploy.scaler import Scaler
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.step_times import Profile
 from pdserve.prefill_worker.worker import PrefillWorker

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pdserve.deploy.cluster import EMBEDDED_NODE_IP
+from pdserve.cluster.cluster import EMBEDDED_NODE_IP
 
 START_TIMEOUT_S = 90  # a Ray start on a busy 2-core machine; a dead GCS is retried longer
 
@@ -28,7 +28,7 @@ SCRIPT = """
 import os
 from pathlib import Path
 import ray
-from pdserve.deploy.cluster import init_local_ray
+from pdserve.cluster.cluster import init_local_ray
 from tests.waiting import until
 init_local_ray()
 assert ray.get(ray.put(1)) == 1

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.deploy.cli import _cluster_config, build_parser
-from pdserve.deploy.config import ClusterConfig
+from pdserve.cli.main import _cluster_config, build_parser
+from pdserve.cluster.config import ClusterConfig
 
 
 def config(*argv: str) -> ClusterConfig:

@@ -1,4 +1,4 @@
-"""What a CPU worker's engine gets from its pool (deploy/config.py ``PoolConfig``): its
+"""What a CPU worker's engine gets from its pool (pdserve/cluster/config.py ``PoolConfig``): its
 prefill step's token budget, and how many engine threads it runs:
 ``num_cpus`` of its own plus ``shared_cpus``, which on the embedded cluster (one
 machine) lets the prefill pool run on the decode pool's cores and the decode pool on
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.deploy.config import ClusterConfig, PoolConfig
+from pdserve.cluster.config import ClusterConfig, PoolConfig
 from pdserve.engine.config import EngineConfig
 
 

@@ -3,7 +3,7 @@ launcher config passes Ray's own schema, the pdserve configs load with pdserve's
 loader, every pool fits the nodes its recipe starts, the job script and the RayJob
 run a `pdserve serve` that pdserve's CLI accepts, and the commands in docs/deploy.md
 exist. The negative tests break a loaded copy and expect the checker
-(pdserve.deploy.recipes) to name what is missing."""
+(pdserve.cluster.recipes) to name what is missing."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.deploy import recipes
-from pdserve.deploy.cli import _cluster_config, build_parser
-from pdserve.deploy.config import ClusterConfig
+from pdserve.cli.main import _cluster_config, build_parser
+from pdserve.cluster import recipes
+from pdserve.cluster.config import ClusterConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_YAML = ROOT / "deploy/ray/cluster.yaml"
@@ -258,7 +258,7 @@ def test_job_script_submits_pdserve_serve_with_a_runtime_env() -> None:
 
     excluded = PathSpec.from_lines("gitwildmatch", runtime_env["excludes"])
     assert not excluded.match_file(args.config)
-    assert excluded.match_file("pdserve/deploy/cli.py")
+    assert excluded.match_file("pdserve/cli/main.py")
 
 
 def test_job_script_passes_ucx_settings_and_refuses_a_missing_config() -> None:

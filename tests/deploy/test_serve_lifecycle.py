@@ -23,7 +23,7 @@ class Server:
         self.log = tmp / "serve.log"
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pdserve.deploy.cli", "serve", "--model", str(model),
+                [sys.executable, "-m", "pdserve.cli.main", "serve", "--model", str(model),
                  "--transfer", "torch", "--http-port", "0", "--grpc-port", "0", *flags],
                 stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 

@@ -40,7 +40,7 @@ def test_greedy_matches_transformers_on_default_model(default_model_dir: Path) -
 
 def test_cli_generate_json(default_model_dir: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "pdserve.deploy.cli", "generate", "--model", str(default_model_dir),
+        [sys.executable, "-m", "pdserve.cli.main", "generate", "--model", str(default_model_dir),
          "--prompt", "What is the capital of France?", "--chat", "--max-tokens", "16", "--json"],
         capture_output=True, text=True, check=True, timeout=300)
     obj = json.loads(out.stdout)
@@ -51,11 +51,11 @@ def test_cli_generate_json(default_model_dir: Path) -> None:
 
 def test_cli_bad_input_is_one_clear_line(tmp_path: Path) -> None:
     res = subprocess.run(
-        [sys.executable, "-m", "pdserve.deploy.cli", "generate", "--model", str(tmp_path / "nope"),
+        [sys.executable, "-m", "pdserve.cli.main", "generate", "--model", str(tmp_path / "nope"),
          "--prompt", "hi"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2
     assert res.stderr.startswith("pdserve: error:") and "Traceback" not in res.stderr
     res = subprocess.run(
-        [sys.executable, "-m", "pdserve.deploy.cli", "generate", "--prompt", "hi",
+        [sys.executable, "-m", "pdserve.cli.main", "generate", "--prompt", "hi",
          "--temperature", "-3"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "temperature" in res.stderr

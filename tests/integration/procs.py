@@ -78,7 +78,7 @@ def start_serve(args: list[str], log: Path, env: dict[str, str],
     longer than ``timeout_s``: AssertionError, with it and everything carrying its
     mark (``env``, from ``marked_env``) killed."""
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.deploy.cli", "serve", *args],
+        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli.main", "serve", *args],
                                 stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
     deadline = time.monotonic() + timeout_s

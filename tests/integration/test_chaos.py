@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.deploy.cluster import Cluster
-from pdserve.deploy.config import ClusterConfig
+from pdserve.cluster.cluster import Cluster
+from pdserve.cluster.config import ClusterConfig
 from pdserve.router.router import Router
 from pdserve.router.types import RouterError
 from tests.integration.chaos import (

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.deploy.cluster import Cluster
-from pdserve.deploy.config import ClusterConfig
+from pdserve.cluster.cluster import Cluster
+from pdserve.cluster.config import ClusterConfig
 from pdserve.router.router import Router
 from tests.integration import chaos
 from tests.waiting import until_async

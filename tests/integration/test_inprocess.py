@@ -567,8 +567,8 @@ def test_burst_spreads_over_decode_workers(pair_factory: Callable[..., Pair]) ->
 def test_file_sd_follows_live_workers(pair_factory: Callable[..., Pair], tmp_path: Path) -> None:
     import json
 
-    from pdserve.deploy.file_sd import FileSD
-    from pdserve.deploy.serve import _track_workers
+    from pdserve.cli.serve import _track_workers
+    from pdserve.observability.file_sd import FileSD
 
     pair = pair_factory(n_prefill=2)
     for i, w in enumerate(pair.workers):  # deploy/ sets this where it serves /metrics

@@ -35,7 +35,7 @@ def loopback(ip: str) -> bool:
 
 def kind_of(pid: int) -> str:
     cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    if "pdserve.deploy.cli serve" in cmd:
+    if "pdserve.cli.main serve" in cmd:
         return "router"
     if "gcs_server" in cmd:
         return "gcs"

@@ -235,7 +235,7 @@ def test_bench_against_the_server_with_every_dataset(served: Served, tmp_path: P
     for name, flags in runs.items():
         out = tmp_path / f"{name}.json"
         res = subprocess.run(
-            [sys.executable, "-m", "pdserve.deploy.cli", "bench", "--base-url", base,
+            [sys.executable, "-m", "pdserve.cli.main", "bench", "--base-url", base,
              "--api-key", KEY, "--tokenizer", tokenizer, "--num-prompts", "6",
              "--disable-tqdm", "--result-filename", str(out), *flags],
             capture_output=True, text=True, timeout=300)

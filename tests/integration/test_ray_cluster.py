@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.deploy.cluster import Cluster
-from pdserve.deploy.config import ClusterConfig
+from pdserve.cluster.cluster import Cluster
+from pdserve.cluster.config import ClusterConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams

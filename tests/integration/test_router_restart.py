@@ -105,7 +105,7 @@ class Router(ServeProcess):
 
 def pdserve_down(head: Head) -> str:
     env = {**marked_env()[1], **CLUSTER_ENV}
-    done = subprocess.run([sys.executable, "-m", "pdserve.deploy.cli", "down", "--address",
+    done = subprocess.run([sys.executable, "-m", "pdserve.cli.main", "down", "--address",
                            head.address, "--deployment", DEPLOYMENT], env=env, timeout=120,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

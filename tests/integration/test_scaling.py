@@ -18,11 +18,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 from ray.experimental import internal_kv
 
-from pdserve.deploy.actors import restarts_key
-from pdserve.deploy.cli import main as cli_main
-from pdserve.deploy.cluster import Cluster, StartupError
-from pdserve.deploy.config import ClusterConfig
-from pdserve.deploy.scaler import Scaler
+from pdserve.cli.main import main as cli_main
+from pdserve.cluster.actors import restarts_key
+from pdserve.cluster.cluster import Cluster, StartupError
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.scaler import Scaler
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams

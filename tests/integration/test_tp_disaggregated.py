@@ -128,8 +128,8 @@ def test_ray_pools_of_different_tp_and_a_rank_lost(tiny_model: Callable[[str], P
     """On Ray: a 2-rank prefill worker (one actor, its follower process beside it) feeds a
     1-rank decode worker over nixl with the engine's tokens; killing the follower ends
     the actor, Ray restarts it whole and it serves again."""
-    from pdserve.deploy.cluster import Cluster
-    from pdserve.deploy.config import ClusterConfig
+    from pdserve.cluster.cluster import Cluster
+    from pdserve.cluster.config import ClusterConfig
     from tests.integration.test_ray_cluster import run_one
 
     model = tiny_model("llama-gqa")

@@ -14,9 +14,9 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from pdserve.deploy.efficiency import DevicePeaks
-from pdserve.deploy.worker_metrics import WorkerCollector
 from pdserve.messages import WorkerMetrics
+from pdserve.observability.efficiency import DevicePeaks
+from pdserve.observability.worker_metrics import WorkerCollector
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.types import ErrorKind, FinalChunk, StageTimings, Usage
 from tests import deps

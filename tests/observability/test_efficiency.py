@@ -11,13 +11,13 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from pdserve.deploy import efficiency
-from pdserve.deploy.efficiency import DevicePeaks, detect_peaks, lookup_device, measure_peaks
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cost import attended_tokens, cost_model
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.results import StepInfo
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.observability import efficiency
+from pdserve.observability.efficiency import DevicePeaks, detect_peaks, lookup_device, measure_peaks
 
 
 def info_of(seqs: list[tuple[int, int]]) -> StepInfo:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.deploy.file_sd import FileSD, Target, cluster_targets
+from pdserve.observability.file_sd import FileSD, Target, cluster_targets
 
 
 def test_cluster_targets_label_roles() -> None:

@@ -21,11 +21,11 @@ from typing import Any
 import yaml
 from prometheus_client import CollectorRegistry
 
-from pdserve.deploy import top
-from pdserve.deploy.cluster import Cluster
-from pdserve.deploy.config import ClusterConfig
-from pdserve.deploy.file_sd import FileSD, cluster_targets
+from pdserve.cli import top
+from pdserve.cluster.cluster import Cluster
+from pdserve.cluster.config import ClusterConfig
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.observability.file_sd import FileSD, cluster_targets
 from pdserve.router.metrics import RouterMetrics, metrics_text
 from pdserve.router.types import FinalChunk, GenerateRequest
 from tests.integration.procs import free_port

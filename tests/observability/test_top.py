@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry, start_http_server
 
-from pdserve.deploy import top
-from pdserve.deploy.file_sd import FileSD, cluster_targets
-from pdserve.deploy.worker_metrics import WorkerCollector
+from pdserve.cli import top
 from pdserve.engine.results import StepInfo
 from pdserve.messages import WorkerMetrics
+from pdserve.observability.file_sd import FileSD, cluster_targets
+from pdserve.observability.worker_metrics import WorkerCollector
 from tests.observability.conftest import PEAKS, router_with_traffic
 
 
@@ -82,7 +82,7 @@ def test_discovery_asks_the_router(tmp_path: Path) -> None:
 
 
 def test_sigterm_shows_the_cursor_again() -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.deploy.cli", "top", "--router",
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli.main", "top", "--router",
                              "127.0.0.1:1", "--interval", "0.1", "--timeout", "0.1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert proc.stdout is not None

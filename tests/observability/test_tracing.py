@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
+from pdserve.cluster.cluster import Cluster
+from pdserve.cluster.config import ClusterConfig
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.deploy.cluster import Cluster
-from pdserve.deploy.config import ClusterConfig
-from pdserve.deploy.otlp_sink import OtlpReceiver, Received
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.observability.otlp_sink import OtlpReceiver, Received
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.http_api import build_app, start_http_server
 from pdserve.router.router import Router, RouterConfig

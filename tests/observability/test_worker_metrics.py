@@ -16,13 +16,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.colocated_worker.worker import ColocatedWorker
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.deploy import worker_metrics
-from pdserve.deploy.efficiency import DevicePeaks
-from pdserve.deploy.worker_metrics import WorkerCollector, serve_worker_metrics
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.results import StepInfo
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import STEP_SECONDS_BUCKETS, WorkerMetrics, bucket_samples
+from pdserve.observability import worker_metrics
+from pdserve.observability.efficiency import DevicePeaks
+from pdserve.observability.worker_metrics import WorkerCollector, serve_worker_metrics
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.types import FinalChunk, GenerateRequest
 from tests.inprocess import Pair

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.deploy.cli import main
+from pdserve.cli.main import main
 from pdserve.planner.autoscaler import Autoscaler, LoadSnapshot, PoolLoad
 from pdserve.planner.profile import fit_nonnegative, measure_profile
 from pdserve.planner.sizing import SLO, Bounds, Planner, ttft_mdl

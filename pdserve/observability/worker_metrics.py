@@ -7,7 +7,7 @@ Counters and histograms are cumulative since the worker started. The workers kee
 plain numbers (``WorkerMetrics``, filled on their loop thread); nothing here runs on
 the engine's thread, and the engine never imports Prometheus.
 
-Efficiency (formulas in ``deploy/efficiency.py`` and ``docs/observability.md``):
+Efficiency (formulas in ``pdserve/observability/efficiency.py`` and ``docs/observability.md``):
 
 * counters ``pdserve_model_flops_total`` and ``pdserve_memory_bytes_read_total`` plus
   gauges ``pdserve_device_peak_flops`` and ``pdserve_device_peak_bytes_per_second``,
@@ -35,7 +35,6 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from pdserve.deploy.efficiency import DevicePeaks, detect_peaks
 from pdserve.messages import (
     BATCH_SIZE_BUCKETS,
     BATCH_TOKENS_BUCKETS,
@@ -43,6 +42,7 @@ from pdserve.messages import (
     WorkerMetrics,
     bucket_samples,
 )
+from pdserve.observability.efficiency import DevicePeaks, detect_peaks
 
 Getter = Callable[[WorkerMetrics], float]
 LABELS = ("model", "role", "worker")

@@ -8,9 +8,9 @@ custom resources all on one node, with the pool's labels), so a misspelt resourc
 name, a pool larger than its node group or a group without GPUs shows up before
 ``ray up`` or ``kubectl apply`` starts paying for GPU nodes::
 
-    python -m pdserve.deploy.recipes --config deploy/ray/pdserve.yaml \\
+    python -m pdserve.cluster.recipes --config deploy/ray/pdserve.yaml \\
         --ray-cluster deploy/ray/cluster.yaml
-    python -m pdserve.deploy.recipes --kuberay deploy/kuberay/raycluster.yaml
+    python -m pdserve.cluster.recipes --kuberay deploy/kuberay/raycluster.yaml
 
 Counted are the nodes present when pdserve starts: the head plus ``min_workers`` of
 each launcher node type, or each KubeRay group's ``replicas``; pdserve does not wait
@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from pdserve.deploy.config import ClusterConfig
+from pdserve.cluster.config import ClusterConfig
 
 KUBERAY_KINDS = ("RayCluster", "RayJob", "RayService")
 _EPS = 1e-9
@@ -415,7 +415,7 @@ def check_kuberay(manifest_path: str | Path, config_path: str | Path | None = No
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdserve.deploy.recipes",
+    p = argparse.ArgumentParser(prog="python -m pdserve.cluster.recipes",
                                 description="check that a pdserve config's pools fit the "
                                             "nodes of a Ray cluster-launcher config or a "
                                             "KubeRay manifest")

@@ -76,7 +76,7 @@ class PoolConfig:
     # one, a prefill burst finishes sooner on them, and where both run the OS shares
     # the cores. None: on the embedded cluster (one machine) each of the prefill and
     # decode pools takes the other's CPUs, split among its workers; else 0. Its workers
-    # spin less between parallel regions (GOMP_SPINCOUNT: deploy/cluster.py).
+    # spin less between parallel regions (GOMP_SPINCOUNT: pdserve/cluster/cluster.py).
     shared_cpus: float | None = None
     # How a pool with shared_cpus uses them (pdserve/core_share.py): "phase" -- its
     # workers borrow the other pools' cores only while those have nothing to compute,
@@ -179,7 +179,7 @@ class ClusterConfig:
     # exports its spans to this OTLP endpoint (None: off), of this share of requests
     otlp_traces_endpoint: str | None = None
     trace_sample_ratio: float = 1.0
-    # Autoscaling (pdserve/deploy/autoscale.py): the prefill/decode pools sized to the
+    # Autoscaling (pdserve/cluster/autoscale.py): the prefill/decode pools sized to the
     # SLOs above at runtime, within these bounds, every interval.
     autoscale: bool = False
     autoscale_interval_s: float = 5.0

@@ -26,7 +26,7 @@ from typing import Any
 
 import ray
 
-from pdserve.deploy.actors import (
+from pdserve.cluster.actors import (
     NAMESPACE,
     REMOTE,
     ActorSettings,
@@ -34,7 +34,7 @@ from pdserve.deploy.actors import (
     actor_options,
     forget_restarts,
 )
-from pdserve.deploy.config import ClusterConfig, PoolConfig
+from pdserve.cluster.config import ClusterConfig, PoolConfig
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.gguf_convert import resolve_model
 from pdserve.engine.tokenizer import Tokenizer
@@ -42,7 +42,7 @@ from pdserve.router.placement import Slo
 from pdserve.router.router import Router
 from pdserve.tracing import Tracing
 
-log = logging.getLogger("pdserve.deploy")
+log = logging.getLogger("pdserve.cluster")
 
 # An embedded cluster lives on loopback. Ray replaces 127.0.0.1 with the machine's
 # interface address, but keeps any other loopback address.

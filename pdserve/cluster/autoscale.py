@@ -46,8 +46,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from pdserve.deploy.config import ClusterConfig
-from pdserve.deploy.scaler import Scaler
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.scaler import Scaler
 from pdserve.planner.autoscaler import POOLS, Autoscaler, LoadSnapshot, PoolLoad
 from pdserve.planner.sizing import SLO, Bounds, Planner
 from pdserve.planner.step_times import (
@@ -60,7 +60,7 @@ from pdserve.planner.step_times import (
 from pdserve.router.router import Router
 from pdserve.router.types import ErrorKind, FinalChunk
 
-log = logging.getLogger("pdserve.deploy")
+log = logging.getLogger("pdserve.cluster")
 WINDOW_MAX = 10_000  # observations kept per window (the newest; a long busy spell)
 
 

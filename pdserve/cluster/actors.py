@@ -34,10 +34,10 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from pdserve.cluster.config import PoolConfig
 from pdserve.colocated_worker.worker import ColocatedWorker
 from pdserve.core_share import CoreShare
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.deploy.config import PoolConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.failures import AttemptFailed, FailReason, WorkerGone
 from pdserve.messages import (
@@ -165,8 +165,8 @@ class _WorkerActor:
     role: str
 
     def _adopt(self, worker: WorkerLoop, settings: ActorSettings) -> None:
-        from pdserve.deploy.efficiency import detect_peaks
-        from pdserve.deploy.worker_metrics import serve_worker_metrics
+        from pdserve.observability.efficiency import detect_peaks
+        from pdserve.observability.worker_metrics import serve_worker_metrics
 
         self.worker = worker
         self.worker_id, self.role = worker.worker_id, worker.role

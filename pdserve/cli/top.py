@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.deploy.file_sd import FileSD
+from pdserve.observability.file_sd import FileSD
 
 # name -> [(labels, value)] of one target's scrape
 Samples = dict[str, list[tuple[dict[str, str], float]]]

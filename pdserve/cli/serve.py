@@ -19,12 +19,12 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
-from pdserve.deploy.autoscale import AutoscaleLoop, build_autoscaler
-from pdserve.deploy.cluster import Cluster, StartupError
-from pdserve.deploy.config import ClusterConfig
-from pdserve.deploy.file_sd import FileSD, cluster_targets, target_groups
-from pdserve.deploy.scaler import Scaler
+from pdserve.cluster.autoscale import AutoscaleLoop, build_autoscaler
+from pdserve.cluster.cluster import Cluster, StartupError
+from pdserve.cluster.config import ClusterConfig
+from pdserve.cluster.scaler import Scaler
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.observability.file_sd import FileSD, cluster_targets, target_groups
 from pdserve.planner.step_times import Profile
 from pdserve.router.api_keys import ApiKeys
 from pdserve.router.grpc_server import start_grpc_server

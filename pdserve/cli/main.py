@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pdserve.deploy.config import ClusterConfig
+    from pdserve.cluster.config import ClusterConfig
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -179,7 +179,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _add_top(sub: argparse._SubParsersAction) -> None:
-    from pdserve.deploy.top import add_arguments
+    from pdserve.cli.top import add_arguments
 
     p = sub.add_parser("top", help="live terminal view of a running cluster's metrics")
     add_arguments(p)
@@ -187,7 +187,7 @@ def _add_top(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
-    from pdserve.deploy.top import run
+    from pdserve.cli.top import run
 
     return run(args)
 
@@ -207,7 +207,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _add_admin(sub: argparse._SubParsersAction) -> None:
-    from pdserve.deploy import admin_cli
+    from pdserve.cli import admin as admin_cli
 
     p = sub.add_parser("scale", help="set a running server's pool sizes (adds / drains workers)")
     admin_cli.add_scale_arguments(p)
@@ -222,19 +222,19 @@ def _add_admin(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    from pdserve.deploy.admin_cli import run_scale
+    from pdserve.cli.admin import run_scale
 
     return run_scale(args)
 
 
 def cmd_workers(args: argparse.Namespace) -> int:
-    from pdserve.deploy.admin_cli import run_workers
+    from pdserve.cli.admin import run_workers
 
     return run_workers(args)
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from pdserve.deploy.cluster import stop_deployment
+    from pdserve.cluster.cluster import stop_deployment
 
     stopped = stop_deployment(args.address, args.deployment)
     print(f"stopped {len(stopped)} worker(s) of deployment {args.deployment!r}"
@@ -252,7 +252,7 @@ def _cluster_config(args: argparse.Namespace) -> ClusterConfig:
 
 
 def _load_cluster_config(args: argparse.Namespace, formats: dict[str, Any]) -> ClusterConfig:
-    from pdserve.deploy.config import ClusterConfig
+    from pdserve.cluster.config import ClusterConfig
 
     return ClusterConfig.load(getattr(args, "config", None), {
         "model": args.model,
@@ -307,7 +307,7 @@ def _format_overrides(args: argparse.Namespace, pools: tuple[str, ...]) -> dict[
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from pdserve.deploy.serve import serve
+    from pdserve.cli.serve import serve
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -358,7 +358,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.disaggregated:
         import asyncio
 
-        from pdserve.deploy.serve import run_disaggregated
+        from pdserve.cli.serve import run_disaggregated
 
         cluster = _cluster_config(args)
         tokens, text, final = asyncio.run(run_disaggregated(cluster, prompt_ids, params))

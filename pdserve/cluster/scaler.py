@@ -22,10 +22,10 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.deploy.cluster import Cluster, StartupError
+from pdserve.cluster.cluster import Cluster, StartupError
 from pdserve.router.router import Router
 
-log = logging.getLogger("pdserve.deploy")
+log = logging.getLogger("pdserve.cluster")
 ROLES = ("prefill", "decode", "colocated")
 
 
