@@ -8,7 +8,7 @@ first one included, go out on the worker's output stream like a decode worker's.
 The first token's delta carries the prefill stage timings (this worker's clock).
 
 A plain class with async methods: a sync constructor builds it in a test, the router
-calls it in-process, ``deploy/`` wraps the class itself as a Ray actor.
+calls it in-process, ``cluster/actors.py`` wraps the class itself as a Ray actor.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ with the sender) keeps the blocks until that report; a reservation whose blocks
 the receiver still expects KV in is refused, never handed out twice.
 
 A plain class with async methods: a sync constructor builds it in a test, the
-router calls it in-process, ``deploy/`` wraps the class itself as a Ray actor.
+router calls it in-process, ``cluster/actors.py`` wraps the class itself as a Ray actor.
 """
 
 from __future__ import annotations

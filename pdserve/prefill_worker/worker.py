@@ -27,7 +27,7 @@ it while a backend may still read it. A request's life here::
     fails prefill() too)
 
 A plain class with async methods: a sync constructor builds it in a test, the router
-calls it in-process, ``deploy/`` wraps the class itself as a Ray actor.
+calls it in-process, ``cluster/actors.py`` wraps the class itself as a Ray actor.
 """
 
 from __future__ import annotations
