@@ -47,7 +47,7 @@ serve: model
 	$(VENV)/bin/pdserve serve $(SERVE_ARGS)
 
 # The observability tests scrape a real Prometheus; install it where we can (root,
-# Debian). Where we cannot, those tests skip with a loud reason.
+# Debian). Where we cannot, those tests fail, saying how to install it (tests/deps.py).
 prometheus:
 	@command -v prometheus >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \

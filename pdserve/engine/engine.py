@@ -79,7 +79,7 @@ class LLMEngine(DisaggregatedRoles, Drafting):
         "close": "the leader stops its followers",
         "validate": "reads", "block_ids": "reads", "has_unfinished": "reads",
         "has_request": "reads", "computed_blocks": "reads", "cached_tokens": "reads",
-        "computed_tokens": "reads", "empty_blocks": "reads (this rank's heads)",
+        "empty_blocks": "reads (this rank's heads)",
         "stats": "reads", "kv_layout": "reads", "check_integrity": "reads",
         "generate": "made of replicated calls (add_request, step)",
         "set_num_threads": "each rank's own (core sharing runs without tensor parallelism)",

@@ -124,10 +124,6 @@ class DisaggregatedRoles:
             return []
         return list(req.block_ids[:req.num_computed_tokens // self.block_size])
 
-    def computed_tokens(self, request_id: str) -> int:
-        req = self.requests.get(request_id)
-        return 0 if req is None else req.num_computed_tokens
-
     def empty_blocks(self, block_ids: Sequence[int]) -> list[int]:
         """The blocks among ``block_ids`` that hold no KV: the first token slot of the
         first layer's keys all zero, which no computed key is (a few bytes read per

@@ -256,9 +256,9 @@ class PrefillWorker(WorkerLoop):
         if empty := self.engine.empty_blocks(src):  # the decode worker fails the request
             self.publisher.counters.kv_empty_blocks += len(empty)
             log.error("prefill worker %s: request %s: sending %d empty blocks (%s; blocks "
-                      "%d.. of %d, %d computed tokens)", self.worker_id, rid, len(empty),
+                      "%d.. of %d, %d computed)", self.worker_id, rid, len(empty),
                       empty[:8], start, len(f.task.dst_block_ids),
-                      self.engine.computed_tokens(rid))
+                      len(self.engine.computed_blocks(rid)))
         self.engine.pin(src)
         f.pinned.extend(src)
         f.sent_blocks = start + len(src)
