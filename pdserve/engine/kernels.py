@@ -1,22 +1,28 @@
-"""pdserve's CPU kernels (``csrc/``): build once at install time, load at run time.
+"""pdserve's CPU kernels (``csrc/``): compiled once per machine, loaded at run time.
 
-``python -m pdserve.engine.kernels`` (run by ``make``'s set-up) compiles the C++
-sources with torch's extension tooling into ``pdserve/engine/_kernels/``, next to a
-stamp holding a hash of the sources and flags. At run time ``load()`` imports that
-library if the stamp matches the sources; it never compiles. ``available()`` says
-whether the fast CPU paths can run here (x86-64 with AVX2 + FMA, the library built
-and current); when they cannot, ``reason()`` says why and the engine's ``auto``
-backends use the plain-torch reference paths.
+In a source checkout ``make`` (``python -m pdserve.engine.kernels``) compiles the C++
+sources with torch's extension tooling into ``pdserve/engine/_kernels/``; an installed
+package (a wheel, ``pip install .``) ships the sources and compiles them at first use
+into pdserve's cache (``pdserve/cache.py``), one folder per fingerprint. A stamp beside
+the library holds a hash of the sources, flags and torch version: ``load()`` imports
+the library when the stamp matches, and otherwise compiles it first (once, under a
+lock that concurrent workers wait on). ``available()`` says whether the fast CPU paths
+can run here (x86-64 with AVX2 + FMA, the library built and current); when they
+cannot (another CPU, no C++ compiler, a failed build), ``reason()`` says why and the
+engine's ``auto`` backends use the plain-torch reference paths.
 """
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import hashlib
 import importlib.machinery
 import importlib.util
 import logging
 import os
 import platform
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -24,10 +30,13 @@ from types import ModuleType
 
 import torch
 
+from pdserve.cache import cache_root
+
 log = logging.getLogger("pdserve.engine")
 NAME = "pdserve_kernels"
 _SRC = Path(__file__).with_name("csrc")
-_OUT = Path(__file__).with_name("_kernels")
+# A source checkout (``make`` builds beside the sources) rather than an installed package.
+_CHECKOUT = (Path(__file__).parents[2] / "pyproject.toml").is_file()
 _SOURCES = ("bindings.cpp", "gemm.cpp", "amx.cpp", "quant_gemm.cpp", "w8a8.cpp", "attention.cpp",
             "attention_bf16.cpp", "pointwise.cpp", "decoder.cpp")
 # -ffp-contract=off: a * b + c is never fused behind our back, so that the same
@@ -42,6 +51,7 @@ _module: ModuleType | None = None
 _why: str | None = None
 
 
+@functools.cache
 def _fingerprint() -> str:
     h = hashlib.sha256()
     for f in sorted(_SRC.iterdir()):
@@ -53,8 +63,20 @@ def _fingerprint() -> str:
     return h.hexdigest()
 
 
+def kernel_dir() -> Path:
+    """Where the library is built and loaded from."""
+    if _CHECKOUT:
+        return Path(__file__).with_name("_kernels")
+    return cache_root() / "kernels" / _fingerprint()[:16]
+
+
 def _library() -> Path:
-    return _OUT / f"{NAME}.so"
+    return kernel_dir() / f"{NAME}.so"
+
+
+def _current() -> bool:
+    stamp = kernel_dir() / "stamp"
+    return _library().is_file() and stamp.is_file() and stamp.read_text() == _fingerprint()
 
 
 def cpu_supported() -> str | None:
@@ -114,43 +136,72 @@ def resolve_backend(kind: str, name: str, device: str, fits: bool, needs: str,
 
 
 def build(verbose: bool = False) -> Path:
-    """Compile the kernels (a no-op when the stamp is current)."""
+    """Compile the kernels (a no-op when the stamp is current). Concurrent callers, in
+    any process, wait on a lock file and reuse the first one's work."""
+    out = kernel_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    # Released when the file closes, also if compiling raises. (Not "lock": torch's
+    # extension builder waits for a file of that name to go.)
+    with open(out / "build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _current():
+            (out / "stamp").touch()  # current: tell make so
+            return _library()
+        _compile(out, verbose)
+        (out / "stamp").write_text(_fingerprint())
+    return _library()
+
+
+def _compile(out: Path, verbose: bool) -> None:
     from torch.utils import cpp_extension
 
-    stamp = _OUT / "stamp"
-    fp = _fingerprint()
-    if _library().is_file() and stamp.is_file() and stamp.read_text() == fp:
-        stamp.touch()  # current: tell make so
-        return _library()
-    _OUT.mkdir(exist_ok=True)
+    try:  # the `ninja` wheel's binary, where the venv's bin/ is not on PATH
+        import ninja
+
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+    except ImportError:
+        pass
     cpp_extension.load(
         name=NAME,
         sources=[str(_SRC / s) for s in _SOURCES],
         extra_cflags=list(_CFLAGS),
         extra_ldflags=["-fopenmp"],
-        build_directory=str(_OUT),
+        build_directory=str(out),
         verbose=verbose,
     )
-    stamp.write_text(fp)
-    return _library()
+
+
+def _build_at_first_use() -> str | None:
+    """Compile the kernels if they are missing or stale; None when done, else why not."""
+    if _current():
+        return None
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return (f"the CPU kernels are not built and there is no C++ compiler ({compiler!r} "
+                f"is not on PATH): install one (e.g. `apt-get install g++`) and run "
+                f"`python -m pdserve.engine.kernels`")
+    log.warning("pdserve: compiling the CPU kernels into %s (once per machine, pdserve and "
+                "torch version; a minute or two)", kernel_dir())
+    try:
+        build()
+    except Exception as exc:  # a compiler error, missing headers: fall back, loudly
+        return f"the CPU kernels failed to compile ({str(exc).strip()[-2000:]})"
+    return None
 
 
 def load() -> ModuleType | None:
-    """The kernels module, or None (see ``reason()``). Never compiles."""
+    """The kernels module, compiled first where needed, or None (see ``reason()``)."""
     global _module, _why
     if _module is not None or _why is not None:
         return _module
     why = cpu_supported()
-    stamp = _OUT / "stamp"
-    if why is None and not (_library().is_file() and stamp.is_file()):
-        why = "the CPU kernels are not built (run `make venv` or `python -m pdserve.engine.kernels`)"
-    elif why is None and stamp.read_text() != _fingerprint():
-        why = "the CPU kernels are older than their sources (run `python -m pdserve.engine.kernels`)"
-    if why is not None:
-        _why = why
-        if cpu_supported() is None:  # they could run here: say loudly that they do not
+    if why is None:
+        why = _build_at_first_use()
+        if why is not None:  # they could run here: say loudly that they do not
             log.warning("pdserve: %s; the engine falls back to its (much slower) reference "
                         "paths", why)
+    if why is not None:
+        _why = why
         return None
     loader = importlib.machinery.ExtensionFileLoader(NAME, str(_library()))
     spec = importlib.util.spec_from_file_location(NAME, _library(), loader=loader)

@@ -71,15 +71,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def start_serve(args: list[str], log: Path, env: dict[str, str],
-                timeout_s: float = 180) -> tuple[subprocess.Popen[bytes], str]:
-    """``pdserve serve ARGS`` in its own session, output to ``log``; returns once it
-    prints that it is serving, with the log's text so far. If it exits first or takes
-    longer than ``timeout_s``: AssertionError, with it and everything carrying its
-    mark (``env``, from ``marked_env``) killed."""
+def start_serve(args: list[str], log: Path, env: dict[str, str], timeout_s: float = 180,
+                pdserve: Sequence[str] = (sys.executable, "-m", "pdserve.cli.main"),
+                cwd: Path | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """``pdserve serve ARGS`` (``pdserve``: the command, this checkout's by default) in
+    its own session, output to ``log``; returns once it prints that it is serving, with
+    the log's text so far. If it exits first or takes longer than ``timeout_s``:
+    AssertionError, with it and everything carrying its mark (``env``, from
+    ``marked_env``) killed."""
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli.main", "serve", *args],
-                                stdout=out, stderr=subprocess.STDOUT, env=env,
+        proc = subprocess.Popen([*pdserve, "serve", *args], stdout=out,
+                                stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                 start_new_session=True)
     deadline = time.monotonic() + timeout_s
     while "] serving " not in (text := log.read_text(errors="replace")):
