@@ -101,7 +101,8 @@ class Attempt:
         reports fails the attempt (raised)."""
         self._allow("a token delta", self.phase is not Phase.FINISHED)
         if d.finish_reason == "error":
-            raise AttemptFailed(d.failure or FailReason.TRANSPORT, f"{self.token_worker}: {d.error}")
+            raise AttemptFailed(d.failure or FailReason.TRANSPORT,
+                                f"{self.token_worker}: {d.error}")
         if not d.token_ids:
             return d
         if self.phase is Phase.FIRST_FROM_P:

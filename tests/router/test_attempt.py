@@ -1,7 +1,9 @@
 """The attempt's state machine (``router/attempt.py``): its transitions, the
 first-token hand-over in both orders (P's answer before and after the decode
 worker's first delta), and the error an event its state does not allow raises;
-then the same two orders through a real router and workers."""
+the typed inbox; then P's answer after the decode worker's first tokens through a
+real router and workers (the other order: test_inprocess.py's
+test_first_token_streams_before_the_kv_hand_over)."""
 
 from __future__ import annotations
 
@@ -196,8 +198,7 @@ def test_ps_answer_after_ds_first_tokens_streams_each_token_once(
     then P's answer, then the rest: P's answer is held until those tokens reached the
     router, and the decode worker's engine waits after publishing them until P's
     answer is in the inbox. The client gets the engine's tokens and logprobs, none
-    twice, and the prompt's logprobs (which only P's answer has) with the first chunk.
-    The other order: test_inprocess.py's test_first_token_streams_before_the_kv_hand_over."""
+    twice, and the prompt's logprobs (which only P's answer has) with the first chunk."""
     pair = pair_factory()
     p, d = pair.prefill[0], pair.decode[0]
     prompt = list(range(5, 45))
