@@ -7,38 +7,38 @@ frame is parsed; see ``output_stream``): per delta, one dict lookup and one
 no queue object and no future per token: the attempt's ``get`` makes a future only
 when its inbox is empty.
 
-An attempt's inbox also receives, from elsewhere, the other things that end or
-advance it: the prefill call's completion (its future), a worker's failure
-(``fail_worker``: every attempt on it gets an ``AttemptFailed``) and its deadline.
+An attempt's inbox also receives, from elsewhere, the other events that end or
+advance it (``attempt.Event``): the prefill worker's answers, a worker's failure
+(``fail_worker``: every attempt on it gets a ``WorkerFailed``) and its deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import Any
 
-from pdserve.failures import AttemptFailed, FailReason
+from pdserve.failures import FailReason
 from pdserve.messages import RequestDelta
+from pdserve.router.attempt import Event, WorkerFailed
 
 
 class Inbox:
-    """One attempt's items, in arrival order; read by one coroutine."""
+    """One attempt's events, in arrival order; read by one coroutine."""
 
     __slots__ = ("_items", "_waiter", "workers")
 
     def __init__(self, workers: tuple[str, ...]) -> None:
-        self._items: deque[Any] = deque()
+        self._items: deque[Event] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self.workers = workers  # the workers whose failure ends this attempt
 
-    def push(self, item: Any) -> None:
+    def push(self, item: Event) -> None:
         self._items.append(item)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def get(self) -> Any:
+    async def get(self) -> Event:
         while not self._items:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
@@ -79,7 +79,7 @@ class Fanout:
                 inbox.push(delta)
 
     def fail_worker(self, worker_id: str, reason: FailReason, message: str) -> None:
-        failure = AttemptFailed(reason, message)
+        failure = WorkerFailed(reason, message)
         for inbox in self._inboxes.values():
             if worker_id in inbox.workers:
                 inbox.push(failure)

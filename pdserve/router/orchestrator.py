@@ -9,10 +9,11 @@ One attempt (``_attempt``)::
          unless the decode worker computes the prompt's short uncached suffix
          itself (``Reservation.local``): then, as on a colocated worker, every token
          comes from its stream
-      -> read the attempt's inbox: token deltas from the worker's stream, P's
-         first token (streamed at once, before the KV hand-over ends; the decode
-         worker's copy of it is then dropped), P's hand-off ending
-         (P.handoff), a worker's failure, the deadline
+      -> read the attempt's inbox (``attempt.Event``): token deltas from the
+         worker's stream, P's first token (streamed at once, before the KV hand-over
+         ends; the decode worker's copy of it is then dropped), P's hand-off ending
+         (P.handoff), a worker's failure, the deadline -- each moves the attempt's
+         state machine (``attempt.Attempt``), which says what the client gets
       -> the engine finished it, or a stop string did (then abort it on the worker)
     cleanup: counters, inbox, and -- unless the engine finished -- abort on both
     workers (idempotent there; never waited for)
@@ -40,7 +41,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, assert_never
 
 from pdserve.engine.block_pool import prefix_block_hashes, root_hash
 from pdserve.engine.output import OutputProcessor
@@ -50,6 +51,14 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.failures import AttemptFailed, FailReason, WorkerGone
 from pdserve.messages import FirstToken, PrefillResult, PrefillTask, RequestDelta, TokenLogprob
 from pdserve.router.admission import Admission
+from pdserve.router.attempt import (
+    Attempt,
+    DeadlinePassed,
+    HandoffAnswered,
+    Leg,
+    PrefillAnswered,
+    WorkerFailed,
+)
 from pdserve.router.fanout import Fanout, Inbox
 from pdserve.router.policies import PrefixIndex, RouteInput
 from pdserve.router.trace import RequestTrace
@@ -66,7 +75,6 @@ from pdserve.router.workers import WorkerSet, WorkerState
 from pdserve.tracing import Tracing
 
 log = logging.getLogger("pdserve.router")
-_DEADLINE = object()  # pushed into an attempt's inbox when the request's deadline passes
 LATE_PREFILL_WAIT_S = 5.0  # P's timings may come after a request done in a token or two
 
 
@@ -202,12 +210,14 @@ class RequestRun:
             s.metrics.observe_placement(target.placement, target.reason)
         local_pending = target.uncached if target.placement == "local" else 0
         timer = asyncio.get_running_loop().call_later(
-            max(0.0, self.deadline - time.monotonic()), inbox.push, _DEADLINE)
+            max(0.0, self.deadline - time.monotonic()), inbox.push, DeadlinePassed())
+        r = target.reservation
+        # a decode worker not computing the prompt itself: its KV comes from P
+        att = Attempt(self.req.request_id, aid, token.worker_id,
+                      remote=r is not None and not r.local)
         leg: _PrefillLeg | None = None
-        done = False  # the engine finished the request (nothing to abort)
         try:
-            r = target.reservation
-            if r is not None and not r.local:  # a decode worker: its KV comes from P
+            if r is not None and att.leg is Leg.PREFILLING:
                 p = target.prefill
                 if p is None:
                     raise AttemptFailed(FailReason.NOT_CONNECTED,
@@ -216,53 +226,44 @@ class RequestRun:
                     aid, ids, params, token.worker_id, r.blocks, r.reused, r.draft_blocks,
                     carrier), hashes)
             wants_prompt = params.prompt_logprobs is not None
-            first_sent = False  # the client has this attempt's first token, from P
-            decoding = False  # the decode worker's first tokens came (its copy of P's first)
             while True:
-                item = await inbox.get()
-                if isinstance(item, RequestDelta):
-                    if local_pending and (item.token_ids or item.finish_reason):
-                        token.local_tokens -= local_pending  # its prompt is computed
-                        local_pending = 0
+                event = await inbox.get()
+                match event:
+                    case RequestDelta() as delta:
+                        if local_pending and (delta.token_ids or delta.finish_reason):
+                            token.local_tokens -= local_pending  # its prompt is computed
+                            local_pending = 0
+                            target.first_token()
+                        delta = att.delta(delta)
+                        if wants_prompt and self.prompt_logprobs is None and leg is not None:
+                            await self._late_first(leg)  # the prompt's part comes first
+                            if self.prompt_logprobs is None:
+                                raise AttemptFailed(FailReason.TRANSPORT,
+                                                    f"{leg.worker.worker_id}: no prompt logprobs")
+                        if delta.finish_reason is not None:
+                            att.finish(delta)
+                            await self._late_prefill(leg)  # P's timings belong in the final chunk's
+                            self._held_by(token, delta.token_ids, hashes)
+                        yield delta
+                    case PrefillAnswered():
+                        assert leg is not None  # only a prefill leg's call pushes it
+                        first = self._first_done(leg)
                         target.first_token()
-                    if item.finish_reason == "error":
-                        raise AttemptFailed(item.failure or FailReason.TRANSPORT,
-                                            f"{token.worker_id}: {item.error}")
-                    if leg is not None and not decoding and item.token_ids:
-                        decoding = True
-                        if first_sent:  # streamed from P already: never twice
-                            item = item._replace(token_ids=item.token_ids[1:], logprobs=(
-                                item.logprobs[1:] if item.logprobs else item.logprobs))
-                    if wants_prompt and self.prompt_logprobs is None and leg is not None:
-                        await self._late_first(leg)  # the prompt's part comes first
-                        if self.prompt_logprobs is None:
-                            raise AttemptFailed(FailReason.TRANSPORT,
-                                                f"{leg.worker.worker_id}: no prompt logprobs")
-                    done = item.finish_reason is not None
-                    if done:  # P's timings belong in the final chunk's
-                        await self._late_prefill(leg)
-                        self._held_by(token, item.token_ids, hashes)
-                    yield item
-                    if done:
-                        return
-                elif leg is not None and item is leg.future:
-                    first = self._first_done(leg)
-                    target.first_token()
-                    if first.token_id is None:  # scored by P: done (D's blocks are aborted)
-                        yield RequestDelta(aid, [], finish_reason="length")
-                        return
-                    self._start_handoff(leg, inbox)
-                    if not decoding and not first.final:  # a final one comes with D's end
-                        first_sent = True
-                        yield RequestDelta(aid, [first.token_id], None if first.logprob is None
-                                           else [first.logprob])
-                elif leg is not None and item is leg.handoff:
-                    self._handoff_done(leg)
-                elif item is _DEADLINE:
-                    raise RouterError(ErrorKind.DEADLINE,
-                                      f"request {self.req.request_id} passed its deadline")
-                elif isinstance(item, AttemptFailed):
-                    raise item
+                        streamed = att.prefill_answered(first)
+                        if att.leg is Leg.HANDING_OFF:
+                            self._start_handoff(leg, inbox)
+                        if streamed is not None:
+                            yield streamed
+                    case HandoffAnswered():
+                        assert leg is not None  # only a prefill leg's call pushes it
+                        att.handoff_answered()
+                        self._handoff_done(leg)
+                    case WorkerFailed() | DeadlinePassed():
+                        att.fail(event)
+                    case _:
+                        assert_never(event)
+                if att.finished:
+                    return
         except AttemptFailed as exc:
             self._failed_on.update((token.worker_id, *([leg.worker.worker_id] if leg else [])))
             self.trace.attempt_ended(exc.reason.value, exc.message)
@@ -278,7 +279,7 @@ class RequestRun:
                     if fut is not None and not fut.done():
                         fut.cancel()
                 leg.settle()
-            if not done:  # cancelled, failed, stopped by a stop string, past its deadline
+            if not att.finished:  # cancelled, failed, stopped by a stop string, past its deadline
                 for w in (token, leg.worker if leg is not None else None):
                     if w is not None:
                         with contextlib.suppress(Exception):
@@ -304,7 +305,7 @@ class RequestRun:
         self.s.fanout.attach(task.request_id, p.worker_id)
         self.s.prefix.record(hashes, p.worker_id)
         fut = asyncio.ensure_future(p.prefill.prefill(task))
-        fut.add_done_callback(inbox.push)  # its completion is an inbox item
+        fut.add_done_callback(lambda _: inbox.push(PrefillAnswered()))
         return _PrefillLeg(p, fut, task.request_id, len(task.prompt_token_ids),
                            task.decode_worker)
 
@@ -312,7 +313,7 @@ class RequestRun:
         if leg.handoff is None:
             leg.handoff = asyncio.ensure_future(leg.worker.prefill.handoff(leg.request_id))
             if inbox is not None:
-                leg.handoff.add_done_callback(inbox.push)
+                leg.handoff.add_done_callback(lambda _: inbox.push(HandoffAnswered()))
 
     def _first_done(self, leg: _PrefillLeg) -> FirstToken:
         """P's first token (and its timings, prompt logprobs); raises what failed."""
