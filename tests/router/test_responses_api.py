@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (``POST /v1/responses``, ``router/openai_responses.py``): a
+"""OpenAI's Responses API (``POST /v1/responses``, ``router/openai/responses_api.py``): a
 body maps to the chat body that asks for the same (messages, tools, format, limits),
 the chat result maps back to output items, whole and as the typed stream events, and
 bad input is a 400 naming the Responses field. Over HTTP with a scripted router (exact
@@ -17,8 +17,8 @@ import pytest
 
 from pdserve.engine.structured import StructuredOutput
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.router.openai_models import validate_body
-from pdserve.router.openai_responses import (
+from pdserve.router.openai.request_models import validate_body
+from pdserve.router.openai.responses_api import (
     REFUSED_RESPONSES,
     ResponsesRequest,
     ResponseStore,

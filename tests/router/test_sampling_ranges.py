@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from pdserve.engine.sampling_params import RANGES, Range, SamplingParams
-from pdserve.router.openai_models import ChatCompletionRequest, CompletionRequest
+from pdserve.router.openai.request_models import ChatCompletionRequest, CompletionRequest
 
 FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(SamplingParams)}
 MODELS = {CompletionRequest: {"prompt": "hi"},

@@ -1,8 +1,8 @@
-"""The OpenAI fields that shape an output (``router/openai_schema.py``): structured
+"""The OpenAI fields that shape an output (``router/openai/request_mapping.py``): structured
 outputs (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``) mapped
 to ``SamplingParams.structured`` and checked before a request runs, ``logit_bias``,
 ``priority``, and ``n`` choices -- their requests, and their merged responses
-(``openai_format.ResponseBuilder``, and over HTTP with a scripted router)."""
+(``openai.response_objects.ResponseBuilder``, and over HTTP with a scripted router)."""
 
 from __future__ import annotations
 
@@ -17,16 +17,16 @@ import pytest
 
 from pdserve.engine.structured import StructuredOutput
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.router import api_common
-from pdserve.router.openai_format import ResponseBuilder, TokenText
-from pdserve.router.openai_models import InvalidRequest
-from pdserve.router.openai_schema import (
+from pdserve.router.api import common as api_common
+from pdserve.router.openai.request_mapping import (
     chat_request,
     check_grammars,
     choice_requests,
     completion_request,
 )
-from pdserve.router.tool_calls import HERMES
+from pdserve.router.openai.request_models import InvalidRequest
+from pdserve.router.openai.response_objects import ResponseBuilder, TokenText
+from pdserve.router.openai.tool_calls import HERMES
 from pdserve.router.types import (
     ErrorKind,
     FinalChunk,

@@ -1,6 +1,6 @@
-"""Tool calling: the family syntaxes (``router/tool_calls.py``) -- parsing whole and
+"""Tool calling: the family syntaxes (``router/openai/tool_calls.py``) -- parsing whole and
 streamed outputs, the forcing grammar, prompt rendering -- the request mapping of
-``tools`` / ``tool_choice`` (``openai_schema``), and the response shapes, whole and
+``tools`` / ``tool_choice`` (``openai.request_mapping``), and the response shapes, whole and
 streamed, through the HTTP API over a scripted router."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import pytest
 from pdserve.engine.structured import StructuredOutput, grammar_of
 from pdserve.engine.tiny import CHAT_TEMPLATE
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.router.openai_format import ResponseBuilder, TokenText
-from pdserve.router.openai_models import InvalidRequest
-from pdserve.router.openai_schema import chat_request
-from pdserve.router.tool_calls import (
+from pdserve.router.openai.request_mapping import chat_request
+from pdserve.router.openai.request_models import InvalidRequest
+from pdserve.router.openai.response_objects import ResponseBuilder, TokenText
+from pdserve.router.openai.tool_calls import (
     HERMES,
     LLAMA3,
     ToolCall,

@@ -11,13 +11,13 @@ vLLM's token controls (``allowed_token_ids``, ``skip_special_tokens``, ``cache_s
 on the request ``bad_words`` and ``truncate_prompt_tokens``), and the ``structured``
 oneof (``json_schema`` as JSON text, ``json_object``, ``regex``, ``choice``,
 ``grammar``, ``structural_tag`` as JSON text) -> ``StructuredOutput``. A constraint is compiled
-(``api_common.compile_constraints``, at most ``STRUCTURED_COMPILE_TIMEOUT_S``) before the
+(``api.common.compile_constraints``, at most ``STRUCTURED_COMPILE_TIMEOUT_S``) before the
 request reaches the router, so a bad schema is INVALID_ARGUMENT naming the field
 and nothing is queued for it.
 
 A chat prompt takes vLLM's chat extras (``add_generation_prompt``,
 ``continue_final_message``, ``chat_template_kwargs`` as JSON text), checked by the same
-rule as HTTP's (``openai_schema.chat_template_args``).
+rule as HTTP's (``openai.request_mapping.chat_template_args``).
 
 The request's ``prediction`` oneof (OpenAI's predicted outputs): text, which the router
 tokenizes, or token ids -> ``params.prediction``; ``Usage`` then carries the drafted
@@ -27,7 +27,7 @@ Bad input is INVALID_ARGUMENT, never INTERNAL or UNKNOWN: requests arrive as raw
 bytes and are parsed here, so a corrupt message (bad wire format, invalid UTF-8)
 is the client's error rather than a failed deserializer; a ``request_id`` must be
 1-128 printable ASCII characters (it goes into metadata and logs). Status
-messages are what ``public_errors`` lets a client see.
+messages are what ``api.public_errors`` lets a client see.
 
 API keys: with keys, every call needs metadata ``authorization: Bearer <key>``
 (UNAUTHENTICATED otherwise), ``grpc.health.v1`` excepted unless ``protect_probes``.
@@ -55,7 +55,7 @@ from grpc_health.v1.health import aio as health_aio
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured import StructuredOutput
 from pdserve.protos import pb
-from pdserve.router.api_common import (
+from pdserve.router.api.common import (
     REQUEST_ID_KEY,
     ConstraintRefused,
     RouterLike,
@@ -65,10 +65,10 @@ from pdserve.router.api_common import (
     compile_constraints,
     one_line,
 )
-from pdserve.router.api_keys import ApiKeys
-from pdserve.router.openai_models import ChatTemplateFields
-from pdserve.router.openai_schema import chat_template_args
-from pdserve.router.public_errors import public_message
+from pdserve.router.api.keys import ApiKeys
+from pdserve.router.api.public_errors import public_message
+from pdserve.router.openai.request_mapping import chat_template_args
+from pdserve.router.openai.request_models import ChatTemplateFields
 from pdserve.router.types import (
     ErrorKind,
     FinalChunk,
@@ -84,7 +84,7 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "pdserv
 RETRY_AFTER_KEY = "retry-after"  # trailing metadata on RESOURCE_EXHAUSTED: seconds, like HTTP
 # Longest a structured-output constraint may take to compile before it is refused
 # (INVALID_ARGUMENT); the OpenAI HTTP API bounds its check the same way.
-# REQUEST_ID_KEY (api_common): initial metadata of Generate, the id the router used
+# REQUEST_ID_KEY (api.common): initial metadata of Generate, the id the router used
 __all__ = ["REQUEST_ID_KEY", "RETRY_AFTER_KEY", "SERVICE_NAME",
            "GenerationServicer", "RouterLike", "start_grpc_server"]
 
@@ -194,7 +194,7 @@ def _structured_field(params: Any) -> str:
 
 
 async def check_structured(req: GenerateRequest, field: str) -> None:
-    """Compile ``req.params.structured`` (``api_common.compile_constraints``); ValueError
+    """Compile ``req.params.structured`` (``api.common.compile_constraints``); ValueError
     naming ``field`` if it is invalid or too slow to compile."""
     structured = req.params.structured
     if structured is None:

@@ -15,8 +15,8 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pdserve.router.public_errors import public_message
-from pdserve.router.tool_calls import (
+from pdserve.router.api.public_errors import public_message
+from pdserve.router.openai.tool_calls import (
     Event,
     ToolCall,
     ToolStream,
@@ -55,7 +55,7 @@ def error_object(message: str, type_: str = "invalid_request_error", param: str 
 def router_error_object(exc: RouterError, request_id: str,
                         param: str | None = None) -> tuple[int, dict[str, Any]]:
     """(HTTP status, error object) of a router error, its message as
-    ``public_errors`` lets the client see it; ``param``: the field at fault, as the
+    ``api.public_errors`` lets the client see it; ``param``: the field at fault, as the
     client named it."""
     status, type_, code = ERROR_STATUS[exc.kind]
     return status, error_object(public_message(exc.kind, exc.message, request_id), type_, param,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import MAX_LOGPROBS
 from pdserve.messages import TokenLogprob
-from pdserve.router.api_common import RouterLike, RouterStream
+from pdserve.router.api.common import RouterLike, RouterStream
 from pdserve.router.types import ErrorKind, FinalChunk, GenerateRequest, RouterError
 
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each step asks for 2 x width candidates

@@ -8,7 +8,7 @@ installed beside them. A chat body's tokens are the ones ``/v1/chat/completions`
 would prefill for the same messages and tools (one ``chat_messages`` for both); a
 prompt's, with the default ``add_special_tokens``, those ``/v1/completions`` would.
 
-Bodies are validated as the generate routes' are (``openai_models``); what a body
+Bodies are validated as the generate routes' are (``openai.request_models``); what a body
 asks that this server cannot do (a chat template of its own) is refused with a 400
 naming the field, never ignored.
 """
@@ -20,7 +20,8 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.router.openai_models import (
+from pdserve.router.openai.request_mapping import chat_messages, chat_template_args
+from pdserve.router.openai.request_models import (
     EMPTY,
     OWN_TEMPLATE,
     REFUSED_CHAT,
@@ -36,8 +37,7 @@ from pdserve.router.openai_models import (
     known_fields,
     validate_body,
 )
-from pdserve.router.openai_schema import chat_messages, chat_template_args
-from pdserve.router.tool_calls import ToolSyntax
+from pdserve.router.openai.tool_calls import ToolSyntax
 
 
 class TokenizeCompletionRequest(Body):

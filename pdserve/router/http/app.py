@@ -3,27 +3,27 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as SSE
 ``data: {json}`` events ending with ``data: [DONE]``, or whole), ``POST
 /v1/responses`` (served as the chat body it maps to, answered in the Responses API's
-shapes and typed events: ``openai_responses``; ``GET`` / ``DELETE
+shapes and typed events: ``openai.responses_api``; ``GET`` / ``DELETE
 /v1/responses/{id}`` for the ones kept), ``GET /v1/models``,
 ``GET /health`` (200 only while ``router.ready()``), ``GET /metrics`` (the
 registry in Prometheus text format), ``GET /openapi.json`` (the request bodies as
-``openapi_doc`` describes them), and with an ``Admin`` the operator's ``/admin/``
-routes (``admin_api``). With API keys, every route but the two probes
-needs ``Authorization: Bearer <key>`` (``http_middleware.ApiKeyMiddleware``).
+``http.openapi_doc`` describes them), and with an ``Admin`` the operator's ``/admin/``
+routes (``http.admin``). With API keys, every route but the two probes
+needs ``Authorization: Bearer <key>`` (``http.middleware.ApiKeyMiddleware``).
 
-Errors are OpenAI error objects with the status of ``openai_format.ERROR_STATUS``;
+Errors are OpenAI error objects with the status of ``openai.response_objects.ERROR_STATUS``;
 bad input is a 4xx, never a 500: a body that is not ``application/json`` is a
 415 (a browser can send ``text/plain`` cross-origin without asking), one that
-nests too deep, is not JSON or holds a lone surrogate a 400 (``json_body``), one
-too large a 413 (``http_middleware``). Messages are what ``public_errors`` lets a
+nests too deep, is not JSON or holds a lone surrogate a 400 (``http.json_body``), one
+too large a 413 (``http.middleware``). Messages are what ``api.public_errors`` lets a
 client see. A request's first stream item is awaited before the response starts,
 so admission failures (429 with ``Retry-After``, 400s from the router) keep their
 status even when streaming; a router error after that becomes an SSE error event
 followed by ``[DONE]``. Output constraints (structured outputs, forced tool calls) are
-compiled before the request runs (``openai_schema.check_grammars``: a 400 naming the
+compiled before the request runs (``openai.request_mapping.check_grammars``: a 400 naming the
 field, bounded in time).
 
-``n`` > 1: ``n`` router requests of the same prompt (``openai_schema.choice_requests``)
+``n`` > 1: ``n`` router requests of the same prompt (``openai.request_mapping.choice_requests``)
 read as one (``Choices``), the others started once the first has its first token so
 that they reuse its prompt's KV through the prefix cache; the response merges them, a
 stream interleaves their chunks by choice index, and one failing fails the request and
@@ -32,7 +32,7 @@ prompt, choice ``p * n + i``.
 
 Cancellation: a client that goes away, before or during the response, closes its
 ``RouterStream``s (one per choice), which abort the request on both workers (see
-``api_common``).
+``api.common``).
 """
 
 from __future__ import annotations
@@ -51,40 +51,48 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Gauge
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pdserve.router import openapi_doc
-from pdserve.router.admin_api import Admin, admin_routes
-from pdserve.router.api_common import RouterLike, check_model, served_model
-from pdserve.router.api_keys import ApiKeys
-from pdserve.router.beam_search import beam_search
-from pdserve.router.http_choices import Choices, chunks, collect_whole
-from pdserve.router.http_middleware import (
+from pdserve.router.api.beam_search import beam_search
+from pdserve.router.api.common import RouterLike, check_model, served_model
+from pdserve.router.api.keys import ApiKeys
+from pdserve.router.http import openapi_doc
+from pdserve.router.http.admin import Admin, admin_routes
+from pdserve.router.http.choices import Choices, chunks, collect_whole
+from pdserve.router.http.middleware import (
     BODY_TIMEOUT_S,
     ApiKeyMiddleware,
     BodyLimitMiddleware,
     RequestIdMiddleware,
 )
-from pdserve.router.http_request import (
+from pdserve.router.http.request import (
     ApiError,
     ClientGone,
     invalid,
     read_json,
     unless_disconnected,
 )
-from pdserve.router.http_server import HttpServer, start_http_server
+from pdserve.router.http.server import HttpServer, start_http_server
 from pdserve.router.metrics import metrics_text
-from pdserve.router.openai_format import (
-    ResponseBuilder,
-    TokenText,
-    error_object,
-    router_error_object,
+from pdserve.router.openai.request_mapping import (
+    Plan,
+    chat_echo,
+    chat_request,
+    check_grammars,
+    choice_requests,
+    completion_request,
 )
-from pdserve.router.openai_models import (
+from pdserve.router.openai.request_models import (
     ChatCompletionRequest,
     CompletionRequest,
     InvalidRequest,
     validate_body,
 )
-from pdserve.router.openai_responses import (
+from pdserve.router.openai.response_objects import (
+    ResponseBuilder,
+    TokenText,
+    error_object,
+    router_error_object,
+)
+from pdserve.router.openai.responses_api import (
     REFUSED_RESPONSES,
     ResponseEvents,
     ResponsesRequest,
@@ -96,21 +104,13 @@ from pdserve.router.openai_responses import (
     skeleton,
     wants_logprobs,
 )
-from pdserve.router.openai_schema import (
-    Plan,
-    chat_echo,
-    chat_request,
-    check_grammars,
-    choice_requests,
-    completion_request,
-)
-from pdserve.router.tokenize_api import (
+from pdserve.router.openai.tokenize import (
     DetokenizeRequest,
     detokenize,
     parse_tokenize,
     tokenize,
 )
-from pdserve.router.tool_calls import syntax_for
+from pdserve.router.openai.tool_calls import syntax_for
 from pdserve.router.types import (
     ErrorKind,
     FinalChunk,
@@ -162,7 +162,7 @@ class _Api:
         return await self._serve(request, rid, await read_json(request, rid), chat)
 
     async def responses(self, request: Request) -> Response:
-        """``/v1/responses``: served as the chat body it maps to (``openai_responses``)."""
+        """``/v1/responses``: served as the chat body it maps to (``openai.responses_api``)."""
         rid: str = request.state.request_id
         body = await read_json(request, rid)
         try:
@@ -176,7 +176,7 @@ class _Api:
             base, wants_logprobs(r), lambda whole: self.stored.keep(r, whole)))
 
     async def tokenizer_call(self, request: Request, detok: bool) -> Response:
-        """``/tokenize`` and ``/detokenize`` (``tokenize_api``)."""
+        """``/tokenize`` and ``/detokenize`` (``openai.tokenize``)."""
         rid: str = request.state.request_id
         body = await read_json(request, rid)
         try:
@@ -375,7 +375,7 @@ def build_app(router: RouterLike, model_name: str, registry: CollectorRegistry,
               ) -> FastAPI:
     """The ASGI app serving ``router`` as ``model_name``; see the module docstring.
     ``api_keys``: None = open; ``protect_probes``: the keys guard ``/health`` and
-    ``/metrics`` too; ``admin``: serve ``/admin/`` (``admin_api``) over it;
+    ``/metrics`` too; ``admin``: serve ``/admin/`` (``http.admin``) over it;
     ``targets``: serve ``/metrics/targets``, Prometheus HTTP service discovery (the
     deployment's ``/metrics`` endpoints, given where the scraper reached this one)."""
     api = _Api(router, model_name, registry)

@@ -9,8 +9,8 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pdserve.router.api_common import RouterLike, RouterStream
-from pdserve.router.openai_format import ResponseBuilder
+from pdserve.router.api.common import RouterLike, RouterStream
+from pdserve.router.openai.response_objects import ResponseBuilder
 from pdserve.router.types import ErrorKind, FinalChunk, GenerateRequest, RouterError, StreamChunk
 
 

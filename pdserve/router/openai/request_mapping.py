@@ -1,7 +1,7 @@
 """The OpenAI request bodies (``/v1/completions``, ``/v1/chat/completions``) mapped to
 ``GenerateRequest``s (one per choice), with the output constraint (structured
 outputs, forced tool calls) and the tool-call syntax the response is read with. The
-bodies' pydantic models and the fields we refuse are ``openai_models.py``.
+bodies' pydantic models and the fields we refuse are ``openai.request_models.py``.
 
 Rules:
 
@@ -9,13 +9,13 @@ Rules:
   where a number is expected. Every problem is an ``InvalidRequest`` naming the
   field, which the HTTP layer turns into a 400.
 * Value ranges live in the models (``Field`` bounds, the same as
-  ``SamplingParams``'), so the JSON schema that ``openapi_doc`` publishes states
+  ``SamplingParams``'), so the JSON schema that ``http.openapi_doc`` publishes states
   them; only rules between fields (``min_tokens <= max_tokens``, ``stream_options``
   needs ``stream``, ``top_logprobs`` needs ``logprobs``, ``max_tokens`` 0 needs
   ``echo``, ``best_of`` equals ``n``, one output constraint per request,
   ``tool_choice`` needs ``tools`` and names one of them, content needed unless the
   role is assistant), whether a schema, regex or grammar compiles (``check_grammars``,
-  bounded by ``api_common.STRUCTURED_COMPILE_TIMEOUT_S``) and limits of the model (context,
+  bounded by ``api.common.STRUCTURED_COMPILE_TIMEOUT_S``) and limits of the model (context,
   vocabulary) are not in it.
 * Output constraints: ``response_format`` (``json_object``, ``json_schema``, vLLM's
   ``structural_tag``), vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
@@ -54,9 +54,9 @@ from pdserve.engine.sampling_params import (
     SamplingParams,
 )
 from pdserve.engine.structured import StructuredOutput
-from pdserve.router.api_common import ConstraintRefused, compile_constraints, one_line
-from pdserve.router.beam_search import MAX_BEAM_WIDTH
-from pdserve.router.openai_models import (
+from pdserve.router.api.beam_search import MAX_BEAM_WIDTH
+from pdserve.router.api.common import ConstraintRefused, compile_constraints, one_line
+from pdserve.router.openai.request_models import (
     INT64,
     REFUSED_CHAT,
     REFUSED_COMPLETION,
@@ -75,7 +75,7 @@ from pdserve.router.openai_models import (
     StructuredOutputs,
     validate_body,
 )
-from pdserve.router.tool_calls import ToolSyntax
+from pdserve.router.openai.tool_calls import ToolSyntax
 from pdserve.router.types import GenerateRequest
 
 
@@ -180,7 +180,7 @@ def _only_one(constraints: Named) -> StructuredOutput | None:
 
 async def check_grammars(grammars: Named) -> None:
     """InvalidRequest naming the field unless every constraint compiles, all within
-    ``api_common.STRUCTURED_COMPILE_TIMEOUT_S`` (``compile_constraints``)."""
+    ``api.common.STRUCTURED_COMPILE_TIMEOUT_S`` (``compile_constraints``)."""
     try:
         await compile_constraints(grammars)
     except ConstraintRefused as exc:

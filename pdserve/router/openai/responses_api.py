@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, TypeAdapter
 
-from pdserve.router.openai_models import (
+from pdserve.router.openai.request_models import (
     EMPTY,
     VLLM_UNIMPLEMENTED,
     Body,

@@ -171,7 +171,7 @@ class ConstraintRefused(ValueError):
 
 def one_line(message: str) -> str:
     """A compiler's message on one line (clients see one-line messages only: a status
-    message that spans lines is replaced by a generic one, ``public_errors``), without
+    message that spans lines is replaced by a generic one, ``api.public_errors``), without
     the source excerpt and caret lines it draws under it."""
     return " ".join(line.strip() for line in message.splitlines()
                     if line.strip() and not re.fullmatch(r"\s*(\d+ \|.*|[\s^]*)", line))

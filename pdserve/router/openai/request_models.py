@@ -1,6 +1,6 @@
 """The OpenAI request bodies (``/v1/completions``, ``/v1/chat/completions``) as pydantic
 models, and the fields we refuse (each ``Refused`` rule with the JSON schema of its
-harmless values, which ``openapi_doc`` publishes). ``openai_schema.py`` maps a
+harmless values, which ``http.openapi_doc`` publishes). ``request_mapping.py`` maps a
 validated body to router requests; its docstring has the rules both follow."""
 
 import functools
@@ -240,7 +240,7 @@ class Prediction(Body):
 
 class ChatTemplateFields(Body):
     """vLLM's chat extras: how the chat template renders the messages
-    (``Tokenizer.render_chat``; ``openai_schema.chat_template_args`` checks them)."""
+    (``Tokenizer.render_chat``; ``openai.request_mapping.chat_template_args`` checks them)."""
 
     add_generation_prompt: bool = True
     # the answer continues the final message (set add_generation_prompt false)
