@@ -26,7 +26,7 @@ from pdserve.router.openai.request_mapping import (
 )
 from pdserve.router.openai.request_models import InvalidRequest
 from pdserve.router.openai.response_objects import ResponseBuilder, TokenText
-from pdserve.router.openai.tool_calls import HERMES
+from pdserve.router.openai.tool_parsers.hermes import HERMES
 from pdserve.router.types import (
     ErrorKind,
     FinalChunk,

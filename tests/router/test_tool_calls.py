@@ -1,4 +1,4 @@
-"""Tool calling: the family syntaxes (``router/openai/tool_calls.py``) -- parsing whole and
+"""Tool calling: the family syntaxes (``router/openai/tool_parsers/``) -- parsing whole and
 streamed outputs, the forcing grammar, prompt rendering -- the request mapping of
 ``tools`` / ``tool_choice`` (``openai.request_mapping``), and the response shapes, whole and
 streamed, through the HTTP API over a scripted router."""
@@ -19,14 +19,10 @@ from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.openai.request_mapping import chat_request
 from pdserve.router.openai.request_models import InvalidRequest
 from pdserve.router.openai.response_objects import ResponseBuilder, TokenText
-from pdserve.router.openai.tool_calls import (
-    HERMES,
-    LLAMA3,
-    ToolCall,
-    ToolSyntax,
-    call_deltas,
-    syntax_for,
-)
+from pdserve.router.openai.tool_parsers import syntax_for
+from pdserve.router.openai.tool_parsers.base import ToolCall, ToolSyntax, call_deltas
+from pdserve.router.openai.tool_parsers.hermes import HERMES
+from pdserve.router.openai.tool_parsers.llama3 import LLAMA3
 from pdserve.router.types import FinalChunk, StreamChunk, Usage
 from tests.router.test_http_api import Client, ScriptedRouter, serve, sse
 

@@ -110,7 +110,7 @@ from pdserve.router.openai.tokenize import (
     parse_tokenize,
     tokenize,
 )
-from pdserve.router.openai.tool_calls import syntax_for
+from pdserve.router.openai.tool_parsers import syntax_for
 from pdserve.router.types import (
     ErrorKind,
     FinalChunk,

@@ -75,7 +75,7 @@ from pdserve.router.openai.request_models import (
     StructuredOutputs,
     validate_body,
 )
-from pdserve.router.openai.tool_calls import ToolSyntax
+from pdserve.router.openai.tool_parsers.base import ToolSyntax
 from pdserve.router.types import GenerateRequest
 
 

@@ -1,7 +1,7 @@
 """OpenAI response objects built from the router's streams: completion and chat
 responses and stream chunks (``n`` choices, one stream each), ``usage``, logprobs in
 OpenAI's two shapes, token strings, the error object with its HTTP status, and for
-chat with tools the ``tool_calls`` found in the output (``tool_calls`` parses them).
+chat with tools the ``tool_calls`` found in the output (``tool_parsers`` parses them).
 
 Token strings: a token's text is its raw bytes decoded as UTF-8 when they are
 valid; a token holding part of a character (byte-level BPE splits them) is written
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pdserve.router.api.public_errors import public_message
-from pdserve.router.openai.tool_calls import (
+from pdserve.router.openai.tool_parsers.base import (
     Event,
     ToolCall,
     ToolStream,

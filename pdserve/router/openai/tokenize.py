@@ -37,7 +37,7 @@ from pdserve.router.openai.request_models import (
     known_fields,
     validate_body,
 )
-from pdserve.router.openai.tool_calls import ToolSyntax
+from pdserve.router.openai.tool_parsers.base import ToolSyntax
 
 
 class TokenizeCompletionRequest(Body):
