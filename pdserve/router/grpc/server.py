@@ -61,12 +61,12 @@ from pdserve.router.api.common import (
     RouterLike,
     check_model,
     checked_request_id,
-    close_stream,
     compile_constraints,
     one_line,
 )
 from pdserve.router.api.keys import ApiKeys
 from pdserve.router.api.public_errors import public_message
+from pdserve.router.api.router_stream import close_stream
 from pdserve.router.openai.request_mapping import chat_template_args
 from pdserve.router.openai.request_models import ChatTemplateFields
 from pdserve.router.types import (

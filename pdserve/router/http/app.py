@@ -32,7 +32,7 @@ prompt, choice ``p * n + i``.
 
 Cancellation: a client that goes away, before or during the response, closes its
 ``RouterStream``s (one per choice), which abort the request on both workers (see
-``api.common``).
+``api.router_stream``).
 """
 
 from __future__ import annotations
