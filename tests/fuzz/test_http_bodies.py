@@ -17,7 +17,8 @@ import hypothesis.strategies as st
 import requests
 from hypothesis import HealthCheck, given, settings
 
-from pdserve.router.openai.request_models import ChatCompletionRequest, CompletionRequest
+from pdserve.router.openai.chat_request import ChatCompletionRequest
+from pdserve.router.openai.completion_request import CompletionRequest
 from tests.fuzz.conftest import AUTH, STATS
 from tests.integration.live_server import CALL_TIMEOUT_S, LiveServer
 

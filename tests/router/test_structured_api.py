@@ -1,4 +1,4 @@
-"""The OpenAI fields that shape an output (``router/openai/request_mapping.py``): structured
+"""The OpenAI fields that shape an output (``router/openai/sampling_fields.py``): structured
 outputs (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``) mapped
 to ``SamplingParams.structured`` and checked before a request runs, ``logit_bias``,
 ``priority``, and ``n`` choices -- their requests, and their merged responses
@@ -18,14 +18,11 @@ import pytest
 from pdserve.engine.structured import StructuredOutput
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.api import common as api_common
-from pdserve.router.openai.request_mapping import (
-    chat_request,
-    check_grammars,
-    choice_requests,
-    completion_request,
-)
+from pdserve.router.openai.chat_request import ChatCompletionRequest
+from pdserve.router.openai.completion_request import CompletionRequest
 from pdserve.router.openai.request_models import InvalidRequest
 from pdserve.router.openai.response_objects import ResponseBuilder, TokenText
+from pdserve.router.openai.sampling_fields import check_grammars, choice_requests
 from pdserve.router.openai.tool_parsers.hermes import HERMES
 from pdserve.router.types import (
     ErrorKind,
@@ -46,11 +43,15 @@ TAG = {"structures": [{"begin": "<function=get_weather>", "schema": SCHEMA, "end
 
 
 def chat(**body: Any) -> Any:
-    return chat_request({"messages": USER, **body}, "r", lambda m, t, kw: 10, 100, HERMES)
+    """(The body, its router request, its plan)."""
+    r = ChatCompletionRequest.parse({"messages": USER, **body})
+    return r, *r.to_router("r", lambda m, t, kw: 10, 100, HERMES)
 
 
 def completion(**body: Any) -> Any:
-    return completion_request({"prompt": "x", **body}, "r")
+    """(The body, its router requests, its plan)."""
+    r = CompletionRequest.parse({"prompt": "x", **body})
+    return r, *r.to_router("r")
 
 
 def one_completion(**body: Any) -> Any:

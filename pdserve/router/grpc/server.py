@@ -17,7 +17,7 @@ and nothing is queued for it.
 
 A chat prompt takes vLLM's chat extras (``add_generation_prompt``,
 ``continue_final_message``, ``chat_template_kwargs`` as JSON text), checked by the same
-rule as HTTP's (``openai.request_mapping.chat_template_args``).
+rule as HTTP's (``openai.chat_messages.ChatTemplateFields.template_args``).
 
 The request's ``prediction`` oneof (OpenAI's predicted outputs): text, which the router
 tokenizes, or token ids -> ``params.prediction``; ``Usage`` then carries the drafted
@@ -67,8 +67,7 @@ from pdserve.router.api.common import (
 from pdserve.router.api.keys import ApiKeys
 from pdserve.router.api.public_errors import public_message
 from pdserve.router.api.router_stream import close_stream
-from pdserve.router.openai.request_mapping import chat_template_args
-from pdserve.router.openai.request_models import ChatTemplateFields
+from pdserve.router.openai.chat_messages import ChatTemplateFields
 from pdserve.router.types import (
     ErrorKind,
     FinalChunk,
@@ -234,12 +233,12 @@ def request_from_proto(request: Any, time_remaining: float | None) -> GenerateRe
     if template:
         if kind != "chat":
             raise ValueError(f"{template[0]} needs a chat prompt")
-        req.chat_template_args = chat_template_args(ChatTemplateFields(
+        req.chat_template_args = ChatTemplateFields(
             add_generation_prompt=(request.add_generation_prompt
                                    if request.HasField("add_generation_prompt") else True),
             continue_final_message=request.continue_final_message,
             chat_template_kwargs=_json_object("chat_template_kwargs",
-                                              request.chat_template_kwargs)))
+                                              request.chat_template_kwargs)).template_args()
     predicted = request.WhichOneof("prediction")
     if predicted == "prediction_text":
         req.prediction = request.prediction_text

@@ -20,20 +20,20 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.router.openai.request_mapping import chat_messages, chat_template_args
+from pdserve.router.openai.chat_messages import (
+    ChatMessage,
+    ChatTemplateFields,
+    Tool,
+    chat_messages,
+)
+from pdserve.router.openai.chat_request import REFUSED_CHAT, ChatCompletionRequest
+from pdserve.router.openai.completion_request import REFUSED_COMPLETION, CompletionRequest
 from pdserve.router.openai.request_models import (
     EMPTY,
     OWN_TEMPLATE,
-    REFUSED_CHAT,
-    REFUSED_COMPLETION,
     Body,
-    ChatCompletionRequest,
-    ChatMessage,
-    ChatTemplateFields,
-    CompletionRequest,
     InvalidRequest,
     Refused,
-    Tool,
     known_fields,
     validate_body,
 )
@@ -89,7 +89,7 @@ def _text(r: TokenizeCompletionRequest | TokenizeChatRequest, tokenizer: Tokeniz
     tools = None if r.tools is None else [t.model_dump(exclude_none=True) for t in r.tools]
     native = tokenizer.renders_tools
     messages = chat_messages(r.messages, syntax, tools, native)
-    args = chat_template_args(r)
+    args = r.template_args()
     try:
         return tokenizer.render_chat(messages, tools=tools if native else None, **args)
     except ValueError as exc:  # the template's refusal
