@@ -2,7 +2,7 @@
 outputs (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``) mapped
 to ``SamplingParams.structured`` and checked before a request runs, ``logit_bias``,
 ``priority``, and ``n`` choices -- their requests, and their merged responses
-(``openai.response_objects.ResponseBuilder``, and over HTTP with a scripted router)."""
+(``openai.response_builder.ResponseBuilder``, and over HTTP with a scripted router)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,12 @@ from pdserve.engine.structured import StructuredOutput
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.api import common as api_common
 from pdserve.router.openai.chat_request import ChatCompletionRequest
+from pdserve.router.openai.chat_response import ChatBuilder
 from pdserve.router.openai.completion_request import CompletionRequest
+from pdserve.router.openai.completion_response import CompletionBuilder
 from pdserve.router.openai.request_models import InvalidRequest
-from pdserve.router.openai.response_objects import ResponseBuilder, TokenText
+from pdserve.router.openai.response_builder import ResponseBuilder
+from pdserve.router.openai.response_objects import TokenText
 from pdserve.router.openai.sampling_fields import check_grammars, choice_requests
 from pdserve.router.openai.tool_parsers.hermes import HERMES
 from pdserve.router.types import (
@@ -241,9 +244,10 @@ def test_a_batch_of_prompts_is_a_request_per_prompt() -> None:
 # ---------------------------------------------------------------- merged responses
 
 def builder(tiny_model: Callable[[str], Path], chat: bool, **kw: Any) -> ResponseBuilder:
-    return ResponseBuilder(chat=chat, request_id="r", model="tiny", created=1,
-                           text=TokenText(Tokenizer.from_dir(tiny_model("llama-gqa"))),
-                           logprobs=False, **kw)
+    """A chat or a completions response builder."""
+    return (ChatBuilder if chat else CompletionBuilder)(
+        request_id="r", model="tiny", created=1,
+        text=TokenText(Tokenizer.from_dir(tiny_model("llama-gqa"))), logprobs=False, **kw)
 
 
 def test_whole_response_merges_the_choices(tiny_model: Callable[[str], Path]) -> None:

@@ -17,8 +17,9 @@ from pdserve.engine.structured import StructuredOutput, grammar_of
 from pdserve.engine.tiny import CHAT_TEMPLATE
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.openai.chat_request import ChatCompletionRequest
+from pdserve.router.openai.chat_response import ChatBuilder
 from pdserve.router.openai.request_models import InvalidRequest
-from pdserve.router.openai.response_objects import ResponseBuilder, TokenText
+from pdserve.router.openai.response_objects import TokenText
 from pdserve.router.openai.tool_parsers import syntax_for
 from pdserve.router.openai.tool_parsers.base import ToolCall, ToolSyntax, call_deltas
 from pdserve.router.openai.tool_parsers.hermes import HERMES
@@ -255,10 +256,10 @@ def test_invalid_tools_are_a_400_naming_the_field(body: dict[str, Any], param: s
 
 # ---------------------------------------------------------------- responses
 
-def builder(tiny_model: Callable[[str], Path], **kw: Any) -> ResponseBuilder:
-    return ResponseBuilder(chat=True, request_id="r", model="tiny", created=1,
-                           text=TokenText(Tokenizer.from_dir(tiny_model("llama-gqa"))),
-                           logprobs=False, tools=HERMES, **kw)
+def builder(tiny_model: Callable[[str], Path], **kw: Any) -> ChatBuilder:
+    return ChatBuilder(request_id="r", model="tiny", created=1,
+                       text=TokenText(Tokenizer.from_dir(tiny_model("llama-gqa"))),
+                       logprobs=False, tools=HERMES, **kw)
 
 
 def test_stream_deltas_are_openai_shaped(tiny_model: Callable[[str], Path]) -> None:

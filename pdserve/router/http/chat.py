@@ -8,7 +8,8 @@ from typing import Any
 
 from pdserve.router.http.endpoint import GenerateEndpoint, Prepared
 from pdserve.router.openai.chat_request import ChatCompletionRequest
-from pdserve.router.openai.response_objects import ResponseBuilder
+from pdserve.router.openai.chat_response import ChatBuilder
+from pdserve.router.openai.response_builder import ResponseBuilder
 
 
 class Chat(GenerateEndpoint[ChatCompletionRequest]):
@@ -25,6 +26,5 @@ class Chat(GenerateEndpoint[ChatCompletionRequest]):
 
     def builder(self, p: Prepared[ChatCompletionRequest], prompt_ids: list[list[int]] | None,
                 echo: list[tuple[str, list[int]]] | None, **common: Any) -> ResponseBuilder:
-        return ResponseBuilder(chat=True, logprobs=p.body.logprobs,
-                               chat_echo=p.body.echo_text(), prompt_ids=prompt_ids,
-                               tools=p.plan.tools, **common)
+        return ChatBuilder(logprobs=p.body.logprobs, chat_echo=p.body.echo_text(),
+                           prompt_ids=prompt_ids, tools=p.plan.tools, **common)

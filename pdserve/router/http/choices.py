@@ -12,7 +12,7 @@ from typing import Any
 
 from pdserve.router.api.common import RouterLike
 from pdserve.router.api.router_stream import Item, RouterStream
-from pdserve.router.openai.response_objects import ResponseBuilder
+from pdserve.router.openai.response_builder import ResponseBuilder
 from pdserve.router.types import FinalChunk, GenerateRequest, RouterError, StreamChunk
 
 

@@ -8,7 +8,8 @@ from typing import Any
 
 from pdserve.router.http.endpoint import GenerateEndpoint, Prepared
 from pdserve.router.openai.completion_request import CompletionRequest
-from pdserve.router.openai.response_objects import ResponseBuilder
+from pdserve.router.openai.completion_response import CompletionBuilder
+from pdserve.router.openai.response_builder import ResponseBuilder
 
 
 class Completions(GenerateEndpoint[CompletionRequest]):
@@ -19,6 +20,6 @@ class Completions(GenerateEndpoint[CompletionRequest]):
 
     def builder(self, p: Prepared[CompletionRequest], prompt_ids: list[list[int]] | None,
                 echo: list[tuple[str, list[int]]] | None, **common: Any) -> ResponseBuilder:
-        return ResponseBuilder(chat=False, logprobs=p.body.logprobs is not None,
-                               echo_top=p.body.logprobs or 0, prompt_ids=prompt_ids,
-                               echo=echo, **common)
+        return CompletionBuilder(logprobs=p.body.logprobs is not None,
+                                 echo_top=p.body.logprobs or 0, prompt_ids=prompt_ids,
+                                 echo=echo, **common)

@@ -37,12 +37,8 @@ from pdserve.router.api.common import RouterLike, check_model
 from pdserve.router.http.choices import Choices, chunks, collect_whole
 from pdserve.router.http.request import ApiError, invalid, read_json, unless_disconnected
 from pdserve.router.openai.request_models import InvalidRequest
-from pdserve.router.openai.response_objects import (
-    ResponseBuilder,
-    TokenText,
-    error_object,
-    router_error_object,
-)
+from pdserve.router.openai.response_builder import ResponseBuilder
+from pdserve.router.openai.response_objects import TokenText, error_object, router_error_object
 from pdserve.router.openai.sampling_fields import (
     Plan,
     SamplingFields,
