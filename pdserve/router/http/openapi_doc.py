@@ -29,7 +29,7 @@ from pydantic import BaseModel
 from pdserve.router.openai.chat_request import REFUSED_CHAT, ChatCompletionRequest
 from pdserve.router.openai.completion_request import REFUSED_COMPLETION, CompletionRequest
 from pdserve.router.openai.request_models import IGNORED_FIELDS, Refused
-from pdserve.router.openai.responses_api import REFUSED_RESPONSES, ResponsesRequest
+from pdserve.router.openai.responses.request import REFUSED_RESPONSES, ResponsesRequest
 from pdserve.router.openai.tokenize import (
     REFUSED_TOKENIZE_CHAT,
     DetokenizeRequest,

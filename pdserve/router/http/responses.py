@@ -1,7 +1,7 @@
 """``POST /v1/responses`` (what the Agents SDK and Codex speak) and ``GET`` / ``DELETE
 /v1/responses/{id}``: a Responses body is served as the chat body it maps to (the
 ``Chat`` endpoint), answered in the Responses API's shapes and typed events
-(``openai.responses_api``), and kept for ``previous_response_id`` unless ``store`` is
+(``openai.responses``), and kept for ``previous_response_id`` unless ``store`` is
 false (``ResponseStore``, with its gauges)."""
 
 from __future__ import annotations
@@ -20,18 +20,14 @@ from pdserve.router.http.endpoint import Answer, Endpoint
 from pdserve.router.http.request import invalid, read_json
 from pdserve.router.openai.request_models import InvalidRequest, validate_body
 from pdserve.router.openai.response_objects import error_object
-from pdserve.router.openai.responses_api import (
+from pdserve.router.openai.responses.output import ResponseEvents, response_object, skeleton
+from pdserve.router.openai.responses.request import (
     REFUSED_RESPONSES,
-    ResponseEvents,
     ResponsesRequest,
-    ResponseStore,
-    chat_body,
     renamed,
-    response_object,
     responses_field,
-    skeleton,
-    wants_logprobs,
 )
+from pdserve.router.openai.responses.store import ResponseStore
 from pdserve.router.types import RouterError
 
 log = logging.getLogger("pdserve.http")
@@ -90,8 +86,8 @@ class Responses(Endpoint):
             raise invalid(exc, rid) from exc
         base = skeleton(r, r.model or self.served.model_name, int(time.time()))
         log.info("request %s: response %s", rid, base["id"])
-        return await self.chat.serve(request, rid, chat_body(r), _ResponsesAnswer(
-            base, wants_logprobs(r), lambda whole: self.stored.keep(r, whole)))
+        return await self.chat.serve(request, rid, r.to_chat_body(), _ResponsesAnswer(
+            base, r.wants_logprobs(), lambda whole: self.stored.keep(r, whole)))
 
     def kept(self, response_id: str, forget: bool) -> Response:
         """``GET`` / ``DELETE /v1/responses/{id}``: a kept response, or a 404."""

@@ -3,7 +3,7 @@ and field types, the generation fields of every generate endpoint, the 400 they 
 (``InvalidRequest``), the fields we refuse (each ``Refused`` rule with the JSON schema
 of its harmless values, which ``http.openapi_doc`` publishes) and the one rule by
 which a route reads its body (``validate_body``). Each endpoint's body is its own
-module (``completion_request``, ``chat_request``, ``responses_api``, ``tokenize``);
+module (``completion_request``, ``chat_request``, ``responses.request``, ``tokenize``);
 ``sampling_fields`` has the rules the completions bodies follow."""
 
 import functools
