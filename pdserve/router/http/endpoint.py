@@ -123,6 +123,7 @@ class Answer:
         return fields
 
     def whole(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """The whole response as the client reads it."""
         return obj
 
     async def events(self, objs: AsyncIterator[dict[str, Any]],
@@ -158,6 +159,7 @@ class GenerateEndpoint(Endpoint, ABC, Generic[B]):
         return await self.serve(request, rid, await read_json(request, rid), Answer())
 
     async def serve(self, request: Request, rid: str, body: Any, answer: Answer) -> Response:
+        """Serve ``body`` (request id ``rid``) and answer as ``answer`` says; ApiError."""
         fields: dict[str, str] = {}
         try:
             self.check_model(body)
