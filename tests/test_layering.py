@@ -1,7 +1,7 @@
 """The package's layering, read from the source (every import, top-level or inside a
 function): no import cycles among pdserve's modules; the engine imports nothing of
 pdserve outside itself but leaf modules (which import nothing of pdserve), and no Ray; the KV channels do not import the engine; the
-router imports neither torch nor Ray (ARCHITECTURE.md)."""
+router imports neither torch nor Ray, and its core none of its front ends (ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
@@ -137,4 +137,28 @@ def test_layers_import_only_below_them(layer: str, may_not: tuple[str, ...]) -> 
             if any(imp == m.rstrip(".") or imp.startswith(m if m.endswith(".") else m + ".")
                    or imp == m for m in may_not):
                 bad.append(f"{name} imports {imp}")
+    assert bad == []
+
+
+# The router's front ends over its core (the modules directly in pdserve/router/),
+# bottom up: what both share (api), the OpenAI shapes (openai), then the two servers.
+FRONT_ENDS = ("pdserve.router.api", "pdserve.router.openai", "pdserve.router.http",
+              "pdserve.router.grpc")
+
+
+@pytest.mark.parametrize(("layer", "may_not"), [
+    ("pdserve.router", FRONT_ENDS),  # the core: its own modules only (checked below)
+    ("pdserve.router.api", FRONT_ENDS[1:]),
+    ("pdserve.router.openai", FRONT_ENDS[2:]),
+    ("pdserve.router.http", ("pdserve.router.grpc",)),
+    ("pdserve.router.grpc", ("pdserve.router.http",)),
+])
+def test_router_front_ends_sit_over_the_core(layer: str, may_not: tuple[str, ...]) -> None:
+    def inside(name: str) -> bool:
+        if layer == "pdserve.router":  # the core: the modules directly in the folder
+            return name.rpartition(".")[0] == layer
+        return name.startswith(layer + ".")
+
+    bad = [f"{name} imports {imp}" for name, path in MODULES.items() if inside(name)
+           for imp in imports_of(path) if any(imp == m or imp.startswith(m + ".") for m in may_not)]
     assert bad == []

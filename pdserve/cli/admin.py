@@ -1,5 +1,5 @@
 """``pdserve scale`` and ``pdserve workers``: the operator's commands, over a running
-server's ``/admin/`` API (``pdserve.router.admin_api``).
+server's ``/admin/`` API (``pdserve.router.http.admin``).
 
 ``pdserve scale --prefill N --decode M --colocated K`` sets the pools' target sizes
 and waits until the server reports them reached (or ``--timeout`` passes, or the

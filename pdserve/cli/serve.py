@@ -27,9 +27,9 @@ from pdserve.engine import kernels
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.observability.file_sd import FileSD, cluster_targets, target_groups
 from pdserve.planner.step_times import Profile
-from pdserve.router.api_keys import ApiKeys
-from pdserve.router.grpc_server import start_grpc_server
-from pdserve.router.http_api import build_app, start_http_server
+from pdserve.router.api.keys import ApiKeys
+from pdserve.router.grpc.server import start_grpc_server
+from pdserve.router.http.app import build_app, start_http_server
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.router import Router
 from pdserve.router.types import FinalChunk, GenerateRequest, StreamChunk

@@ -14,7 +14,7 @@ import hypothesis.strategies as st
 from hypothesis import HealthCheck, given, settings
 
 from pdserve.protos import pb, pb_grpc
-from pdserve.router.grpc_server import SERVICE_NAME
+from pdserve.router.grpc.server import SERVICE_NAME
 from tests.fuzz.conftest import CONTEXT, GRPC_AUTH, STATS
 from tests.integration.live_server import CALL_TIMEOUT_S, LiveServer
 

@@ -17,7 +17,8 @@ import hypothesis.strategies as st
 import requests
 from hypothesis import HealthCheck, given, settings
 
-from pdserve.router.openai_models import ChatCompletionRequest, CompletionRequest
+from pdserve.router.openai.chat_request import ChatCompletionRequest
+from pdserve.router.openai.completion_request import CompletionRequest
 from tests.fuzz.conftest import AUTH, STATS
 from tests.integration.live_server import CALL_TIMEOUT_S, LiveServer
 
@@ -33,7 +34,7 @@ NUMBERS = st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.
 LEAVES = st.none() | st.booleans() | NUMBERS | TEXT
 VALUES = st.recursive(LEAVES, lambda inner: st.lists(inner, max_size=4)
                       | st.dictionaries(TEXT, inner, max_size=4), max_leaves=12)
-# Past json_body's bounds (MAX_NUMBER_DIGITS, a float's range); thousands of digits
+# Past http.json_body's bounds (MAX_NUMBER_DIGITS, a float's range); thousands of digits
 # also pass Python's 4,300-digit integer conversion limit.
 DIGITS = st.integers(1, 6000).map(lambda n: "1" * n)
 HUGE_NUMBERS = st.one_of(

@@ -26,7 +26,7 @@ from tests.integration.live_server import CALL_TIMEOUT_S, LiveServer
 
 MAX_EXAMPLES = 400
 # 400s for rules between fields, which a JSON schema of each field cannot state
-# (openai_schema's docstring lists them); any other field named in a 400 for a
+# (openai.sampling_fields' docstring lists them); any other field named in a 400 for a
 # schema-valid body means the document and the server disagree.
 # Constraints too: whether a regex, grammar or JSON schema compiles, one per request;
 # and the model's limits (context, vocabulary: request_problem's fields, as each API

@@ -14,9 +14,9 @@ from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry
 
-from pdserve.router.api_keys import ApiKeys
-from pdserve.router.grpc_server import start_grpc_server
-from pdserve.router.http_api import build_app, start_http_server
+from pdserve.router.api.keys import ApiKeys
+from pdserve.router.grpc.server import start_grpc_server
+from pdserve.router.http.app import build_app, start_http_server
 from tests.inprocess import Pair
 from tests.router.test_http_api import wait_freed
 

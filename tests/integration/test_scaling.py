@@ -26,8 +26,8 @@ from pdserve.cluster.scaler import Scaler
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.router.api_keys import ApiKeys
-from pdserve.router.http_api import build_app, start_http_server
+from pdserve.router.api.keys import ApiKeys
+from pdserve.router.http.app import build_app, start_http_server
 from pdserve.router.types import GenerateRequest, StreamChunk
 from tests.integration.test_ray_cluster import start
 from tests.waiting import until, until_async

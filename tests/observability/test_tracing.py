@@ -20,7 +20,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.observability.otlp_sink import OtlpReceiver, Received
 from pdserve.prefill_worker.worker import PrefillWorker
-from pdserve.router.http_api import build_app, start_http_server
+from pdserve.router.http.app import build_app, start_http_server
 from pdserve.router.router import Router, RouterConfig
 from pdserve.router.trace import RequestTrace
 from pdserve.router.types import FinalChunk, GenerateRequest

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.router.api_keys import ApiKeys
+from pdserve.router.api.keys import ApiKeys
 
 
 def test_keys_from_flag_and_file(tmp_path: Path) -> None:

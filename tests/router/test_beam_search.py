@@ -1,4 +1,4 @@
-"""Beam search (``router/beam_search.py``) against a model whose next-token
+"""Beam search (``router/api/beam_search.py``) against a model whose next-token
 distribution is a table: where the width covers every continuation it is exhaustive,
 so its answer must be the best sequences found by listing them all; through the HTTP
 API on the tiny model, width 1 is greedy decoding and what it cannot honour is a 400."""
@@ -15,7 +15,7 @@ import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import TokenLogprob
-from pdserve.router.beam_search import beam_search
+from pdserve.router.api.beam_search import beam_search
 from pdserve.router.types import FinalChunk, GenerateRequest, StreamChunk, Usage
 from tests.inprocess import Pair
 from tests.router.test_http_api import GREEDY, Client, serve, wait_freed

@@ -15,8 +15,8 @@ import pytest
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured import StructuredOutput
 from pdserve.protos import pb
-from pdserve.router import api_common
-from pdserve.router.grpc_server import request_from_proto, sampling_params_from_proto
+from pdserve.router.api import common as api_common
+from pdserve.router.grpc.messages import request_from_proto, sampling_params_from_proto
 from tests.router.test_grpc_server import ScriptedRouter, collect, expect_status, serve
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}

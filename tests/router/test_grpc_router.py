@@ -24,7 +24,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protos import pb, pb_grpc
-from pdserve.router.grpc_server import REQUEST_ID_KEY, RETRY_AFTER_KEY, start_grpc_server
+from pdserve.router.grpc.server import REQUEST_ID_KEY, RETRY_AFTER_KEY, start_grpc_server
 from tests.inprocess import Pair
 from tests.router.test_http_api import wait_freed
 from tests.waiting import until_async

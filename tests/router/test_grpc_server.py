@@ -18,8 +18,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.protos import build, pb, pb_grpc
-from pdserve.router.api_keys import ApiKeys
-from pdserve.router.grpc_server import (
+from pdserve.router.api.keys import ApiKeys
+from pdserve.router.api.public_errors import GENERIC
+from pdserve.router.grpc.server import (
     REQUEST_ID_KEY,
     RETRY_AFTER_KEY,
     SERVICE_NAME,
@@ -27,7 +28,6 @@ from pdserve.router.grpc_server import (
     GenerationServicer,
     start_grpc_server,
 )
-from pdserve.router.public_errors import GENERIC
 from pdserve.router.types import (
     ErrorKind,
     FinalChunk,

@@ -1,4 +1,4 @@
-"""The OpenAI HTTP API (``router/http_api.py``) on uvicorn (port 0) over a real
+"""The OpenAI HTTP API (``router/http/app.py``) on uvicorn (port 0) over a real
 in-process router with prefill/decode workers (local transfer), plus a scripted
 router for the error kinds that a healthy cluster does not produce on demand."""
 
@@ -18,11 +18,11 @@ import httpx2
 from prometheus_client import CollectorRegistry
 
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.router.api_keys import ApiKeys
-from pdserve.router.http_api import build_app, start_http_server
+from pdserve.router.api.keys import ApiKeys
+from pdserve.router.api.public_errors import GENERIC
+from pdserve.router.http.app import build_app, start_http_server
 from pdserve.router.metrics import RouterMetrics
-from pdserve.router.openai_format import TokenText
-from pdserve.router.public_errors import GENERIC
+from pdserve.router.openai.response_objects import TokenText
 from pdserve.router.types import (
     ErrorKind,
     FinalChunk,
@@ -519,9 +519,9 @@ def test_protect_probes(tiny_model: Callable[[str], Path]) -> None:
 
 
 def test_http_api_never_imports_torch_or_ray() -> None:
-    code = ("import sys, pdserve.router.http_api; "
+    code = ("import sys, pdserve.router.http.app; "
             "bad = [m for m in ('torch', 'ray') if m in sys.modules]; "
-            "sys.exit(f'http_api imported {bad}' if bad else 0)")
+            "sys.exit(f'http.app imported {bad}' if bad else 0)")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

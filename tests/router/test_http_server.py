@@ -1,5 +1,5 @@
-"""Bounds on what clients can hold of the HTTP server (``router/http_server.py``,
-``http_middleware.BodyLimitMiddleware``): a body that does not arrive in time gets a
+"""Bounds on what clients can hold of the HTTP server (``router/http/server.py``,
+``http.middleware.BodyLimitMiddleware``): a body that does not arrive in time gets a
 408 and its connection closed; a request head trickled a byte at a time is cut off; past
 the connection cap new requests get a 503; and through all of it the server answers
 others."""
@@ -14,7 +14,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry
 
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.router.http_api import build_app, start_http_server
+from pdserve.router.http.app import build_app, start_http_server
 from pdserve.router.types import FinalChunk, Usage
 from tests.router.test_http_api import Client, ScriptedRouter
 

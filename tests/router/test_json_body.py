@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.router.json_body import MAX_NUMBER_DIGITS, BadJson, check_depth, parse_json
+from pdserve.router.http.json_body import MAX_NUMBER_DIGITS, BadJson, check_depth, parse_json
 
 
 def test_depth_is_counted_outside_strings() -> None:

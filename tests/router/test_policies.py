@@ -87,7 +87,7 @@ def test_unknown_policy_is_a_clear_error() -> None:
 
 
 def test_router_never_imports_torch_or_ray() -> None:
-    code = ("import sys, pdserve.router.router, pdserve.router.grpc_server, "
+    code = ("import sys, pdserve.router.router, pdserve.router.grpc.server, "
             "pdserve.router.metrics; "
             "bad = [m for m in ('torch', 'ray') if m in sys.modules]; "
             "sys.exit(f'router imported {bad}' if bad else 0)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.router.public_errors import GENERIC, MAX_CHARS, public_message
+from pdserve.router.api.public_errors import GENERIC, MAX_CHARS, public_message
 from pdserve.router.types import ErrorKind
 
 LEAKS = [

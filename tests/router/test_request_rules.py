@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.engine.sampling_params import MAX_BAD_WORD_TEXTS, SamplingParams
 from pdserve.protos import pb
-from pdserve.router.grpc_server import request_from_proto
+from pdserve.router.grpc.server import request_from_proto
 from pdserve.router.types import GenerateRequest
 
 

@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (``POST /v1/responses``, ``router/openai_responses.py``): a
+"""OpenAI's Responses API (``POST /v1/responses``, ``router/openai/responses/``): a
 body maps to the chat body that asks for the same (messages, tools, format, limits),
 the chat result maps back to output items, whole and as the typed stream events, and
 bad input is a 400 naming the Responses field. Over HTTP with a scripted router (exact
@@ -17,13 +17,9 @@ import pytest
 
 from pdserve.engine.structured import StructuredOutput
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.router.openai_models import validate_body
-from pdserve.router.openai_responses import (
-    REFUSED_RESPONSES,
-    ResponsesRequest,
-    ResponseStore,
-    chat_body,
-)
+from pdserve.router.openai.request_models import validate_body
+from pdserve.router.openai.responses.request import REFUSED_RESPONSES, ResponsesRequest
+from pdserve.router.openai.responses.store import ResponseStore
 from pdserve.router.types import ErrorKind, FinalChunk, RouterError, StreamChunk, Usage
 from tests.inprocess import Pair
 from tests.router.test_http_api import GREEDY, LEAKY, Client, serve
@@ -53,7 +49,8 @@ async def events(client: Client, body: dict[str, Any]) -> list[tuple[str, dict[s
 
 
 def parsed(body: dict[str, Any]) -> dict[str, Any]:
-    return chat_body(validate_body(ResponsesRequest, body, REFUSED_RESPONSES))
+    r: ResponsesRequest = validate_body(ResponsesRequest, body, REFUSED_RESPONSES)
+    return r.to_chat_body()
 
 
 def test_a_conversation_maps_to_chat_messages() -> None:
@@ -274,7 +271,7 @@ def test_the_store_keeps_the_last_ones() -> None:
     assert store.get("resp_0") is None and store.get("resp_2") is not None
     continued = store.continued(validate_body(ResponsesRequest, {
         "input": "next", "previous_response_id": "resp_1"}))
-    assert chat_body(continued)["messages"] == [{"role": "user", "content": "q1"},
+    assert continued.to_chat_body()["messages"] == [{"role": "user", "content": "q1"},
                                                 {"role": "user", "content": "next"}]
     # using one keeps it longest: resp_1 was used, so resp_2 goes first
     store.keep(continued, {"id": "resp_3", "output": []})

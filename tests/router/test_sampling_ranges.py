@@ -11,7 +11,8 @@ import pytest
 from pydantic import ValidationError
 
 from pdserve.engine.sampling_params import RANGES, Range, SamplingParams
-from pdserve.router.openai_models import ChatCompletionRequest, CompletionRequest
+from pdserve.router.openai.chat_request import ChatCompletionRequest
+from pdserve.router.openai.completion_request import CompletionRequest
 
 FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(SamplingParams)}
 MODELS = {CompletionRequest: {"prompt": "hi"},

@@ -1,8 +1,8 @@
-"""The OpenAI fields that shape an output (``router/openai_schema.py``): structured
+"""The OpenAI fields that shape an output (``router/openai/sampling_fields.py``): structured
 outputs (``response_format``, vLLM's ``guided_*`` and ``structured_outputs``) mapped
 to ``SamplingParams.structured`` and checked before a request runs, ``logit_bias``,
 ``priority``, and ``n`` choices -- their requests, and their merged responses
-(``openai_format.ResponseBuilder``, and over HTTP with a scripted router)."""
+(``openai.response_builder.ResponseBuilder``, and over HTTP with a scripted router)."""
 
 from __future__ import annotations
 
@@ -17,16 +17,16 @@ import pytest
 
 from pdserve.engine.structured import StructuredOutput
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.router import api_common
-from pdserve.router.openai_format import ResponseBuilder, TokenText
-from pdserve.router.openai_models import InvalidRequest
-from pdserve.router.openai_schema import (
-    chat_request,
-    check_grammars,
-    choice_requests,
-    completion_request,
-)
-from pdserve.router.tool_calls import HERMES
+from pdserve.router.api import common as api_common
+from pdserve.router.openai.chat_request import ChatCompletionRequest
+from pdserve.router.openai.chat_response import ChatBuilder
+from pdserve.router.openai.completion_request import CompletionRequest
+from pdserve.router.openai.completion_response import CompletionBuilder
+from pdserve.router.openai.request_models import InvalidRequest
+from pdserve.router.openai.response_builder import ResponseBuilder
+from pdserve.router.openai.response_objects import TokenText
+from pdserve.router.openai.sampling_fields import check_grammars, choice_requests
+from pdserve.router.openai.tool_parsers.hermes import HERMES
 from pdserve.router.types import (
     ErrorKind,
     FinalChunk,
@@ -46,11 +46,15 @@ TAG = {"structures": [{"begin": "<function=get_weather>", "schema": SCHEMA, "end
 
 
 def chat(**body: Any) -> Any:
-    return chat_request({"messages": USER, **body}, "r", lambda m, t, kw: 10, 100, HERMES)
+    """(The body, its router request, its plan)."""
+    r = ChatCompletionRequest.parse({"messages": USER, **body})
+    return r, *r.to_router("r", lambda m, t, kw: 10, 100, HERMES)
 
 
 def completion(**body: Any) -> Any:
-    return completion_request({"prompt": "x", **body}, "r")
+    """(The body, its router requests, its plan)."""
+    r = CompletionRequest.parse({"prompt": "x", **body})
+    return r, *r.to_router("r")
 
 
 def one_completion(**body: Any) -> Any:
@@ -240,9 +244,10 @@ def test_a_batch_of_prompts_is_a_request_per_prompt() -> None:
 # ---------------------------------------------------------------- merged responses
 
 def builder(tiny_model: Callable[[str], Path], chat: bool, **kw: Any) -> ResponseBuilder:
-    return ResponseBuilder(chat=chat, request_id="r", model="tiny", created=1,
-                           text=TokenText(Tokenizer.from_dir(tiny_model("llama-gqa"))),
-                           logprobs=False, **kw)
+    """A chat or a completions response builder."""
+    return (ChatBuilder if chat else CompletionBuilder)(
+        request_id="r", model="tiny", created=1,
+        text=TokenText(Tokenizer.from_dir(tiny_model("llama-gqa"))), logprobs=False, **kw)
 
 
 def test_whole_response_merges_the_choices(tiny_model: Callable[[str], Path]) -> None:

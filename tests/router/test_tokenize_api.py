@@ -1,4 +1,4 @@
-"""vLLM's tokenizer endpoints (``router/tokenize_api.py``) and ``GET /v1/models/{id}``
+"""vLLM's tokenizer endpoints (``router/openai/tokenize.py``) and ``GET /v1/models/{id}``
 on the HTTP API over a real in-process router: a chat body's tokens are the ones
 chat completions prefill, a prompt's the ones completions do; detokenize inverts
 tokenize; lm-evaluation-harness' remote tokenizer and the openai SDK work against

@@ -1,6 +1,6 @@
-"""Tool calling: the family syntaxes (``router/tool_calls.py``) -- parsing whole and
+"""Tool calling: the family syntaxes (``router/openai/tool_parsers/``) -- parsing whole and
 streamed outputs, the forcing grammar, prompt rendering -- the request mapping of
-``tools`` / ``tool_choice`` (``openai_schema``), and the response shapes, whole and
+``tools`` / ``tool_choice`` (``openai.chat_request``), and the response shapes, whole and
 streamed, through the HTTP API over a scripted router."""
 
 from __future__ import annotations
@@ -16,17 +16,14 @@ import pytest
 from pdserve.engine.structured import StructuredOutput, grammar_of
 from pdserve.engine.tiny import CHAT_TEMPLATE
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.router.openai_format import ResponseBuilder, TokenText
-from pdserve.router.openai_models import InvalidRequest
-from pdserve.router.openai_schema import chat_request
-from pdserve.router.tool_calls import (
-    HERMES,
-    LLAMA3,
-    ToolCall,
-    ToolSyntax,
-    call_deltas,
-    syntax_for,
-)
+from pdserve.router.openai.chat_request import ChatCompletionRequest
+from pdserve.router.openai.chat_response import ChatBuilder
+from pdserve.router.openai.request_models import InvalidRequest
+from pdserve.router.openai.response_objects import TokenText
+from pdserve.router.openai.tool_parsers import syntax_for
+from pdserve.router.openai.tool_parsers.base import ToolCall, ToolSyntax, call_deltas
+from pdserve.router.openai.tool_parsers.hermes import HERMES
+from pdserve.router.openai.tool_parsers.llama3 import LLAMA3
 from pdserve.router.types import FinalChunk, StreamChunk, Usage
 from tests.router.test_http_api import Client, ScriptedRouter, serve, sse
 
@@ -169,8 +166,10 @@ def test_forcing_grammar_compiles_and_takes_compact_calls(
 
 # ---------------------------------------------------------------- requests
 
-def chat(syntax: ToolSyntax = HERMES, **body: Any) -> Any:
-    return chat_request({"messages": USER, **body}, "r", lambda m, t, kw: 10, 100, syntax)
+def chat(syntax: ToolSyntax = HERMES, native: bool = False, **body: Any) -> Any:
+    """(The body, its router request, its plan)."""
+    r = ChatCompletionRequest.parse({"messages": USER, **body})
+    return r, *r.to_router("r", lambda m, t, kw: 10, 100, syntax, native)
 
 
 def test_auto_renders_tools_and_parses_without_constraint() -> None:
@@ -257,10 +256,10 @@ def test_invalid_tools_are_a_400_naming_the_field(body: dict[str, Any], param: s
 
 # ---------------------------------------------------------------- responses
 
-def builder(tiny_model: Callable[[str], Path], **kw: Any) -> ResponseBuilder:
-    return ResponseBuilder(chat=True, request_id="r", model="tiny", created=1,
-                           text=TokenText(Tokenizer.from_dir(tiny_model("llama-gqa"))),
-                           logprobs=False, tools=HERMES, **kw)
+def builder(tiny_model: Callable[[str], Path], **kw: Any) -> ChatBuilder:
+    return ChatBuilder(request_id="r", model="tiny", created=1,
+                       text=TokenText(Tokenizer.from_dir(tiny_model("llama-gqa"))),
+                       logprobs=False, tools=HERMES, **kw)
 
 
 def test_stream_deltas_are_openai_shaped(tiny_model: Callable[[str], Path]) -> None:
@@ -385,8 +384,7 @@ def test_a_template_that_renders_tools_gets_them_structured(
             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
     messages = [*USER, {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
-    _, req, plan = chat_request({"messages": messages, "tools": [WEATHER, TIME]}, "r",
-                                lambda m, t, kw: 10, 100, HERMES, native_tools=True)
+    _, req, plan = chat(native=True, messages=messages, tools=[WEATHER, TIME])
     assert plan.tools is HERMES and req.tools is not None
     assert [t["function"]["name"] for t in req.tools] == ["get_weather", "get_time"]
     assert req.messages is not None and req.messages[1]["tool_calls"][0]["function"] == {
@@ -396,7 +394,6 @@ def test_a_template_that_renders_tools_gets_them_structured(
     assert "<tool_call>get_weather(Paris)</tool_call>" in text and "[call_1]" in text
     assert "# Tools\n\nYou may call" not in text  # pdserve's prompt is not added
     # The same request for a template without tools support: pdserve writes them in.
-    _, req, _ = chat_request({"messages": messages, "tools": [WEATHER]}, "r",
-                             lambda m, t, kw: 10, 100, HERMES)
+    _, req, _ = chat(messages=messages, tools=[WEATHER])
     assert req.tools is None and req.messages is not None
     assert "<tools>" in req.messages[0]["content"]

@@ -20,8 +20,8 @@ from typing import Any, Protocol
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from pdserve.router.json_body import BadJson, parse_json
-from pdserve.router.openai_format import error_object
+from pdserve.router.http.json_body import BadJson, parse_json
+from pdserve.router.openai.response_objects import error_object
 
 
 class Admin(Protocol):

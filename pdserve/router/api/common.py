@@ -1,14 +1,7 @@
 """What the router's API layers (gRPC, OpenAI HTTP) share: the ``RouterLike``
-protocol they are written against, request ids, the served-model check, and the
-rules for ending a router stream.
-
-Closing rule: whatever ends a request early (client gone, deadline, server
-stopping) must end the router's async generator, because its cleanup is what
-aborts the request on the prefill and decode workers. ``close_stream`` does that
-for a generator suspended at a ``yield``; ``RouterStream`` runs the generator in a
-task of its own so that the cleanup also survives callers whose cancellation is
-re-delivered at every ``await`` (anyio cancel scopes, i.e. Starlette/uvicorn).
-"""
+protocol they are written against, request ids, the served-model check, and compiling
+a request's output constraints before it runs. How a router stream is ended:
+``router_stream``."""
 
 from __future__ import annotations
 
@@ -17,7 +10,7 @@ import logging
 import re
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pdserve.engine.structured import StructuredOutput, grammar_of
 from pdserve.router.types import (
@@ -88,75 +81,6 @@ def check_model(router: RouterLike, model: str | None) -> None:
         served_model(router, model)
 
 
-async def close_stream(stream: AsyncIterator[Any], request_id: str) -> None:
-    """End a router stream that is suspended at a ``yield`` (or already finished)."""
-    # aclose() on a finished generator is a no-op; on a suspended one it raises
-    # GeneratorExit inside the router, whose cleanup aborts the request on the workers.
-    aclose = getattr(stream, "aclose", None)
-    if aclose is None:
-        return
-    try:
-        await aclose()
-    except Exception:
-        logger.exception("closing the router stream of request %s failed", request_id)
-
-
-_END = object()  # the router's stream ended (after its FinalChunk)
-
-
-class RouterStream:
-    """``router.generate(req)`` driven by a task of its own, read with ``next()``.
-
-    The task reads ahead into an unbounded queue (the router already buffers a
-    request's tokens the same way). ``close()`` cancels that task: the router sees
-    one ``CancelledError`` at its current ``await`` and its cleanup (the aborts on
-    both workers) runs to the end in that task, whatever happens to the caller.
-    Unexpected exceptions from the router become ``RouterError(INTERNAL)``.
-    """
-
-    def __init__(self, router: RouterLike, req: GenerateRequest, tasks: set[asyncio.Task[None]]):
-        self.request_id = req.request_id
-        self._queue: asyncio.Queue[object] = asyncio.Queue()
-        self._task = asyncio.create_task(self._pump(router.generate(req)),
-                                         name=f"router-stream-{req.request_id}")
-        # The loop keeps only weak references to tasks: the owner's set holds this
-        # one until it has finished its cleanup.
-        tasks.add(self._task)
-        self._task.add_done_callback(tasks.discard)
-
-    async def _pump(self, stream: AsyncIterator[StreamChunk | FinalChunk]) -> None:
-        try:
-            async for item in stream:
-                self._queue.put_nowait(item)
-            self._queue.put_nowait(_END)
-        except RouterError as exc:
-            self._queue.put_nowait(exc)
-        except Exception:
-            logger.exception("router failed on request %s", self.request_id)
-            self._queue.put_nowait(RouterError(ErrorKind.INTERNAL, "internal error"))
-        finally:
-            await close_stream(stream, self.request_id)
-
-    async def next(self) -> StreamChunk | FinalChunk | None:
-        """The next item; None after the FinalChunk; raises RouterError."""
-        item = await self._queue.get()
-        if item is _END:
-            self._queue.put_nowait(_END)  # later calls see the end too
-            return None
-        if isinstance(item, RouterError):
-            raise item
-        assert isinstance(item, StreamChunk | FinalChunk)
-        return item
-
-    def close(self, error: RouterError | None = None) -> None:
-        """Abort the request unless the router already finished it (idempotent).
-        ``error``: what a reader still waiting in ``next()`` gets instead."""
-        if not self._task.done():
-            self._task.cancel()
-            if error is not None:
-                self._queue.put_nowait(error)
-
-
 STRUCTURED_COMPILE_TIMEOUT_S = 10.0  # a constraint that takes longer to compile is refused
 
 
@@ -171,7 +95,7 @@ class ConstraintRefused(ValueError):
 
 def one_line(message: str) -> str:
     """A compiler's message on one line (clients see one-line messages only: a status
-    message that spans lines is replaced by a generic one, ``public_errors``), without
+    message that spans lines is replaced by a generic one, ``api.public_errors``), without
     the source excerpt and caret lines it draws under it."""
     return " ".join(line.strip() for line in message.splitlines()
                     if line.strip() and not re.fullmatch(r"\s*(\d+ \|.*|[\s^]*)", line))

@@ -7,9 +7,9 @@ Bounds, so that one client cannot hold the server's sockets: at most
 connection waiting for a request head (new, or idle between keep-alive requests) gets
 ``header_timeout_s`` to send a whole one, or it is closed (uvicorn's own keep-alive
 timer stops at the first byte, so a client sending a byte at a time would hold it
-forever). The body's own deadline is ``http_middleware.BODY_TIMEOUT_S`` (a 408).
+forever). The body's own deadline is ``http.middleware.BODY_TIMEOUT_S`` (a 408).
 
-Stop rule for an app from ``http_api.build_app`` (``app.state.pdserve_api``): open
+Stop rule for an app from ``http.app.build_app`` (``app.state.pdserve_api``): open
 requests are ended first (a 503, or an SSE error event and ``[DONE]``), so that
 uvicorn's wait for open connections is short and never has to cancel a handler;
 then the stop waits for the aborts of those requests to reach the workers.

@@ -1,12 +1,12 @@
 """The OpenAPI document of the HTTP API (``GET /openapi.json``), describing what
 the handlers really take and answer.
 
-The generate routes read their bodies by hand (``openai_schema`` validates
+The generate routes read their bodies by hand (each body model validates
 them strictly and maps errors to OpenAI's shape), so FastAPI alone would publish
 no request body at all. This module adds, per route:
 
 * the request body: the JSON schema of the pydantic model, plus the refused
-  fields with their harmless values (``openai_schema.REFUSED_*``), plus the served
+  fields with their harmless values (each body's ``REFUSED_*``), plus the served
   model names;
 * every status the route can answer, with its content type: 200 as JSON (or SSE
   for a stream), errors as OpenAI's error object;
@@ -26,16 +26,11 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from pdserve.router.openai_models import (
-    IGNORED_FIELDS,
-    REFUSED_CHAT,
-    REFUSED_COMPLETION,
-    ChatCompletionRequest,
-    CompletionRequest,
-    Refused,
-)
-from pdserve.router.openai_responses import REFUSED_RESPONSES, ResponsesRequest
-from pdserve.router.tokenize_api import (
+from pdserve.router.openai.chat_request import REFUSED_CHAT, ChatCompletionRequest
+from pdserve.router.openai.completion_request import REFUSED_COMPLETION, CompletionRequest
+from pdserve.router.openai.request_models import IGNORED_FIELDS, Refused
+from pdserve.router.openai.responses.request import REFUSED_RESPONSES, ResponsesRequest
+from pdserve.router.openai.tokenize import (
     REFUSED_TOKENIZE_CHAT,
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -88,7 +83,7 @@ def _json(description: str) -> dict[str, Any]:
 
 def openapi_document(app: FastAPI, served: Sequence[str], keyed: bool,
                      protect_probes: bool) -> dict[str, Any]:
-    """The document for ``app`` (routes as ``http_api.build_app`` makes them)."""
+    """The document for ``app`` (routes as ``http.app.build_app`` makes them)."""
     doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
     schemas: dict[str, Any] = doc.setdefault("components", {}).setdefault("schemas", {})
     schemas["Error"] = ERROR_SCHEMA

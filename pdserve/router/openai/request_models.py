@@ -1,7 +1,10 @@
-"""The OpenAI request bodies (``/v1/completions``, ``/v1/chat/completions``) as pydantic
-models, and the fields we refuse (each ``Refused`` rule with the JSON schema of its
-harmless values, which ``openapi_doc`` publishes). ``openai_schema.py`` maps a
-validated body to router requests; its docstring has the rules both follow."""
+"""What every OpenAI request body shares: the pydantic base (``Body``: strict types)
+and field types, the generation fields of every generate endpoint, the 400 they raise
+(``InvalidRequest``), the fields we refuse (each ``Refused`` rule with the JSON schema
+of its harmless values, which ``http.openapi_doc`` publishes) and the one rule by
+which a route reads its body (``validate_body``). Each endpoint's body is its own
+module (``completion_request``, ``chat_request``, ``responses.request``, ``tokenize``);
+``sampling_fields`` has the rules the completions bodies follow."""
 
 import functools
 import logging
@@ -18,13 +21,11 @@ from pdserve.engine.sampling_params import (
     MAX_STOP_STRINGS,
     RANGES,
 )
-from pdserve.engine.structured import MAX_CHOICES, StructuredOutput
+from pdserve.engine.structured import MAX_CHOICES
 
 log = logging.getLogger("pdserve.router")
 
 MAX_N = 16  # choices per prompt
-MAX_PROMPTS = 64  # prompts per completions request (a batch, as lm-eval's batch_size sends)
-INT64 = 2**63
 TokenId = Annotated[int, Field(ge=0)]
 StopString = Annotated[str, Field(min_length=1)]
 
@@ -39,7 +40,6 @@ TopN = Annotated[int, _in("logprobs")]
 NonEmpty = Annotated[str, Field(min_length=1)]
 JsonSchema = dict[str, Any]
 Choices = Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_CHOICES)]
-Named = list[tuple[str, StructuredOutput]]  # (field or its part, constraint)
 # token id (in decimal, as JSON keys are strings) -> bias
 LogitBias = Annotated[
     dict[Annotated[str, Field(pattern=r"^[0-9]+$")],
@@ -145,125 +145,6 @@ class GenerationFields(Body):
     timeout_s: Annotated[float, Field(gt=0.0)] | None = None
 
 
-class SamplingFields(GenerationFields):
-    """Fields both completions endpoints share; vLLM's output constraints at the end."""
-
-    stream_options: StreamOptions | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
-    response_format: ResponseFormat | None = None
-    guided_json: JsonSchema | str | None = None  # a schema, or its JSON text
-    guided_regex: NonEmpty | None = None
-    guided_choice: Choices | None = None
-    guided_grammar: NonEmpty | None = None  # Lark (llguidance) or GBNF
-    structured_outputs: StructuredOutputs | None = None
-    structural_tag: NonEmpty | None = None  # vLLM's older field: JSON text, as above
-    # vLLM's: each prompt token's logprob and its top-N (not streamed)
-    prompt_logprobs: TopN | None = None
-    # vLLM's: the prompt's and each choice's token ids beside the text
-    return_token_ids: bool = False
-    # vLLM's beam search: n beams (the width), scored cum_logprob / len ** length_penalty
-    use_beam_search: bool = False
-    length_penalty: Annotated[float, Field(ge=-10.0, le=10.0)] = 1.0
-
-
-class CompletionRequest(SamplingFields):
-    # a text, token ids, or a batch of either (n choices of each, indexes prompt-major)
-    prompt: (str | list[TokenId]
-             | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)]
-             | Annotated[list[list[TokenId]], Field(min_length=1, max_length=MAX_PROMPTS)])
-    logprobs: TopN | None = None  # top-N per token (OpenAI allows 0..5, we 0..20)
-    # the prompt leads the output; with logprobs, its tokens' logprobs too (the first
-    # token's are null), as in OpenAI's legacy API and vLLM
-    echo: bool = False
-    max_tokens: Annotated[int, Field(ge=0)] | None = None  # 0: only with echo (scoring)
-    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None  # equal to n (no ranking)
-
-
-class ContentPart(Body):
-    type: Literal["text"]  # images, audio, files: not supported
-    text: str
-
-
-class CalledFunction(Body):
-    name: NonEmpty
-    arguments: str  # JSON text
-
-
-class MessageToolCall(Body):
-    id: str
-    type: Literal["function"]
-    function: CalledFunction
-
-
-class ChatMessage(Body):
-    # developer: OpenAI's newer name for system instructions (rendered as system)
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None  # None: assistant messages only
-    tool_calls: list[MessageToolCall] | None = None  # assistant messages only
-    tool_call_id: str | None = None  # tool messages: the call answered
-
-
-class FunctionDef(Body):
-    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
-    description: str | None = None
-    parameters: JsonSchema | None = None  # None: no parameters
-    strict: bool | None = None
-
-
-class Tool(Body):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class FunctionName(Body):
-    name: NonEmpty
-
-
-class NamedToolChoice(Body):
-    type: Literal["function"]
-    function: FunctionName
-
-
-class Prediction(Body):
-    """OpenAI's predicted output: what the answer is expected to be (a file being
-    edited, say). The decoding worker drafts from it; the answer is unchanged."""
-
-    type: Literal["content"]
-    content: str | Annotated[list[ContentPart], Field(min_length=1)]
-
-    @property
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else \
-            "".join(part.text for part in self.content)
-
-
-class ChatTemplateFields(Body):
-    """vLLM's chat extras: how the chat template renders the messages
-    (``Tokenizer.render_chat``; ``openai_schema.chat_template_args`` checks them)."""
-
-    add_generation_prompt: bool = True
-    # the answer continues the final message (set add_generation_prompt false)
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
-    documents: list[dict[str, str]] | None = None  # for a template that renders them (RAG)
-
-
-class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    tools: Annotated[list[Tool], Field(min_length=1)] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool = True
-    # OpenAI's newer name; wins over max_tokens
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool = False
-    top_logprobs: TopN | None = None  # needs logprobs
-    prediction: Prediction | None = None
-    # vLLM's: the answer's content begins with the last message's when the answer
-    # continues it (its role is the answer's: continue_final_message)
-    echo: bool = False
-
-
 @dataclass(frozen=True)
 class Refused:
     """A field we cannot honour: allowed only with a harmless value. ``harmless``
@@ -299,28 +180,8 @@ VLLM_UNIMPLEMENTED: dict[str, Refused] = {
     "kv_transfer_params": EMPTY,  # this server moves the KV itself
     "vllm_xargs": EMPTY,
 }
-# Field -> its harmless values. Anything else is refused with a 400 naming it.
-REFUSED_COMPLETION: dict[str, Refused] = {
-    "suffix": EMPTY,
-    **VLLM_UNIMPLEMENTED,
-    "add_special_tokens": only(None, True),
-    "prompt_embeds": only(None),
-}
 # a request's own chat template: the model's is used
 OWN_TEMPLATE = Refused(EMPTY.harmless, EMPTY.schema, "the model's own chat template is used")
-REFUSED_CHAT = {
-    **VLLM_UNIMPLEMENTED,
-    "add_special_tokens": only(None, False),
-    "mm_processor_kwargs": EMPTY,
-    "chat_template": OWN_TEMPLATE,
-    "functions": EMPTY,
-    "function_call": only(None, "none", "auto"),
-    "audio": EMPTY,
-    "modalities": Refused(lambda v: v is None or v == ["text"],
-                          {"anyOf": [{"type": "null"}, {"const": ["text"]}]}),
-    "web_search_options": EMPTY,
-}
-
 
 # Fields OpenAI's clients send that cannot change this server's answers (its models
 # do not reason, it stores no chat completions, it has one service tier): accepted and

@@ -5,13 +5,15 @@ in arrival order (``chunks``, streamed) or one whole response (``collect_whole``
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pdserve.router.api_common import RouterLike, RouterStream
-from pdserve.router.openai_format import ResponseBuilder
-from pdserve.router.types import ErrorKind, FinalChunk, GenerateRequest, RouterError, StreamChunk
+from pdserve.router.api.common import RouterLike
+from pdserve.router.api.router_stream import Item, RouterStream
+from pdserve.router.openai.response_builder import ResponseBuilder
+from pdserve.router.types import FinalChunk, GenerateRequest, RouterError, StreamChunk
 
 
 async def chunks(choices: Choices, out: ResponseBuilder) -> AsyncIterator[dict[str, Any]]:
@@ -52,9 +54,8 @@ class Choices:
         self.request_id = request_id
         self._router, self._reqs, self._n, self._tasks = router, reqs, n, tasks
         self._calls: list[RouterStream] = []
-        self._pumps: list[asyncio.Task[None]] = []
-        self._queue: asyncio.Queue[tuple[int, StreamChunk | FinalChunk | RouterError]] = (
-            asyncio.Queue())
+        # Every choice's RouterStream delivers here, tagged with the choice's index.
+        self._queue: asyncio.Queue[tuple[int, Item]] = asyncio.Queue()
         self._ready: deque[tuple[int, StreamChunk | FinalChunk]] = deque()  # read by start
         self._finished = 0
         self._closed = False
@@ -63,22 +64,11 @@ class Choices:
             self._launch(index)
 
     def _launch(self, index: int) -> None:
-        req = self._reqs[index]
-        call = RouterStream(self._router, req, self._tasks)
-        self._calls.append(call)
-        self._pumps.append(asyncio.create_task(self._pump(index, call),
-                                               name=f"choice-{req.request_id}"))
+        self._calls.append(RouterStream(self._router, self._reqs[index], self._tasks,
+                                        functools.partial(self._deliver, index)))
 
-    async def _pump(self, index: int, call: RouterStream) -> None:
-        try:
-            while (item := await call.next()) is not None:
-                self._queue.put_nowait((index, item))
-                if isinstance(item, FinalChunk):
-                    return
-            self._queue.put_nowait((index, RouterError(ErrorKind.INTERNAL,
-                                                       "stream ended without a final chunk")))
-        except RouterError as exc:
-            self._queue.put_nowait((index, exc))
+    def _deliver(self, index: int, item: Item) -> None:
+        self._queue.put_nowait((index, item))
 
     async def _take(self) -> tuple[int, StreamChunk | FinalChunk]:
         index, item = await self._queue.get()
@@ -115,6 +105,3 @@ class Choices:
         self._closed = True
         for call in self._calls:
             call.close(error)
-        if error is None:
-            for pump in self._pumps:
-                pump.cancel()

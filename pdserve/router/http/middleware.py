@@ -34,9 +34,9 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pdserve.router.api_common import REQUEST_ID_KEY, checked_request_id
-from pdserve.router.api_keys import ApiKeys
-from pdserve.router.openai_format import error_object
+from pdserve.router.api.common import REQUEST_ID_KEY, checked_request_id
+from pdserve.router.api.keys import ApiKeys
+from pdserve.router.openai.response_objects import error_object
 
 log = logging.getLogger("pdserve.http")
 

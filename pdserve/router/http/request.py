@@ -10,10 +10,10 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from pdserve.router.json_body import BadJson, parse_json
-from pdserve.router.openai_format import error_object, router_error_object
-from pdserve.router.openai_models import InvalidRequest
-from pdserve.router.public_errors import public_message
+from pdserve.router.api.public_errors import public_message
+from pdserve.router.http.json_body import BadJson, parse_json
+from pdserve.router.openai.request_models import InvalidRequest
+from pdserve.router.openai.response_objects import error_object, router_error_object
 from pdserve.router.types import ErrorKind, RouterError
 
 T = TypeVar("T")

@@ -8,7 +8,7 @@ installed beside them. A chat body's tokens are the ones ``/v1/chat/completions`
 would prefill for the same messages and tools (one ``chat_messages`` for both); a
 prompt's, with the default ``add_special_tokens``, those ``/v1/completions`` would.
 
-Bodies are validated as the generate routes' are (``openai_models``); what a body
+Bodies are validated as the generate routes' are (``openai.request_models``); what a body
 asks that this server cannot do (a chat template of its own) is refused with a 400
 naming the field, never ignored.
 """
@@ -20,24 +20,24 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.router.openai_models import (
-    EMPTY,
-    OWN_TEMPLATE,
-    REFUSED_CHAT,
-    REFUSED_COMPLETION,
-    Body,
-    ChatCompletionRequest,
+from pdserve.router.openai.chat_messages import (
     ChatMessage,
     ChatTemplateFields,
-    CompletionRequest,
+    Tool,
+    chat_messages,
+)
+from pdserve.router.openai.chat_request import REFUSED_CHAT, ChatCompletionRequest
+from pdserve.router.openai.completion_request import REFUSED_COMPLETION, CompletionRequest
+from pdserve.router.openai.request_models import (
+    EMPTY,
+    OWN_TEMPLATE,
+    Body,
     InvalidRequest,
     Refused,
-    Tool,
     known_fields,
     validate_body,
 )
-from pdserve.router.openai_schema import chat_messages, chat_template_args
-from pdserve.router.tool_calls import ToolSyntax
+from pdserve.router.openai.tool_parsers.base import ToolSyntax
 
 
 class TokenizeCompletionRequest(Body):
@@ -89,7 +89,7 @@ def _text(r: TokenizeCompletionRequest | TokenizeChatRequest, tokenizer: Tokeniz
     tools = None if r.tools is None else [t.model_dump(exclude_none=True) for t in r.tools]
     native = tokenizer.renders_tools
     messages = chat_messages(r.messages, syntax, tools, native)
-    args = chat_template_args(r)
+    args = r.template_args()
     try:
         return tokenizer.render_chat(messages, tools=tools if native else None, **args)
     except ValueError as exc:  # the template's refusal

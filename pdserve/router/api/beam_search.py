@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.sampling_params import MAX_LOGPROBS
 from pdserve.messages import TokenLogprob
-from pdserve.router.api_common import RouterLike, RouterStream
+from pdserve.router.api.common import RouterLike
+from pdserve.router.api.router_stream import Item, RouterStream
 from pdserve.router.types import ErrorKind, FinalChunk, GenerateRequest, RouterError
 
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each step asks for 2 x width candidates
@@ -82,12 +83,13 @@ async def beam_search(router: RouterLike, req: GenerateRequest, prompt: list[int
 async def _next_tokens(router: RouterLike, req: GenerateRequest,
                        tasks: set[asyncio.Task[None]]) -> TokenLogprob:
     """The one token of ``req`` (max_tokens 1) with its top logprobs."""
-    call = RouterStream(router, req, tasks)
+    items: asyncio.Queue[Item] = asyncio.Queue()
+    call = RouterStream(router, req, tasks, items.put_nowait)
     try:
         got: list[TokenLogprob] = []
-        while (item := await call.next()) is not None:
-            if isinstance(item, FinalChunk):
-                break
+        while not isinstance(item := await items.get(), FinalChunk):
+            if isinstance(item, RouterError):
+                raise item
             got += item.logprobs
         if not got:
             raise RouterError(ErrorKind.INTERNAL, "a beam search step produced no token")

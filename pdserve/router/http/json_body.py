@@ -13,7 +13,7 @@ Why each rule:
   No OpenAI body nests deeper than a handful of levels; `MAX_DEPTH` leaves room.
   The depth is counted on the raw bytes with the strings blanked out, so a bracket
   inside a string never counts. (Size is bounded earlier, by the body limit in
-  ``http_middleware``.)
+  ``http.middleware``.)
 * Lone surrogates: JSON allows ``"\\ud800"``, Python turns it into a ``str`` that
   cannot be encoded as UTF-8, and the tokenizer raises ``TypeError`` on it. Such a
   body is refused here, naming the field.
