@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.cli.main import main
+from pdserve.client.sweep import describe_goodput, distserve_goodput
 from tests.client.fake_server import FakeServer
 
 Make = Callable[..., FakeServer]
@@ -79,25 +80,28 @@ def test_sweep_chat(fake_server: Make, tiny_dir: Path, tmp_path: Path,
         assert (tmp_path / "plots" / name).read_bytes()[:4] == PNG_MAGIC
 
 
-def test_sweep_finds_the_distserve_goodput(fake_server: Make, tiny_dir: Path, tmp_path: Path,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
-    # One request at a time, ~25 ms each: at 10 req/s nothing queues for long, at
-    # 1000 req/s (10 requests within 9 ms) the later ones wait past the 150 ms TTFT SLO.
+def test_sweep_reports_the_distserve_goodput_of_its_rows(
+        fake_server: Make, tiny_dir: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # One request at a time, at least 20 ms to its first token: at 1000 req/s (10
+    # requests within ~9 ms) the sixth and later wait at least 100 ms more than that,
+    # past the 100 ms TTFT SLO, however fast the machine. What the lower rate attains
+    # depends on the machine, so the test checks the sweep's report against its own
+    # rows; tests/client/test_sweep.py checks the goodput's arithmetic.
     srv = fake_server(serial=True, ttft_s=0.02, token_gap_s=0.001)
     out = tmp_path / "sweep.json"
     rc = _bench(srv.url, tiny_dir, "--num-prompts", "10", "--random-input-len", "8",
                 "--random-output-len", "4", "--sweep-rates", "10,1000",
-                "--goodput", "ttft:150", "--result-filename", str(out),
+                "--goodput", "ttft:100", "--result-filename", str(out),
                 "--plot", str(tmp_path / "plots"))
     assert rc == 0
     saved = json.loads(out.read_text())
-    low, high = (row["slo_attainment"] for row in saved["rows"])
-    assert low >= 0.9 > high
+    assert [row["request_rate"] for row in saved["rows"]] == [10.0, 1000.0]
+    assert saved["rows"][1]["slo_attainment"] <= 0.5
     g = saved["distserve_goodput"]
-    assert g["bound"] == "interpolated" and g["between"] == [10.0, 1000.0]
-    assert g["rate"] == pytest.approx(10 + (low - 0.9) / (low - high) * 990)
-    assert f"DistServe goodput (highest rate with >= 90% SLO attainment): {g['rate']:.3g}" \
-        in capsys.readouterr().out
+    assert g == distserve_goodput(saved["rows"], 0.9) and g["bound"] in ("below",
+                                                                        "interpolated")
+    assert describe_goodput(g) in capsys.readouterr().out
     assert (tmp_path / "plots" / "sweep.png").read_bytes()[:4] == PNG_MAGIC
 
 

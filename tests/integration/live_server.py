@@ -18,7 +18,7 @@ from pdserve.router.api.keys import ApiKeys
 from pdserve.router.grpc.server import start_grpc_server
 from pdserve.router.http.app import build_app, start_http_server
 from tests.inprocess import Pair
-from tests.router.test_http_api import wait_freed
+from tests.router.http_helpers import wait_freed
 
 CALL_TIMEOUT_S = 30.0  # a call still open after this long has hung
 T = TypeVar("T")

@@ -16,7 +16,7 @@ from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.router import Router
 from pdserve.router.types import GenerateRequest
 from tests.inprocess import GREEDY, Pair, collect, run
-from tests.router.test_http_api import wait_freed
+from tests.router.http_helpers import wait_freed
 from tests.waiting import until_async
 
 PROMPTS = [[5 + (i * 7 + j) % 300 for j in range(8 + 5 * i)] for i in range(8)]

@@ -18,7 +18,7 @@ from pdserve.messages import TokenLogprob
 from pdserve.router.api.beam_search import beam_search
 from pdserve.router.types import FinalChunk, GenerateRequest, StreamChunk, Usage
 from tests.inprocess import Pair
-from tests.router.test_http_api import GREEDY, Client, serve, wait_freed
+from tests.router.http_helpers import GREEDY, Client, serve, wait_freed
 
 EOS = 0
 VOCAB = 3

@@ -26,7 +26,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.protos import pb, pb_grpc
 from pdserve.router.grpc.server import REQUEST_ID_KEY, RETRY_AFTER_KEY, start_grpc_server
 from tests.inprocess import Pair
-from tests.router.test_http_api import wait_freed
+from tests.router.http_helpers import wait_freed
 from tests.waiting import until_async
 
 HOST = "127.0.0.1"

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.http.app import build_app, start_http_server
 from pdserve.router.types import FinalChunk, Usage
-from tests.router.test_http_api import Client, ScriptedRouter
+from tests.router.http_helpers import Client, ScriptedRouter
 
 DEADLINE_S = 20.0  # bound on every wait below (the server's own timeouts are far shorter)
 

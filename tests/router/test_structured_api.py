@@ -35,7 +35,7 @@ from pdserve.router.types import (
     StreamChunk,
     Usage,
 )
-from tests.router.test_http_api import Client, ScriptedRouter, serve, sse
+from tests.router.http_helpers import Client, ScriptedRouter, serve, sse
 from tests.waiting import until_async
 
 SCHEMA: dict[str, Any] = {"type": "object", "properties": {"a": {"type": "integer"}},

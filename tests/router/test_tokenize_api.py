@@ -17,7 +17,7 @@ import openai
 from lm_eval.utils import RemoteTokenizer
 
 from tests.inprocess import Pair
-from tests.router.test_http_api import GREEDY, Client, serve, sse
+from tests.router.http_helpers import GREEDY, Client, serve, sse
 
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi there"}]
 TOOLS = [{"type": "function", "function": {

@@ -25,7 +25,7 @@ from pdserve.router.openai.tool_parsers.base import ToolCall, ToolSyntax, call_d
 from pdserve.router.openai.tool_parsers.hermes import HERMES
 from pdserve.router.openai.tool_parsers.llama3 import LLAMA3
 from pdserve.router.types import FinalChunk, StreamChunk, Usage
-from tests.router.test_http_api import Client, ScriptedRouter, serve, sse
+from tests.router.http_helpers import Client, ScriptedRouter, serve, sse
 
 WEATHER: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
