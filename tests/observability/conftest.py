@@ -5,15 +5,19 @@ generated artifacts (rules, dashboards) loaded as modules."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
+from pdserve.cli import top
 from pdserve.messages import WorkerMetrics
 from pdserve.observability.efficiency import DevicePeaks
 from pdserve.observability.worker_metrics import WorkerCollector
@@ -24,7 +28,24 @@ from tests import deps
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 RULES = DEPLOY / "prometheus" / "rules" / "pdserve.rules.yml"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "pdserve.json"
 PEAKS = DevicePeaks("test-device", 1e12, 1e11, "datasheet")
+
+
+def dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())
+
+
+def panels() -> list[dict[str, Any]]:
+    """The dashboard's panels, less its rows."""
+    return [p for p in dashboard()["panels"] if p["type"] != "row"]
+
+
+def parse_top_args(*argv: str) -> argparse.Namespace:
+    """``pdserve top``'s arguments, parsed."""
+    p = argparse.ArgumentParser()
+    top.add_arguments(p)
+    return p.parse_args(list(argv))
 
 
 def load_script(rel: str) -> ModuleType:

@@ -5,28 +5,25 @@ same queries against a real Prometheus."""
 
 from __future__ import annotations
 
-import json
 import re
-from typing import Any
 
 import yaml
 
-from tests.observability.conftest import DEPLOY, REPO, RULES, load_script
+from tests.observability.conftest import (
+    DASHBOARD,
+    DEPLOY,
+    REPO,
+    RULES,
+    dashboard,
+    load_script,
+    panels,
+)
 
-DASHBOARD = DEPLOY / "grafana" / "dashboards" / "pdserve.json"
 ROW_ORDER = ["Overview", "Disaggregation", "Faults", "Latency", "Per-stage breakdown", "Prefill pool",
              "KV transfer", "Decode pool (and colocated workers)", "Efficiency",
              "Per-worker drill-down"]
 # A name right before a selector or range, or one of our prefixes anywhere.
 METRIC = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*(?=\{|\[)|\b(?:pdserve_|vllm:|worker:|pool:)[\w:]+")
-
-
-def dashboard() -> dict[str, Any]:
-    return json.loads(DASHBOARD.read_text())
-
-
-def panels() -> list[dict[str, Any]]:
-    return [p for p in dashboard()["panels"] if p["type"] != "row"]
 
 
 def metrics_in(expr: str) -> set[str]:

@@ -29,9 +29,7 @@ from pdserve.observability.file_sd import FileSD, cluster_targets
 from pdserve.router.metrics import RouterMetrics, metrics_text
 from pdserve.router.types import FinalChunk, GenerateRequest
 from tests.integration.procs import free_port
-from tests.observability.conftest import DEPLOY, rule_outputs
-from tests.observability.test_dashboards import panels
-from tests.observability.test_top import parse
+from tests.observability.conftest import DEPLOY, panels, parse_top_args, rule_outputs
 from tests.waiting import until
 
 NUM_REQUESTS = 20
@@ -239,7 +237,7 @@ def test_prometheus_scrapes_a_cluster_under_load(
                 assert 0 < v < 5, (ratio, role, v)  # CPU peaks are measured, not exact
 
         # pdserve top reads the same endpoints from the same file.
-        args = parse("--file-sd", str(prom.targets.path), "--once", "--interval", "0.2")
+        args = parse_top_args("--file-sd", str(prom.targets.path), "--once", "--interval", "0.2")
         assert top.run(args) == 0
     finally:
         prom.stop()

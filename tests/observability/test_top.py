@@ -3,7 +3,6 @@ over real ``/metrics`` servers on loopback."""
 
 from __future__ import annotations
 
-import argparse
 import http.server
 import os
 import signal
@@ -22,7 +21,7 @@ from pdserve.engine.results import StepInfo
 from pdserve.messages import WorkerMetrics
 from pdserve.observability.file_sd import FileSD, cluster_targets
 from pdserve.observability.worker_metrics import WorkerCollector
-from tests.observability.conftest import PEAKS, router_with_traffic
+from tests.observability.conftest import PEAKS, parse_top_args, router_with_traffic
 
 
 def test_quantile_interpolates_like_prometheus() -> None:
@@ -34,19 +33,13 @@ def test_quantile_interpolates_like_prometheus() -> None:
     assert top.quantile(0.99, {1.0: 0.0, float("inf"): 4.0}) == 1.0  # beyond the last bound
 
 
-def parse(*argv: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
-    top.add_arguments(p)
-    return p.parse_args(list(argv))
-
-
 def test_discovery(tmp_path: Path) -> None:
     sd = tmp_path / "t.json"
     FileSD(sd).update(cluster_targets("m", ("127.0.0.1", 8000), {"decode-0": ("127.0.0.1", 9)}))
-    got = top.discover(parse("--file-sd", str(sd)))
+    got = top.discover(parse_top_args("--file-sd", str(sd)))
     assert [(s.role, s.url) for s in got] == [("router", "http://127.0.0.1:8000/metrics"),
                                              ("decode", "http://127.0.0.1:9/metrics")]
-    got = top.discover(parse("--router", "h:1", "--worker", "http://h:2/metrics"))
+    got = top.discover(parse_top_args("--router", "h:1", "--worker", "http://h:2/metrics"))
     assert [s.url for s in got] == ["http://h:1/metrics", "http://h:2/metrics"]
     assert got[1].name == "h:2"  # not the URL (it ran into the role column)
 
@@ -71,7 +64,7 @@ def test_discovery_asks_the_router(tmp_path: Path) -> None:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        got = top.discover(parse("--router", f"127.0.0.1:{server.server_port}"))
+        got = top.discover(parse_top_args("--router", f"127.0.0.1:{server.server_port}"))
     finally:
         server.shutdown()
         server.server_close()
@@ -129,7 +122,7 @@ def test_once_prints_one_frame(servers: dict[str, tuple[str, int]], tmp_path: Pa
     FileSD(sd).update(cluster_targets("tiny", router, servers))
     servers["decode-9"] = ("127.0.0.1", 1)  # listed but down
     FileSD(sd).update(cluster_targets("tiny", router, servers))
-    assert top.run(parse("--file-sd", str(sd), "--once", "--interval", "0.2",
+    assert top.run(parse_top_args("--file-sd", str(sd), "--once", "--interval", "0.2",
                          "--timeout", "1")) == 0
     out = capsys.readouterr().out
     assert "\x1b[" not in out  # --once prints plain text
@@ -145,5 +138,5 @@ def test_once_prints_one_frame(servers: dict[str, tuple[str, int]], tmp_path: Pa
 
 
 def test_unreachable_router_exits_nonzero(capsys: pytest.CaptureFixture[str]) -> None:
-    assert top.run(parse("--router", "127.0.0.1:1", "--once", "--interval", "0")) == 1
+    assert top.run(parse_top_args("--router", "127.0.0.1:1", "--once", "--interval", "0")) == 1
     assert "DOWN" in capsys.readouterr().out

@@ -30,6 +30,9 @@ GREEDY = {"model": "tiny", "temperature": 0, "ignore_eos": True}
 LEAKY = ("ray::PrefillActor.prefill() (pid=4242, ip=10.1.2.3, actor_id=8d1a2c3b4e5f60718293a4b5)"
          ' File "/opt/pdserve/pdserve/worker.py", line 7: \x1b[31mValueError\x1b[0m')
 
+# A tool call in the Hermes syntax, as a model writes it
+HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
 
 def serve(router: Any, body: Callable[[Client], Awaitable[None]], **app_kw: Any) -> None:
     """Start ``router`` (when real) and the app on port 0, run ``body``, stop both."""
@@ -89,3 +92,27 @@ class ScriptedRouter:
 
     def ready(self) -> bool:
         return self.is_ready
+
+
+class ChoicesRouter(ScriptedRouter):
+    """A ScriptedRouter that records its requests, plays ``scripts[request id]`` when
+    there is one (a float item: sleep that long) and notes the streams it closed."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        super().__init__(tokenizer)
+        self.scripts: dict[str, list[Any]] = {}
+        self.seen: list[GenerateRequest] = []
+        self.closed: list[str] = []
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk | FinalChunk]:
+        self.seen.append(req)
+        try:
+            for item in self.scripts.get(req.request_id, self.script):
+                if isinstance(item, RouterError):
+                    raise item
+                if isinstance(item, float):
+                    await asyncio.sleep(item)
+                    continue
+                yield item
+        finally:
+            self.closed.append(req.request_id)

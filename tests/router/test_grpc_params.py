@@ -17,7 +17,7 @@ from pdserve.engine.structured import StructuredOutput
 from pdserve.protos import pb
 from pdserve.router.api import common as api_common
 from pdserve.router.grpc.messages import request_from_proto, sampling_params_from_proto
-from tests.router.test_grpc_server import ScriptedRouter, collect, expect_status, serve
+from tests.router.grpc_helpers import ScriptedRouter, collect, expect_status, serve
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 TAG = {"structures": [{"begin": "<f=n>", "schema": SCHEMA, "end": "</f>"}], "triggers": ["<f="]}

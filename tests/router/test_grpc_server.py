@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,107 +25,12 @@ from pdserve.router.grpc.server import (
     SERVICE_NAME,
     STATUS_OF,
     GenerationServicer,
-    start_grpc_server,
 )
 from pdserve.router.types import (
     ErrorKind,
-    FinalChunk,
-    GenerateRequest,
-    ModelInfo,
-    RouterError,
-    StageTimings,
-    StreamChunk,
-    TokenLogprob,
-    Usage,
 )
+from tests.router.grpc_helpers import ScriptedRouter, collect, expect_status, serve
 from tests.waiting import until_async
-
-HOST = "127.0.0.1"
-LEAKY = ("ray::PrefillActor.prefill() (pid=4242, ip=10.1.2.3, actor_id=8d1a2c3b4e5f60718293a4b5)"
-         ' File "/opt/pdserve/pdserve/worker.py", line 7: \x1b[31mValueError\x1b[0m')
-
-
-class ScriptedRouter:
-    """Echoes the prompt's token ids back one chunk each. Magic text prompts:
-    ``error:<kind>`` raises before the stream, ``midstream:<kind>`` after one chunk,
-    ``leak:<kind>`` raises with a message full of server internals, ``hang`` blocks
-    after one chunk, ``crash`` raises a non-RouterError."""
-
-    tokenizer: Any = None
-
-    def __init__(self) -> None:
-        self.is_ready = True
-        self.requests: list[GenerateRequest] = []
-        self.exits: dict[str, str] = {}  # request id -> how its generator ended
-
-    def models(self) -> list[ModelInfo]:
-        return [ModelInfo(id="tiny", max_model_len=2048)]
-
-    def ready(self) -> bool:
-        return self.is_ready
-
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk | FinalChunk]:
-        self.requests.append(req)
-        how = "finished"
-        try:
-            text = req.prompt or ""
-            if text.startswith("error:"):
-                raise RouterError(ErrorKind(text[6:]), f"scripted {text[6:]}", retry_after_s=2.5)
-            if text.startswith("leak:"):
-                raise RouterError(ErrorKind(text[5:]), LEAKY)
-            if text == "crash":
-                raise KeyError("bug")
-            ids = req.prompt_token_ids or [ord(c) for c in text]
-            for i in ids:
-                logprobs = []
-                if req.params.logprobs is not None:
-                    logprobs = [TokenLogprob(i, -0.5, [(i, -0.5), (0, -1.5)])]
-                yield StreamChunk([i], chr(i), logprobs)
-                if text.startswith("midstream:"):
-                    raise RouterError(ErrorKind(text[10:]), "scripted midstream")
-                if text == "hang":
-                    await asyncio.Event().wait()
-            timings = StageTimings(router_queue=0.001, prefill=0.02, ttft=0.03, e2e=0.1)
-            timings.inter_token, timings.tokens_after_first = [0.01, 0.03], 2
-            timings.spec_draft_tokens, timings.spec_accepted_tokens = 6, 4
-            usage = Usage(prompt_tokens=len(ids), completion_tokens=len(ids), cached_tokens=1)
-            yield FinalChunk("stop", usage, stop_reason=7, timings=timings, num_retries=1)
-        except GeneratorExit:
-            how = "aclose"
-            raise
-        except asyncio.CancelledError:
-            how = "cancelled"
-            raise
-        finally:
-            self.exits[req.request_id] = how
-
-
-Scenario = Callable[[grpc.aio.Channel], Awaitable[None]]
-
-
-def serve(router: ScriptedRouter, scenario: Scenario, **server_kw: Any) -> None:
-    async def main() -> None:
-        server, port = await start_grpc_server(router, HOST, 0, health_interval_s=0.02,
-                                               **server_kw)
-        assert port > 0
-        try:
-            async with grpc.aio.insecure_channel(f"{HOST}:{port}") as channel:
-                await asyncio.wait_for(scenario(channel), timeout=10)
-        finally:
-            await server.stop(None)
-
-    asyncio.run(main())
-
-
-async def collect(channel: grpc.aio.Channel, request: Any, **kw: Any) -> list[Any]:
-    stub = pb_grpc.GenerationStub(channel)
-    return [r async for r in stub.Generate(request, **kw)]
-
-
-async def expect_status(channel: grpc.aio.Channel, request: Any) -> grpc.aio.AioRpcError:
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await collect(channel, request)
-    return info.value
 
 
 def test_streams_chunks_then_final() -> None:

@@ -22,9 +22,7 @@ from pdserve.router.openai.responses.request import REFUSED_RESPONSES, Responses
 from pdserve.router.openai.responses.store import ResponseStore
 from pdserve.router.types import ErrorKind, FinalChunk, RouterError, StreamChunk, Usage
 from tests.inprocess import Pair
-from tests.router.http_helpers import GREEDY, LEAKY, Client, serve
-from tests.router.test_structured_api import ChoicesRouter
-from tests.router.test_tool_calls import HERMES_CALL
+from tests.router.http_helpers import GREEDY, HERMES_CALL, LEAKY, ChoicesRouter, Client, serve
 
 WEATHER: dict[str, Any] = {"type": "function", "name": "get_weather", "description": "Weather",
                            "parameters": {"type": "object", "properties": {

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +30,11 @@ from pdserve.router.openai.tool_parsers.hermes import HERMES
 from pdserve.router.types import (
     ErrorKind,
     FinalChunk,
-    GenerateRequest,
     RouterError,
     StreamChunk,
     Usage,
 )
-from tests.router.http_helpers import Client, ScriptedRouter, serve, sse
+from tests.router.http_helpers import ChoicesRouter, Client, serve, sse
 from tests.waiting import until_async
 
 SCHEMA: dict[str, Any] = {"type": "object", "properties": {"a": {"type": "integer"}},
@@ -300,30 +299,6 @@ def test_stream_tags_chunks_and_counts_usage_once(tiny_model: Callable[[str], Pa
 
 
 # ---------------------------------------------------------------- over HTTP
-
-class ChoicesRouter(ScriptedRouter):
-    """A ScriptedRouter that records its requests, plays ``scripts[request id]`` when
-    there is one (a float item: sleep that long) and notes the streams it closed."""
-
-    def __init__(self, tokenizer: Tokenizer):
-        super().__init__(tokenizer)
-        self.scripts: dict[str, list[Any]] = {}
-        self.seen: list[GenerateRequest] = []
-        self.closed: list[str] = []
-
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[StreamChunk | FinalChunk]:
-        self.seen.append(req)
-        try:
-            for item in self.scripts.get(req.request_id, self.script):
-                if isinstance(item, RouterError):
-                    raise item
-                if isinstance(item, float):
-                    await asyncio.sleep(item)
-                    continue
-                yield item
-        finally:
-            self.closed.append(req.request_id)
-
 
 def test_n_choices_over_http(tiny_model: Callable[[str], Path]) -> None:
     router = ChoicesRouter(Tokenizer.from_dir(tiny_model("llama-gqa")))

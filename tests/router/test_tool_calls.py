@@ -25,7 +25,7 @@ from pdserve.router.openai.tool_parsers.base import ToolCall, ToolSyntax, call_d
 from pdserve.router.openai.tool_parsers.hermes import HERMES
 from pdserve.router.openai.tool_parsers.llama3 import LLAMA3
 from pdserve.router.types import FinalChunk, StreamChunk, Usage
-from tests.router.http_helpers import Client, ScriptedRouter, serve, sse
+from tests.router.http_helpers import HERMES_CALL, Client, ScriptedRouter, serve, sse
 
 WEATHER: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -33,7 +33,6 @@ WEATHER: dict[str, Any] = {"type": "function", "function": {
                    "required": ["city"]}}}
 TIME: dict[str, Any] = {"type": "function", "function": {"name": "get_time"}}  # no parameters
 USER = [{"role": "user", "content": "Weather in Paris?"}]
-HERMES_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
 def calls_of(events: list[Any]) -> list[tuple[str, str]]:
