@@ -107,7 +107,8 @@ def test_a_cycle_is_found() -> None:
 
 
 # Leaf modules every layer may import: they import nothing of pdserve themselves.
-LEAVES = ("pdserve.kv_layout",)  # the KV cache's shape: the engine's and the channels'
+LEAVES = ("pdserve.kv_layout",  # the KV cache's shape: the engine's and the channels'
+          "pdserve.cache")  # where pdserve keeps what it makes once (the kernels, the model)
 
 
 def test_the_package_never_imports_the_benchmarks() -> None:
