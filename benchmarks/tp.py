@@ -21,7 +21,7 @@ from benchmarks.engine import random_prompts
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.gguf_convert import resolve_model
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.tensor_parallel import create_engine
+from pdserve.worker.tensor_parallel import create_engine
 
 
 def measure(model: str | None, ranks: int, dtype: str, prefill: list[int], new_tokens: int,

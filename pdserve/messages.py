@@ -178,7 +178,7 @@ class WorkerLoad:
 
 @dataclass(frozen=True)
 class StepCost:
-    """A worker's step times as measured at one thread count (``step_fit.py``):
+    """A worker's step times as measured at one thread count (``worker/step_fit.py``):
     ``decode``: (rows, seconds) of steps that only decoded, by batch size; a step of
     prompt tokens takes ``prompt_base_s``, and each token ``token_s + pair_s x`` the
     tokens it attends (inside a decode step, only the latter). ``decode_steps`` /
@@ -217,7 +217,7 @@ class StepCost:
 @dataclass(frozen=True)
 class Compute:
     """A worker's compute: its own and largest thread counts, the node's core-sharing
-    group it lends and borrows in (``core_share.py``; None: none), and its step times
+    group it lends and borrows in (``worker/core_share.py``; None: none), and its step times
     by thread count."""
 
     own_threads: int
@@ -278,7 +278,7 @@ class WorkerMetrics:
     kv_xfer_seconds_buckets: tuple[int, ...] = (0,) * (len(KV_XFER_SECONDS_BUCKETS) + 1)
     kv_xfer_bytes_buckets: tuple[int, ...] = (0,) * (len(KV_XFER_BYTES_BUCKETS) + 1)
     blocks_in_flight: int = 0  # blocks held for transfers not yet acknowledged
-    # core sharing (core_share.py): the last step's threads, steps run on another
+    # core sharing (worker/core_share.py): the last step's threads, steps run on another
     # worker's cores too, seconds waited for its own cores back
     threads: int = 0
     borrowed_steps: int = 0

@@ -1,5 +1,5 @@
 """``ThreadLoop``: one thread that owns an object which is not thread-safe -- a
-worker's engine (``worker_loop``), a KV channel (``kv_transfer.driver``).
+worker's engine (``worker.loop``), a KV channel (``kv_transfer.driver``).
 
 The loop runs a ``LoopBody`` (what one iteration does: an engine step, a channel
 poll); the body's owner holds the loop, it does not inherit from it. Other threads

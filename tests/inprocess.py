@@ -10,13 +10,13 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from pdserve.colocated_worker.worker import ColocatedWorker
-from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.router import Router, RouterConfig
 from pdserve.router.types import FinalChunk, GenerateRequest, StreamChunk
+from pdserve.worker.colocated import ColocatedWorker
+from pdserve.worker.decode import DecodeWorker
+from pdserve.worker.prefill import PrefillWorker
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 

@@ -1,7 +1,10 @@
 """The package's layering, read from the source (every import, top-level or inside a
 function): no import cycles among pdserve's modules; the engine imports nothing of
-pdserve outside itself but leaf modules (which import nothing of pdserve), and no Ray; the KV channels do not import the engine; the
-router imports neither torch nor Ray, and its core none of its front ends (ARCHITECTURE.md)."""
+pdserve outside itself but leaf modules (which import nothing of pdserve), and no Ray;
+the KV channels import neither the engine nor the workers, and their shared machinery
+none of the backends; the workers import neither the router nor what deploys them; the
+router imports neither torch, Ray nor the workers, and its core none of its front ends
+(ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
@@ -92,6 +95,7 @@ def test_the_walk_sees_the_package() -> None:
     g = graph()
     assert "pdserve.engine.engine" in g and "pdserve.router.orchestrator" in g
     assert "pdserve.engine.tp.lockstep" in g["pdserve.engine.engine"]  # edges are found
+    assert "pdserve.worker.loop" in g["pdserve.worker.prefill"]
 
 
 def test_no_import_cycles() -> None:
@@ -103,7 +107,8 @@ def test_a_cycle_is_found() -> None:
 
 
 # Leaf modules every layer may import: they import nothing of pdserve themselves.
-LEAVES = ("pdserve.kv_layout",)  # the KV cache's shape: the engine's and the channels'
+LEAVES = ("pdserve.kv_layout",  # the KV cache's shape: the engine's and the channels'
+          "pdserve.cache")  # where pdserve keeps what it makes once (the kernels, the model)
 
 
 def test_the_package_never_imports_the_benchmarks() -> None:
@@ -120,11 +125,14 @@ def test_leaves_import_nothing_of_pdserve() -> None:
 
 @pytest.mark.parametrize(("layer", "may_not"), [
     ("pdserve.engine", ("pdserve.", "ray")),  # only itself (checked below)
-    ("pdserve.kv_transfer", ("pdserve.engine", "pdserve.router", "pdserve.cluster",
-                             "pdserve.cli", "pdserve.planner")),
+    ("pdserve.kv_transfer", ("pdserve.engine", "pdserve.worker", "pdserve.router",
+                             "pdserve.cluster", "pdserve.cli", "pdserve.planner")),
+    ("pdserve.worker", ("pdserve.router", "pdserve.cluster", "pdserve.cli",
+                        "pdserve.planner")),
     ("pdserve.router", ("torch", "ray", "pdserve.cluster", "pdserve.cli",
-                        "pdserve.kv_transfer")),
-    ("pdserve.planner", ("ray", "pdserve.cluster", "pdserve.cli", "pdserve.router")),
+                        "pdserve.kv_transfer", "pdserve.worker")),
+    ("pdserve.planner", ("ray", "pdserve.cluster", "pdserve.cli", "pdserve.router",
+                         "pdserve.worker")),
 ])
 def test_layers_import_only_below_them(layer: str, may_not: tuple[str, ...]) -> None:
     bad = []
@@ -137,6 +145,16 @@ def test_layers_import_only_below_them(layer: str, may_not: tuple[str, ...]) -> 
             if any(imp == m.rstrip(".") or imp.startswith(m if m.endswith(".") else m + ".")
                    or imp == m for m in may_not):
                 bad.append(f"{name} imports {imp}")
+    assert bad == []
+
+
+def test_the_kv_channels_machinery_imports_no_backend() -> None:
+    """kv_transfer's shared modules (directly in the folder) never import a backend:
+    the factory loads one by name, so a worker imports only its own backend."""
+    layer = "pdserve.kv_transfer"
+    bad = [f"{name} imports {imp}" for name, path in MODULES.items()
+           if name.rpartition(".")[0] == layer or name == layer
+           for imp in imports_of(path) if imp.startswith(layer + ".backends")]
     assert bad == []
 
 

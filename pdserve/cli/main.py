@@ -343,7 +343,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from pdserve.engine.gguf_convert import resolve_model
     from pdserve.engine.results import Completion
     from pdserve.engine.tokenizer import Tokenizer
-    from pdserve.tensor_parallel import create_engine
+    from pdserve.worker.tensor_parallel import create_engine
 
     params = SamplingParams(
         max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,

@@ -35,9 +35,6 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from pdserve.cluster.config import PoolConfig
-from pdserve.colocated_worker.worker import ColocatedWorker
-from pdserve.core_share import CoreShare
-from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.failures import AttemptFailed, FailReason, WorkerGone
 from pdserve.messages import (
@@ -51,10 +48,13 @@ from pdserve.messages import (
     WorkerLoad,
     WorkerMetrics,
 )
-from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.clients import ColocatedHandle, DecodeHandle, PrefillHandle
 from pdserve.tracing import Carrier, Tracing, TracingConfig
-from pdserve.worker_loop import WorkerLoop
+from pdserve.worker.colocated import ColocatedWorker
+from pdserve.worker.core_share import CoreShare
+from pdserve.worker.decode import DecodeWorker
+from pdserve.worker.loop import WorkerLoop
+from pdserve.worker.prefill import PrefillWorker
 
 MAX_BACKOFF_S = 60.0
 STABLE_S = 600.0  # an incarnation that ran this long: its next restart is a first one

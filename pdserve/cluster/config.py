@@ -78,7 +78,7 @@ class PoolConfig:
     # decode pools takes the other's CPUs, split among its workers; else 0. Its workers
     # spin less between parallel regions (GOMP_SPINCOUNT: pdserve/cluster/cluster.py).
     shared_cpus: float | None = None
-    # How a pool with shared_cpus uses them (pdserve/core_share.py): "phase" -- its
+    # How a pool with shared_cpus uses them (pdserve/worker/core_share.py): "phase" -- its
     # workers borrow the other pools' cores only while those have nothing to compute,
     # and give them back at their next step boundary (no two workers' threads on one
     # core); "static" -- always num_cpus + shared_cpus threads, the OS sharing the cores

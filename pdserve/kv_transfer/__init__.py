@@ -1,8 +1,8 @@
 """Moving KV cache blocks from a prefill worker into a decode worker's reserved blocks.
 
 See `base` for the contract, `layout` for the KV tensor layout and the handshake check,
-`factory` for choosing a backend (`nixl`, `torch`, `ray`, `local`), docs/kv_transfer.md
-for operating them.
+`factory` for choosing a backend (`nixl`, `torch`, `ray`, `local`; their modules are in
+`backends/`), docs/kv_transfer.md for operating them.
 """
 
 from .base import FailReason, KVReceiver, KVSender, RecvEvent, SendEvent

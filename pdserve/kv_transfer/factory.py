@@ -18,7 +18,7 @@ from .layout import KVLayout
 
 DEFAULT_BACKEND = "nixl"
 
-# backend name -> ("module:SenderClass", "module:ReceiverClass")
+# backend name -> ("module:SenderClass", "module:ReceiverClass"), modules in backends/
 BACKENDS: dict[str, tuple[str, str]] = {
     "nixl": ("nixl_send:NixlSender", "nixl_recv:NixlReceiver"),
     "torch": ("torch_send:TorchSender", "torch_recv:TorchReceiver"),
@@ -33,7 +33,7 @@ def _cls(backend: str, role: int) -> type:
             f"unknown KV transfer backend {backend!r}; valid: {', '.join(sorted(BACKENDS))}"
         )
     module_name, cls_name = BACKENDS[backend][role].split(":")
-    module = importlib.import_module(f"{__package__}.{module_name}")
+    module = importlib.import_module(f"{__package__}.backends.{module_name}")
     cls: type = getattr(module, cls_name)
     return cls
 

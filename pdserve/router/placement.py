@@ -7,12 +7,12 @@ A request admitted on a decode worker D has its prompt's uncached part computed
 
 ``decide`` chooses for one request from a snapshot: the request's size and the
 prefix each side already holds, each worker's queue (the router's own fresh counts),
-D's running batch, both workers' measured step times (``step_fit.py``, published in
+D's running batch, both workers' measured step times (``worker/step_fit.py``, published in
 ``WorkerLoad.compute``) and the deployment's SLOs. It is a pure function, so the
 router, the simulator and the tests run the same rule.
 
 What each choice is predicted to cost, from the measured step times at the threads
-each worker would have (on a node whose cores P and D share, ``core_share.py``, a
+each worker would have (on a node whose cores P and D share, ``worker/core_share.py``, a
 worker alone computing gets the other's cores too):
 
 * TTFT: the queue ahead of the prompt on that worker, then the prompt itself (local:

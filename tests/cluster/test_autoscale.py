@@ -19,13 +19,13 @@ from pdserve.cluster.autoscale import AutoscaleLoop, build_autoscaler, p90
 from pdserve.cluster.cluster import Cluster, StartupError
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.scaler import Scaler
-from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.step_times import Profile
-from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.router import Router
 from pdserve.router.types import ErrorKind, FinalChunk, GenerateRequest, StageTimings, Usage
+from pdserve.worker.decode import DecodeWorker
+from pdserve.worker.prefill import PrefillWorker
 from tests.inprocess import GREEDY, Pair, collect, run
 from tests.waiting import until_async
 

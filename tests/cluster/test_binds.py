@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
+from pdserve.worker.decode import DecodeWorker
 from tests.deps import has_nixl
 from tests.integration.procs import listening_sockets, sockets_of
 

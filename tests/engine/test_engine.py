@@ -95,7 +95,7 @@ def test_chunked_prefill_equals_unchunked(tiny_model: Callable[[str], Path], bac
 @pytest.mark.parametrize("family", FAMILIES)
 def test_threads_changing_between_steps_change_no_token(tiny_model: Callable[[str], Path],
                                                        family: str) -> None:
-    """Core sharing (core_share.py) gives a worker 1 or 2 threads step by step: the
+    """Core sharing (worker/core_share.py) gives a worker 1 or 2 threads step by step: the
     same tokens and logprobs as at a fixed count, long contexts (attention split over
     threads) and chunked prompts included."""
     if family not in cpu_families(torch.bfloat16):

@@ -32,7 +32,7 @@ from pdserve.engine.spec_decode import (
     worth,
 )
 from pdserve.engine.structured import StructuredOutput
-from pdserve.tensor_parallel import create_engine
+from pdserve.worker.tensor_parallel import create_engine
 from tests.engine.handoff import decode_to_end, disaggregate
 from tests.engine.test_engine import BACKENDS, prompts
 

@@ -21,7 +21,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.tp.lockstep import close_link
 from pdserve.engine.tp.shard import Shard, check_shardable
 from pdserve.engine.weights import load_weights, shard_cut
-from pdserve.tensor_parallel import create_engine
+from pdserve.worker.tensor_parallel import create_engine
 from tests.waiting import until
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)

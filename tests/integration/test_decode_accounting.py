@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import PrefillTask
-from pdserve.prefill_worker.worker import PrefillWorker
+from pdserve.worker.decode import DecodeWorker
+from pdserve.worker.prefill import PrefillWorker
 from tests.deps import has_nixl
 from tests.waiting import until_async
 

@@ -16,8 +16,6 @@ from typing import Any
 
 import pytest
 
-from pdserve.colocated_worker.worker import ColocatedWorker
-from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
@@ -25,9 +23,11 @@ from pdserve.failures import FailReason
 from pdserve.kv_transfer import KVLayoutMismatch
 from pdserve.kv_transfer.with_draft import DraftSender
 from pdserve.messages import PrefillResult, PrefillTask, RequestDelta
-from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.router import Router, RouterConfig
 from pdserve.router.types import ErrorKind, FinalChunk, GenerateRequest, RouterError, StreamChunk
+from pdserve.worker.colocated import ColocatedWorker
+from pdserve.worker.decode import DecodeWorker
+from pdserve.worker.prefill import PrefillWorker
 from tests.inprocess import GREEDY, Pair, collect, draft_first_work, generate_all, run
 from tests.waiting import until, until_async
 
@@ -41,16 +41,16 @@ def test_each_worker_multiplies_on_its_loop_thread_with_its_threads(
     have the engine's count, also once the native kernels have run on them."""
     import torch
 
-    import pdserve.worker_loop
+    import pdserve.worker.loop
 
     built_on: list[str] = []
-    create = pdserve.worker_loop.create_engine
+    create = pdserve.worker.loop.create_engine
 
     def recording(*args: Any, **kwargs: Any) -> LLMEngine:
         built_on.append(threading.current_thread().name)
         return create(*args, **kwargs)
 
-    monkeypatch.setattr(pdserve.worker_loop, "create_engine", recording)
+    monkeypatch.setattr(pdserve.worker.loop, "create_engine", recording)
     pair = pair_factory(prefill_engine={"num_threads": 2}, decode_engine={"num_threads": 2})
     assert built_on == ["prefill-prefill-0", "decode-decode-0"]
     [(tokens, _, final)] = generate_all(pair, [[5, 6, 7, 8] * 8])
@@ -842,7 +842,7 @@ def test_hand_off_answers_nobody_takes_are_dropped(pair_factory: Callable[..., P
     """A router that died between ``prefill`` and ``handoff`` never takes its answer:
     the prefill worker drops it ``HANDOFF_KEEP_S`` after it resolved (not before, and
     never one still pending), so a router's death leaks nothing on the prefill side."""
-    from pdserve.prefill_worker import worker as prefill_module
+    from pdserve.worker import prefill as prefill_module
 
     pair = pair_factory()
     p, d = pair.prefill[0], pair.decode[0]

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.factory import make_sender
+from pdserve.worker.decode import DecodeWorker
 from tests.waiting import until_async
 
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pdserve.core_share import CoreShare
-from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.metrics import RouterMetrics, metrics_text
 from pdserve.router.placement import Slo
 from pdserve.router.router import Router, RouterConfig
 from pdserve.router.types import FinalChunk, GenerateRequest, StreamChunk
+from pdserve.worker.core_share import CoreShare
+from pdserve.worker.decode import DecodeWorker
+from pdserve.worker.prefill import PrefillWorker
 from tests.inprocess import Pair, collect
 
 GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -27,7 +27,7 @@ GREEDY = SamplingParams(max_tokens=16, ignore_eos=True)
 
 @pytest.fixture
 def pairs(tiny_model: Callable[[str], Path], tmp_path: Path) -> Iterator[Callable[..., Pair]]:
-    """1P+1D sharing a core group (core_share.py), as on one node; a registry of
+    """1P+1D sharing a core group (worker/core_share.py), as on one node; a registry of
     router metrics beside."""
     made: list[Pair] = []
 

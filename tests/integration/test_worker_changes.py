@@ -8,13 +8,13 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
-from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.router import Router
 from pdserve.router.types import GenerateRequest
+from pdserve.worker.decode import DecodeWorker
+from pdserve.worker.prefill import PrefillWorker
 from tests.inprocess import GREEDY, Pair, collect, run
 from tests.router.http_helpers import wait_freed
 from tests.waiting import until_async

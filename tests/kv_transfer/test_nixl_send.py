@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.kv_transfer import FailReason, KVLayout
-from pdserve.kv_transfer.nixl_recv import NixlReceiver
-from pdserve.kv_transfer.nixl_send import NixlSender
+from pdserve.kv_transfer.backends.nixl_recv import NixlReceiver
+from pdserve.kv_transfer.backends.nixl_send import NixlSender
 from tests.deps import has_nixl
 from tests.waiting import until
 

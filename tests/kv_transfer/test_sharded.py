@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from pdserve.kv_transfer import FailReason, KVLayout, KVLayoutMismatch
+from pdserve.kv_transfer.backends.local_conn import LocalReceiver, LocalSender
 from pdserve.kv_transfer.layout import Slice
-from pdserve.kv_transfer.local_conn import LocalReceiver, LocalSender
 from pdserve.kv_transfer.rank_channel import RankChannel, serve_rank
 from pdserve.kv_transfer.sharded import ShardedReceiver, ShardedSender, plan_pairs
 from tests.waiting import until

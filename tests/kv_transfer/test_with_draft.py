@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdserve.kv_transfer import FailReason, KVLayout, KVLayoutMismatch
-from pdserve.kv_transfer.local_conn import LocalReceiver, LocalSender
+from pdserve.kv_transfer.backends.local_conn import LocalReceiver, LocalSender
 from pdserve.kv_transfer.with_draft import DraftReceiver, DraftSender
 
 from .kvdata import make_kv

@@ -15,16 +15,16 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.cluster.cluster import Cluster
 from pdserve.cluster.config import ClusterConfig
-from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.observability.otlp_sink import OtlpReceiver, Received
-from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.http.app import build_app, start_http_server
 from pdserve.router.router import Router, RouterConfig
 from pdserve.router.trace import RequestTrace
 from pdserve.router.types import FinalChunk, GenerateRequest
 from pdserve.tracing import Tracing, TracingConfig, trace_headers
+from pdserve.worker.decode import DecodeWorker
+from pdserve.worker.prefill import PrefillWorker
 from tests.waiting import until
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

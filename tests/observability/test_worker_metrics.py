@@ -14,8 +14,6 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.colocated_worker.worker import ColocatedWorker
-from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.results import StepInfo
 from pdserve.engine.sampling_params import SamplingParams
@@ -23,8 +21,10 @@ from pdserve.messages import STEP_SECONDS_BUCKETS, WorkerMetrics, bucket_samples
 from pdserve.observability import worker_metrics
 from pdserve.observability.efficiency import DevicePeaks
 from pdserve.observability.worker_metrics import WorkerCollector, serve_worker_metrics
-from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.types import FinalChunk, GenerateRequest
+from pdserve.worker.colocated import ColocatedWorker
+from pdserve.worker.decode import DecodeWorker
+from pdserve.worker.prefill import PrefillWorker
 from tests.inprocess import Pair
 from tests.observability.conftest import PEAKS, worker_registry
 from tests.waiting import until_async

@@ -12,9 +12,9 @@ import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.messages import ServingLimits, WorkerLoad
-from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.fanout import Fanout
 from pdserve.router.workers import HealthConfig, WorkerSet
+from pdserve.worker.prefill import PrefillWorker
 from tests.waiting import until_async
 
 

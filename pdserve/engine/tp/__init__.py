@@ -19,7 +19,7 @@ their own engine (``lockstep.follow``). Every rank therefore schedules the same 
 allocates the same block ids; only rank 0 samples, and it broadcasts the sampled
 token ids so every rank appends the same tokens.
 
-Process model (``pdserve/tensor_parallel.py``, a layer over the engine and the KV
+Process model (``pdserve/worker/tensor_parallel.py``, a layer over the engine and the KV
 channels): the followers are processes the leader spawns on the same node -- one per
 rank, each with its own CPU threads or GPU, and each with its own KV transfer channel
 over its KV heads, driven by the leader through a pipe (``kv_transfer.sharded``). A

@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from .base import FailReason, SendEvent
-from .layout import KVLayout
-from .receiver_base import BaseReceiver
-from .regions import Staging, scatter
-from .send_state import Numbered
-from .sender_base import BaseSender, Outgoing
-from .wire import Message, local_heads
+from ..base import FailReason, SendEvent
+from ..layout import KVLayout
+from ..receiver_base import BaseReceiver
+from ..regions import Staging, scatter
+from ..send_state import Numbered
+from ..sender_base import BaseSender, Outgoing
+from ..wire import Message, local_heads
 
 # endpoint id -> receiver; guarded by _TABLE_LOCK.
 _TABLE: dict[str, LocalReceiver] = {}

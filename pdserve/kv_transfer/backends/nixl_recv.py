@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from .base import FailReason, RecvEvent
+from ..base import FailReason, RecvEvent
+from ..layout import KVLayout, KVLayoutMismatch
+from ..receiver_base import BaseReceiver
 from .control_link import Link, Listener
-from .layout import KVLayout, KVLayoutMismatch
 from .nixl_agent import decode_notif, device_id, encode_metadata, mem_type, new_agent
-from .receiver_base import BaseReceiver
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from pdserve.core_share import CoreShare
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.results import RequestOutput
 from pdserve.engine.sampling_params import SamplingParams
@@ -51,7 +50,8 @@ from pdserve.kv_transfer.driver import ChannelThread
 from pdserve.kv_transfer.with_draft import DraftSender
 from pdserve.messages import FirstToken, PrefillResult, PrefillTask, TokenLogprob, WorkerMetrics
 from pdserve.tracing import Tracing
-from pdserve.worker_loop import WorkerLoop, prompt_logprobs_of
+from pdserve.worker.core_share import CoreShare
+from pdserve.worker.loop import WorkerLoop, prompt_logprobs_of
 
 log = logging.getLogger("pdserve.prefill_worker")
 

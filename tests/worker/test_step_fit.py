@@ -1,4 +1,4 @@
-"""A worker's measured step times (pdserve/step_fit.py): decode steps by batch size,
+"""A worker's measured step times (pdserve/worker/step_fit.py): decode steps by batch size,
 prompt tokens by the context they attend; the calibration's varied steps keep a
 prefill worker's alike live steps from blurring how time depends on size."""
 
@@ -9,7 +9,7 @@ import pytest
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.messages import StepCost
-from pdserve.step_fit import StepFit, calibrate
+from pdserve.worker.step_fit import StepFit, calibrate
 
 
 def step_s(rows: int, tokens: int, pairs: float) -> float:

@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
-from .base import FailReason, SendEvent
+from ..base import FailReason, SendEvent
+from ..layout import KVLayout
+from ..regions import byte_regions
+from ..send_state import Numbered
+from ..sender_base import BaseSender, Outgoing
 from .control_link import Link
-from .layout import KVLayout
 from .nixl_agent import decode_metadata, descs, device_id, encode_notif, mem_type, new_agent
-from .regions import byte_regions
-from .send_state import Numbered
-from .sender_base import BaseSender, Outgoing
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .layout import KVLayout, KVLayoutMismatch, Slice
-from .regions import Staging
-from .send_worker import Job, PeerWorker, ThreadedSender
+from ..layout import KVLayout, KVLayoutMismatch, Slice
+from ..regions import Staging
+from ..send_worker import Job, PeerWorker, ThreadedSender
+from ..wire import Kind, Message, encode, pack
 from .torch_group import (
     PING_INTERVAL_S,
     RECEIVER_RANK,
@@ -32,7 +33,6 @@ from .torch_group import (
     pair_prefix,
     sync,
 )
-from .wire import Kind, Message, encode, pack
 
 
 class _Pair:

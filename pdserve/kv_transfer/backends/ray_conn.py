@@ -28,12 +28,12 @@ from typing import Any, cast
 
 import torch
 
-from .base import FailReason, RecvEvent
-from .layout import KVLayout
-from .receiver_base import BaseReceiver
-from .regions import Staging, scatter
-from .send_worker import Job, PeerWorker, ThreadedSender, describe
-from .wire import Kind, Message, data_shape, local_heads
+from ..base import FailReason, RecvEvent
+from ..layout import KVLayout
+from ..receiver_base import BaseReceiver
+from ..regions import Staging, scatter
+from ..send_worker import Job, PeerWorker, ThreadedSender, describe
+from ..wire import Kind, Message, data_shape, local_heads
 
 log = logging.getLogger(__name__)
 

@@ -17,13 +17,13 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from pdserve.core_share import CoreShare
 from pdserve.engine.config import EngineConfig, ceil_div
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.messages import JoinInfo
 from pdserve.output_stream import OutputServer
 from pdserve.tracing import Carrier, Tracing
-from pdserve.worker_loop import WorkerLoop, delta_of, prefill_stages
+from pdserve.worker.core_share import CoreShare
+from pdserve.worker.loop import WorkerLoop, delta_of, prefill_stages
 
 
 class ColocatedWorker(WorkerLoop):

@@ -26,7 +26,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pdserve.core_share import CoreShare
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cost import attended_tokens, cost_model
 from pdserve.engine.results import RequestOutput, StepInfo
@@ -44,11 +43,12 @@ from pdserve.messages import (
     WorkerLoad,
     WorkerMetrics,
 )
-from pdserve.metrics_publisher import MetricsPublisher
-from pdserve.step_fit import StepFit, calibrate
-from pdserve.tensor_parallel import create_engine
 from pdserve.thread_loop import LoopStopped, ThreadLoop
 from pdserve.tracing import Carrier, Marks, Tracing
+from pdserve.worker.core_share import CoreShare
+from pdserve.worker.metrics_publisher import MetricsPublisher
+from pdserve.worker.step_fit import StepFit, calibrate
+from pdserve.worker.tensor_parallel import create_engine
 
 T = TypeVar("T")
 IDLE_WAIT_S = 1.0  # nothing to do: the loop sleeps until a call wakes it (or this long)

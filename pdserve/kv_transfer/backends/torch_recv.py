@@ -25,11 +25,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .base import FailReason
-from .layout import KVLayout, KVLayoutMismatch
-from .receiver_base import BaseReceiver
-from .regions import scatter
-from .send_worker import describe
+from ..base import FailReason
+from ..layout import KVLayout, KVLayoutMismatch
+from ..receiver_base import BaseReceiver
+from ..regions import scatter
+from ..send_worker import describe
+from ..wire import HEADER_LEN, Kind, decode_header, local_heads, unpack
 from .torch_group import (
     PING_INTERVAL_S,
     RECEIVER_RANK,
@@ -39,7 +40,6 @@ from .torch_group import (
     pair_prefix,
     sync,
 )
-from .wire import HEADER_LEN, Kind, decode_header, local_heads, unpack
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from pdserve.core_share import CoreShare
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.failures import FailReason
@@ -50,7 +49,8 @@ from pdserve.messages import (
 )
 from pdserve.output_stream import OutputServer
 from pdserve.tracing import Carrier, Tracing
-from pdserve.worker_loop import WorkerLoop, delta_of, prefill_stages
+from pdserve.worker.core_share import CoreShare
+from pdserve.worker.loop import WorkerLoop, delta_of, prefill_stages
 
 log = logging.getLogger("pdserve.decode_worker")
 

@@ -1,4 +1,4 @@
-"""Phase-aware core sharing (pdserve/core_share.py): an idle worker's cores go to a busy
+"""Phase-aware core sharing (pdserve/worker/core_share.py): an idle worker's cores go to a busy
 one, and come back at the borrower's next step boundary; no two workers' threads are
 granted one core, a dead member's slot lends everything, the wait is bounded."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.core_share import CoreShare
+from pdserve.worker.core_share import CoreShare
 from tests.waiting import until
 
 
@@ -80,7 +80,7 @@ def test_the_wait_is_bounded(group) -> None:  # type: ignore[no-untyped-def]
 
 def test_a_dead_members_slot_lends_everything(tmp_path: Path) -> None:
     # a member that died without closing its slot (SIGKILL, a crash)
-    code = (f"from pdserve.core_share import CoreShare; "
+    code = (f"from pdserve.worker.core_share import CoreShare; "
             f"c = CoreShare(1, 2, __import__('pathlib').Path({str(tmp_path / 'cores')!r})); "
             f"c.acquire(); import os; os._exit(0)")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -96,7 +96,7 @@ def test_a_stopped_members_cores_are_lent_and_nobody_waits_for_them(tmp_path: Pa
     not give them back: the others take its cores at once instead of waiting
     ``max_wait_s`` at every step (a stopped prefill worker slowed the whole node so
     much that every retried transfer timed out); running again, it counts again."""
-    code = (f"from pdserve.core_share import CoreShare; import sys; "
+    code = (f"from pdserve.worker.core_share import CoreShare; import sys; "
             f"c = CoreShare(1, 2, __import__('pathlib').Path({str(tmp_path / 'cores')!r})); "
             f"print(c.acquire(), flush=True); sys.stdin.read()")
     child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
@@ -147,9 +147,9 @@ def test_a_slot_of_no_process_lends_everything(tmp_path: Path) -> None:
 def test_a_worker_lends_its_cores_once_its_last_step_is_done(tiny_model, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Not after its loop's idle wait: until then the other worker would run on its own
     cores alone."""
-    from pdserve.colocated_worker.worker import ColocatedWorker
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.worker.colocated import ColocatedWorker
 
     cores = CoreShare(1, 2, tmp_path / "cores")
     w = ColocatedWorker("colocated-0", tiny_model("llama-gqa"), EngineConfig(

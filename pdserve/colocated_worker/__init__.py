@@ -1,1 +1,0 @@
-"""A colocated pool member: one engine that prefills (chunked) and decodes."""

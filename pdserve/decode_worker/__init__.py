@@ -1,1 +1,0 @@
-"""A decode pool member: reserves blocks, receives KV, decodes, streams tokens."""

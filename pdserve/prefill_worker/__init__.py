@@ -1,1 +1,0 @@
-"""A prefill pool member: engine in the prefill role + KV sender."""
