@@ -13,7 +13,7 @@ from typing import Any
 from pdserve.colocated_worker.worker import ColocatedWorker
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.router import Router, RouterConfig
 from pdserve.router.types import FinalChunk, GenerateRequest, StreamChunk

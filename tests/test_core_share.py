@@ -149,7 +149,7 @@ def test_a_worker_lends_its_cores_once_its_last_step_is_done(tiny_model, tmp_pat
     cores alone."""
     from pdserve.colocated_worker.worker import ColocatedWorker
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.sampling.sampling_params import SamplingParams
 
     cores = CoreShare(1, 2, tmp_path / "cores")
     w = ColocatedWorker("colocated-0", tiny_model("llama-gqa"), EngineConfig(

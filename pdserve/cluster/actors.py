@@ -38,7 +38,7 @@ from pdserve.cluster.config import PoolConfig
 from pdserve.colocated_worker.worker import ColocatedWorker
 from pdserve.core_share import CoreShare
 from pdserve.decode_worker.worker import DecodeWorker
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.failures import AttemptFailed, FailReason, WorkerGone
 from pdserve.messages import (
     NO_LOCAL_PREFILL,

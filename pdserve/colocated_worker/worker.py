@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pdserve.core_share import CoreShare
 from pdserve.engine.config import EngineConfig, ceil_div
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.messages import JoinInfo
 from pdserve.output_stream import OutputServer
 from pdserve.tracing import Carrier, Tracing

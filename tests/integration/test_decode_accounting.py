@@ -23,7 +23,7 @@ import pytest
 
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.messages import PrefillTask
 from pdserve.prefill_worker.worker import PrefillWorker
 from tests.deps import has_nixl

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.core_share import CoreShare
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.metrics import RouterMetrics, metrics_text
 from pdserve.router.placement import Slo

@@ -11,7 +11,7 @@ from pathlib import Path
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.router import Router
 from pdserve.router.types import GenerateRequest

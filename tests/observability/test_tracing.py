@@ -17,7 +17,7 @@ from pdserve.cluster.cluster import Cluster
 from pdserve.cluster.config import ClusterConfig
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.observability.otlp_sink import OtlpReceiver, Received
 from pdserve.prefill_worker.worker import PrefillWorker
 from pdserve.router.http.app import build_app, start_http_server

@@ -18,7 +18,7 @@ from pdserve.colocated_worker.worker import ColocatedWorker
 from pdserve.decode_worker.worker import DecodeWorker
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.results import StepInfo
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.messages import STEP_SECONDS_BUCKETS, WorkerMetrics, bucket_samples
 from pdserve.observability import worker_metrics
 from pdserve.observability.efficiency import DevicePeaks
