@@ -104,7 +104,10 @@ def test_a_cycle_is_found() -> None:
 
 
 # Leaf modules every layer may import: they import nothing of pdserve themselves.
-LEAVES = ("pdserve.kv_layout",)  # the KV cache's shape: the engine's and the channels'
+LEAVES = (
+    "pdserve.kv_layout",  # the KV cache's shape: the engine's and the channels'
+    "pdserve.cache",  # where pdserve caches what it builds (the kernels, the default model)
+)
 
 
 def test_the_package_never_imports_the_benchmarks() -> None:
