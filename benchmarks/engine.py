@@ -39,8 +39,8 @@ from pdserve.engine import kernels
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cost import cost_model
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.linear import FAMILIES, INT_FAMILIES, Linear, blocks_family, int_family
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.model.linear import FAMILIES, INT_FAMILIES, Linear, blocks_family, int_family
+from pdserve.engine.sampling.sampling_params import SamplingParams
 
 # weight format -> (engine dtype, quantization)
 FORMATS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"),
@@ -319,7 +319,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu | cuda (scripts/gpu_check.sh)")
     args = ap.parse_args()
     from pdserve.engine.config import ModelConfig
-    from pdserve.engine.gguf_convert import resolve_model
+    from pdserve.engine.model.gguf_convert import resolve_model
 
     model_dir = resolve_model(args.model)
     vocab = ModelConfig.from_dir(model_dir).vocab_size

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from benchmarks.engine import memory_read_bandwidth
 from pdserve.engine import kernels
-from pdserve.engine.linear import (
+from pdserve.engine.model.linear import (
     FAMILIES,
     INT_FAMILIES,
     CpuDense,
@@ -42,7 +42,7 @@ from pdserve.engine.linear import (
     int_families,
     resolve_linear_backend,
 )
-from pdserve.engine.quant import quantize, quantize_w8
+from pdserve.engine.model.quant import quantize, quantize_w8
 
 LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of the default model
 

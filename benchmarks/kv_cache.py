@@ -23,7 +23,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 
 FORMATS = ("bfloat16", "int8")
 _ids = itertools.count()
@@ -76,7 +76,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from pdserve.engine.gguf_convert import resolve_model
+    from pdserve.engine.model.gguf_convert import resolve_model
 
     model_dir = resolve_model(args.model)
     torch.set_num_threads(args.threads)

@@ -40,7 +40,7 @@ from typing import Any
 from benchmarks.harness import External, Served
 from benchmarks.pd_workloads import Record, Slo, mix, mooncake, score, write_trace
 from benchmarks.serving import MOONCAKE
-from pdserve.engine.gguf_convert import resolve_model
+from pdserve.engine.model.gguf_convert import resolve_model
 
 ROUTER = {"queue_timeout_s": 600}
 CONFIGS: dict[str, dict[str, Any]] = {

@@ -41,7 +41,7 @@ from pdserve.client.sweep import describe_goodput, distserve_goodput
 from pdserve.cluster.config import ClusterConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.gguf_convert import resolve_model
+from pdserve.engine.model.gguf_convert import resolve_model
 
 MOONCAKE = Path(__file__).resolve().parents[3] / "shared" / "data" / "mooncake" / \
     "conversation_trace.jsonl"

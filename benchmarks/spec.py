@@ -73,9 +73,9 @@ from benchmarks.harness import Served
 from pdserve.client.openai_stream import CHAT_COMPLETIONS, OpenAIStreamClient
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.gguf_convert import default_gguf_path, resolve_model
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.spec_decode import SuffixCache
+from pdserve.engine.model.gguf_convert import default_gguf_path, resolve_model
+from pdserve.engine.sampling.sampling_params import SamplingParams
+from pdserve.engine.spec.spec_decode import SuffixCache
 from pdserve.engine.tokenizer import Tokenizer
 
 PARAGRAPH = (

@@ -28,9 +28,9 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.grammar import bitmask_words
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.structured import StructuredOutput
+from pdserve.engine.sampling.grammar import bitmask_words
+from pdserve.engine.sampling.sampling_params import SamplingParams
+from pdserve.engine.sampling.structured import StructuredOutput
 
 PEOPLE = {
     "type": "object",
@@ -143,7 +143,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from pdserve.engine.gguf_convert import resolve_model
+    from pdserve.engine.model.gguf_convert import resolve_model
 
     model_dir = resolve_model(args.model)
     eng = LLMEngine(model_dir, EngineConfig(num_threads=args.threads))

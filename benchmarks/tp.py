@@ -19,8 +19,8 @@ import time
 
 from benchmarks.engine import random_prompts
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.gguf_convert import resolve_model
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.model.gguf_convert import resolve_model
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.worker.tensor_parallel import create_engine
 
 

@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 from benchmarks.harness import Served
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.observability.otlp_sink import OtlpReceiver
 from pdserve.router.trace import RequestTrace
 from pdserve.router.types import FinalChunk, Usage

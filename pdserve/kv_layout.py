@@ -47,7 +47,7 @@ import torch
 
 # name (what travels in endpoints, JSON-able) -> (element dtype of the tensor, bytes a
 # row has beyond its head_dim elements: an int8 row ends with its float32 scale,
-# engine/kv_cache.py)
+# engine/model/kv_cache.py)
 KV_CACHE_DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "float32": (torch.float32, 0),
     "bfloat16": (torch.bfloat16, 0),

@@ -14,8 +14,8 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from pdserve.engine.logprobs import TokenLogprob
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.logprobs import TokenLogprob
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.failures import FailReason
 
 __all__ = ["TokenLogprob"]  # re-exported: the workers' and the API layers' shape
@@ -263,7 +263,7 @@ class WorkerMetrics:
     prefix_hits: int = 0
     num_preemptions: int = 0
     local_prefills: int = 0  # decode: reserved prompts whose suffix it computed itself
-    # speculative decoding (engine/spec_decode.py), cumulative: drafts verified, their
+    # speculative decoding (engine/spec/spec_decode.py), cumulative: drafts verified, their
     # tokens, and the tokens accepted
     spec_drafts: int = 0
     spec_draft_tokens: int = 0

@@ -25,8 +25,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     import torch
 
     from pdserve.engine import kernels
-    from pdserve.engine.attention import attention_families
-    from pdserve.engine.linear import cpu_families
+    from pdserve.engine.model.attention import attention_families
+    from pdserve.engine.model.linear import cpu_families
 
     model = next((line.split(":", 1)[1].strip() for line in _cpuinfo().splitlines()
                   if line.startswith("model name")), platform.machine())
@@ -54,7 +54,7 @@ def device(request: pytest.FixtureRequest) -> str:
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """``tiny_model(preset)`` -> directory of a tiny checkpoint (made on first use),
     named ``tiny``: the model's served name (a router refuses workers of another)."""
-    from pdserve.engine.tiny import make_tiny
+    from pdserve.engine.model.tiny import make_tiny
 
     made: dict[str, Path] = {}
 
@@ -82,7 +82,7 @@ def free_draft(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     """The prepared SmolLM2-135M-Instruct (``make test`` prepares it first)."""
-    from pdserve.engine.gguf_convert import prepare_default_model
+    from pdserve.engine.model.gguf_convert import prepare_default_model
 
     return prepare_default_model(progress=False)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.router.router import Router, RouterConfig
 from pdserve.router.types import FinalChunk, GenerateRequest, StreamChunk
 from pdserve.worker.colocated import ColocatedWorker

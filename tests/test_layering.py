@@ -3,7 +3,8 @@ function): no import cycles among pdserve's modules; the engine imports nothing 
 pdserve outside itself but leaf modules (which import nothing of pdserve), and no Ray;
 the KV channels import neither the engine nor the workers, and their shared machinery
 none of the backends; the workers import neither the router nor what deploys them; the
-router imports neither torch, Ray nor the workers, and its core none of its front ends
+router imports neither torch, Ray nor the workers, and its core none of its front ends;
+inside the engine, model/, sampling/ and tp/ import only a few named modules of the rest
 (ARCHITECTURE.md)."""
 
 from __future__ import annotations
@@ -179,4 +180,22 @@ def test_router_front_ends_sit_over_the_core(layer: str, may_not: tuple[str, ...
 
     bad = [f"{name} imports {imp}" for name, path in MODULES.items() if inside(name)
            for imp in imports_of(path) if any(imp == m or imp.startswith(m + ".") for m in may_not)]
+    assert bad == []
+
+
+# Inside the engine: the model and sampling sit under the scheduling core and speculation,
+# and beside each other; of the rest of the engine each imports only these modules.
+@pytest.mark.parametrize(("layer", "may"), [
+    ("pdserve.engine.model", ("pdserve.engine.config", "pdserve.engine.defaults",
+                              "pdserve.engine.kernels", "pdserve.engine.tp")),
+    ("pdserve.engine.sampling", ("pdserve.engine.kernels", "pdserve.engine.tokenizer")),
+    ("pdserve.engine.tp", ("pdserve.engine.config",)),
+])
+def test_engine_layers_import_only_their_leaves(layer: str, may: tuple[str, ...]) -> None:
+    assert layer in MODULES  # a package that was moved or renamed fails here, not silently
+    bad = [f"{name} imports {imp}" for name, path in MODULES.items()
+           if name == layer or name.startswith(layer + ".")
+           for imp in imports_of(path)
+           if imp.startswith("pdserve.engine.") and imp != layer and not imp.startswith(layer + ".")
+           and not any(imp == m or imp.startswith(m + ".") for m in may)]
     assert bad == []

@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.cluster.config import ClusterConfig
@@ -340,7 +340,7 @@ def _add_model(sub: argparse._SubParsersAction) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.gguf_convert import resolve_model
+    from pdserve.engine.model.gguf_convert import resolve_model
     from pdserve.engine.results import Completion
     from pdserve.engine.tokenizer import Tokenizer
     from pdserve.worker.tensor_parallel import create_engine
@@ -401,7 +401,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from pdserve.engine.gguf_convert import prepare_default_model
+    from pdserve.engine.model.gguf_convert import prepare_default_model
 
     path = prepare_default_model(cache_dir=args.cache_dir, force=args.force)
     print(path)
@@ -409,7 +409,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from pdserve.engine.tiny import make_tiny
+    from pdserve.engine.model.tiny import make_tiny
 
     print(make_tiny(args.out, preset=args.preset, seed=args.seed))
     return 0

@@ -24,7 +24,7 @@ from pdserve.cluster.cluster import Cluster, StartupError
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.scaler import Scaler
 from pdserve.engine import kernels
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.observability.file_sd import FileSD, cluster_targets, target_groups
 from pdserve.planner.step_times import Profile
 from pdserve.router.api.keys import ApiKeys

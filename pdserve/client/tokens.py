@@ -26,7 +26,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 # ~/.cache/pdserve/models/<name>: where `pdserve model prepare` puts the default model
-# (the same rule as pdserve.engine.gguf_convert, which imports torch and so is not used).
+# (the same rule as pdserve.engine.model.gguf_convert, which imports torch and so is not used).
 MODELS_CACHE = Path.home() / ".cache" / "pdserve" / "models"
 MIN_STABLE_WORDS = 32
 _WORD = re.compile(r" [A-Za-z]+")

@@ -35,7 +35,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from pdserve.cluster.config import PoolConfig
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.failures import AttemptFailed, FailReason, WorkerGone
 from pdserve.messages import (
     NO_LOCAL_PREFILL,

@@ -36,7 +36,7 @@ from pdserve.cluster.actors import (
 )
 from pdserve.cluster.config import ClusterConfig, PoolConfig
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.gguf_convert import resolve_model
+from pdserve.engine.model.gguf_convert import resolve_model
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.placement import Slo
 from pdserve.router.router import Router

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 
 from pdserve.engine import defaults
-from pdserve.engine.kv_cache import KV_CACHE_DTYPES, row_bytes
+from pdserve.engine.model.kv_cache import KV_CACHE_DTYPES, row_bytes
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 ROLES = ("colocated", "prefill", "decode")
@@ -143,7 +143,7 @@ QUANTIZATIONS = ("none", "int8", "int4", "w8a8")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (``engine/spec_decode.py``), vLLM's ``--speculative-config``
+    """Speculative decoding (``engine/spec/spec_decode.py``), vLLM's ``--speculative-config``
     keys: a proposer guesses up to ``num_speculative_tokens`` next tokens, the model
     checks them all in one step. ``ngram``: prompt lookup over the request's own prompt
     and output, matching its last ``prompt_lookup_max`` down to ``prompt_lookup_min``
@@ -151,7 +151,7 @@ class SpeculativeConfig:
     ``suffix_decoding_max_cached_requests`` outputs, the match measured up to
     ``suffix_decoding_max_tree_depth`` tokens and the draft ``..._max_spec_factor`` x
     as long. ``draft_model``: a smaller ``model`` (a checkpoint directory, or the
-    default model's name) of the same tokenizer drafts (``engine/draft_model.py``),
+    default model's name) of the same tokenizer drafts (``engine/spec/draft_model.py``),
     its linear layers in ``quantization`` (``none``, ``int8``, ``int4``, ``w8a8``;
     unset: the target's), so the target's own int4 copy is a draft of any model.
     ``disable_by_batch_size``: no
@@ -294,7 +294,7 @@ class EngineConfig:
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, got "
                              f"{self.quantization_group_size}")
         from pdserve.engine.kernels import ATTENTION_FAMILIES
-        from pdserve.engine.linear import FAMILIES
+        from pdserve.engine.model.linear import FAMILIES
 
         attention = ("auto", "torch", "cpu", *(f"cpu-{f}" for f in ATTENTION_FAMILIES))
         if self.attention_backend not in attention:

@@ -39,22 +39,23 @@ import torch
 from pdserve.engine import kernels
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ceil_div
-from pdserve.engine.draft_model import DraftModel, draft_dir, draft_model_id
-from pdserve.engine.drafting import Drafting
-from pdserve.engine.grammar import Grammars
 from pdserve.engine.input_batch import InputBatch
-from pdserve.engine.kv_cache import new_kv_cache
-from pdserve.engine.loader import load_model
-from pdserve.engine.logprobs import TokenLogprob
+from pdserve.engine.model.kv_cache import new_kv_cache
+from pdserve.engine.model.loader import load_model
 from pdserve.engine.output import OutputProcessor
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.results import Completion, EngineStats, RequestOutput, StepInfo, StepOutput
 from pdserve.engine.roles import DisaggregatedRoles
 from pdserve.engine.runner import ModelRunner, Sampled
-from pdserve.engine.sampler import make_generator, skip_draws
-from pdserve.engine.sampling_params import SamplingParams, request_problem
+from pdserve.engine.sampling.grammar import Grammars
+from pdserve.engine.sampling.logprobs import TokenLogprob
+from pdserve.engine.sampling.sampler import make_generator, skip_draws
+from pdserve.engine.sampling.sampling_params import SamplingParams, request_problem
+from pdserve.engine.sampling.stop import StopChecker
 from pdserve.engine.scheduler import Scheduler
-from pdserve.engine.spec_decode import (
+from pdserve.engine.spec.draft_model import DraftModel, draft_dir, draft_model_id
+from pdserve.engine.spec.drafting import Drafting
+from pdserve.engine.spec.spec_decode import (
     PREDICTION_DEFAULTS,
     SpecState,
     SpecStats,
@@ -62,7 +63,6 @@ from pdserve.engine.spec_decode import (
     batch_limit,
     moving_average,
 )
-from pdserve.engine.stop import StopChecker
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.engine.tp.collectives import TPGroup
 from pdserve.engine.tp.lockstep import STOP, close_link, replicated

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pdserve.engine.attention import AttentionMetadata
 from pdserve.engine.config import ceil_div
+from pdserve.engine.model.attention import AttentionMetadata
 from pdserve.engine.request import Request
 
 

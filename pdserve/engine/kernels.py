@@ -44,7 +44,7 @@ _SOURCES = ("bindings.cpp", "gemm.cpp", "amx.cpp", "quant_gemm.cpp", "w8a8.cpp",
 _CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-std=c++17")
 
 # The paged attention's kernel families (csrc/attention.h's enum), fastest last; the
-# engine's attention backends are these as ``cpu-FAMILY`` (engine/attention.py).
+# engine's attention backends are these as ``cpu-FAMILY`` (engine/model/attention.py).
 ATTENTION_FAMILIES = {"avx2": 0, "avx512bf16": 1, "amx": 2}
 
 _module: ModuleType | None = None

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.stop import StopChecker, StopDecision
+from pdserve.engine.sampling.sampling_params import SamplingParams
+from pdserve.engine.sampling.stop import StopChecker, StopDecision
 from pdserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

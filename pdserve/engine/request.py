@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
 
-    from pdserve.engine.logprobs import TokenLogprob
-    from pdserve.engine.spec_decode import SpecState
+    from pdserve.engine.sampling.logprobs import TokenLogprob
+    from pdserve.engine.spec.spec_decode import SpecState
 
 
 class RequestStatus(enum.Enum):

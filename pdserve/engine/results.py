@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.output import OutputProcessor
-from pdserve.engine.spec_decode import SpecStats
-from pdserve.engine.stop import StopDecision
+from pdserve.engine.sampling.logprobs import TokenLogprob
+from pdserve.engine.sampling.stop import StopDecision
+from pdserve.engine.spec.spec_decode import SpecStats
 
 
 @dataclass

@@ -15,20 +15,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdserve.engine.logprobs import TokenLogprob
 from pdserve.engine.request import RequestStatus
 from pdserve.engine.results import RequestOutput
 from pdserve.engine.runner import Sampled
-from pdserve.engine.sampler import skip_draws
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.logprobs import TokenLogprob
+from pdserve.engine.sampling.sampler import skip_draws
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.engine.tp.lockstep import replicated
 
 if TYPE_CHECKING:
     from pdserve.engine.block_pool import BlockPool
-    from pdserve.engine.draft_model import DraftModel
     from pdserve.engine.request import Request
+    from pdserve.engine.sampling.stop import StopChecker
     from pdserve.engine.scheduler import Scheduler
-    from pdserve.engine.stop import StopChecker
+    from pdserve.engine.spec.draft_model import DraftModel
 
 
 class DisaggregatedRoles:

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
-from pdserve.engine.grammar import Grammars
 from pdserve.engine.input_batch import InputBatch
-from pdserve.engine.logprobs import TokenLogprob
-from pdserve.engine.model import LlamaModel
+from pdserve.engine.model.model import LlamaModel
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import Sampler, SamplingRow, token_logprobs
+from pdserve.engine.sampling.grammar import Grammars
+from pdserve.engine.sampling.logprobs import TokenLogprob
+from pdserve.engine.sampling.sampler import Sampler, SamplingRow, token_logprobs
 from pdserve.engine.scheduler import ScheduledBatch
-from pdserve.engine.spec_decode import Verified, verify
+from pdserve.engine.spec.spec_decode import Verified, verify
 
 PROMPT_LOGITS_ROWS = 512  # prompt positions turned into logits at once
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.block_pool import BlockPool, hash_block, root_hash
 from pdserve.engine.config import ceil_div
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampling_params import effective_priority
+from pdserve.engine.sampling.sampling_params import effective_priority
 
 # Seconds of waiting worth one priority level (see the module doc). The router's
 # admission queue (router/admission.py) ages waiters by the same rule.

@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     if args.measure_profile:
         if not args.model:
             raise ValueError("--measure-profile needs --model DIR (a local model directory)")
-        from pdserve.engine.gguf_convert import resolve_model
+        from pdserve.engine.model.gguf_convert import resolve_model
         from pdserve.planner.profile import measure_profile
 
         prof = measure_profile(resolve_model(args.model), dtype=args.dtype or "auto",

@@ -100,7 +100,7 @@ def _measure(eng: LLMEngine, prefill_lens: Sequence[int], decode_batches: Sequen
              log: Callable[[str], None], clock: Callable[[], float]
              ) -> tuple[list[list[float]], list[list[float]]]:
     """(prefill samples [N, ms], decode samples [B, ctx, ms]) of step times on ``clock``."""
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.sampling.sampling_params import SamplingParams
 
     rng = random.Random(0)
     vocab = eng.model_config.vocab_size
@@ -230,7 +230,7 @@ def _measured_run(eng: LLMEngine, n_in: int, n_out: int, streams: int,
                   seed: int) -> dict[str, tuple[float, float]]:
     """clock -> (mean TTFT ms, mean TPOT ms) of ``streams`` requests started together,
     on both ``CLOCKS``."""
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.sampling.sampling_params import SamplingParams
 
     rng = random.Random(seed)
     vocab = eng.model_config.vocab_size
@@ -259,7 +259,7 @@ def validate(model_dir: str | Path | None = None, threads: int = 1, repeats: int
     (errors on the profile's ``clock``; the wall-clock figures beside them)."""
     import torch
 
-    from pdserve.engine.gguf_convert import resolve_model
+    from pdserve.engine.model.gguf_convert import resolve_model
 
     path = resolve_model(str(model_dir) if model_dir else None)
     before = torch.get_num_threads()

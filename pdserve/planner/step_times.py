@@ -72,7 +72,7 @@ def resolve_model_config(name_or_dir: str | None) -> ModelConfig:
     """A preset name (``MODEL_PRESETS``, case-insensitive), the default model's name,
     or a model directory with a config.json. Anything else: ``ValueError``."""
     from pdserve.engine.config import ModelConfig
-    from pdserve.engine.gguf_convert import DEFAULT_MODEL_NAME, resolve_model
+    from pdserve.engine.model.gguf_convert import DEFAULT_MODEL_NAME, resolve_model
 
     if not name_or_dir:
         raise ValueError("--model is required: a preset "

@@ -31,7 +31,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from pdserve.engine.sampling_params import SamplingParams, effective_priority
+from pdserve.engine.sampling.sampling_params import SamplingParams, effective_priority
 from pdserve.failures import AttemptFailed, FailReason, WorkerGone
 from pdserve.router.placement import Slo
 from pdserve.router.placing import Placer, Target

@@ -45,8 +45,8 @@ from typing import Any, assert_never
 
 from pdserve.engine.block_pool import prefix_block_hashes, root_hash
 from pdserve.engine.output import OutputProcessor
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.stop import StopDecision
+from pdserve.engine.sampling.sampling_params import SamplingParams
+from pdserve.engine.sampling.stop import StopDecision
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.failures import AttemptFailed, FailReason, WorkerGone
 from pdserve.messages import FirstToken, PrefillResult, PrefillTask, RequestDelta, TokenLogprob

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pdserve.engine.sampling_params import SamplingParams, request_problem
+from pdserve.engine.sampling.sampling_params import SamplingParams, request_problem
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.messages import ServingLimits, WorkerLoad
 from pdserve.router.admission import Admission

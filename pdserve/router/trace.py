@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.router.types import FinalChunk
 from pdserve.tracing import Carrier, Tracing, now_ns
 

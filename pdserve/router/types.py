@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.sampling_params import MAX_BAD_WORD_TEXTS, SamplingParams
+from pdserve.engine.sampling.sampling_params import MAX_BAD_WORD_TEXTS, SamplingParams
 from pdserve.messages import TokenLogprob  # the one logprobs shape, worker to API
 
 __all__ = ["ErrorKind", "FinalChunk", "GenerateRequest", "ModelInfo", "RouterError",

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pdserve.engine.config import EngineConfig, ceil_div
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.messages import JoinInfo
 from pdserve.output_stream import OutputServer
 from pdserve.tracing import Carrier, Tracing

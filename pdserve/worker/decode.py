@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.failures import FailReason
 from pdserve.kv_transfer import KVReceiver, RecvEvent
 from pdserve.kv_transfer.driver import ChannelThread

@@ -42,8 +42,8 @@ from typing import Any, cast
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.results import RequestOutput
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.stop import StopChecker
+from pdserve.engine.sampling.sampling_params import SamplingParams
+from pdserve.engine.sampling.stop import StopChecker
 from pdserve.failures import AttemptFailed, FailReason
 from pdserve.kv_transfer import KVSender, SendEvent
 from pdserve.kv_transfer.driver import ChannelThread

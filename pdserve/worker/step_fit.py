@@ -27,7 +27,7 @@ import numpy as np
 
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.results import StepInfo
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.messages import StepCost
 
 DECAY = 0.98  # per prompt sample: ~50 remembered

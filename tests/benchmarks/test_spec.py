@@ -12,7 +12,7 @@ import pytest
 from benchmarks.spec import _llama_server, sustained_load, verification_cost
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.engine.tokenizer import Tokenizer
 
 

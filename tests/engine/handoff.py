@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 
 
 def hand_off(prefill: LLMEngine, request_id: str, decode: LLMEngine, dest: Sequence[int]) -> None:

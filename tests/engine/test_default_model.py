@@ -12,7 +12,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 
 
 def test_greedy_matches_transformers_on_default_model(default_model_dir: Path) -> None:

@@ -1,4 +1,4 @@
-"""Draft-model speculation (engine/draft_model.py): a draft of the same tokenizer
+"""Draft-model speculation (engine/spec/draft_model.py): a draft of the same tokenizer
 proposes with its own paged KV, sampling as the target will (the request's parameters
 and the draws verification makes next); the output is the target's token for token
 (greedy and seeded sampling, preemption, hand-off) and unseeded sampling keeps its
@@ -19,10 +19,10 @@ import torch
 
 from pdserve.engine.config import SpeculativeConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.linear import CpuQuantized, Linear, TorchQuantized
+from pdserve.engine.model.linear import CpuQuantized, Linear, TorchQuantized
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import SamplingRow
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampler import SamplingRow
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from tests.engine.handoff import decode_to_end, disaggregate
 from tests.engine.test_spec_decode import (
     GREEDY,
@@ -120,7 +120,7 @@ def test_the_default_models_int4_copy_drafts_most_of_its_tokens(default_model_di
     """The default model in bfloat16 drafted by its own GGUF's Q4_1 blocks, named as
     ``--model`` names it: an open question (nothing to copy) keeps the target's tokens,
     and the draft guesses most of them."""
-    from pdserve.engine.gguf_convert import DEFAULT_MODEL_NAME
+    from pdserve.engine.model.gguf_convert import DEFAULT_MODEL_NAME
     from pdserve.engine.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(default_model_dir)

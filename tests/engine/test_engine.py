@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from pdserve.engine import kernels
-from pdserve.engine.attention import attention_families
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.linear import FAMILIES, Linear, cpu_families
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.model.attention import attention_families
+from pdserve.engine.model.linear import FAMILIES, Linear, cpu_families
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from tests.engine.handoff import hand_off
 
 GREEDY48 = SamplingParams(max_tokens=48, ignore_eos=True)

@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine import kernels, quant
-from pdserve.engine.attention import attention_families
-from pdserve.engine.linear import (
+from pdserve.engine import kernels
+from pdserve.engine.model import quant
+from pdserve.engine.model.attention import attention_families
+from pdserve.engine.model.linear import (
     FAMILIES,
     INT_FAMILIES,
     CpuDense,

@@ -16,7 +16,7 @@ import torch
 from gguf import GGUFWriter, TokenType
 from safetensors.torch import load_file
 
-from pdserve.engine.gguf_convert import (
+from pdserve.engine.model.gguf_convert import (
     DEFAULT_MODEL_NAME,
     FORMAT_VERSION,
     MARKER_FILE,
@@ -272,7 +272,7 @@ def test_half_written_cache_is_rebuilt(tmp_path: Path, gguf_file: Path, monkeypa
         Path(dst, MARKER_FILE).write_text(json.dumps({"format_version": FORMAT_VERSION}))
         return Path(dst)
 
-    import pdserve.engine.gguf_convert as gc
+    import pdserve.engine.model.gguf_convert as gc
 
     monkeypatch.setattr(gc, "convert_gguf", fake_convert)
     assert prepare_default_model(out) == out and calls == [out]
@@ -282,7 +282,7 @@ def test_half_written_cache_is_rebuilt(tmp_path: Path, gguf_file: Path, monkeypa
 
 
 def test_failed_conversion_leaves_no_directory(tiny_model, tmp_path: Path, monkeypatch) -> None:
-    import pdserve.engine.gguf_convert as gc
+    import pdserve.engine.model.gguf_convert as gc
 
     write_tiny_gguf(tiny_model("llama-gqa"), tmp_path / "tiny.gguf")
     real = gc.dequantize

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pdserve.engine.input_batch import InputBatch
 from pdserve.engine.request import Request
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 
 BS = 4  # block size
 

@@ -6,16 +6,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine import kernels, quant
-from pdserve.engine.attention import (
+from pdserve.engine import kernels
+from pdserve.engine.config import RopeConfig
+from pdserve.engine.model import quant
+from pdserve.engine.model.attention import (
     AttentionMetadata,
     CpuPagedAttention,
     TorchAttention,
     attention_families,
 )
-from pdserve.engine.config import RopeConfig
-from pdserve.engine.kv_cache import dequantize_rows, quantize_rows
-from pdserve.engine.rope import RotaryEmbedding
+from pdserve.engine.model.kv_cache import dequantize_rows, quantize_rows
+from pdserve.engine.model.rope import RotaryEmbedding
 
 pytestmark = pytest.mark.skipif(kernels.cpu_supported() is not None,
                                 reason=str(kernels.cpu_supported()))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from tests.engine.handoff import disaggregate
 from tests.engine.test_engine import BACKENDS, GREEDY48, engine, prompts
 

@@ -14,7 +14,7 @@ from pdserve.engine import kernels
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.results import Completion
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
 needs_kernels = pytest.mark.skipif(kernels.cpu_supported() is not None,

@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import pdserve.engine.sampler as sampler_mod
+import pdserve.engine.sampling.sampler as sampler_mod
 from pdserve.engine import kernels
-from pdserve.engine.sampler import (
+from pdserve.engine.sampling.sampler import (
     Sampler,
     SamplingRow,
     _apply_penalties,
@@ -26,7 +26,7 @@ from pdserve.engine.sampler import (
     bad_word_ends,
     make_generator,
 )
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 
 EOS = 3
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 
 
 def test_defaults_are_valid_and_greedy() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 
 

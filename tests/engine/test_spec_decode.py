@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/spec_decode.py): the n-gram proposer, adaptive draft
+"""Speculative decoding (engine/spec/spec_decode.py): the n-gram proposer, adaptive draft
 lengths, exact verification, and the engine producing the same tokens with and
 without it (greedy, seeded sampling, stops, preemption, hand-off, tensor parallel)."""
 
@@ -18,10 +18,11 @@ import torch
 
 from pdserve.engine.config import EngineConfig, SpeculativeConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampler import Sampler, SamplingRow
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampler import Sampler, SamplingRow
+from pdserve.engine.sampling.sampling_params import SamplingParams
+from pdserve.engine.sampling.structured import StructuredOutput
 from pdserve.engine.scheduler import ScheduledBatch
-from pdserve.engine.spec_decode import (
+from pdserve.engine.spec.spec_decode import (
     NgramProposer,
     PredictionProposer,
     SpecState,
@@ -31,7 +32,6 @@ from pdserve.engine.spec_decode import (
     verify,
     worth,
 )
-from pdserve.engine.structured import StructuredOutput
 from pdserve.worker.tensor_parallel import create_engine
 from tests.engine.handoff import decode_to_end, disaggregate
 from tests.engine.test_engine import BACKENDS, prompts
@@ -326,7 +326,7 @@ def test_an_unset_batch_limit_is_the_kernel_familys(tiny_model: Callable[[str], 
     family; a set limit wins. Each bf16
     family this CPU runs: 6 running requests draft exactly where the limit is 8."""
     from pdserve.engine import kernels
-    from pdserve.engine.linear import cpu_families
+    from pdserve.engine.model.linear import cpu_families
 
     assert batch_limit(SpeculativeConfig(), "cpu-amx", "none") == 8
     assert batch_limit(SpeculativeConfig(), "cpu-avx512bf16", "none") == 4

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.stop import StopChecker, StopDecision
+from pdserve.engine.sampling.sampling_params import SamplingParams
+from pdserve.engine.sampling.stop import StopChecker, StopDecision
 
 EOS = 2
 

@@ -18,8 +18,8 @@ import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.structured import StructuredOutput, grammar_of
+from pdserve.engine.sampling.sampling_params import SamplingParams
+from pdserve.engine.sampling.structured import StructuredOutput, grammar_of
 from tests.engine.handoff import decode_to_end, disaggregate
 
 # Schemas of our own: nested objects, arrays with bounds, enums, patterns, numbers with
@@ -305,7 +305,7 @@ def test_schema_compiles_once() -> None:
 
 
 def test_objects_without_a_word_on_other_keys_are_closed() -> None:
-    from pdserve.engine.structured import closed_objects
+    from pdserve.engine.sampling.structured import closed_objects
 
     schema = {"type": "object", "properties": {
         "a": {"type": "object", "properties": {"x": {"type": "integer"}}},
@@ -328,7 +328,7 @@ def test_bitmask_kernel_equals_reference() -> None:
     import torch
 
     from pdserve.engine import kernels
-    from pdserve.engine.grammar import apply_bitmask, apply_bitmask_reference
+    from pdserve.engine.sampling.grammar import apply_bitmask, apply_bitmask_reference
 
     if not kernels.available():
         pytest.skip(f"no CPU kernels here: {kernels.reason()}")

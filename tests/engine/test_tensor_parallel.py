@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.model import LlamaModel
-from pdserve.engine.rope import RotaryEmbedding
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.model.model import LlamaModel
+from pdserve.engine.model.rope import RotaryEmbedding
+from pdserve.engine.model.weights import load_weights, shard_cut
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.engine.tp.lockstep import close_link
 from pdserve.engine.tp.shard import Shard, check_shardable
-from pdserve.engine.weights import load_weights, shard_cut
 from pdserve.worker.tensor_parallel import create_engine
 from tests.waiting import until
 

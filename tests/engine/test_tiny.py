@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pdserve.engine.tiny import PRESETS, SPECIAL_TOKENS, make_tiny
+from pdserve.engine.model.tiny import PRESETS, SPECIAL_TOKENS, make_tiny
 from pdserve.engine.tokenizer import Tokenizer
 
 PROMPTS = ("Hello world, this is", "The cache holds 16 tokens", "我们今天去", "def f(x):")

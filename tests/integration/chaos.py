@@ -11,7 +11,7 @@ from typing import Any
 from pdserve.cluster.cluster import Cluster
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.router.router import Router
 from pdserve.router.types import (
     ErrorKind,

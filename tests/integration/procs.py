@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 
 MARK_VAR = "PDSERVE_TEST_MARK"
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.messages import PrefillTask
 from pdserve.worker.decode import DecodeWorker
 from pdserve.worker.prefill import PrefillWorker

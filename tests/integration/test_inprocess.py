@@ -18,7 +18,7 @@ import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.failures import FailReason
 from pdserve.kv_transfer import KVLayoutMismatch
 from pdserve.kv_transfer.with_draft import DraftSender

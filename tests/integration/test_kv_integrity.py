@@ -13,7 +13,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.kv_transfer.factory import make_sender
 from pdserve.worker.decode import DecodeWorker
 from tests.waiting import until_async

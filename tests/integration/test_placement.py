@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.router.metrics import RouterMetrics, metrics_text
 from pdserve.router.placement import Slo
 from pdserve.router.router import Router, RouterConfig

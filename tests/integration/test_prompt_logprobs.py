@@ -18,7 +18,7 @@ from openai import OpenAI
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from tests.integration.live_server import LiveServer
 
 LAYOUTS = {"pair": {"n_prefill": 1, "n_decode": 1},

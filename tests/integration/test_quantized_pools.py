@@ -12,7 +12,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.router.types import GenerateRequest
 from tests.engine.handoff import hand_off
 from tests.inprocess import Pair, collect

@@ -14,7 +14,7 @@ from pdserve.cluster.cluster import Cluster
 from pdserve.cluster.config import ClusterConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.router.router import Router
 from pdserve.router.types import FinalChunk, GenerateRequest, StreamChunk
 from tests.inprocess import collect

@@ -25,7 +25,7 @@ from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.scaler import Scaler
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.router.api.keys import ApiKeys
 from pdserve.router.http.app import build_app, start_http_server
 from pdserve.router.types import GenerateRequest, StreamChunk

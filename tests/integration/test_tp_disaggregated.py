@@ -15,7 +15,7 @@ import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.router.router import Router
 from pdserve.router.types import GenerateRequest
 from tests.inprocess import (

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.router.router import Router
 from pdserve.router.types import GenerateRequest
 from pdserve.worker.decode import DecodeWorker

@@ -44,7 +44,7 @@ def test_byte_sizes_match_tensor_layout() -> None:
 def test_int8_rows_carry_their_scale() -> None:
     """An int8 cache row is head_dim values and a float32 scale: the engine's tensor
     has that shape and a block is still one region (the scales move with it)."""
-    from pdserve.engine.kv_cache import row_width
+    from pdserve.engine.model.kv_cache import row_width
 
     q = dataclasses.replace(SMOL, dtype="int8")
     assert q.row_width == row_width(64, "int8") == 68

@@ -15,7 +15,7 @@ from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.cost import attended_tokens, cost_model
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.results import StepInfo
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.observability import efficiency
 from pdserve.observability.efficiency import DevicePeaks, detect_peaks, lookup_device, measure_peaks
 

@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.cli import top
 from pdserve.cluster.cluster import Cluster
 from pdserve.cluster.config import ClusterConfig
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.observability.file_sd import FileSD, cluster_targets
 from pdserve.router.metrics import RouterMetrics, metrics_text
 from pdserve.router.types import FinalChunk, GenerateRequest

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.cluster.cluster import Cluster
 from pdserve.cluster.config import ClusterConfig
 from pdserve.engine.config import EngineConfig
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.observability.otlp_sink import OtlpReceiver, Received
 from pdserve.router.http.app import build_app, start_http_server
 from pdserve.router.router import Router, RouterConfig

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.results import StepInfo
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.messages import STEP_SECONDS_BUCKETS, WorkerMetrics, bucket_samples
 from pdserve.observability import worker_metrics
 from pdserve.observability.efficiency import DevicePeaks

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from pdserve.engine.sampling_params import AGING_S, SamplingParams, effective_priority
+from pdserve.engine.sampling.sampling_params import AGING_S, SamplingParams, effective_priority
 from pdserve.router import admission as admission_module
 from pdserve.router.admission import Admission
 from pdserve.router.policies import PrefixIndex, least_loaded

@@ -17,7 +17,7 @@ import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.failures import AttemptFailed, FailReason
 from pdserve.messages import FirstToken, PrefillTask, RequestDelta, TokenLogprob
 from pdserve.router.attempt import (

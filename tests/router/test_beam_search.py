@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.messages import TokenLogprob
 from pdserve.router.api.beam_search import beam_search
 from pdserve.router.types import FinalChunk, GenerateRequest, StreamChunk, Usage

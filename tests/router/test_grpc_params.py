@@ -12,8 +12,8 @@ from typing import Any
 import grpc
 import pytest
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.structured import StructuredOutput
+from pdserve.engine.sampling.sampling_params import SamplingParams
+from pdserve.engine.sampling.structured import StructuredOutput
 from pdserve.protos import pb
 from pdserve.router.api import common as api_common
 from pdserve.router.grpc.messages import request_from_proto, sampling_params_from_proto

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.protos import pb, pb_grpc
 from pdserve.router.grpc.server import REQUEST_ID_KEY, RETRY_AFTER_KEY, start_grpc_server
 from tests.inprocess import Pair

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.engine.sampling_params import MAX_BAD_WORD_TEXTS, SamplingParams
+from pdserve.engine.sampling.sampling_params import MAX_BAD_WORD_TEXTS, SamplingParams
 from pdserve.protos import pb
 from pdserve.router.grpc.server import request_from_proto
 from pdserve.router.types import GenerateRequest

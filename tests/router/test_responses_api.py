@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.engine.structured import StructuredOutput
+from pdserve.engine.sampling.structured import StructuredOutput
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.openai.request_models import validate_body
 from pdserve.router.openai.responses.request import REFUSED_RESPONSES, ResponsesRequest

@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.structured import StructuredOutput
+from pdserve.engine.sampling.sampling_params import SamplingParams
+from pdserve.engine.sampling.structured import StructuredOutput
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.router import Router
 from pdserve.router.types import ErrorKind, GenerateRequest, RouterError, StreamChunk

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from pdserve.engine.sampling_params import RANGES, Range, SamplingParams
+from pdserve.engine.sampling.sampling_params import RANGES, Range, SamplingParams
 from pdserve.router.openai.chat_request import ChatCompletionRequest
 from pdserve.router.openai.completion_request import CompletionRequest
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.engine.structured import StructuredOutput
+from pdserve.engine.sampling.structured import StructuredOutput
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.api import common as api_common
 from pdserve.router.openai.chat_request import ChatCompletionRequest

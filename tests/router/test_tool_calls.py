@@ -13,8 +13,8 @@ from typing import Any
 import llguidance
 import pytest
 
-from pdserve.engine.structured import StructuredOutput, grammar_of
-from pdserve.engine.tiny import CHAT_TEMPLATE
+from pdserve.engine.model.tiny import CHAT_TEMPLATE
+from pdserve.engine.sampling.structured import StructuredOutput, grammar_of
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.router.openai.chat_request import ChatCompletionRequest
 from pdserve.router.openai.chat_response import ChatBuilder

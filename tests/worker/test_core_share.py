@@ -148,7 +148,7 @@ def test_a_worker_lends_its_cores_once_its_last_step_is_done(tiny_model, tmp_pat
     """Not after its loop's idle wait: until then the other worker would run on its own
     cores alone."""
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.sampling_params import SamplingParams
+    from pdserve.engine.sampling.sampling_params import SamplingParams
     from pdserve.worker.colocated import ColocatedWorker
 
     cores = CoreShare(1, 2, tmp_path / "cores")

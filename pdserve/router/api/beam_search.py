@@ -17,7 +17,7 @@ import asyncio
 import dataclasses
 from dataclasses import dataclass, field
 
-from pdserve.engine.sampling_params import MAX_LOGPROBS
+from pdserve.engine.sampling.sampling_params import MAX_LOGPROBS
 from pdserve.messages import TokenLogprob
 from pdserve.router.api.common import RouterLike
 from pdserve.router.api.router_stream import Item, RouterStream

@@ -12,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
-from pdserve.engine.structured import StructuredOutput, grammar_of
+from pdserve.engine.sampling.structured import StructuredOutput, grammar_of
 from pdserve.router.types import (
     ErrorKind,
     FinalChunk,

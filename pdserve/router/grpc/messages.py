@@ -26,8 +26,8 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.structured import StructuredOutput
+from pdserve.engine.sampling.sampling_params import SamplingParams
+from pdserve.engine.sampling.structured import StructuredOutput
 from pdserve.protos import pb
 from pdserve.router.api.common import (
     ConstraintRefused,

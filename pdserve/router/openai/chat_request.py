@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from pdserve.engine.structured import StructuredOutput
+from pdserve.engine.sampling.structured import StructuredOutput
 from pdserve.router.openai.chat_messages import (
     ChatMessage,
     ChatTemplateFields,

@@ -14,14 +14,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from pdserve.engine.sampling_params import (
+from pdserve.engine.sampling.sampling_params import (
     MAX_BAD_WORD_TEXTS,
     MAX_LOGIT_BIAS,
     MAX_LOGIT_BIAS_TOKENS,
     MAX_STOP_STRINGS,
     RANGES,
 )
-from pdserve.engine.structured import MAX_CHOICES
+from pdserve.engine.sampling.structured import MAX_CHOICES
 
 log = logging.getLogger("pdserve.router")
 

@@ -54,8 +54,8 @@ from typing import Annotated, Any
 
 from pydantic import Field
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.structured import StructuredOutput
+from pdserve.engine.sampling.sampling_params import SamplingParams
+from pdserve.engine.sampling.structured import StructuredOutput
 from pdserve.router.api.beam_search import MAX_BEAM_WIDTH
 from pdserve.router.api.common import ConstraintRefused, compile_constraints, one_line
 from pdserve.router.openai.request_models import (

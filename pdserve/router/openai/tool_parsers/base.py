@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.structured import JSON_OPTIONS, closed_objects
+from pdserve.engine.sampling.structured import JSON_OPTIONS, closed_objects
 
 # A function declared without parameters takes none.
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {},

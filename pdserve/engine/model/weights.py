@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 from safetensors import safe_open
 
-from pdserve.engine.model import LlamaModel
+from pdserve.engine.model.model import LlamaModel
 
 if TYPE_CHECKING:
     from pdserve.engine.tp.shard import Shard

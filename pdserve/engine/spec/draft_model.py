@@ -54,15 +54,15 @@ import torch
 
 from pdserve.engine.block_pool import BlockPool
 from pdserve.engine.config import EngineConfig, ModelConfig, ceil_div
-from pdserve.engine.gguf_convert import resolve_model
-from pdserve.engine.grammar import Grammars
 from pdserve.engine.input_batch import InputBatch
-from pdserve.engine.kv_cache import new_kv_cache
-from pdserve.engine.loader import load_model
+from pdserve.engine.model.gguf_convert import resolve_model
+from pdserve.engine.model.kv_cache import new_kv_cache
+from pdserve.engine.model.loader import load_model
 from pdserve.engine.request import Request
-from pdserve.engine.sampler import Sampler, SamplingRow
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.spec_decode import moving_average
+from pdserve.engine.sampling.grammar import Grammars
+from pdserve.engine.sampling.sampler import Sampler, SamplingRow
+from pdserve.engine.sampling.sampling_params import SamplingParams
+from pdserve.engine.spec.spec_decode import moving_average
 from pdserve.kv_layout import KVLayout
 
 if TYPE_CHECKING:

@@ -24,8 +24,8 @@ import llguidance
 import torch
 
 from pdserve.engine import kernels
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.structured import StructuredOutput, grammar_of, limits, tag_triggers
+from pdserve.engine.sampling.sampling_params import SamplingParams
+from pdserve.engine.sampling.structured import StructuredOutput, grammar_of, limits, tag_triggers
 from pdserve.engine.tokenizer import Tokenizer
 
 _BITS = torch.arange(32, dtype=torch.int32)

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.engine import quant
-from pdserve.engine.gguf_convert import gguf_source, unpermute_rope
-from pdserve.engine.model import Linear, LlamaModel
-from pdserve.engine.quant import QuantizedWeight
+from pdserve.engine.model import quant
+from pdserve.engine.model.gguf_convert import gguf_source, unpermute_rope
+from pdserve.engine.model.model import Linear, LlamaModel
+from pdserve.engine.model.quant import QuantizedWeight
 
 
 @dataclass

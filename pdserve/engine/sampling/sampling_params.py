@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.engine.structured import StructuredOutput
+from pdserve.engine.sampling.structured import StructuredOutput
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20

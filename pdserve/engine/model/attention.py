@@ -60,9 +60,9 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine import kernels
-from pdserve.engine.kv_cache import is_quantized, read_rows, to_rows
-from pdserve.engine.linear import cpu_families
-from pdserve.engine.rope import RotaryEmbedding, apply_rotary
+from pdserve.engine.model.kv_cache import is_quantized, read_rows, to_rows
+from pdserve.engine.model.linear import cpu_families
+from pdserve.engine.model.rope import RotaryEmbedding, apply_rotary
 
 
 @dataclass

@@ -11,15 +11,15 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.attention import make_attention, resolve_attention_backend
 from pdserve.engine.config import EngineConfig, ModelConfig
-from pdserve.engine.linear import int_family, resolve_linear_backend
-from pdserve.engine.model import LlamaModel
-from pdserve.engine.quant_load import QuantReport, quantize_model
-from pdserve.engine.rope import RotaryEmbedding
+from pdserve.engine.model.attention import make_attention, resolve_attention_backend
+from pdserve.engine.model.linear import int_family, resolve_linear_backend
+from pdserve.engine.model.model import LlamaModel
+from pdserve.engine.model.quant_load import QuantReport, quantize_model
+from pdserve.engine.model.rope import RotaryEmbedding
+from pdserve.engine.model.weights import load_weights, shard_cut
 from pdserve.engine.tp.collectives import TPGroup
 from pdserve.engine.tp.shard import Shard
-from pdserve.engine.weights import load_weights, shard_cut
 
 
 @dataclass

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pdserve.engine.sampler import own_generator
+from pdserve.engine.sampling.sampler import own_generator
 
 if TYPE_CHECKING:
     from pdserve.engine.config import EngineConfig
-    from pdserve.engine.draft_model import DraftModel
     from pdserve.engine.request import Request
     from pdserve.engine.scheduler import Scheduler
+    from pdserve.engine.spec.draft_model import DraftModel
     from pdserve.engine.tp.collectives import TPGroup
 
 

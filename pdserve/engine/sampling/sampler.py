@@ -53,9 +53,9 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine import kernels
-from pdserve.engine.grammar import apply_bitmask
-from pdserve.engine.logprobs import TokenLogprob
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampling.grammar import apply_bitmask
+from pdserve.engine.sampling.logprobs import TokenLogprob
+from pdserve.engine.sampling.sampling_params import SamplingParams
 
 # Temperatures below this are clamped so logits / temperature stays finite.
 _MIN_TEMPERATURE = 1e-5

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine import kernels
-from pdserve.engine.quant import (
+from pdserve.engine.model.quant import (
     QuantizedWeight,
     W8Weight,
     quantize_w8,

@@ -5,7 +5,7 @@ context-free grammar) and turns it into the grammar text of llguidance, the gram
 engine pdserve uses (why llguidance: ``docs/structured-outputs.md``). It does not
 import torch: the router checks a request's constraint here before anything reaches
 a worker, so a schema the engine cannot compile is a 400 naming its part.
-``engine/grammar.py`` runs the grammar per request (matcher, token masks).
+``engine/sampling/grammar.py`` runs the grammar per request (matcher, token masks).
 
 JSON is generated compact with one space after ``:`` and ``,`` (OpenAI's own shape), so
 a sampled stream cannot wander off into unbounded whitespace; and an object schema that

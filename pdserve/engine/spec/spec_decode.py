@@ -55,8 +55,8 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.config import SpeculativeConfig
-from pdserve.engine.logprobs import TokenLogprob
-from pdserve.engine.sampler import Sampler, SamplingRow, is_plain_greedy
+from pdserve.engine.sampling.logprobs import TokenLogprob
+from pdserve.engine.sampling.sampler import Sampler, SamplingRow, is_plain_greedy
 
 MAX_PAUSE_STEPS = 32  # longest pause of a request whose drafts were all rejected
 # A draft model's per-request acceptance estimate: where it starts, and the weight of

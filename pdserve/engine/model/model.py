@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from pdserve.engine import kernels
-from pdserve.engine.attention import AttentionBackend, AttentionMetadata, CpuPagedAttention
 from pdserve.engine.config import ModelConfig
-from pdserve.engine.linear import CpuOps, LayerOps, Linear, TorchOps
-from pdserve.engine.rope import RotaryEmbedding
+from pdserve.engine.model.attention import AttentionBackend, AttentionMetadata, CpuPagedAttention
+from pdserve.engine.model.linear import CpuOps, LayerOps, Linear, TorchOps
+from pdserve.engine.model.rope import RotaryEmbedding
 from pdserve.engine.tp.collectives import TPGroup
 
 
