@@ -39,7 +39,8 @@ from pdserve.engine import kernels
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cost import cost_model
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.model.linear import FAMILIES, INT_FAMILIES, Linear, blocks_family, int_family
+from pdserve.engine.kernels import DENSE_FAMILIES, family_id
+from pdserve.engine.model.linear import Linear, blocks_family, int_family
 from pdserve.engine.sampling.sampling_params import SamplingParams
 
 # weight format -> (engine dtype, quantization)
@@ -231,13 +232,13 @@ def bench_format(model_dir: Path, fmt: str, threads: int, bw: float, peak: float
 
     eng = make()
     family = eng.linear_backend.removeprefix("cpu-")
-    if quant in ("int4", "int8", "w8a8") and family in FAMILIES:  # the integer family's peak
+    if quant in ("int4", "int8", "w8a8") and family in DENSE_FAMILIES:  # the integer family's peak
         family = int_family(eng.config.linear_backend)
         if quant != "w8a8":
             family = blocks_family(family)
-        peak = kernels.require().w8a8_peak(INT_FAMILIES[family]) * threads
-    elif family in FAMILIES:  # MFU against the chosen kernel family's own peak
-        peak = kernels.require().family_peak(FAMILIES[family]) * threads
+        peak = kernels.require().w8a8_peak(family_id(family)) * threads
+    elif family in DENSE_FAMILIES:  # MFU against the chosen kernel family's own peak
+        peak = kernels.require().family_peak(family_id(family)) * threads
     print(f"-- {fmt}: KV cache {eng.config.kv_cache_dtype}, linear backend "
           f"{eng.linear_backend}, kernels {family}, attention {eng.attention_backend}, "
           f"MFU against {peak / 1e9:.0f} GFLOP/s (GOP/s for integer kernels)")

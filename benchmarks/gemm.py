@@ -1,7 +1,7 @@
 """``make bench`` for the linear layers: every GEMM family this CPU runs, against its
 own measured peak and against torch's ``F.linear`` (oneDNN / MKL) in the same run.
 
-Per thread count, weight dtype and family (``linear.FAMILIES``), on the default
+Per thread count, weight dtype and family (``kernels.DENSE_FAMILIES``), on the default
 model's layer shapes (qkv 960x576, o 576x576, gate/up 3072x576, down 576x1536):
 
 - GFLOP/s of one layer's matmuls at 1, 8, 32, 128 and 1024 rows, weights hot in
@@ -11,7 +11,7 @@ model's layer shapes (qkv 960x576, o 576x576, gate/up 3072x576, down 576x1536):
 - decode bandwidth: one row through 30 layers' weights (larger than the caches), as
   GB/s of weights read and a fraction of the memory read bandwidth measured here;
 - which family ``linear_backend: cpu`` picks;
-- the integer families (``INT_FAMILIES``) for W8A8 (``quantization: w8a8``), int4
+- the integer families (``kernels.INT_FAMILIES``) for W8A8 (``quantization: w8a8``), int4
   and int8 (Q4_1 / Q8_0 weights x int8 activations) the same way, against their
   integer peak (``w8a8_peak``: vpmaddwd on avx2, vpdpbusd on avx512vnni) and bf16
   ``F.linear``, and int4's and int8's decode bandwidth.
@@ -31,9 +31,8 @@ import torch.nn.functional as F
 
 from benchmarks.engine import memory_read_bandwidth
 from pdserve.engine import kernels
+from pdserve.engine.kernels import family_id
 from pdserve.engine.model.linear import (
-    FAMILIES,
-    INT_FAMILIES,
     CpuDense,
     CpuQuantized,
     CpuW8A8,
@@ -80,7 +79,7 @@ def bench(threads: int, rows: list[int]) -> None:
         g = torch.Generator().manual_seed(0)
         weights = [(torch.randn(n, kk, generator=g) * 0.05).to(dtype) for n, kk in LAYER]
         for family in cpu_families(dtype):
-            peak = k.family_peak(FAMILIES[family]) * threads
+            peak = k.family_peak(family_id(family)) * threads
             layer: list[Callable[[torch.Tensor], torch.Tensor]] = [
                 CpuDense(w, None, family) for w in weights]
             ref_layer: list[Callable[[torch.Tensor], torch.Tensor]] = [
@@ -126,7 +125,7 @@ def bench_integer(threads: int, rows: list[int], kind: str) -> None:
         return CpuQuantized(quantize(w, kind), None, family)
 
     for family in families:
-        peak = k.w8a8_peak(INT_FAMILIES[family]) * threads
+        peak = k.w8a8_peak(family_id(family)) * threads
         layer: list[Callable[[torch.Tensor], torch.Tensor]] = [make(w, family) for w in weights]
         cells = []
         for m in rows:

@@ -293,15 +293,14 @@ class EngineConfig:
         if self.quantization_group_size not in (32, 64, 128):
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, got "
                              f"{self.quantization_group_size}")
-        from pdserve.engine.kernels import ATTENTION_FAMILIES
-        from pdserve.engine.model.linear import FAMILIES
+        from pdserve.engine.kernels import DENSE_FAMILIES
 
-        attention = ("auto", "torch", "cpu", *(f"cpu-{f}" for f in ATTENTION_FAMILIES))
+        attention = ("auto", "torch", "cpu", *(f"cpu-{f}" for f in DENSE_FAMILIES))
         if self.attention_backend not in attention:
             raise ValueError(f"attention_backend must be one of {', '.join(attention)}, got "
                              f"{self.attention_backend!r}")
 
-        linear = ("auto", "torch", "cpu", *(f"cpu-{f}" for f in FAMILIES))
+        linear = ("auto", "torch", "cpu", *(f"cpu-{f}" for f in DENSE_FAMILIES))
         if self.linear_backend not in linear:
             raise ValueError(f"linear_backend must be one of {', '.join(linear)}, got "
                              f"{self.linear_backend!r}")

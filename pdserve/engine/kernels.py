@@ -43,9 +43,12 @@ _SOURCES = ("bindings.cpp", "gemm.cpp", "amx.cpp", "quant_gemm.cpp", "w8a8.cpp",
 # source line rounds the same in every inlined or vectorised copy (batch invariance).
 _CFLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-std=c++17")
 
-# The paged attention's kernel families (csrc/attention.h's enum), fastest last; the
-# engine's attention backends are these as ``cpu-FAMILY`` (engine/model/attention.py).
-ATTENTION_FAMILIES = {"avx2": 0, "avx512bf16": 1, "amx": 2}
+# The kernel families by name, fastest last: the dense ones that GEMM and attention
+# run (``cpu-FAMILY`` backends: model/linear.py, model/attention.py) and the integer
+# ones (int4, int8, W8A8; the same results on each, bit for bit). Their ids are the
+# C++ enum's (csrc/families.h), read from the library: ``family_id``.
+DENSE_FAMILIES = ("avx2", "avx512bf16", "amx")
+INT_FAMILIES = ("avx2", "avx512vnni", "amx")
 
 _module: ModuleType | None = None
 _why: str | None = None
@@ -210,6 +213,11 @@ def load() -> ModuleType | None:
     loader.exec_module(module)
     _module = module
     return module
+
+
+def family_id(name: str) -> int:
+    """The id the kernels take for family ``name`` (one of the tuples above)."""
+    return int(require().FAMILY_IDS[name])
 
 
 def available() -> bool:

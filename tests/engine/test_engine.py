@@ -13,8 +13,9 @@ import torch
 from pdserve.engine import kernels
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.kernels import DENSE_FAMILIES
 from pdserve.engine.model.attention import attention_families
-from pdserve.engine.model.linear import FAMILIES, Linear, cpu_families
+from pdserve.engine.model.linear import Linear, cpu_families
 from pdserve.engine.sampling.sampling_params import SamplingParams
 from tests.engine.handoff import hand_off
 
@@ -92,7 +93,7 @@ def test_chunked_prefill_equals_unchunked(tiny_model: Callable[[str], Path], bac
     chunked_engine.check_integrity()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", DENSE_FAMILIES)
 def test_threads_changing_between_steps_change_no_token(tiny_model: Callable[[str], Path],
                                                        family: str) -> None:
     """Core sharing (worker/core_share.py) gives a worker 1 or 2 threads step by step: the
@@ -130,7 +131,7 @@ def test_threads_changing_between_steps_change_no_token(tiny_model: Callable[[st
 
 
 @pytest.mark.parametrize(("kind", "family"), [
-    *(("linear", f) for f in FAMILIES), *(("attention", f) for f in kernels.ATTENTION_FAMILIES)])
+    *(("linear", f) for f in DENSE_FAMILIES), *(("attention", f) for f in kernels.DENSE_FAMILIES)])
 def test_every_kernel_family_is_batch_invariant(tiny_model: Callable[[str], Path], kind: str,
                                                family: str) -> None:
     """bfloat16 weights and cache forced onto each GEMM family, and each attention

@@ -12,11 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine import kernels
+from pdserve.engine.kernels import DENSE_FAMILIES, INT_FAMILIES, family_id
 from pdserve.engine.model import quant
 from pdserve.engine.model.attention import attention_families
 from pdserve.engine.model.linear import (
-    FAMILIES,
-    INT_FAMILIES,
     CpuDense,
     CpuQuantized,
     CpuW8A8,
@@ -30,7 +29,7 @@ from pdserve.engine.model.linear import (
 pytestmark = pytest.mark.skipif(kernels.cpu_supported() is not None,
                                 reason=str(kernels.cpu_supported()))
 
-CASES = [(fam, dt) for dt in (torch.float32, torch.bfloat16) for fam in FAMILIES]
+CASES = [(fam, dt) for dt in (torch.float32, torch.bfloat16) for fam in DENSE_FAMILIES]
 
 
 def runnable(family: str, dtype: torch.dtype) -> None:
@@ -107,7 +106,7 @@ def test_rows_are_bit_identical_however_batched(family: str, dtype: torch.dtype,
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", DENSE_FAMILIES)
 def test_a_large_output_is_the_same_bits_as_small_ones(family: str) -> None:
     # 1100 x 3840 float32 outputs (17 MB): amx writes them with streaming stores (at
     # 16 MB and up), with the partial tile of 1100 = 68 x 16 + 12 rows too
@@ -171,24 +170,24 @@ def test_bf16_families_fuse_silu_mul_of_whole_groups_only() -> None:
         if family != "avx2":
             with pytest.raises(RuntimeError, match="multiple of 64"):
                 k.gemm_silu_mul(torch.randn(2, 64), CpuDense(w, None, family).packed, 192,
-                                FAMILIES[family], None)
+                                family_id(family), None)
     avx2 = CpuDense(torch.randn(256, 64).bfloat16(), None, "avx2")
     with pytest.raises(RuntimeError, match="avx512bf16 and amx families' gemm only"):
-        k.gemm_silu_mul(torch.randn(2, 64), avx2.packed, 256, FAMILIES["avx2"], None)
+        k.gemm_silu_mul(torch.randn(2, 64), avx2.packed, 256, family_id("avx2"), None)
 
 
 def test_gemm_rejects_bad_input() -> None:
     k = kernels.require()
     w = torch.randn(32, 64)
-    packed = k.pack_weight(w, FAMILIES["avx2"])
+    packed = k.pack_weight(w, family_id("avx2"))
     with pytest.raises(RuntimeError, match="packed weight"):
-        k.gemm(torch.randn(2, 32), packed, 32, FAMILIES["avx2"], None)
+        k.gemm(torch.randn(2, 32), packed, 32, family_id("avx2"), None)
     with pytest.raises(RuntimeError, match="float32"):
-        k.gemm(torch.randn(2, 64).double(), packed, 32, FAMILIES["avx2"], None)
+        k.gemm(torch.randn(2, 64).double(), packed, 32, family_id("avx2"), None)
     with pytest.raises(RuntimeError, match="bias"):
-        k.gemm(torch.randn(2, 64), packed, 32, FAMILIES["avx2"], torch.randn(31))
+        k.gemm(torch.randn(2, 64), packed, 32, family_id("avx2"), torch.randn(31))
     with pytest.raises(RuntimeError, match="bf16dp/amx: weight must be bfloat16"):
-        k.pack_weight(w, FAMILIES["avx512bf16"])
+        k.pack_weight(w, family_id("avx512bf16"))
     with pytest.raises(RuntimeError, match="unknown kernel family"):
         k.pack_weight(w, 7)
 

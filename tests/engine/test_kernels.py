@@ -201,7 +201,7 @@ def test_bfloat16_attention_needs_a_bfloat16_cache(k) -> None:  # type: ignore[n
         with pytest.raises(RuntimeError, match="bfloat16 KV cache"):
             k.paged_attention(q, cache, 0, meta.block_table, meta.seq_rows, meta.query_start,
                               meta.query_len, meta.context_len, 0.125, out,
-                              kernels.ATTENTION_FAMILIES[family])
+                              kernels.family_id(family))
     with pytest.raises(RuntimeError, match="unknown attention family"):
         k.paged_attention(q, cache, 0, meta.block_table, meta.seq_rows, meta.query_start,
                           meta.query_len, meta.context_len, 0.125, out, 7)
@@ -255,7 +255,7 @@ def test_paged_attention_rows_do_not_depend_on_the_step(  # type: ignore[no-unty
     # beside other sequences: what makes prefill KV equal decode KV (colocated answers
     # equal disaggregated ones) and chunked prefill equal unchunked.
     _runs(family, dtype)
-    fam = kernels.ATTENTION_FAMILIES[family]
+    fam = kernels.family_id(family)
     h, kvh = heads
     n, ctx = 70, 100  # the sequence's last 70 tokens are computed, after a 30-token prefix
     g = torch.Generator().manual_seed(1)
@@ -301,7 +301,7 @@ def test_a_long_sequence_alone_is_split_by_kv_head_to_the_same_bits(  # type: ig
     # is one task per kv head (attention.cpp, kSplitContext): the same bits as one task
     # of every head (on one thread, or beside other sequences that fill the threads).
     _runs(family, dtype)
-    fam = kernels.ATTENTION_FAMILIES[family]
+    fam = kernels.family_id(family)
     h, kvh, head_dim, block_size, ctx = 9, 3, 64, 16, 1100
     g = torch.Generator().manual_seed(5)
     nb = -(-ctx // block_size)
@@ -372,3 +372,12 @@ def test_argmax_rows_answers_as_torch(k, vocab: int) -> None:  # type: ignore[no
     assert k.argmax_rows(torch.empty(0, vocab)).shape == (0,)
     with pytest.raises(RuntimeError, match="contiguous float32"):
         k.argmax_rows(x.double())
+
+
+def test_family_ids_come_from_the_library_under_one_name_each() -> None:
+    """The ids are the C++ enum's (csrc/families.h), exported by name; Python names
+    each family once per kind of kernel, fastest last, and never writes an id."""
+    ids = kernels.require().FAMILY_IDS
+    assert set(ids) == set(kernels.DENSE_FAMILIES) | set(kernels.INT_FAMILIES)
+    for names in (kernels.DENSE_FAMILIES, kernels.INT_FAMILIES):
+        assert [kernels.family_id(n) for n in names] == sorted(set(ids.values()))

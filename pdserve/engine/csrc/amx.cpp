@@ -1,5 +1,5 @@
-// The tile unit's (AMX) kernels: the dense GEMM's amx family (gemm.cpp's kAmx) on
-// TDPBF16PS, and W8A8's amx family (w8a8.cpp's kW8Amx) on TDPBSSD (further down).
+// The tile unit's (AMX) kernels: the dense GEMM's amx family (families.h's kAmx) on
+// TDPBF16PS, and W8A8's amx family (families.h's kAmx) on TDPBSSD (further down).
 //
 // Dense: y[M, N] = x[M, K] @ W^T + b, batch-invariant by construction like the other
 // families. The weight is bf16dp's packed layout ([K/2][64][2] per group of 64
@@ -312,7 +312,7 @@ void rows_times_groups(const bf16_t* x, int64_t m0, int64_t m1, int64_t K, const
 }
 
 // ----------------------------------------------------------- W8A8 (AMX-INT8)
-// w8a8.cpp's kW8Amx: the same arithmetic as its other families (see there), the
+// families.h's kAmx: the same arithmetic as its other families (see there), the
 // integer part on TDPBSSD. avx512vnni's packed weight ([K/4][64][4] per group of 64
 // outputs) holds, for one group of G values of K, a B tile per 16-output block (G/4
 // rows of 64 bytes); qx (int8, signed) per row holds the A tile's rows. One TDPBSSD

@@ -353,9 +353,9 @@ void paged_attention(const at::Tensor& q, const at::Tensor& kv_cache, int64_t la
   TORCH_CHECK(attention_supports_head_dim(D), "head_dim ", D, " is not supported");
   TORCH_CHECK(BS % 8 == 0 && BS <= kMaxBlock, "block_size must be a multiple of 8, at most 64");
   TORCH_CHECK(0 <= layer && layer < L, "layer out of range");
-  TORCH_CHECK(family == kAttnFloat32 || family == kAttnBf16Dp || family == kAttnAmx,
+  TORCH_CHECK(family == kAvx2 || family == kAvx512 || family == kAmx,
               "unknown attention family ", family);
-  const bool amx = family == kAttnAmx, bf16 = family != kAttnFloat32;
+  const bool amx = family == kAmx, bf16 = family != kAvx2;
   TORCH_CHECK(!bf16 || kv_cache.scalar_type() == at::kBFloat16,
               "the bfloat16 attention families need a bfloat16 KV cache");
   TORCH_CHECK(!amx || amx_ready(), "amx: Linux did not grant this process the tile registers");

@@ -10,6 +10,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "families.h"
 #include "vec.h"
 
 namespace pdk {
@@ -71,10 +72,9 @@ auto by_head_dim(int64_t D, Pick pick) {
   }
 }
 
-// paged_attention's kernel families (kernels.py's ATTENTION_FAMILIES): float32 FMA
-// (attend_tile, every cache) and the bfloat16 dot products' (a bfloat16 cache):
-// AVX512-BF16's and the tile unit's.
-constexpr int64_t kAttnFloat32 = 0, kAttnBf16Dp = 1, kAttnAmx = 2;
+// paged_attention's kernel families (families.h): float32 FMA (kAvx2: attend_tile,
+// every cache) and the bfloat16 dot products' (a bfloat16 cache): AVX512-BF16's
+// (kAvx512) and the tile unit's (kAmx).
 
 // The bfloat16 families (attention_bf16.cpp) for head_dim D: the tile unit's (amx)
 // or AVX512-BF16's; and the query tokens one of their tasks holds.

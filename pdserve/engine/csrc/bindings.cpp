@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "decoder.h"
+#include "families.h"
 
 namespace pdk {
 at::Tensor pack_quantized(const at::Tensor&, int64_t, int64_t);
@@ -89,6 +90,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("inverse_cdf_rows", &pdk::inverse_cdf_rows, nogil);
   m.def("attention_step", &pdk::attention_step, nogil);
   m.def("apply_token_bitmask", &pdk::apply_token_bitmask, nogil);
+  // Each family's id by the name each kind of kernel knows it by (families.h)
+  py::dict family_ids;
+  family_ids["avx2"] = static_cast<int64_t>(pdk::kAvx2);
+  family_ids["avx512bf16"] = static_cast<int64_t>(pdk::kAvx512);
+  family_ids["avx512vnni"] = static_cast<int64_t>(pdk::kAvx512);
+  family_ids["amx"] = static_cast<int64_t>(pdk::kAmx);
+  m.attr("FAMILY_IDS") = family_ids;
   m.attr("LINEAR_DENSE") = static_cast<int64_t>(pdk::LinearOp::kDense);
   m.attr("LINEAR_QUANTIZED") = static_cast<int64_t>(pdk::LinearOp::kQuantized);
   m.attr("LINEAR_W8A8") = static_cast<int64_t>(pdk::LinearOp::kW8A8);

@@ -42,6 +42,7 @@
 
 #include "amx.h"
 #include "args.h"
+#include "families.h"
 #include "vec.h"
 #include "vec512.h"
 
@@ -364,9 +365,8 @@ double fma_peak_loop(int64_t iters) {
   return 2.0 * 8 * 12 * static_cast<double>(iters);
 }
 
-enum Family : int64_t { kFma = 0, kBf16Dp = 1, kAmx = 2 };
 
-bool known(int64_t family) { return family == kFma || family == kBf16Dp || family == kAmx; }
+bool known(int64_t family) { return family == kAvx2 || family == kAvx512 || family == kAmx; }
 
 int64_t padded_rows(int64_t N) { return (N + kBlock - 1) / kBlock * kBlock; }
 
@@ -379,7 +379,7 @@ double family_peak(int64_t family) {
   if (family == kAmx) {
     return peak_rate(amx_peak_loop);
   }
-  return peak_rate(family == kFma ? fma_peak_loop : dp_peak_loop);
+  return peak_rate(family == kAvx2 ? fma_peak_loop : dp_peak_loop);
 }
 
 // W [N, K] float32 / bfloat16 -> the family's packed layout (1-d; zero rows pad N
@@ -388,7 +388,7 @@ at::Tensor pack_weight(const at::Tensor& w, int64_t family) {
   TORCH_CHECK(w.dim() == 2 && w.size(0) >= 1 && w.size(1) >= 1, "weight must be [N, K]");
   TORCH_CHECK(known(family), "unknown kernel family ", family);
   const int64_t N = w.size(0), K = w.size(1), n_pad = padded_rows(N);
-  if (family == kFma) {
+  if (family == kAvx2) {
     TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16,
                 "fma: weight must be float32 or bfloat16");
   } else {
@@ -397,13 +397,13 @@ at::Tensor pack_weight(const at::Tensor& w, int64_t family) {
   }
   at::Tensor padded = at::zeros({n_pad, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
-  const int64_t group = family == kFma ? kFmaGroup : kDpGroup;
+  const int64_t group = family == kAvx2 ? kFmaGroup : kDpGroup;
   std::vector<at::Tensor> parts;
   for (int64_t g0 = 0; g0 < n_pad; g0 += group) {
     const int64_t width = std::min(group, n_pad - g0), nb = width / kBlock;
     at::Tensor rows = padded.narrow(0, g0, width);  // [width, K]
     at::Tensor part;
-    if (family == kFma) {
+    if (family == kAvx2) {
       part = rows.t();  // [K, width]
       if (w.scalar_type() == at::kBFloat16)  // each block in unpack order (load_block)
         part = part.reshape({K, nb, 2, 2, 4}).transpose(2, 3);
@@ -419,14 +419,14 @@ namespace {
 void check_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t family) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
                   (x.scalar_type() == at::kFloat ||
-                   (x.scalar_type() == at::kBFloat16 && family != kFma)),
+                   (x.scalar_type() == at::kBFloat16 && family != kAvx2)),
               "x must be a contiguous float32 [M, K] tensor (or bfloat16 for the bf16 families)");
   const int64_t K = x.size(1);
   TORCH_CHECK(N >= 1 && K >= 1, "empty weight");
   TORCH_CHECK(packed.dim() == 1 && packed.is_contiguous() && packed.numel() == padded_rows(N) * K,
               "the packed weight must be pack_weight's of a [", N, ", ", K, "] weight");
   TORCH_CHECK(known(family), "unknown kernel family ", family);
-  TORCH_CHECK(family == kFma ? (packed.scalar_type() == at::kFloat ||
+  TORCH_CHECK(family == kAvx2 ? (packed.scalar_type() == at::kFloat ||
                                 packed.scalar_type() == at::kBFloat16)
                              : (packed.scalar_type() == at::kBFloat16 && K % 2 == 0),
               "the packed weight's dtype does not fit its family");
@@ -456,7 +456,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_
   auto y = at::empty({M, N}, x.options().dtype(at::kFloat));
   if (M == 0) return y;
   float* yp = y.data_ptr<float>();
-  if (family != kFma) {
+  if (family != kAvx2) {
     const at::Tensor xb = rounded(x);
     const auto* P = reinterpret_cast<const bf16_t*>(packed.data_ptr<at::BFloat16>());
     if (family == kAmx) {
@@ -494,7 +494,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_
 at::Tensor gemm_silu_mul(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                          int64_t family, const c10::optional<at::Tensor>& bias, bool bf16_out) {
   check_gemm(x, packed, N, family);
-  TORCH_CHECK(family == kAmx || family == kBf16Dp,
+  TORCH_CHECK(family == kAmx || family == kAvx512,
               "silu_mul is fused into the avx512bf16 and amx families' gemm only");
   TORCH_CHECK(N % 128 == 0, "a fused silu_mul needs 2 x a multiple of 64 outputs, got ", N);
   const float* b = bias_ptr(bias, N);

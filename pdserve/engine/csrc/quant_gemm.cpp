@@ -42,13 +42,13 @@
 #include <vector>
 
 #include "args.h"
+#include "families.h"
 #include "quantize.h"
 #include "vec.h"
 
 namespace pdk {
 namespace {
 
-enum QFamily : int64_t { kQAvx2 = 0, kQVnni = 1 };  // w8a8.cpp's family numbers
 constexpr int64_t kChunkM = 128;  // rows of x per cache chunk
 
 // Per output and block of 32: weight bytes, and those plus the two 16-bit scales.
@@ -57,7 +57,7 @@ template <int BITS> constexpr int64_t block_bytes() { return weight_bytes<BITS>(
 int64_t block_bytes(int64_t bits) { return bits == 4 ? block_bytes<4>() : block_bytes<8>(); }
 int64_t gguf_block_bytes(int64_t bits) { return bits == 4 ? 20 : 34; }  // Q4_1, Q8_0
 
-int64_t group_of(int64_t family) { return family == kQAvx2 ? 32 : 64; }
+int64_t group_of(int64_t family) { return family == kAvx2 ? 32 : 64; }
 
 int64_t padded16(int64_t N) { return (N + 15) / 16 * 16; }
 
@@ -306,7 +306,7 @@ void vnni_dispatch(int64_t bits, const uint8_t* x, int64_t M, int64_t K, const u
 // family's packed layout (1-d).
 at::Tensor pack_quantized(const at::Tensor& w, int64_t bits, int64_t family) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(family == kQAvx2 || family == kQVnni, "unknown integer family ", family);
+  TORCH_CHECK(family == kAvx2 || family == kAvx512, "unknown integer family ", family);
   const int64_t gb = gguf_block_bytes(bits);
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.is_contiguous() &&
                   w.size(0) >= 1 && w.size(1) >= gb && w.size(1) % gb == 0,
@@ -346,7 +346,7 @@ at::Tensor pack_quantized(const at::Tensor& w, int64_t bits, int64_t family) {
 at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, int64_t bits,
                       int64_t family, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(family == kQAvx2 || family == kQVnni, "unknown integer family ", family);
+  TORCH_CHECK(family == kAvx2 || family == kAvx512, "unknown integer family ", family);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
   const int64_t M = x.size(0), K = x.size(1), n_pad = padded16(N), bb = block_bytes(bits);
@@ -359,7 +359,7 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, 
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const int64_t nb = K / 32;
-  const bool offset = family == kQVnni && bits == 8;  // x is vpdpbusd's unsigned operand
+  const bool offset = family == kAvx512 && bits == 8;  // x is vpdpbusd's unsigned operand
   std::vector<int8_t> q(M * K);
   std::vector<float> dx(M * nb), sx(M * nb, 0.f);
   quantize_rows(x.data_ptr<float>(), M, K, 32, offset ? QxForm::kU8Offset : QxForm::kS8,
@@ -381,7 +381,7 @@ at::Tensor quant_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N, 
       const int8_t* xr = q.data() + m0 * K;
       const float* dxm = dx.data() + m0 * nb;
       const float* sxm = sx.data() + m0 * nb;
-      if (family == kQVnni) {
+      if (family == kAvx512) {
         vnni_dispatch(bits, reinterpret_cast<const uint8_t*>(xr), mm, K, P, n_pad, dxm, sxm, b,
                       yp + m0 * N, N, g0, g1);
         continue;

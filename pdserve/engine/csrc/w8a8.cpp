@@ -38,6 +38,7 @@
 
 #include "amx.h"
 #include "args.h"
+#include "families.h"
 #include "quantize.h"
 #include "vec.h"
 
@@ -47,9 +48,8 @@ at::Tensor silu_mul(const at::Tensor& gate_up);  // pointwise.cpp
 
 namespace {
 
-enum W8Family : int64_t { kW8Avx2 = 0, kW8Vnni = 1, kW8Amx = 2 };
 
-bool known(int64_t family) { return family == kW8Avx2 || family == kW8Vnni || family == kW8Amx; }
+bool known(int64_t family) { return family == kAvx2 || family == kAvx512 || family == kAmx; }
 constexpr int64_t kAvx2Group = 32, kVnniGroup = 64;
 constexpr int64_t kChunkM = 128;  // rows of x per cache chunk
 constexpr int64_t kAmxMinRows = 6;  // fewer rows: amx runs avx512vnni's kernel
@@ -276,7 +276,7 @@ double avx2_peak_loop(int64_t iters) {
   return 2.0 * 16 * 12 * static_cast<double>(iters);
 }
 
-int64_t group_of(int64_t family) { return family == kW8Avx2 ? kAvx2Group : kVnniGroup; }
+int64_t group_of(int64_t family) { return family == kAvx2 ? kAvx2Group : kVnniGroup; }
 int64_t padded16(int64_t N) { return (N + 15) / 16 * 16; }
 
 }  // namespace
@@ -285,10 +285,10 @@ int64_t padded16(int64_t N) { return (N + 15) / 16 * 16; }
 // from a register-only loop: what `make bench` measures the kernels against.
 double w8a8_peak(int64_t family) {
   TORCH_CHECK(known(family), "unknown W8A8 family ", family);
-  if (family == kW8Amx) {
+  if (family == kAmx) {
     return peak_rate(amx_int8_peak_loop);
   }
-  return peak_rate(family == kW8Avx2 ? avx2_peak_loop : vnni_peak_loop);
+  return peak_rate(family == kAvx2 ? avx2_peak_loop : vnni_peak_loop);
 }
 
 // qw int8 [N, K] (quant.quantize_w8) -> the family's packed layout (1-d int8).
@@ -345,7 +345,7 @@ QuantizedX quantized_x(const at::Tensor& x, const at::Tensor& packed, const at::
               "the packed weight must be pack_w8's of a [", N, ", ", K, "] weight");
   QuantizedX q{at::empty({M * K}, x.options().dtype(at::kByte)), std::vector<float>(M * ng), G};
   quantize_rows(x.data_ptr<float>(), M, K, G,
-                family == kW8Vnni ? QxForm::kU8Offset : QxForm::kS8, q.q.data_ptr<uint8_t>(),
+                family == kAvx512 ? QxForm::kU8Offset : QxForm::kS8, q.q.data_ptr<uint8_t>(),
                 q.sx.data());
   return q;
 }
@@ -360,7 +360,7 @@ at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   // Every family gives the same bits, so amx hands a few rows (decode) to avx512vnni,
   // which is faster there (one 64-deep step per tile leaves little to amortise the
   // tiles' loads and stores over: 1 row ~0.5x, 6 rows ~1.7x vnni's speed).
-  if (family == kW8Amx && x.dim() == 2 && x.size(0) < kAmxMinRows) family = kW8Vnni;
+  if (family == kAmx && x.dim() == 2 && x.size(0) < kAmxMinRows) family = kAvx512;
   const QuantizedX q = quantized_x(x, packed, sw, colsum, family);
   const int64_t M = x.size(0), K = x.size(1), N = sw.numel(), n_pad = padded16(N);
   const int64_t G = q.G, ng = K / G;
@@ -371,7 +371,7 @@ at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const int8_t* P = packed.data_ptr<int8_t>();
   const float* swp = sw.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  if (family == kW8Amx) {
+  if (family == kAmx) {
     amx_w8a8(reinterpret_cast<const int8_t*>(q8), M, K, G, P, n_pad, q.sx.data(), swp, b, yp, N);
     return y;
   }
@@ -380,7 +380,7 @@ at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
     for (int64_t m0 = 0; m0 < M; m0 += kChunkM) {
       const int64_t mm = std::min(kChunkM, M - m0);
       const float* sxm = q.sx.data() + m0 * ng;
-      if (family == kW8Vnni) {
+      if (family == kAvx512) {
         vnni_groups(q8 + m0 * K, mm, K, G, P, n_pad, sxm, swp, colsum.data_ptr<int32_t>(), b,
                     yp + m0 * N, N, g0, g1);
         continue;
@@ -401,7 +401,7 @@ at::Tensor w8a8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
 at::Tensor w8a8_gemm_silu_mul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& sw,
                               const at::Tensor& colsum, int64_t family,
                               const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(family == kW8Amx, "silu_mul is fused into the W8A8 amx family only");
+  TORCH_CHECK(family == kAmx, "silu_mul is fused into the W8A8 amx family only");
   TORCH_CHECK(sw.numel() % 128 == 0, "a fused silu_mul needs 2 x a multiple of 64 outputs, got ",
               sw.numel());
   // a few rows: w8a8_gemm hands them to avx512vnni (the same bits)

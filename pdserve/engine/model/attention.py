@@ -34,7 +34,7 @@ Backends:
   ``csrc/pointwise.cpp``): one fused rotary + cache-write op, then paged attention
   that reads K/V in place through the block table, for decodes and prefill chunks
   with a cached prefix alike, in one of three kernel families
-  (``kernels.ATTENTION_FAMILIES``):
+  (``kernels.DENSE_FAMILIES``):
 
   - ``avx2``: float32 FMA; a bfloat16 or int8 cache is widened as it is read. Every
     cache dtype, every x86-64 CPU the kernels run on.
@@ -167,7 +167,7 @@ class CpuPagedAttention:
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  rotary: RotaryEmbedding, family: str = "avx2") -> None:
         self.k = kernels.require()
-        self.family = kernels.ATTENTION_FAMILIES[family]
+        self.family = kernels.family_id(family)
         self.h, self.kvh, self.d = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.cos = rotary.cos.float().contiguous()

@@ -19,7 +19,7 @@ through a kernel chosen once at load (``Linear.use``):
 
 A quantized layer (``Linear.quantize``, formats in ``quant.py``) keeps only its
 blocks. The integer kernels come in three families with the same results bit for
-bit (``INT_FAMILIES``: ``avx2``, ``avx512vnni`` with vpdpbusd, ``amx`` with the
+bit (``kernels.INT_FAMILIES``: ``avx2``, ``avx512vnni`` with vpdpbusd, ``amx`` with the
 AMX-INT8 tiles), chosen by ``int_family``:
 
 * int8 / int4 (``csrc/quant_gemm.cpp``): Q8_0 / Q4_1 weights repacked at load x
@@ -52,15 +52,10 @@ from pdserve.engine.model.quant import (
     w8a8_reference,
 )
 
-# The C++ kernel families (gemm.cpp's enum), fastest last.
-FAMILIES = {"avx2": 0, "avx512bf16": 1, "amx": 2}
 _AVX512_BF16 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
 _FAMILY_FLAGS = {"avx2": {"avx2", "fma"}, "avx512bf16": _AVX512_BF16,
                  "amx": _AVX512_BF16 | {"amx_tile", "amx_bf16"}}
 _BF16_ONLY = ("avx512bf16", "amx")
-# The integer kernel families (w8a8.cpp's enum; quant_gemm.cpp's but amx); the same
-# results on each, bit for bit.
-INT_FAMILIES = {"avx2": 0, "avx512vnni": 1, "amx": 2}
 _VNNI = {"avx512f", "avx512bw", "avx512_vnni"}
 _INT_FLAGS = {"avx2": {"avx2"}, "avx512vnni": _VNNI, "amx": _VNNI | {"amx_tile", "amx_int8"}}
 
@@ -69,7 +64,7 @@ def int_families() -> list[str]:
     """The integer families this CPU runs, fastest last."""
     k = kernels.load()
     flags = kernels.cpu_flags()
-    return [f for f in INT_FAMILIES if _INT_FLAGS[f] <= flags
+    return [f for f in kernels.INT_FAMILIES if _INT_FLAGS[f] <= flags
             and (f != "amx" or (k is not None and k.amx_ready()))]
 
 
@@ -99,7 +94,7 @@ def cpu_families(dtype: torch.dtype) -> list[str]:
     if k is None:
         return []
     flags = kernels.cpu_flags()
-    return [f for f in FAMILIES if _FAMILY_FLAGS[f] <= flags
+    return [f for f in kernels.DENSE_FAMILIES if _FAMILY_FLAGS[f] <= flags
             and (f not in _BF16_ONLY or dtype == torch.bfloat16)
             and (f != "amx" or k.amx_ready())]  # Linux grants the tile state on request
 
@@ -141,7 +136,7 @@ class Linear(nn.Module):
 
     def use(self, backend: str, int_family: str = "avx2", w8a8: bool = False) -> None:
         """Pick the kernel (``torch`` or ``cpu-<family>``; int4 and ``w8a8`` (int8
-        weights and activations) layers run on ``int_family``, ``INT_FAMILIES``);
+        weights and activations) layers run on ``int_family``, ``kernels.INT_FAMILIES``);
         called once after loading. The C++ paths keep only their own copy of the
         weight."""
         cpu = backend.startswith("cpu-")
@@ -196,12 +191,12 @@ class Linear(nn.Module):
 
 
 class CpuDense:
-    """Dense float32 / bfloat16 weight packed for one kernel family (``FAMILIES``);
+    """Dense float32 / bfloat16 weight packed for one kernel family (``kernels.DENSE_FAMILIES``);
     float32 activations in and out, every batch size through the same kernel."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, family: str) -> None:
         self.k = kernels.require()
-        self.family = FAMILIES[family]
+        self.family = kernels.family_id(family)
         self.out_features = weight.shape[0]
         self.packed = self.k.pack_weight(weight.contiguous(), self.family)
         self.bias = None if bias is None else bias.detach().float().contiguous()
@@ -218,7 +213,7 @@ class CpuDense:
     def rounds_x(self) -> bool:
         """The avx512bf16 and amx families round x to bfloat16 first (so take it in
         bfloat16 too)."""
-        return self.family in (FAMILIES["avx512bf16"], FAMILIES["amx"])
+        return self.family != kernels.family_id("avx2")
 
     @property
     def fuses_silu_mul(self) -> bool:
@@ -240,7 +235,7 @@ class CpuQuantized:
 
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None, family: str) -> None:
         self.k = kernels.require()
-        self.family, self.bits = INT_FAMILIES[blocks_family(family)], qweight.bits
+        self.family, self.bits = kernels.family_id(blocks_family(family)), qweight.bits
         self.out_features = qweight.out_features
         self.packed = self.k.pack_quantized(qweight.data, self.bits, self.family)
         self.bias = None if bias is None else bias.detach().float().contiguous()
@@ -261,7 +256,7 @@ class CpuW8A8:
 
     def __init__(self, w8: W8Weight, bias: torch.Tensor | None, family: str) -> None:
         self.k = kernels.require()
-        self.family = INT_FAMILIES[family]
+        self.family = kernels.family_id(family)
         self.packed = self.k.pack_w8(w8.q, self.family)
         self.scale = w8.scale
         n, k = w8.q.shape
@@ -282,7 +277,7 @@ class CpuW8A8:
     def fuses_silu_mul(self) -> bool:
         """The amx family writes silu(gate) * up itself (csrc/amx.cpp), for gates and
         ups of whole 64-output groups."""
-        return self.family == INT_FAMILIES["amx"] and self.scale.numel() % 128 == 0
+        return self.family == kernels.family_id("amx") and self.scale.numel() % 128 == 0
 
     def silu_mul(self, x: torch.Tensor, bf16_out: bool = False) -> torch.Tensor:
         """silu(gate) * up of this gate/up layer's [gate | up] output, [M, out / 2],
@@ -317,7 +312,7 @@ def resolve_linear_backend(name: str, device: str, dtype: torch.dtype,
     """``auto`` -> ``cpu`` where the kernels run (CPU, float32/bfloat16, every input
     dimension a multiple of 16), else ``torch``; ``cpu`` -> ``cpu-<family>``, the
     fastest family this CPU runs for ``dtype``; explicit names are checked."""
-    names = ["auto", "torch", "cpu", *(f"cpu-{f}" for f in FAMILIES)]
+    names = ["auto", "torch", "cpu", *(f"cpu-{f}" for f in kernels.DENSE_FAMILIES)]
     if name not in names:
         raise ValueError(f"unknown linear backend {name!r}; available: {', '.join(names)}")
     fits = dtype in (torch.float32, torch.bfloat16) and all(d % 16 == 0 for d in dims)
