@@ -13,7 +13,7 @@ make venv .venv/.test model >/dev/null
 PY=.venv/bin/python
 $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA'; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 echo "== engine tests on CUDA"
-$PY -m pytest -q -p no:cacheprovider tests/engine/test_engine.py --device cuda
+$PY -m pytest -q -p no:cacheprovider tests/engine/test_engine.py tests/engine/test_engine_kernels.py --device cuda
 echo "== KV transfer contract (torch backend: NCCL for CUDA tensors, gloo on CPU)"
 $PY -m pytest -q -p no:cacheprovider tests/kv_transfer/test_contract.py -k "torch"
 echo "== tensor parallel on CUDA (NCCL): TP=2 == TP=1 greedy, tiny models"

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.spec import _llama_server, sustained_load, verification_cost
+from benchmarks.spec_engine import sustained_load, verification_cost
+from benchmarks.spec_served import _llama_server
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling.sampling_params import SamplingParams

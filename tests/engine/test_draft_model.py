@@ -24,15 +24,14 @@ from pdserve.engine.request import Request
 from pdserve.engine.sampling.sampler import SamplingRow
 from pdserve.engine.sampling.sampling_params import SamplingParams
 from tests.engine.handoff import decode_to_end, disaggregate
-from tests.engine.test_spec_decode import (
+from tests.engine.spec_helpers import (
     GREEDY,
     SENTENCES,
-    _run,
     copy_prompts,
     engine,
+    run_checked,
     tp_engine,
 )
-from tests.engine.test_spec_decode import backend as backend
 
 pytestmark = pytest.mark.usefixtures("free_draft")
 measured_cost = LLMEngine._draft_cost  # the engine's own (free_draft replaces it)
@@ -62,10 +61,10 @@ def test_a_draft_equal_to_the_target_is_accepted_and_changes_nothing(
     twin = tmp_path / "twin"
     shutil.copytree(path, twin)
     ps = copy_prompts(3, seed=4)
-    want = _run(engine(path, backend, spec=None), ps, GREEDY)
+    want = run_checked(engine(path, backend, spec=None), ps, GREEDY)
     eng = engine(path, backend, spec=draft(twin), max_num_batched_tokens=64)
     assert eng.draft is not None and eng.draft.target_kv is None
-    assert _run(eng, ps, GREEDY) == want
+    assert run_checked(eng, ps, GREEDY) == want
     stats = eng.stats().spec
     assert stats is not None and stats.num_drafts > 0
     assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens, stats
@@ -81,9 +80,9 @@ def test_a_smaller_draft_keeps_greedy_and_seeded_output(tiny_model: Callable[[st
     params = [SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, top_k=20, seed=s,
                              ignore_eos=True) for s in (1, 2, 3)]
     for p in (GREEDY, params):
-        want = _run(engine(path, backend, spec=None), ps, p)
+        want = run_checked(engine(path, backend, spec=None), ps, p)
         eng = engine(path, backend, spec=draft(small))
-        assert _run(eng, ps, p) == want
+        assert run_checked(eng, ps, p) == want
         stats = eng.stats().spec
         assert stats is not None and stats.num_drafts > 0
         assert stats.num_accepted_tokens < stats.num_draft_tokens
@@ -97,7 +96,7 @@ def test_the_targets_own_int4_copy_drafts(tiny_model: Callable[[str], Path],
     close, so many are accepted, and the tokens stay the unquantized target's."""
     path = tiny_model("llama-gqa")
     ps = copy_prompts(3, seed=4)
-    want = _run(engine(path, backend, spec=None), ps, GREEDY)
+    want = run_checked(engine(path, backend, spec=None), ps, GREEDY)
     eng = engine(path, backend, spec=draft(path, quantization="int4"))
     assert eng.draft is not None and eng.draft.model_id.endswith(" (int4)")
     def quantized(model: torch.nn.Module) -> list[bool]:
@@ -105,7 +104,7 @@ def test_the_targets_own_int4_copy_drafts(tiny_model: Callable[[str], Path],
                 if isinstance(m, Linear)]
 
     assert all(quantized(eng.draft.model)) and not any(quantized(eng.model))
-    assert _run(eng, ps, GREEDY) == want
+    assert run_checked(eng, ps, GREEDY) == want
     stats = eng.stats().spec
     assert stats is not None and stats.num_drafts > 0
     # A random tiny model's logits are nearly flat, so int4's rounding flips its argmax
@@ -127,10 +126,10 @@ def test_the_default_models_int4_copy_drafts_most_of_its_tokens(default_model_di
     prompt = tok.apply_chat_template([{"role": "user", "content": "Explain how rainbows form."}])
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     kw = {"dtype": "bfloat16", "num_threads": 2, "max_model_len": 1024}
-    want = _run(engine(default_model_dir, spec=None, **kw), [prompt], params)
+    want = run_checked(engine(default_model_dir, spec=None, **kw), [prompt], params)
     eng = engine(default_model_dir, spec=draft(DEFAULT_MODEL_NAME, k=3, quantization="int4"),
                  **kw)
-    assert _run(eng, [prompt], params) == want
+    assert run_checked(eng, [prompt], params) == want
     stats = eng.stats().spec
     assert stats is not None and stats.num_accepted_tokens >= 0.7 * stats.num_draft_tokens, stats
     drained(eng)
@@ -145,7 +144,7 @@ def test_the_targets_own_checkpoint_copies_the_targets_kv(tiny_model: Callable[[
     tokens stay the target's without speculation."""
     path = tiny_model("llama-gqa")
     prompt = copy_prompts(1, seed=11)[0]
-    want = _run(engine(path, spec=None), [prompt], GREEDY)[0]
+    want = run_checked(engine(path, spec=None), [prompt], GREEDY)[0]
     spec = draft(path, quantization="int4")
     eng = engine(path, spec=spec)
     assert eng.draft is not None and eng.draft.target_kv is eng.kv_cache
@@ -157,7 +156,7 @@ def test_the_targets_own_checkpoint_copies_the_targets_kv(tiny_model: Callable[[
         return run(work, rows)
 
     eng.draft._run = counted  # type: ignore[method-assign]
-    assert _run(eng, [prompt], GREEDY) == [want]
+    assert run_checked(eng, [prompt], GREEDY) == [want]
     assert computed[0] == 1, computed[:3]
     drained(eng)
     # prefill role: asked for the draft's prompt KV (by a decode pool that computes
@@ -302,8 +301,8 @@ def test_a_draft_model_under_tensor_parallelism(tiny_model: Callable[[str], Path
     with tp_engine(path, draft(path)) as eng:
         assert eng.draft is not None
         for params in (GREEDY, seeded):
-            want = _run(engine(path, "torch", spec=None), ps, params)
-            assert _run(eng, ps, params) == want
+            want = run_checked(engine(path, "torch", spec=None), ps, params)
+            assert run_checked(eng, ps, params) == want
         stats = eng.stats().spec
         assert stats is not None and stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens
         assert measured_cost(eng) == 0  # every rank picks the same lengths: not by timings
@@ -327,14 +326,14 @@ def test_every_draft_is_the_draft_models_own_greedy_continuation(
         return out
 
     eng.draft.propose = recorded  # type: ignore[method-assign]
-    _run(eng, copy_prompts(3, seed=8), GREEDY)
+    run_checked(eng, copy_prompts(3, seed=8), GREEDY)
     stats = eng.stats().spec
     assert stats is not None and stats.num_accepted_tokens < stats.num_draft_tokens
     alone = engine(small, spec=None, dtype="float32")
     checked = calls[:: max(1, len(calls) // 12)]
     assert len(checked) >= 6
     for tokens, d in checked:
-        assert d and _run(alone, [tokens], SamplingParams(max_tokens=len(d), ignore_eos=True))[0] == d
+        assert d and run_checked(alone, [tokens], SamplingParams(max_tokens=len(d), ignore_eos=True))[0] == d
 
 
 def test_preemption_aborts_and_tight_draft_blocks(tiny_model: Callable[[str], Path]) -> None:
@@ -343,9 +342,9 @@ def test_preemption_aborts_and_tight_draft_blocks(tiny_model: Callable[[str], Pa
     in mid-speculation gives the draft's blocks back."""
     path = tiny_model("llama-gqa")
     ps = copy_prompts(6, seed=7)
-    want = _run(engine(path, spec=None), ps, GREEDY)
+    want = run_checked(engine(path, spec=None), ps, GREEDY)
     eng = engine(path, spec=draft(path, disable_by_batch_size=64), num_blocks=22, block_size=8)
-    assert _run(eng, ps, GREEDY) == want
+    assert run_checked(eng, ps, GREEDY) == want
     assert eng.scheduler.num_preemptions > 0
     assert eng.stats().spec.num_accepted_tokens > 0  # type: ignore[union-attr]
     drained(eng)
@@ -398,7 +397,7 @@ def test_decode_worker_drafts_from_its_first_step(tiny_model: Callable[[str], Pa
     handed-over row would change it) and the tokens are the target's."""
     path, small = tiny_model("llama-gqa"), tiny_model("llama-mha")
     prompt = copy_prompts(1, seed=11)[0]
-    want = _run(engine(path, spec=None), [prompt], GREEDY)[0]
+    want = run_checked(engine(path, spec=None), [prompt], GREEDY)[0]
     tokens, computed, drafts = _disaggregated(path, small, prompt, handed)
     assert tokens == want
     # the first speculating step: the first token only, or the whole prompt too

@@ -13,19 +13,10 @@ import torch
 
 from pdserve.engine.config import EngineConfig, ModelConfig
 from pdserve.engine.sampling.sampling_params import SamplingParams
+from tests.engine.engines import GREEDY48, engine, prompts
 from tests.engine.handoff import disaggregate
-from tests.engine.test_engine import BACKENDS, GREEDY48, engine, prompts
 
 INT8 = {"kv_cache_dtype": "int8"}
-
-
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest) -> str:
-    from pdserve.engine import kernels
-
-    if request.param == "cpu" and kernels.cpu_supported() is not None:
-        pytest.skip("the cpu kernels run on x86-64 CPUs only")
-    return str(request.param)
 
 
 def test_int8_cache_holds_the_rows_and_their_scales(tiny_model: Callable[[str], Path]) -> None:

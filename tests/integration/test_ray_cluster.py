@@ -17,35 +17,13 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.router.router import Router
 from pdserve.router.types import FinalChunk, GenerateRequest, StreamChunk
-from tests.inprocess import collect
+from tests.integration.clusters import GREEDY, run_one, start
 from tests.waiting import until_async
 
 BACKENDS = ["torch", "ray", "nixl"]
-GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
 
 
 pytestmark = pytest.mark.usefixtures("ray_address")  # the session's shared Ray cluster
-
-
-def start(model: Path, transfer: str, prefill: int = 1, decode: int = 1,
-          decode_engine: dict[str, object] | None = None, **router: object) -> Cluster:
-    cfg = ClusterConfig.from_dict({
-        "model": str(model), "transfer": transfer,
-        "prefill": {"workers": prefill, "num_cpus": 1, "engine": {"num_blocks": 128}},
-        "decode": {"workers": decode, "num_cpus": 1,
-                   "engine": decode_engine or {"num_blocks": 512}},
-        # tests of the disaggregated path: every prompt goes to a prefill worker
-        "router": {"queue_timeout_s": 60, "placement": "static", **router},
-        "kv_timeout_s": 10,
-    })
-    cluster = Cluster(cfg)
-    cluster.start()
-    return cluster
-
-
-async def run_one(router: Router, rid: str, prompt: list[int], params: SamplingParams = GREEDY,
-                  ) -> tuple[list[int], str, FinalChunk]:
-    return await collect(router.generate(GenerateRequest(rid, params, prompt_token_ids=prompt)))
 
 
 def with_router(cluster: Cluster, body: Callable[[Router], object]) -> object:

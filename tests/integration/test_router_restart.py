@@ -30,7 +30,7 @@ from tests.integration.procs import (
     kill_marked,
     marked_env,
 )
-from tests.integration.test_two_node import CLUSTER_ENV, RayNode
+from tests.integration.ray_nodes import CLUSTER_ENV, RayNode
 from tests.waiting import POLL_S, until
 
 HEAD_IP = "127.0.0.5"

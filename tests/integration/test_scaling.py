@@ -29,7 +29,7 @@ from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.router.api.keys import ApiKeys
 from pdserve.router.http.app import build_app, start_http_server
 from pdserve.router.types import GenerateRequest, StreamChunk
-from tests.integration.test_ray_cluster import start
+from tests.integration.clusters import start
 from tests.waiting import until, until_async
 
 pytestmark = pytest.mark.usefixtures("ray_address")  # the session's shared Ray cluster

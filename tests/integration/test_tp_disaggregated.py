@@ -130,7 +130,7 @@ def test_ray_pools_of_different_tp_and_a_rank_lost(tiny_model: Callable[[str], P
     the actor, Ray restarts it whole and it serves again."""
     from pdserve.cluster.cluster import Cluster
     from pdserve.cluster.config import ClusterConfig
-    from tests.integration.test_ray_cluster import run_one
+    from tests.integration.clusters import run_one
 
     model = tiny_model("llama-gqa")
     want = [o.token_ids for o in LLMEngine(model, EngineConfig(num_blocks=256, dtype="auto"))
