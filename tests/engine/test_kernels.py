@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -381,3 +383,17 @@ def test_family_ids_come_from_the_library_under_one_name_each() -> None:
     assert set(ids) == set(kernels.DENSE_FAMILIES) | set(kernels.INT_FAMILIES)
     for names in (kernels.DENSE_FAMILIES, kernels.INT_FAMILIES):
         assert [kernels.family_id(n) for n in names] == sorted(set(ids.values()))
+
+
+def test_an_installed_package_without_a_compiler_says_what_to_install(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside a checkout the kernels compile at first use into the cache; with no
+    compiler there, the reason names the compiler and the command that builds them."""
+    monkeypatch.setattr(kernels, "_CHECKOUT", False)
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    assert kernels.kernel_dir().parent == tmp_path / "kernels"
+    why = kernels._build_at_first_use()
+    assert why is not None and "'no-such-compiler' is not on PATH" in why
+    assert "python -m pdserve.engine.kernels" in why
+    assert not list(tmp_path.rglob("*.so"))
