@@ -23,8 +23,10 @@ after the short wait every time, one that crashes as it starts waits ever longer
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
+import signal
 import time
 import warnings
 from collections.abc import Sequence
@@ -186,6 +188,8 @@ class _WorkerActor:
             os._exit(1)
 
         worker.loop.on_crash = crashed
+        # `kill -USR1 PID`: every thread's stack into the worker's log (a stuck worker)
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     async def load(self) -> WorkerLoad:
         return await self.worker.load()

@@ -5,6 +5,9 @@ free, every pool consistent)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -66,16 +69,20 @@ def greedy(cluster: Cluster, prompts: list[list[int]], max_tokens: int) -> list[
         prompts, SamplingParams(max_tokens=max_tokens, ignore_eos=True))]
 
 
-async def settle(router: Router, tasks: list[asyncio.Task[Any]], bound_s: float = BOUND_S,
-                 ) -> list[Any]:
+async def settle(cluster: Cluster, router: Router, tasks: list[asyncio.Task[Any]],
+                 bound_s: float = BOUND_S) -> list[Any]:
     """Every task's result, in order; an AssertionError naming the requests still
-    running after ``bound_s`` (cancelled then) and the workers' states."""
+    running after ``bound_s`` (cancelled then) and the workers' states, with every
+    running worker's thread stacks in its log (SIGUSR1) for where it was stuck."""
     _, pending = await asyncio.wait(tasks, timeout=bound_s)
     if pending:
         for t in pending:
             t.cancel()
         busy = {w.worker_id: w.outstanding_requests
                 for w in router.workers.workers.values() if w.outstanding_requests}
+        for wid in busy:
+            with contextlib.suppress(Exception):  # gone, stopped: no stacks from it
+                os.kill(await asyncio.to_thread(cluster.pid, wid), signal.SIGUSR1)
         raise AssertionError(f"{len(pending)} requests hung past {bound_s:.0f} s: "
                              f"{sorted(t.get_name() for t in pending)}; in routing: "
                              f"{router.worker_states()}; outstanding: {busy}")

@@ -91,7 +91,7 @@ async def kill9_and_settle(cluster: Cluster, router: Router, wid: str,
     killed worker to be back in routing. Returns the tasks' results and the fault time."""
     restarted = await kill9(cluster, router, wid)
     fault_at = time.monotonic()
-    results = await settle(router, tasks)
+    results = await settle(cluster, router, tasks)
     await recovered(router, cluster, restarted)
     return results, fault_at
 
@@ -166,7 +166,7 @@ def test_sigstop_past_the_timeouts(cluster: Cluster, role: str) -> None:
             await until_async("the stalled worker out of routing",
                               lambda: not router.worker_states()[victim[0]], 30)
             assert all(router.worker_states()[w] for w in others), router.worker_states()
-            results = await settle(router, tasks)
+            results = await settle(cluster, router, tasks)
             assert all(router.worker_states()[w] for w in others), router.worker_states()
         finally:
             os.kill(pid, signal.SIGCONT)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
@@ -53,11 +54,16 @@ def test_golden_disaggregated_equals_colocated(tiny_model: Callable[[str], Path]
     expected = LLMEngine(model, EngineConfig(num_blocks=256, dtype="auto")).generate(prompts, GREEDY)
     cluster = start(model, transfer)
     try:
+        pids = {w: cluster.pid(w) for w in cluster.handles}
+        for pid in pids.values():  # each worker's thread stacks into its log, nothing more
+            os.kill(pid, signal.SIGUSR1)
+
         async def body(router: Router) -> list[tuple[list[int], str, FinalChunk]]:
             return await asyncio.gather(*(run_one(router, f"g{i}", p)
                                           for i, p in enumerate(prompts)))
 
         results = with_router(cluster, body)
+        assert {w: cluster.pid(w) for w in cluster.handles} == pids  # none died of it
         for (tokens, text, final), exp in zip(results, expected, strict=True):  # type: ignore[call-overload]
             t = final.timings
             assert tokens == exp.token_ids and text == exp.text, (
