@@ -51,10 +51,9 @@ async def serve(cfg: ClusterConfig, stop: asyncio.Event | None = None,
     keys = ApiKeys.load(cfg.api_key, cfg.api_key_file)  # a bad key file fails before start-up
     profile = (Profile.load(cfg.autoscale_profile)  # and so does a bad profile
                if cfg.autoscale and cfg.autoscale_profile else None)
-    if any(pool.engine.get("device", "cpu") == "cpu"
-           for pool in (cfg.prefill, cfg.decode, cfg.colocated) if pool is not None):
-        # An installed package compiles them at first use: here, once, not in every worker
-        await asyncio.to_thread(kernels.load)
+    # The CPU kernels: an installed package compiles them at first use -- here, once per
+    # machine, not in every worker at once (a no-op where they are built or cannot run)
+    await asyncio.to_thread(kernels.load)
     cluster = Cluster(cfg, num_cpus=num_cpus, progress=_progress)
     grpc_server = None
     http_server = None
