@@ -124,6 +124,12 @@ def test_leaves_import_nothing_of_pdserve() -> None:
         assert not [imp for imp in imports_of(MODULES[leaf]) if imp.startswith("pdserve")]
 
 
+# The router's front ends over its core (the modules directly in pdserve/router/),
+# bottom up: what both share (api), the OpenAI shapes (openai), then the two servers.
+FRONT_ENDS = ("pdserve.router.api", "pdserve.router.openai", "pdserve.router.http",
+              "pdserve.router.grpc")
+
+
 @pytest.mark.parametrize(("layer", "may_not"), [
     ("pdserve.engine", ("pdserve.", "ray")),  # only itself (checked below)
     ("pdserve.kv_transfer", ("pdserve.engine", "pdserve.worker", "pdserve.router",
@@ -134,6 +140,10 @@ def test_leaves_import_nothing_of_pdserve() -> None:
                         "pdserve.kv_transfer", "pdserve.worker")),
     ("pdserve.planner", ("ray", "pdserve.cluster", "pdserve.cli", "pdserve.router",
                          "pdserve.worker")),
+    # the simulator runs the router's core and the engine's scheduler, never a worker,
+    # a transfer channel or a front end
+    ("pdserve.sim", ("torch", "ray", "pdserve.worker", "pdserve.kv_transfer", "pdserve.cli",
+                     *FRONT_ENDS)),
 ])
 def test_layers_import_only_below_them(layer: str, may_not: tuple[str, ...]) -> None:
     bad = []
@@ -159,10 +169,6 @@ def test_the_kv_channels_machinery_imports_no_backend() -> None:
     assert bad == []
 
 
-# The router's front ends over its core (the modules directly in pdserve/router/),
-# bottom up: what both share (api), the OpenAI shapes (openai), then the two servers.
-FRONT_ENDS = ("pdserve.router.api", "pdserve.router.openai", "pdserve.router.http",
-              "pdserve.router.grpc")
 
 
 @pytest.mark.parametrize(("layer", "may_not"), [

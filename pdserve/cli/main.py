@@ -93,8 +93,9 @@ def _json_mapping(text: str) -> dict[str, Any]:
     return value
 
 
-def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="start prefill/decode pools and the router")
+def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
+    """What is deployed (``pdserve serve`` and ``pdserve simulate``): pools, transfer,
+    routing, placement, SLOs, formats; or ``--config``, the same YAML."""
     p.add_argument("--model", default=None, help="model directory or name (default model)")
     p.add_argument("--prefill-workers", type=int, default=None)
     p.add_argument("--decode-workers", type=int, default=None)
@@ -102,15 +103,6 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="workers doing both phases (default 0; each gets the CPUs of one "
                         "prefill + one decode worker)")
     p.add_argument("--transfer", default=None, help="nixl | torch | ray | local (default nixl)")
-    p.add_argument("--grpc-port", type=int, default=None, help="default 50051")
-    p.add_argument("--http-port", type=int, default=None, help="default 8000")
-    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
-    p.add_argument("--address", default=None,
-                   help="Ray cluster to join: auto | ray://host:port (default: embedded)")
-    p.add_argument("--deployment", default=None, metavar="NAME",
-                   help="with --address: the workers outlive this router (named, detached "
-                        "actors); a router started with the same NAME re-attaches to them, "
-                        "and several may serve them at once (pdserve down stops them)")
     p.add_argument("--policy", default=None,
                    help="routing: least_loaded | prefix_affinity | round_robin")
     p.add_argument("--local-prefill-max-tokens", type=int, default=None, metavar="N",
@@ -122,10 +114,27 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                         "a prefill worker or the decode worker itself, from measured costs, "
                         "queues and the SLOs; static -- a prefill worker (but for the rule "
                         "above)")
+    p.add_argument("--config", default=None, help="YAML cluster config (flags override it)")
+    p.add_argument("--ttft-slo-ms", type=float, default=None, help="TTFT target for SLO metrics")
+    p.add_argument("--tpot-slo-ms", type=float, default=None, help="TPOT target for SLO metrics")
+    _add_format_flags(p, per_pool=True)
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="start prefill/decode pools and the router")
+    _add_deployment_flags(p)
+    p.add_argument("--grpc-port", type=int, default=None, help="default 50051")
+    p.add_argument("--http-port", type=int, default=None, help="default 8000")
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster to join: auto | ray://host:port (default: embedded)")
+    p.add_argument("--deployment", default=None, metavar="NAME",
+                   help="with --address: the workers outlive this router (named, detached "
+                        "actors); a router started with the same NAME re-attaches to them, "
+                        "and several may serve them at once (pdserve down stops them)")
     p.add_argument("--log-level", choices=("debug", "info", "warning"), default="info",
                    help="the server's log (debug: every placement decision, with what it "
                         "predicted)")
-    p.add_argument("--config", default=None, help="YAML cluster config (flags override it)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on HTTP and gRPC")
     p.add_argument("--api-key-file", default=None,
@@ -145,8 +154,6 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace-sample-ratio", type=float, default=None, metavar="R",
                    help="share of new traces recorded (default 1; a client's traceparent "
                         "keeps its own decision)")
-    p.add_argument("--ttft-slo-ms", type=float, default=None, help="TTFT target for SLO metrics")
-    p.add_argument("--tpot-slo-ms", type=float, default=None, help="TPOT target for SLO metrics")
     p.add_argument("--autoscale", action="store_true", default=None,
                    help="size the prefill/decode pools to the load at runtime, to meet "
                         "--ttft-slo-ms and --tpot-slo-ms (both needed; docs/planner.md)")
@@ -160,7 +167,6 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                        help=f"--autoscale: fewest {pool} workers (default 1)")
         p.add_argument(f"--max-{pool}", type=int, default=None,
                        help=f"--autoscale: most {pool} workers (default 4)")
-    _add_format_flags(p, per_pool=True)
     p.set_defaults(func=cmd_serve)
 
 
@@ -176,6 +182,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from pdserve.client.bench_cli import run
 
     return run(args)
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    from pdserve.sim.cli import add_arguments
+
+    p = sub.add_parser("simulate", help="a deployment under a benchmark's load, on a virtual "
+                                        "clock (the router's and schedulers' own decisions)")
+    _add_deployment_flags(p)
+    add_arguments(p)
+    p.set_defaults(func=cmd_simulate)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from pdserve.sim.cli import run
+
+    return run(args, _cluster_config(args))
 
 
 def _add_top(sub: argparse._SubParsersAction) -> None:
@@ -421,6 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_serve(sub)
     _add_bench(sub)
+    _add_simulate(sub)
     _add_top(sub)
     _add_plan(sub)
     _add_admin(sub)

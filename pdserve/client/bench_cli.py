@@ -41,6 +41,12 @@ def _rates(text: str) -> tuple[float, ...]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Add the ``pdserve bench`` flags to `p`."""
+    add_server_arguments(p)
+    add_workload_arguments(p)
+
+
+def add_server_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the load goes: the server and its model."""
     srv = p.add_argument_group("server")
     srv.add_argument("--base-url", default=None,
                      help="server URL, e.g. http://127.0.0.1:8000 (default: from --host/--port)")
@@ -62,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     srv.add_argument("--read-timeout", type=float, default=300.0,
                      help="seconds of silence on a stream before it fails (default 300)")
 
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """What load, and what is reported (``pdserve simulate`` takes these too)."""
     data = p.add_argument_group("dataset")
     data.add_argument("--dataset", "--dataset-name", dest="dataset", default="random",
                       choices=DATASETS)
@@ -192,7 +201,12 @@ def sweep_summary(cfg: BenchConfig, outcome: BenchOutcome) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     """``pdserve bench``: returns the exit status."""
     cfg = config_from_args(args)
-    outcome = asyncio.run(run_benchmark(cfg))
+    return report(args, cfg, asyncio.run(run_benchmark(cfg)))
+
+
+def report(args: argparse.Namespace, cfg: BenchConfig, outcome: BenchOutcome) -> int:
+    """A sweep's table, the result JSON and figures as asked; the exit status (0 when
+    some request completed). ``pdserve simulate`` reports through it too."""
     saved = outcome.results[0]
     if cfg.is_sweep:
         saved = sweep_summary(cfg, outcome)

@@ -49,6 +49,16 @@ def length_range(mean: int, range_ratio: float) -> tuple[int, int]:
     return low, high
 
 
+def random_lengths(rng: np.random.Generator, num_prompts: int, input_len: int,
+                   output_len: int, range_ratio: float) -> tuple[np.ndarray, np.ndarray]:
+    """The random dataset's (input lengths after the prefix, output lengths): the first
+    draws of its generator (``pdserve simulate`` makes the same workload from them)."""
+    in_lo, in_hi = length_range(input_len, range_ratio)
+    out_lo, out_hi = length_range(output_len, range_ratio)
+    return (rng.integers(in_lo, in_hi + 1, size=num_prompts),
+            rng.integers(out_lo, out_hi + 1, size=num_prompts))
+
+
 def random_requests(tok: PromptTokenizer, num_prompts: int, input_len: int, output_len: int,
                     range_ratio: float = 0.0, prefix_len: int = 0,
                     seed: int = 0) -> list[SampleRequest]:
@@ -64,10 +74,7 @@ def random_requests(tok: PromptTokenizer, num_prompts: int, input_len: int, outp
         raise ValueError(f"--random-input-len {input_len} leaves no room after the "
                          f"tokenizer's {tok.num_special} special tokens")
     rng = np.random.default_rng(seed)
-    in_lo, in_hi = length_range(input_len, range_ratio)
-    out_lo, out_hi = length_range(output_len, range_ratio)
-    in_lens = rng.integers(in_lo, in_hi + 1, size=num_prompts)
-    out_lens = rng.integers(out_lo, out_hi + 1, size=num_prompts)
+    in_lens, out_lens = random_lengths(rng, num_prompts, input_len, output_len, range_ratio)
     prefix = tok.random_ids(rng, prefix_len)
     out: list[SampleRequest] = []
     for n_in, n_out in zip(in_lens, out_lens, strict=True):

@@ -95,31 +95,37 @@ class BlockPool:
     # --------------------------------------------------------------- allocation
     def allocate(self, n: int) -> list[int] | None:
         """``n`` fresh blocks (ref = 1), or ``None`` if there is no room."""
-        if n > self.num_free:
+        free, ref = self._free, self._ref
+        if n > len(free) + len(self._evictable):
             return None
-        out: list[int] = []
-        for _ in range(n):
-            if self._free:
-                block = self._free.popleft()
-            else:  # evict the least recently released cached block
-                block, _ = self._evictable.popitem(last=False)
-                self._forget_hash(block)
-            self._ref[block] = 1
-            out.append(block)
+        out = [free.popleft() for _ in range(min(n, len(free)))]
+        if len(out) < n:  # evict the least recently released cached blocks
+            evictable, hashes, by_hash = self._evictable, self._hash, self._by_hash
+            for _ in range(n - len(out)):
+                block, _ = evictable.popitem(last=False)
+                h = hashes[block]  # (a cached block has one)
+                hashes[block] = None
+                if by_hash.get(h) == block:  # type: ignore[arg-type]
+                    del by_hash[h]  # type: ignore[arg-type]
+                out.append(block)
+        for block in out:
+            ref[block] = 1
         return out
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference from each block; released in reverse so the tail of a
         sequence (least likely to be shared) is evicted first."""
+        ref, hashes, evictable, free = self._ref, self._hash, self._evictable, self._free
         for block in reversed(list(block_ids)):
-            if self._ref[block] <= 0:
+            r = ref[block] - 1
+            if r < 0:
                 raise RuntimeError(f"double free of block {block}")
-            self._ref[block] -= 1
-            if self._ref[block] == 0:
-                if self._hash[block] is not None:
-                    self._evictable[block] = None
+            ref[block] = r
+            if r == 0:
+                if hashes[block] is not None:
+                    evictable[block] = None
                 else:
-                    self._free.append(block)
+                    free.append(block)
 
     # ------------------------------------------------------------- prefix cache
     def lookup(self, block_hashes: Sequence[int]) -> list[int]:
@@ -146,16 +152,22 @@ class BlockPool:
                 del self._evictable[block]
             self._ref[block] += 1
 
-    def register(self, block_id: int, block_hash: int) -> None:
-        """Mark a used, fully computed block as holding the prefix ``block_hash``."""
-        if not self.enable_prefix_caching or self._hash[block_id] is not None:
+    def register(self, block_ids: Sequence[int], block_hashes: Sequence[int]) -> None:
+        """Mark used, fully computed blocks as holding the prefixes ``block_hashes``
+        (in order; a block registered already, or whose prefix another block holds,
+        stays as it is)."""
+        if not self.enable_prefix_caching:
             return
-        if self._ref[block_id] <= 0:
-            raise RuntimeError(f"cannot register unreferenced block {block_id}")
-        if block_hash in self._by_hash:  # an equal block is cached already
-            return
-        self._hash[block_id] = block_hash
-        self._by_hash[block_hash] = block_id
+        ref, hashes, by_hash = self._ref, self._hash, self._by_hash
+        for block, h in zip(block_ids, block_hashes, strict=True):
+            if hashes[block] is not None:
+                continue
+            if ref[block] <= 0:
+                raise RuntimeError(f"cannot register unreferenced block {block}")
+            if h in by_hash:  # an equal block is cached already
+                continue
+            hashes[block] = h
+            by_hash[h] = block
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix and the prefix-cache counters (used blocks keep

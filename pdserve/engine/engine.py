@@ -29,6 +29,7 @@ engine serving.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,7 +45,7 @@ from pdserve.engine.model.kv_cache import new_kv_cache
 from pdserve.engine.model.loader import load_model
 from pdserve.engine.output import OutputProcessor
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.results import Completion, EngineStats, RequestOutput, StepInfo, StepOutput
+from pdserve.engine.results import Completion, EngineStats, RequestOutput, StepOutput
 from pdserve.engine.roles import DisaggregatedRoles
 from pdserve.engine.runner import ModelRunner, Sampled
 from pdserve.engine.sampling.grammar import Grammars
@@ -243,10 +244,7 @@ class LLMEngine(DisaggregatedRoles, Drafting):
         free pool beside the blocks the queued requests still need; ``False`` (nothing
         queued) when they do not. ``ValueError`` for a request it can never serve."""
         self.validate(prompt_token_ids, params)
-        bs = self.block_size
-        queued = sum(ceil_div(r.num_tokens, bs) - len(r.block_ids)
-                     for r in self.scheduler.waiting)
-        if ceil_div(len(prompt_token_ids), bs) + queued > self.pool.num_free:
+        if not self.scheduler.room_for(len(prompt_token_ids)):
             return False
         self.add_request(request_id, prompt_token_ids, params)
         return True
@@ -306,18 +304,13 @@ class LLMEngine(DisaggregatedRoles, Drafting):
         if not batch:
             return StepOutput([], None)
         now = time.monotonic()
-        context = 0
-        for req, n in batch.work:
+        for req, _ in batch.work:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-            context += req.num_computed_tokens + n
+        shape = batch.step_info()
         sampled = self.runner.execute(batch)
-        info = StepInfo(
-            num_seqs=len(batch.work), num_tokens=batch.num_tokens,
-            num_decode=sum(1 for _, n in batch.work if n == 1),
-            context_tokens=context, seconds=time.monotonic() - now,
-            num_draft_tokens=sum(s.num_draft for s in sampled),
-        )
+        info = dataclasses.replace(shape, seconds=time.monotonic() - now,
+                                   num_draft_tokens=sum(s.num_draft for s in sampled))
         if info.num_decode == info.num_seqs:
             self._decode_step_s = moving_average(self._decode_step_s, info.seconds)
         drafted = {s.request.request_id: s.num_draft for s in sampled if s.num_draft}

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.block_pool import BlockPool, hash_block, root_hash
 from pdserve.engine.config import ceil_div
 from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.results import StepInfo
 from pdserve.engine.sampling.sampling_params import effective_priority
 
 # Seconds of waiting worth one priority level (see the module doc). The router's
@@ -52,6 +53,14 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.work)
+
+    def step_info(self, seconds: float = 0.0) -> StepInfo:
+        """The step's shape (before its tokens are advanced): what its metrics and the
+        step-time models read."""
+        return StepInfo(num_seqs=len(self.work), num_tokens=self.num_tokens,
+                        num_decode=sum(1 for _, n in self.work if n == 1),
+                        context_tokens=sum(r.num_computed_tokens + n for r, n in self.work),
+                        seconds=seconds)
 
     def __bool__(self) -> bool:
         return bool(self.work)
@@ -122,6 +131,13 @@ class Scheduler:
         req.num_computed_tokens = req.num_cached_tokens
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+
+    def room_for(self, num_prompt_tokens: int) -> bool:
+        """Colocated admission: whether a prompt's blocks fit in the free pool beside
+        the blocks the waiting requests still need."""
+        bs = self.block_size
+        queued = sum(ceil_div(r.num_tokens, bs) - len(r.block_ids) for r in self.waiting)
+        return ceil_div(num_prompt_tokens, bs) + queued <= self.pool.num_free
 
     @property
     def num_waiting(self) -> int:
@@ -271,8 +287,8 @@ class Scheduler:
         if full <= req.num_registered_blocks:
             return
         hashes = self._block_hashes(req, full)
-        for idx in range(req.num_registered_blocks, full):
-            self.pool.register(req.block_ids[idx], hashes[idx])
+        start = req.num_registered_blocks
+        self.pool.register(req.block_ids[start:full], hashes[start:full])
         req.num_registered_blocks = full
 
     def _block_hashes(self, req: Request, num_blocks: int) -> list[int]:

@@ -26,6 +26,7 @@ from pdserve.observability.efficiency import lookup_device
 if TYPE_CHECKING:
     from pdserve.engine.config import ModelConfig
     from pdserve.engine.cost import CostModel
+    from pdserve.engine.results import StepInfo
 
 
 PROFILE_FORMAT = "pdserve-planner-profile/1"
@@ -153,6 +154,8 @@ class StepTimes(Protocol):
 
     def decode_ms(self, batch: float, context: float) -> float: ...
 
+    def step_ms(self, info: StepInfo) -> float: ...  # any step: chunks and decodes mixed
+
     def describe(self) -> str: ...
 
 
@@ -218,6 +221,12 @@ class AnalyticModel:
         f2, b2 = self.cost.step(StepInfo(2, 2, 2, 2 * c, 0.0), 2)
         b = max(batch, 0.0)
         return self._seconds(f1 + (b - 1) * (f2 - f1), b1 + (b - 1) * (b2 - b1)) * 1e3
+
+    def step_ms(self, info: StepInfo) -> float:
+        """Any step (``StepInfo``: prefill chunks and decodes together), every row
+        sampling."""
+        flops, nbytes = self.cost.step(info, info.num_seqs)
+        return self._seconds(flops, nbytes) * 1e3
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -286,6 +295,19 @@ class Profile:
     def decode_ms(self, batch: float, context: float) -> float:
         d, e, f = self.decode_coef
         return d + e * batch + f * batch * context
+
+    def step_ms(self, info: StepInfo) -> float:
+        """Any step: exact for decode-only steps and for equal fresh prompts; a mixed
+        step is its prompt chunks' prefill time (equal chunks) plus what its decoding
+        rows add to a step (every row at the step's mean context)."""
+        rows, chunks = info.num_decode, info.num_seqs - info.num_decode
+        tokens = info.num_tokens - rows
+        if chunks == 0:
+            return self.decode_ms(rows, info.context_tokens / max(1, rows))
+        a, b, c = self.prefill_coef
+        _, e, f = self.decode_coef
+        return (a + b * tokens + c * tokens * tokens / chunks
+                + rows * (e + f * info.context_tokens / info.num_seqs))
 
     def describe(self) -> str:
         return (f"{self.model}, measured profile ({self.device}, {self.threads} thread(s), "

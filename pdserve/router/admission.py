@@ -3,10 +3,7 @@
 A token worker (decode, or colocated) must take the request: ``reserve`` allocates
 the prompt's KV blocks on a decode worker, ``admit`` queues the prompt on a colocated
 one; ``None``/``False`` means no room now. Candidates are ranked by the routing policy
-from a snapshot in which each worker's free blocks are its last reported ones minus
-what this router has reserved there since (``Claims``): a burst of concurrent
-admissions sees its own reservations and spreads, instead of piling onto the worker
-that looked emptiest 0.25 s ago. With no room anywhere the request waits (at most
+and the placement rule (``ranking.py``), tried in that order. With no room anywhere the request waits (at most
 ``max_waiting`` of them, each up to ``queue_timeout_s``), woken whenever a request
 ends or a worker joins; then OVERLOADED (HTTP 429 / RESOURCE_EXHAUSTED).
 
@@ -34,15 +31,9 @@ from dataclasses import dataclass, field
 from pdserve.engine.sampling.sampling_params import SamplingParams, effective_priority
 from pdserve.failures import AttemptFailed, FailReason, WorkerGone
 from pdserve.router.placement import Slo
-from pdserve.router.placing import Placer, Target
-from pdserve.router.policies import (
-    ClusterSnapshot,
-    Policy,
-    PrefixIndex,
-    RouteInput,
-    WorkerView,
-    prefix_affinity,
-)
+from pdserve.router.placing import Target
+from pdserve.router.policies import Policy, PrefixIndex, RouteInput
+from pdserve.router.ranking import Ranking
 from pdserve.router.types import ErrorKind, RouterError
 from pdserve.router.workers import WorkerSet, WorkerState
 from pdserve.tracing import Carrier
@@ -51,30 +42,6 @@ from pdserve.tracing import Carrier
 # waiting queue (engine/scheduler.py, which the router may not import) uses the same.
 POLL_S = 0.5  # the queue's head retries at least this often, woken or not
 
-
-
-class Claims:
-    """Blocks this router reserved per worker: granted in total (compared with the
-    worker's ``WorkerLoad.blocks_granted``) and asked for, not answered yet."""
-
-    def __init__(self) -> None:
-        self._granted: dict[tuple[str, str | None], int] = {}  # (worker, incarnation)
-        self._asking: dict[str, int] = {}
-
-    def ask(self, w: WorkerState, blocks: int) -> None:
-        self._asking[w.worker_id] = self._asking.get(w.worker_id, 0) + blocks
-
-    def answered(self, w: WorkerState, blocks: int, granted: bool) -> None:
-        self._asking[w.worker_id] -= blocks
-        if granted:
-            key = (w.worker_id, w.incarnation)
-            self._granted[key] = self._granted.get(key, 0) + blocks
-
-    def unseen(self, w: WorkerState) -> int:
-        """Blocks reserved on ``w`` that its last reported load does not show yet."""
-        seen = w.load.blocks_granted if w.load is not None else 0
-        granted = self._granted.get((w.worker_id, w.incarnation), 0)
-        return max(0, granted - seen) + self._asking.get(w.worker_id, 0)
 
 
 @dataclass(eq=False)
@@ -96,21 +63,13 @@ class Admission:
                  local_prefill_max_tokens: int = 0, placement: str = "measured",
                  slo: Slo | None = None) -> None:
         self._workers = workers
-        self._policy = policy
-        self._prefix = prefix
-        # block hash -> the token worker (decode, colocated) that last held it: the
-        # prompt and output of a request it finished (the orchestrator records them)
-        self.token_prefix = PrefixIndex()
-        self.tracks_token_prefix = policy is prefix_affinity  # the only policy that reads it
+        self.ranking = Ranking(workers, policy, prefix, block_size, local_prefill_max_tokens,
+                               placement, slo)
         self.max_waiting = max_waiting
         self.queue_timeout_s = queue_timeout_s
         self._block_size = block_size
-        self.placer = Placer(prefix, self.token_prefix, block_size, local_prefill_max_tokens,
-                             placement, slo or Slo())
-        self.claims = Claims()
         self.num_waiting = 0
         self._capacity = asyncio.Event()  # set whenever room may have appeared
-        self._sequence = 0
         self._queue: list[_Ticket] = []  # requests that found no room, waiting
         self._tickets = itertools.count()
 
@@ -155,9 +114,7 @@ class Admission:
                 head, now = self._head(), time.monotonic()
                 my_turn = head is None or head is ticket or ticket.key(now) < head.key(now)
                 if my_turn:
-                    ranked, faster = self.placer.order(
-                        self.rank(route, avoid), route, params,
-                        lambda d: self.pick_prefill(d.worker_id, route, avoid))
+                    ranked, faster = self.ranking.order(route, params, avoid)
                     for w in ranked:
                         target = await self._try(w, attempt_id, ids, params, need, route,
                                                  avoid, trace)
@@ -199,13 +156,14 @@ class Admission:
     async def _try(self, w: WorkerState, attempt_id: str, ids: list[int],
                    params: SamplingParams, need: int, route: RouteInput,
                    avoid: frozenset[str], trace: Carrier | None) -> Target | None:
-        self.claims.ask(w, need)
+        rk = self.ranking
+        rk.claims.ask(w, need)
         w.outstanding_requests += 1
         granted = False
         try:
             if w.role == "decode":
-                p = self.pick_prefill(w.worker_id, route, avoid)
-                placing = self.placer.prepare(w, p, route, params)
+                p = rk.pick_prefill(w.worker_id, route, avoid)
+                placing = rk.placer.prepare(w, p, route, params)
                 try:  # counted before the call: the admissions meanwhile see this one
                     got = await self._workers.call(w, w.decode.reserve(
                         attempt_id, ids, params, placing.local, self._workers.router_id,
@@ -213,7 +171,7 @@ class Admission:
                 finally:
                     placing.claim.undo()
                 granted = got is not None
-                return self.placer.placed(placing, got) if got is not None else None
+                return rk.placer.placed(placing, got) if got is not None else None
             granted = bool(await self._workers.call(w, w.colocated.admit(
                 attempt_id, ids, params, self._workers.router_id, trace)))
             return Target(w, None, uncached=len(ids)) if granted else None
@@ -231,41 +189,7 @@ class Admission:
             raise AttemptFailed(FailReason.TRANSPORT,
                                 f"admission on {w.worker_id}: {exc!r}") from exc
         finally:
-            self.claims.answered(w, need, granted)
+            rk.claims.answered(w, need, granted)
             if not granted:
                 w.outstanding_requests -= 1
                 self._workers.attempt_ended()
-
-    def rank(self, req: RouteInput, avoid: frozenset[str] = frozenset()) -> list[WorkerState]:
-        """Live token workers in the policy's order of preference (``avoid`` last)."""
-        tokens = self._workers.live("decode", "colocated")
-        self._sequence += 1
-        snap = ClusterSnapshot(prefill=[], decode=[self._view(w) for w in tokens],
-                               sequence=self._sequence,
-                               token_prefix_owner=self.token_prefix.view())
-        _, order = self._policy(snap, req)
-        by_id = {w.worker_id: w for w in tokens}
-        # A decode worker without a connected prefill worker cannot be served now.
-        ranked = [by_id[i] for i in order
-                  if by_id[i].role == "colocated" or self._workers.prefill_for(i)]
-        return sorted(ranked, key=lambda w: w.worker_id in avoid)  # stable
-
-    def pick_prefill(self, decode_id: str, req: RouteInput,
-                     avoid: frozenset[str] = frozenset()) -> WorkerState | None:
-        candidates = self._workers.prefill_for(decode_id)
-        fresh = [w for w in candidates if w.worker_id not in avoid]
-        candidates = fresh or candidates  # a retry tries another prefill worker first
-        if not candidates:
-            return None
-        snap = ClusterSnapshot(prefill=[self._view(w) for w in candidates], decode=[],
-                               sequence=self._sequence, prefix_owner=self._prefix.view())
-        choice, _ = (prefix_affinity if req.share_prefix else self._policy)(snap, req)
-        return next((w for w in candidates if w.worker_id == choice), candidates[0])
-
-    def _view(self, w: WorkerState) -> WorkerView:
-        load = w.load
-        free = (load.num_free_blocks if load else 0) - self.claims.unseen(w)
-        return WorkerView(w.worker_id, w.outstanding_tokens, w.outstanding_requests,
-                          max(0, free), load.num_blocks if load else 1,
-                          colocated=w.role == "colocated")
-

@@ -292,11 +292,11 @@ class RequestRun:
         (up to ``last``, the final delta's tokens) but the very last token, whose KV was
         never computed: prefix affinity sends a later turn of the conversation there.
         ``hashes``: the attempt's prompt blocks, hashed when it started."""
-        if not self.s.admission.tracks_token_prefix:
+        if not self.s.admission.ranking.tracks_token_prefix:
             return
         held = (self.prompt + self.emitted + last)[:-1]
         bs = self.s.block_size
-        self.s.admission.token_prefix.record(
+        self.s.admission.ranking.token_prefix.record(
             prefix_block_hashes(held, bs, hashes[: len(held) // bs],
                                 root_hash(self.req.params.cache_salt)), token.worker_id)
 

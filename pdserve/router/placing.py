@@ -47,8 +47,13 @@ class Target:
     reason: str = "colocated"  # why (placement.REASONS)
     decision: Decision | None = None  # decode: what the rule predicted
     uncached: int = 0  # prompt tokens computed for it (local: on the decode worker)
-    placed_at: float = field(default_factory=time.monotonic)
+    clock: Callable[[], float] = time.monotonic  # the router's (the simulator's: virtual)
+    placed_at: float = field(default=math.nan)
     _learnt: bool = False
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.placed_at):
+            self.placed_at = self.clock()
 
     def first_token(self) -> None:
         """The attempt's first token came: the rule learns how long its prompt took
@@ -59,7 +64,7 @@ class Target:
         w = self.prefill if self.placement == "remote" else self.worker
         predicted = d.ttft_remote_s if self.placement == "remote" else d.ttft_local_s
         if w is not None and math.isfinite(predicted):
-            w.ttft_bias_s = learn(w.ttft_bias_s, predicted, time.monotonic() - self.placed_at)
+            w.ttft_bias_s = learn(w.ttft_bias_s, predicted, self.clock() - self.placed_at)
 
 
 @dataclass
@@ -76,7 +81,9 @@ class Placing:
 
 class Placer:
     def __init__(self, prefix: PrefixIndex, token_prefix: PrefixIndex, block_size: int,
-                 local_prefill_max_tokens: int, mode: str, slo: Slo) -> None:
+                 local_prefill_max_tokens: int, mode: str, slo: Slo,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock  # every time this rule reads (the simulator's is virtual)
         self._prefix = prefix  # prefill workers' prompt blocks (the router's index)
         self._token_prefix = token_prefix  # token workers' blocks
         self._block_size = block_size
@@ -108,7 +115,7 @@ class Placer:
         n = route.num_prompt_tokens
         local = LocalPrefill(self._local_prefill_max_tokens, n - cached if decision.local else 0)
         return Placing(d, p, decision, n, local,
-                       _Claim(d, p, decision, n, local.any_tokens))
+                       _Claim(d, p, decision, n, local.any_tokens, self.clock()))
 
     def placed(self, placing: Placing, r: Reservation) -> Target:
         """``d`` granted the reservation: where the prompt is computed, counted where
@@ -120,12 +127,13 @@ class Placer:
                   d.worker_id, n, n - uncached, "local" if r.local else "remote",
                   decision.reason, decision.ttft_local_s, decision.ttft_remote_s,
                   decision.stall_local_s, decision.stall_remote_s)
+        now = self.clock()
         if r.local:
-            _Claim(d, None, decision, n, uncached, local=True)
+            _Claim(d, None, decision, n, uncached, now, local=True)
             reason = decision.reason if decision.local else "cached_suffix"
-            return Target(d, r, None, "local", reason, decision, uncached)
-        _Claim(d, p, decision, n, 0, local=False)
-        return Target(d, r, p, "remote", decision.reason, decision, uncached)
+            return Target(d, r, None, "local", reason, decision, uncached, self.clock)
+        _Claim(d, p, decision, n, 0, now, local=False)
+        return Target(d, r, p, "remote", decision.reason, decision, uncached, self.clock)
 
     def _decide(self, d: WorkerState, p: WorkerState | None, route: RouteInput,
                 params: SamplingParams, counted: bool = True) -> tuple[Decision, int]:
@@ -144,12 +152,11 @@ class Placer:
         return self._block_size * _held(self._token_prefix.view(), route.block_hashes,
                                         w.worker_id)
 
-    @staticmethod
-    def _side(w: WorkerState, counted: bool = False) -> DecodeSide:
+    def _side(self, w: WorkerState, counted: bool = False) -> DecodeSide:
         """A token worker as the rule reads it (``counted``: this request is in its
         outstanding count already)."""
         return DecodeSide(w.outstanding_requests - counted, w.local_tokens,
-                          w.prompt_time.value(time.monotonic()) / SHARE_WINDOW_S,
+                          w.prompt_time.value(self.clock()) / SHARE_WINDOW_S,
                           w.load.compute if w.load else None, w.ttft_bias_s)
 
 
@@ -169,8 +176,8 @@ class _Claim:
     prompt time (local); ``undo`` takes it back."""
 
     def __init__(self, d: WorkerState, p: WorkerState | None, decision: Decision, n: int,
-                 local_tokens: int, local: bool | None = None) -> None:
-        self.d, self.now = d, time.monotonic()
+                 local_tokens: int, now: float, local: bool | None = None) -> None:
+        self.d, self.now = d, now
         self.local = decision.local if local is None else local
         self.p = None if self.local else p
         self.n = n

@@ -305,7 +305,7 @@ class Router:
     def _worker_changed(self, w: WorkerState, what: str) -> None:
         if what in ("left", "removed"):  # its prefix cache is gone from routing
             self.prefix.forget_worker(w.worker_id)
-            self.admission.token_prefix.forget_worker(w.worker_id)
+            self.admission.ranking.token_prefix.forget_worker(w.worker_id)
         if what != "left":
             self.admission.wake()  # room may have appeared
         if self.metrics is not None:

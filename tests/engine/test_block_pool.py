@@ -42,8 +42,7 @@ def test_prefix_hit_shares_and_eviction_forgets() -> None:
     hashes = prefix_block_hashes(tokens, 16)
     blocks = pool.allocate(2)
     assert blocks is not None
-    for b, h in zip(blocks, hashes, strict=True):
-        pool.register(b, h)
+    pool.register(blocks, hashes)
     assert pool.lookup(hashes) == blocks
     pool.free(blocks)  # ref 0 but cached
     assert pool.num_cached == 2 and pool.num_free == 3
@@ -65,8 +64,7 @@ def test_tail_block_is_evicted_before_head() -> None:
     hashes = prefix_block_hashes(list(range(32)), 16)
     blocks = pool.allocate(2)
     assert blocks is not None
-    for b, h in zip(blocks, hashes, strict=True):
-        pool.register(b, h)
+    pool.register(blocks, hashes)
     pool.free(blocks)
     pool.allocate(2)  # one free block + one eviction: the tail goes
     assert pool.lookup(hashes) == blocks[:1]
@@ -121,7 +119,7 @@ class PoolMachine(RuleBasedStateMachine):
         blocks = self.owners[i % len(self.owners)]
         hashes = []
         for b in blocks:
-            self.pool.register(b, self.next_hash)
+            self.pool.register([b], [self.next_hash])
             hashes.append(self.next_hash)
             self.next_hash += 1
         hits = self.pool.lookup(hashes)

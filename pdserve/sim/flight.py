@@ -1,0 +1,65 @@
+"""``Flight``: one simulated request, as its client and the router see it."""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pdserve.engine.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.engine.request import Request
+    from pdserve.router.placing import Target
+    from pdserve.sim.clock import Event
+    from pdserve.sim.workers import SimWorker
+
+
+@dataclass(eq=False)
+class Flight:
+    request_id: str
+    index: int  # in the workload
+    prompt_len: int
+    output_len: int
+    hashes: list[int]  # the prompt's full blocks
+    params: SamplingParams
+    due: float  # the workload's send time
+    sent: float = 0.0  # sent (after waiting for a --max-concurrency slot)
+    keep_itl: bool = True
+    # router
+    admit_start: float = 0.0
+    queue_s: float = 0.0  # in the router's waiting queue
+    timeout: Event | None = None
+    target: Target | None = None
+    placement: str = ""
+    token_worker: SimWorker | None = None
+    token_req: Request | None = None
+    prefill_worker: SimWorker | None = None
+    prefill_req: Request | None = None
+    reused: int = 0  # blocks the decode worker held already
+    local_pending: int = 0
+    prefill_done: float | None = None
+    landed: float | None = None
+    # client
+    first_s: float | None = None
+    last_s: float = 0.0
+    num_tokens: int = 0
+    itl: array = field(default_factory=lambda: array("d"))
+    end: float | None = None
+    error: str = ""
+
+    def first(self, t: float) -> None:
+        self.first_s = self.last_s = t
+        self.num_tokens = 1
+
+    def token(self, t: float) -> None:
+        if self.keep_itl:
+            self.itl.append(t - self.last_s)
+        self.last_s = t
+        self.num_tokens += 1
+
+    def done(self, t: float) -> None:
+        self.end = max(t, self.last_s)
+
+    def fail(self, t: float, error: str) -> None:
+        self.end, self.error = t, error

@@ -1,0 +1,153 @@
+"""One simulated benchmark run: the deployment's workers and router on one event loop,
+driven by the workload as ``pdserve bench`` sends it (arrival times, the
+``--max-concurrency`` cap), reported as ``pdserve bench`` reports it
+(``calculate_metrics``, ``build_result``: the same result JSON), plus a
+``simulation`` section (where prompts were computed, each worker's busy share, the
+events run and the wall time taken)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Sequence
+from typing import Any
+
+from pdserve.client.bench import BenchConfig
+from pdserve.client.metrics import calculate_metrics
+from pdserve.client.openai_stream import RequestOutput
+from pdserve.client.report import build_result, rate_field
+from pdserve.engine.request import Request
+from pdserve.sim.clock import EventLoop
+from pdserve.sim.deployment import Deployment, compute_of
+from pdserve.sim.engine import SimEngine, params_for
+from pdserve.sim.flight import Flight
+from pdserve.sim.link import Pipe
+from pdserve.sim.router import SimRouter
+from pdserve.sim.workers import SimWorker
+from pdserve.sim.workload import Planned
+
+MAX_EVENTS_PER_REQUEST = 100_000  # a bound on a runaway model, not a limit in practice
+
+
+class Simulation:
+    def __init__(self, deployment: Deployment, planned: Sequence[Planned],
+                 max_concurrency: int | None = None, keep_itl: bool = True,
+                 fast: bool = True) -> None:
+        self.deployment, self.planned = deployment, list(planned)
+        self.max_concurrency, self.keep_itl = max_concurrency, keep_itl
+        self.loop = EventLoop()
+        cfg = deployment.cluster.router
+        bs = cfg.block_size
+        mean_ctx = (sum(p.prompt_len + p.output_len / 2 for p in self.planned)
+                    / max(1, len(self.planned)))
+        workers, computes = [], {}
+        for pool in deployment.pools:
+            if pool.shape.block_size != bs:
+                raise ValueError(f"the {pool.role} pool's block_size {pool.shape.block_size} "
+                                 f"differs from the router's {bs}")
+            compute = compute_of(pool.steps, mean_ctx, pool.shape.max_num_seqs,
+                                 deployment.max_model_len)
+            for i in range(pool.workers):
+                wid = f"{pool.role}-{i}"
+                pipe = None
+                if pool.role == "prefill":
+                    pipe = Pipe(deployment.link, pool.steps.kv_bytes_per_token * bs, pool.ranks)
+                workers.append(SimWorker(self.loop, wid, SimEngine(pool.role, pool.shape, self.loop),
+                                         pool.steps, self, deployment.step_overhead_s, pipe, fast))
+                computes[wid] = compute
+        self.workers = workers
+        self.router = SimRouter(self.loop, workers, cfg, deployment.slo, computes,
+                                deployment.overheads, self._done)
+        self.outputs: list[RequestOutput | None] = [None] * len(self.planned)
+        self.placements: Counter[str] = Counter()
+        self.end = 0.0  # the last request's end
+        self._in_flight = 0
+        self._pending: deque[Planned] = deque()
+
+    # the workers' listener (``workers.Listener``) is the router, made after them
+    def on_tokens(self, worker: SimWorker, reqs: list[Request]) -> None:
+        self.router.on_tokens(worker, reqs)
+
+    def on_run(self, worker: SimWorker, reqs: Sequence[Request], times: Sequence[float]) -> None:
+        self.router.on_run(worker, reqs, times)
+
+    def run(self) -> tuple[list[RequestOutput], float]:
+        self.router.expecting = len(self.planned)
+        for p in self.planned:
+            self.loop.at(p.offset, self._due, p)
+        self.loop.run(max_events=MAX_EVENTS_PER_REQUEST * max(1, len(self.planned)))
+        outputs = [o for o in self.outputs if o is not None]
+        assert len(outputs) == len(self.planned), "a request never ended"
+        return outputs, self.end
+
+    def _due(self, p: Planned) -> None:
+        if self.max_concurrency and self._in_flight >= self.max_concurrency:
+            self._pending.append(p)
+            return
+        self._send(p)
+
+    def _send(self, p: Planned) -> None:
+        self._in_flight += 1
+        bs = self.deployment.cluster.router.block_size
+        f = Flight(f"sim-{p.index}", p.index, p.prompt_len, p.output_len, p.block_hashes(bs),
+                   params_for(p.output_len), p.offset, self.loop.now, self.keep_itl)
+        self.loop.after(self.deployment.overheads.request_s, self._arrive, f)
+
+    def _arrive(self, f: Flight) -> None:
+        self.router.expecting -= 1
+        self.router.arrive(f)
+
+    def _done(self, f: Flight) -> None:
+        self.placements[f.placement] += bool(f.placement)
+        end = f.end if f.end is not None else self.loop.now
+        self.end = max(self.end, end)
+        self.outputs[f.index] = _output(f)
+        self.loop.at(max(end, self.loop.now), self._slot_free)
+
+    def _slot_free(self) -> None:
+        """The client has the request's last token: its slot takes the next one."""
+        self._in_flight -= 1
+        if self._pending:
+            self._send(self._pending.popleft())
+
+    def summary(self, wall_s: float) -> dict[str, Any]:
+        span = self.loop.now or 1.0
+        return {
+            "deployment": self.deployment.describe(),
+            "placement": {k: v for k, v in sorted(self.placements.items()) if v},
+            "busy": {w.worker_id: round(w.busy_s / span, 4) for w in self.workers},
+            "steps": {w.worker_id: w.num_steps for w in self.workers},
+            "preemptions": {w.worker_id: w.engine.scheduler.num_preemptions
+                            for w in self.workers},
+            "kv_bytes_sent": sum(w.pipe.bytes_sent for w in self.workers if w.pipe),
+            "events": self.loop.events_run,
+            "simulated_s": self.loop.now,
+            "wall_s": wall_s,
+        }
+
+
+def _output(f: Flight) -> RequestOutput:
+    end = f.end if f.end is not None else f.sent
+    if f.error:
+        return RequestOutput(False, prompt_len=f.prompt_len, latency=end - f.sent,
+                             start_time=f.sent, queue_time=f.sent - f.due, status=429,
+                             error=f.error)
+    assert f.first_s is not None
+    return RequestOutput(True, prompt_len=f.prompt_len, output_tokens=f.num_tokens,
+                         usage_reported=True, ttft=f.first_s - f.sent, itl=list(f.itl),
+                         latency=end - f.sent, start_time=f.sent, queue_time=f.sent - f.due,
+                         status=200, finish_reason="length")
+
+
+def simulate(deployment: Deployment, planned: Sequence[Planned], cfg: BenchConfig,
+             rate: float, setup: dict[str, Any], fast: bool = True) -> dict[str, Any]:
+    """One run: ``pdserve bench``'s result object, with a ``simulation`` section."""
+    started = time.perf_counter()
+    sim = Simulation(deployment, planned, cfg.max_concurrency,
+                     keep_itl="itl" in cfg.percentile_metrics, fast=fast)
+    outputs, duration = sim.run()
+    metrics = calculate_metrics(outputs, duration, cfg.metric_percentiles, cfg.goodput)
+    result = {**setup, **build_result(metrics, outputs, duration,
+                                      {"request_rate": rate_field(rate)})}
+    result["simulation"] = sim.summary(time.perf_counter() - started)
+    return result

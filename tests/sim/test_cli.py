@@ -1,0 +1,75 @@
+"""``pdserve simulate``: bench's flags and result JSON, serve's deployment flags and
+YAML, and a clear error for what cannot be simulated."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdserve.cli.main import main
+from pdserve.planner.step_times import Profile
+
+GPU = ["simulate", "--hardware", "h100", "--model", "llama-3-8b", "--num-prompts", "40",
+       "--random-input-len", "512", "--random-output-len", "32", "--request-rate", "10"]
+
+
+def test_the_result_json_is_the_benchs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main([*GPU, "--prefill-workers", "2", "--decode-workers", "1", "--goodput",
+                 "ttft:200", "tpot:20", "--save-result", "--result-dir", str(tmp_path),
+                 "--result-filename", "sim.json", "--metric-percentiles", "50,90"])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "Serving Benchmark Result" in out and "simulated" in out
+    saved = json.loads((tmp_path / "sim.json").read_text())
+    assert saved["completed"] == 40 and saved["backend"] == "pdserve-simulate"
+    for key in ("p90_ttft_ms", "median_tpot_ms", "request_goodput", "itls", "input_lens"):
+        assert key in saved
+    assert saved["simulation"]["deployment"].startswith("2 prefill, 1 decode")
+
+
+def test_a_sweep_and_a_yaml_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "pd.yaml"
+    cfg.write_text("prefill: {workers: 1, tensor_parallel_size: 2}\n"
+                   "decode: {workers: 2}\nrouter: {policy: round_robin}\n")
+    assert main([*GPU, "--config", str(cfg), "--sweep-rates", "5,20"]) == 0
+    out = capsys.readouterr().out
+    assert "1 prefill (TP 2), 2 decode" in out
+    assert out.count("Serving Benchmark Result") == 2
+
+
+def test_a_measured_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prof = Profile(model="tiny", device="cpu", dtype="float32", quantization="none", threads=1,
+                   prefill_coef=(2.0, 0.05, 1e-5), decode_coef=(3.0, 0.2, 1e-4),
+                   kv_bytes_per_token=4096, kv_tokens=65536)
+    path = prof.save(tmp_path / "p.json")
+    code = main(["simulate", "--profile", str(path), "--num-prompts", "20",
+                 "--random-input-len", "128", "--random-output-len", "16",
+                 "--colocated-workers", "1", "--prefill-workers", "0", "--decode-workers", "0"])
+    assert code == 0
+    assert "link" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ([], "give --profile FILE"),
+    (["--hardware", "h100", "--model", "nope"], "neither a preset"),
+    (["--hardware", "tpu9", "--model", "llama-3-8b"], "unknown hardware"),
+    (["--hardware", "h100", "--model", "llama-3-70b"], "does not fit"),
+    (["--hardware", "h100", "--model", "llama-3-8b", "--random-input-len", "9000"],
+     "exceed --max-model-len"),
+    (["--hardware", "h100", "--model", "llama-3-8b", "--prefill-workers", "0",
+      "--decode-workers", "0"], "no workers"),
+])
+def test_bad_input_is_one_clear_error(extra: list[str], message: str,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--num-prompts", "4", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_profile_cannot_simulate_tensor_parallel_pools(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    prof = Profile("tiny", "cpu", "float32", "none", 1, (1.0, 0.1, 0.0), (1.0, 0.1, 0.0), 64, 4096)
+    path = prof.save(tmp_path / "p.json")
+    assert main(["simulate", "--profile", str(path), "--prefill-tensor-parallel-size", "2"]) == 2
+    assert "tensor-parallel" in capsys.readouterr().err
