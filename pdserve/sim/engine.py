@@ -144,9 +144,9 @@ class SimEngine:
             return 0
         k = None
         for req in sch.running:
-            if req.num_new_tokens != 1 or req.spec_token_ids:
-                return 0
-            left = req.params.max_tokens - req.num_output_tokens
+            if req.num_computed_tokens + 1 != len(req.token_ids) or req.spec_token_ids:
+                return 0  # not decoding (a prompt chunk), or verifying a draft
+            left = req.num_prompt_tokens + req.params.max_tokens - len(req.token_ids)
             k = left if k is None or left < k else k
         assert k is not None
         # the last of the k tokens finishes a request: that step is an ordinary one
@@ -162,11 +162,17 @@ class SimEngine:
                    for r in reqs)
 
     def decode_run(self, reqs: Sequence[Request], k: int) -> None:
-        """``k`` steady steps of ``reqs`` (``steady_steps`` allowed them) at once."""
-        sch = self.scheduler
+        """``k`` steady steps of ``reqs`` (``steady_steps`` allowed them) at once: each
+        grows by ``k`` tokens (the scheduler's ``_grow``, called only where a block
+        boundary is crossed) and advances by ``k`` (its full blocks registered, as
+        ``Scheduler.advance`` does, only where one filled)."""
+        sch, bs = self.scheduler, self.block_size
         tail = [TOKEN] * k
         for req in reqs:
-            if not sch._grow(req, k):
+            computed = req.num_computed_tokens + k
+            if computed > len(req.block_ids) * bs and not sch._grow(req, k):  # noqa: SLF001
                 raise RuntimeError("decode_run: blocks ran out inside a steady run")
             req.token_ids.extend(tail)
-            sch.advance(req, k)
+            req.num_computed_tokens = computed
+            if computed // bs > req.num_registered_blocks:
+                sch._register_full_blocks(req)  # noqa: SLF001

@@ -58,6 +58,16 @@ class Flight:
         self.last_s = t
         self.num_tokens += 1
 
+    def tokens(self, times: list[float], delay: float) -> None:
+        """One token at each of ``times`` (a run's steps), seen ``delay`` later."""
+        if self.keep_itl:
+            last = self.last_s
+            for t in times:
+                self.itl.append(t + delay - last)
+                last = t + delay
+        self.last_s = times[-1] + delay
+        self.num_tokens += len(times)
+
     def done(self, t: float) -> None:
         self.end = max(t, self.last_s)
 

@@ -207,11 +207,9 @@ class SimRouter:
                 self._finished(f)
 
     def on_run(self, worker: SimWorker, reqs: Sequence[Request], times: Sequence[float]) -> None:
-        dt = self.overheads.token_s
+        dt, flights = self.overheads.token_s, self.flights
         for req in reqs:
-            f = self.flights[req.request_id]
-            for t in times:
-                f.token(t + dt)
+            flights[req.request_id].tokens(times, dt)
 
     def _first(self, f: Flight, now: float) -> None:
         f.first(now)
