@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_pool import BlockPool, hash_block, root_hash
@@ -281,6 +281,21 @@ class Scheduler:
         """The runner computed ``n`` more tokens of ``req``."""
         req.num_computed_tokens += n
         self._register_full_blocks(req)
+
+    def decode_steps(self, reqs: Sequence[Request], k: int) -> None:
+        """``k`` decode steps of ``reqs`` at once, for a caller that knows nothing else
+        would happen in them (the simulator's steady runs: nobody waiting, finishing,
+        or short of a block): each grows and advances by ``k``, taking the blocks and
+        registering the full blocks ``k`` single steps would. Their ``k`` new tokens
+        are appended first."""
+        bs = self.block_size
+        for req in reqs:
+            computed = req.num_computed_tokens + k
+            if computed > len(req.block_ids) * bs and not self._grow(req, k):
+                raise RuntimeError(f"decode_steps: no free block for {req.request_id!r}")
+            req.num_computed_tokens = computed
+            if computed // bs > req.num_registered_blocks:
+                self._register_full_blocks(req)
 
     def _register_full_blocks(self, req: Request) -> None:
         full = req.num_computed_tokens // self.block_size

@@ -186,17 +186,20 @@ def measure_profile(model_dir: str | Path, *, dtype: str = "auto", quantization:
                     threads: int = 1, prefill_lens: Sequence[int] = (32, 128, 256, 512),
                     decode_batches: Sequence[int] = (1, 4, 8, 16),
                     decode_contexts: Sequence[int] = (128, 512), decode_steps: int = 6,
-                    repeats: int = 2, clock: str = "cpu",
+                    repeats: int = 2, clock: str | None = None,
                     log: Callable[[str], None] | None = None) -> Profile:
     """Measure one CPU worker's engine step times and fit a ``Profile``: prefill steps
     of each prompt length (``repeats`` times, median), decode steps at each batch and
-    context (``decode_steps`` each, median), timed on ``clock`` (``CLOCKS``). Torch's
-    thread count is restored after.
+    context (``decode_steps`` each, median), timed on ``clock`` (``CLOCKS``; None: the
+    CPU clock for one thread, the wall clock for more -- a process's CPU time adds its
+    threads' up). Torch's thread count is restored after.
     About 15 s (model load included) for the default model on one thread."""
     import torch
 
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
+    if clock is None:
+        clock = "cpu" if threads == 1 else "wall"
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {', '.join(CLOCKS)}, got {clock!r}")
     if len(set(prefill_lens)) < 3 or len(set(decode_batches)) < 2 or not decode_contexts:

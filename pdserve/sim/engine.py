@@ -144,8 +144,9 @@ class SimEngine:
             return 0
         k = None
         for req in sch.running:
-            if req.num_computed_tokens + 1 != len(req.token_ids) or req.spec_token_ids:
-                return 0  # not decoding (a prompt chunk), or verifying a draft
+            n = len(req.token_ids)
+            if req.num_computed_tokens + 1 != n or n <= req.num_prompt_tokens or req.spec_token_ids:
+                return 0  # not decoding (a prompt's chunk, its last token too), or a draft
             left = req.num_prompt_tokens + req.params.max_tokens - len(req.token_ids)
             k = left if k is None or left < k else k
         assert k is not None
@@ -162,17 +163,9 @@ class SimEngine:
                    for r in reqs)
 
     def decode_run(self, reqs: Sequence[Request], k: int) -> None:
-        """``k`` steady steps of ``reqs`` (``steady_steps`` allowed them) at once: each
-        grows by ``k`` tokens (the scheduler's ``_grow``, called only where a block
-        boundary is crossed) and advances by ``k`` (its full blocks registered, as
-        ``Scheduler.advance`` does, only where one filled)."""
-        sch, bs = self.scheduler, self.block_size
+        """``k`` steady steps of ``reqs`` (``steady_steps`` allowed them) at once: their
+        ``k`` tokens each, then the scheduler's ``decode_steps``."""
         tail = [TOKEN] * k
         for req in reqs:
-            computed = req.num_computed_tokens + k
-            if computed > len(req.block_ids) * bs and not sch._grow(req, k):  # noqa: SLF001
-                raise RuntimeError("decode_run: blocks ran out inside a steady run")
             req.token_ids.extend(tail)
-            req.num_computed_tokens = computed
-            if computed // bs > req.num_registered_blocks:
-                sch._register_full_blocks(req)  # noqa: SLF001
+        self.scheduler.decode_steps(reqs, k)

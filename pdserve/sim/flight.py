@@ -11,6 +11,7 @@ from pdserve.engine.sampling.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from pdserve.engine.request import Request
     from pdserve.router.placing import Target
+    from pdserve.router.types import StageTimings
     from pdserve.sim.clock import Event
     from pdserve.sim.workers import SimWorker
 
@@ -38,8 +39,10 @@ class Flight:
     prefill_req: Request | None = None
     reused: int = 0  # blocks the decode worker held already
     local_pending: int = 0
-    prefill_done: float | None = None
-    landed: float | None = None
+    sent_to_prefill: float = 0.0  # the prefill worker got it
+    prefill_done: float | None = None  # its first token sampled there
+    landed: float | None = None  # its KV in the decode worker's blocks
+    timings: StageTimings | None = None  # once finished
     # client
     first_s: float | None = None
     last_s: float = 0.0

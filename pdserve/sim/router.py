@@ -31,6 +31,7 @@ from pdserve.router.router import RouterConfig
 from pdserve.router.workers import WorkerState
 from pdserve.sim.clock import EventLoop
 from pdserve.sim.flight import Flight
+from pdserve.sim.stages import timings_of
 from pdserve.sim.workers import SimWorker
 
 
@@ -187,6 +188,7 @@ class SimRouter:
     def _to_prefill(self, f: Flight, p: SimWorker) -> None:
         p.sync()
         f.prefill_req = p.engine.new_request(f.request_id, f.prompt_len, f.output_len, f.hashes)
+        f.sent_to_prefill = self.loop.now
         f.prefill_worker = p
         p.engine.add(f.prefill_req)
         p.kick()
@@ -248,6 +250,7 @@ class SimRouter:
             held = f.token_req.block_hashes[: (f.prompt_len + f.output_len - 1) // self.block_size]
             self.ranking.token_prefix.record(held, s.worker_id)
         f.done(self.loop.now + self.overheads.token_s)
+        f.timings = timings_of(f)
         del self.flights[f.request_id]
         f.token_req = f.prefill_req = None  # (their token lists: the run's memory)
         f.hashes = []

@@ -23,6 +23,7 @@ from pdserve.sim.engine import SimEngine, params_for
 from pdserve.sim.flight import Flight
 from pdserve.sim.link import Pipe
 from pdserve.sim.router import SimRouter
+from pdserve.sim.stages import Stages
 from pdserve.sim.workers import SimWorker
 from pdserve.sim.workload import Planned
 
@@ -32,7 +33,7 @@ MAX_EVENTS_PER_REQUEST = 100_000  # a bound on a runaway model, not a limit in p
 class Simulation:
     def __init__(self, deployment: Deployment, planned: Sequence[Planned],
                  max_concurrency: int | None = None, keep_itl: bool = True,
-                 fast: bool = True) -> None:
+                 fast: bool = True, model: str = "model") -> None:
         self.deployment, self.planned = deployment, list(planned)
         self.max_concurrency, self.keep_itl = max_concurrency, keep_itl
         self.loop = EventLoop()
@@ -59,6 +60,7 @@ class Simulation:
         self.router = SimRouter(self.loop, workers, cfg, deployment.slo, computes,
                                 deployment.overheads, self._done)
         self.outputs: list[RequestOutput | None] = [None] * len(self.planned)
+        self.stages = Stages(model)
         self.placements: Counter[str] = Counter()
         self.end = 0.0  # the last request's end
         self._in_flight = 0
@@ -102,6 +104,8 @@ class Simulation:
         end = f.end if f.end is not None else self.loop.now
         self.end = max(self.end, end)
         self.outputs[f.index] = _output(f)
+        if f.timings is not None:
+            self.stages.observe(f, f.timings)
         self.loop.at(max(end, self.loop.now), self._slot_free)
 
     def _slot_free(self) -> None:
@@ -141,13 +145,16 @@ def _output(f: Flight) -> RequestOutput:
 
 def simulate(deployment: Deployment, planned: Sequence[Planned], cfg: BenchConfig,
              rate: float, setup: dict[str, Any], fast: bool = True) -> dict[str, Any]:
-    """One run: ``pdserve bench``'s result object, with a ``simulation`` section."""
+    """One run: ``pdserve bench``'s result object, with its ``server_metrics`` (as
+    ``--scrape-metrics`` reads them) and a ``simulation`` section."""
     started = time.perf_counter()
     sim = Simulation(deployment, planned, cfg.max_concurrency,
-                     keep_itl="itl" in cfg.percentile_metrics, fast=fast)
+                     keep_itl="itl" in cfg.percentile_metrics, fast=fast,
+                     model=str(setup.get("model_id", "model")))
     outputs, duration = sim.run()
     metrics = calculate_metrics(outputs, duration, cfg.metric_percentiles, cfg.goodput)
     result = {**setup, **build_result(metrics, outputs, duration,
                                       {"request_rate": rate_field(rate)})}
+    result["server_metrics"] = sim.stages.breakdown()
     result["simulation"] = sim.summary(time.perf_counter() - started)
     return result

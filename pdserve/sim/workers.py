@@ -149,8 +149,11 @@ class SimWorker:
 
     def _start_run(self, k: int) -> None:
         running = list(self.engine.scheduler.running)
-        rows = len(running)
-        ctx = sum(r.num_computed_tokens + 1 for r in running)
+        rows, ctx, now = len(running), 0, self.loop.now
+        for r in running:
+            ctx += r.num_computed_tokens + 1
+            if r.first_scheduled_time is None:  # (a request whose KV just landed)
+                r.first_scheduled_time = now
         first = self.step_s(StepInfo(rows, rows, rows, ctx, 0.0))
         second = self.step_s(StepInfo(rows, rows, rows, ctx + rows, 0.0))
         run = _Run(running, self.loop.now, k, first, max(0.0, second - first))

@@ -190,6 +190,16 @@ def test_profile_fit_on_a_tiny_model(tiny_profile: Path) -> None:
     assert Profile.load(prof.save(tiny_profile.with_name("again.json"))) == prof
 
 
+def test_a_profile_of_several_threads_is_timed_on_the_wall_clock(
+        tiny_model: Callable[[str], Path]) -> None:
+    """A process's CPU time adds its threads' up: two threads computing for 10 ms read
+    20 ms on the CPU clock, so a profile of several threads is timed on the wall."""
+    prof = measure_profile(tiny_model("llama-gqa"), dtype="float32", threads=2,
+                           prefill_lens=(8, 16, 32), decode_batches=(1, 2),
+                           decode_contexts=(16,), decode_steps=2, repeats=1)
+    assert prof.threads == 2 and prof.clock == "wall"
+
+
 def test_cli_plans_on_a_profile(tiny_profile: Path, capsys: pytest.CaptureFixture[str]) -> None:
     prof = Profile.load(tiny_profile)
     ttft = 10 * prof.prefill_ms(32)

@@ -106,3 +106,17 @@ def test_start_decode_of_a_one_token_request_ends_it() -> None:
     assert sim.reserve(req) is not None
     assert sim.start_decode(req)
     assert req.status is RequestStatus.FINISHED and sim.pool.num_free == 16
+
+
+def test_a_prompts_last_token_is_not_a_decode_step() -> None:
+    """A chunk that stops one token short of the prompt's end leaves a request one
+    token behind, like a decoding one: but its next step samples its first token,
+    which a steady run would not report as such."""
+    sim = SimEngine("colocated", EngineShape(16, 16, 47, 4), EventLoop())
+    req = sim.new_request("p", 48, 10, [])
+    sim.add(req)
+    nxt = sim.schedule()
+    assert nxt is not None
+    sim.complete(nxt[0])
+    assert req.num_computed_tokens + 1 == req.num_tokens == 48
+    assert sim.steady_steps() == 0
