@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -61,7 +62,7 @@ class Flight:
         self.last_s = t
         self.num_tokens += 1
 
-    def tokens(self, times: list[float], delay: float) -> None:
+    def tokens(self, times: Sequence[float], delay: float) -> None:
         """One token at each of ``times`` (a run's steps), seen ``delay`` later."""
         if self.keep_itl:
             last = self.last_s
