@@ -22,7 +22,12 @@ from pdserve.planner.step_times import (
     resolve_hardware,
     resolve_model_config,
 )
-from pdserve.sim.deployment import build
+from pdserve.sim.deployment import (
+    MEASURED_OVERHEADS,
+    MEASURED_STEP_OVERHEAD_S,
+    build,
+    with_overheads,
+)
 from pdserve.sim.link import LINKS, get_link
 from pdserve.sim.run import simulate
 from pdserve.sim.workload import offered_rate, plan
@@ -36,9 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     (the deployment flags are ``pdserve serve``'s, added by the caller)."""
     g = p.add_argument_group("step times")
     src = g.add_mutually_exclusive_group()
-    src.add_argument("--profile", default=None, metavar="FILE",
+    src.add_argument("--profile", action="append", default=None, metavar="FILE",
                      help="step times measured on the target machine (pdserve plan "
-                          "--measure-profile); every pool steps as it says")
+                          "--measure-profile); repeat it for several thread counts: each "
+                          "pool steps as the one of its workers' threads (one profile: "
+                          "every pool)")
     src.add_argument("--hardware", default=None, metavar="NAME",
                      help="the analytic model on this device: h100, h200, a100, b200 (and "
                           "-pcie/-nvl), or cpu (measured here); with --model a preset "
@@ -53,6 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None,
                    help="--dataset sharegpt: a directory with tokenizer.json (default: "
                         "the model's)")
+    g.add_argument("--overheads-ms", default=None, metavar="K=MS,...",
+                   help="the router's and workers' own costs, milliseconds: request (before "
+                        "admission), call (router to a worker, one way), token (relay of "
+                        "one), step (a worker loop's per step); default: measured here "
+                        f"({_format_overheads()})")
     g.add_argument("--exact-steps", action="store_true",
                    help="simulate every step one by one (slower; the same results)")
     add_workload_arguments(p)
@@ -62,9 +74,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, cluster: ClusterConfig) -> int:
     cfg = config_from_args(args)
-    steps_for, device, model, max_len = _step_source(args, cluster)
+    steps_for, device, model, max_len = step_source(args, cluster)
     link = get_link(args.link or ("infiniband" if device == "gpu" else f"{cluster.transfer}-cpu"))
     deployment = build(cluster, steps_for, device, link, max_len)
+    if args.overheads_ms:
+        deployment = with_overheads(deployment, args.overheads_ms)
     print(f"Simulating {deployment.describe()}; step times: "
           f"{steps_for(cluster.decode).describe()}", flush=True)
     lengths = (_sharegpt_lengths(args, cfg, args.model or cluster.model or model, max_len)
@@ -91,19 +105,30 @@ def run(args: argparse.Namespace, cluster: ClusterConfig) -> int:
     return report(args, cfg, BenchOutcome(results, setup))
 
 
-def _step_source(args: argparse.Namespace, cluster: ClusterConfig,
+def step_source(args: argparse.Namespace, cluster: ClusterConfig,
                  ) -> tuple[Callable[[PoolConfig], StepTimes], str, str, int]:
     """(step times of a pool's worker, "cpu" | "gpu", the model's name, max model len)."""
     if args.profile:
-        prof = Profile.load(args.profile)
+        profiles = {}
+        for path in args.profile:
+            prof = Profile.load(path)
+            profiles[prof.threads] = prof
+        first = next(iter(profiles.values()))
 
         def from_profile(pool: PoolConfig) -> StepTimes:
             if pool.workers and pool.tensor_parallel_size > 1:
                 raise ValueError("a profile measures one worker of one rank: simulate "
                                  "tensor-parallel pools with --hardware")
-            return prof
+            if len(profiles) == 1:
+                return first
+            threads = pool.engine_config("decode", first.device).num_threads or 1
+            if threads not in profiles:
+                raise ValueError(f"no profile of {threads} thread(s) (a pool's workers' "
+                                 f"threads); given: {sorted(profiles)}")
+            return profiles[threads]
 
-        return from_profile, prof.device, prof.model, args.max_model_len or PROFILE_MAX_MODEL_LEN
+        return (from_profile, first.device, first.model,
+                args.max_model_len or PROFILE_MAX_MODEL_LEN)
     if not args.hardware:
         raise ValueError("step times: give --profile FILE (pdserve plan --measure-profile) "
                          "or --hardware NAME with --model")
@@ -133,3 +158,9 @@ def _sharegpt_lengths(args: argparse.Namespace, cfg: BenchConfig, model: str,
     reqs = sharegpt_requests(tok, cfg.dataset_path, cfg.num_prompts, max_len,
                              cfg.sharegpt_output_len, cfg.seed)
     return [(r.prompt_len, r.expected_output_len) for r in reqs]
+
+
+def _format_overheads() -> str:
+    o = MEASURED_OVERHEADS
+    return (f"request={o.request_s * 1e3:g},call={o.call_s * 1e3:g},token={o.token_s * 1e3:g},"
+            f"step={MEASURED_STEP_OVERHEAD_S * 1e3:g}")

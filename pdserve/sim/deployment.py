@@ -17,7 +17,7 @@ workload's mean context.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -59,6 +59,29 @@ class Deployment:
         parts = [f"{p.workers} {p.role}" + (f" (TP {p.ranks})" if p.ranks > 1 else "")
                  for p in self.pools if p.workers]
         return ", ".join(parts) + f"; link {self.link.name}"
+
+
+def with_overheads(d: Deployment, text: str) -> Deployment:
+    """``d`` with the costs ``request=MS,call=MS,token=MS,step=MS`` (any of them) given."""
+    given: dict[str, float] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or key not in ("request", "call", "token", "step"):
+            raise ValueError(f"--overheads-ms: expected request=MS,call=MS,token=MS,step=MS; "
+                             f"got {part!r}")
+        try:
+            ms = float(value)
+        except ValueError:
+            raise ValueError(f"--overheads-ms: {key}={value!r} is not a number") from None
+        if not ms >= 0:
+            raise ValueError(f"--overheads-ms: {key} must be >= 0 ms, got {value}")
+        given[key] = ms / 1e3
+    o = d.overheads
+    return replace(d, overheads=Overheads(given.get("request", o.request_s),
+                                          given.get("call", o.call_s),
+                                          given.get("token", o.token_s)),
+                   step_overhead_s=given.get("step", d.step_overhead_s))
 
 
 def build(cluster: ClusterConfig, steps_for: Callable[[PoolConfig], StepTimes], device: str,

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cli.main import main
+from pdserve.cli.main import _cluster_config, build_parser, main
 from pdserve.planner.step_times import Profile
+from pdserve.sim.cli import step_source
 
 GPU = ["simulate", "--hardware", "h100", "--model", "llama-3-8b", "--num-prompts", "40",
        "--random-input-len", "512", "--random-output-len", "32", "--request-rate", "10"]
@@ -73,3 +74,35 @@ def test_a_profile_cannot_simulate_tensor_parallel_pools(tmp_path: Path,
     path = prof.save(tmp_path / "p.json")
     assert main(["simulate", "--profile", str(path), "--prefill-tensor-parallel-size", "2"]) == 2
     assert "tensor-parallel" in capsys.readouterr().err
+
+
+def test_each_pool_steps_as_the_profile_of_its_threads(tmp_path: Path) -> None:
+    paths = []
+    for threads in (1, 2):
+        prof = Profile("tiny", "cpu", "float32", "none", threads, (threads, 0.1, 0.0),
+                       (threads, 0.1, 0.0), 64, 4096)
+        paths.append(str(prof.save(tmp_path / f"t{threads}.json")))
+    args = build_parser().parse_args(["simulate", "--profile", paths[0], "--profile", paths[1],
+                                      "--colocated-workers", "1"])
+    cluster = _cluster_config(args)
+    steps_for, device, _, _ = step_source(args, cluster)
+    assert device == "cpu"
+    assert steps_for(cluster.prefill).threads == 1  # type: ignore[attr-defined]
+    assert steps_for(cluster.colocated_pool).threads == 2  # type: ignore[attr-defined]
+    three = cluster.prefill.__class__(num_cpus=3)
+    with pytest.raises(ValueError, match=r"no profile of 3 thread\(s\)"):
+        steps_for(three)
+
+
+def test_overheads_reach_the_latencies(capsys: pytest.CaptureFixture[str]) -> None:
+    def ttft(extra: list[str]) -> float:
+        assert main([*GPU, "--num-prompts", "5", "--request-rate", "1", *extra]) == 0
+        out = capsys.readouterr().out
+        return float(next(line.split()[-1] for line in out.splitlines()
+                          if line.startswith("Mean TTFT")))
+
+    base = ttft(["--overheads-ms", "request=0,call=0,token=0,step=0"])
+    slow = ttft(["--overheads-ms", "request=100"])
+    assert slow == pytest.approx(base + 100, abs=5)
+    assert main([*GPU, "--overheads-ms", "request=fast"]) == 2
+    assert "not a number" in capsys.readouterr().err
