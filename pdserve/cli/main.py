@@ -223,6 +223,10 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.simulate:
+        from pdserve.sim.plan import run as simulate_plan
+
+        return simulate_plan(args)
     from pdserve.planner.cli import run
 
     return run(args)

@@ -60,10 +60,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="plan on a measured profile (JSON) instead of the analytic model")
     p.add_argument("--measure-profile", default=None, metavar="FILE",
                    help="measure this CPU's engine step times for --model DIR, write FILE")
+    sim = p.add_argument_group("--simulate: sizes chosen by simulated goodput (pdserve simulate)")
+    sim.add_argument("--simulate", action="store_true",
+                     help="simulate the closed-form sizes and their neighbours, and colocated "
+                          "deployments of as many GPUs; choose the fewest GPUs meeting both "
+                          "SLOs for 90%% of requests")
+    sim.add_argument("--tp-options", default=None, metavar="T,T,...",
+                     help="tensor-parallel degrees to try (default: --tp)")
+    sim.add_argument("--max-gpus", type=int, default=None, help="largest deployment considered")
+    sim.add_argument("--duration", type=float, default=120.0,
+                     help="seconds of traffic simulated per candidate (default 120)")
+    sim.add_argument("--link", default=None,
+                     help="KV link: nvlink, infiniband (default on GPUs), roce, tcp, nixl-cpu")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _missing(args: argparse.Namespace, names: Sequence[str]) -> None:
+def require(args: argparse.Namespace, names: Sequence[str]) -> None:
     missing = [f"--{n.replace('_', '-')}" for n in names if getattr(args, n) is None]
     if missing:
         raise ValueError(f"pdserve plan needs {', '.join(missing)}")
@@ -72,7 +84,7 @@ def _missing(args: argparse.Namespace, names: Sequence[str]) -> None:
 def times_from_args(args: argparse.Namespace) -> StepTimes:
     if args.profile:
         return Profile.load(args.profile)
-    _missing(args, ("model", "hardware"))
+    require(args, ("model", "hardware"))
     model = resolve_model_config(args.model)
     hw = resolve_hardware(args.hardware, peak_flops=args.peak_flops,
                           peak_bandwidth=args.peak_bandwidth, threads=args.threads)
@@ -105,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
                   f"  decode_ms(B, ctx) = {d:.4g} + {e:.4g}·B + {f:.4g}·B·ctx  "
                   f"(worst fit error {prof.fit_error_pct['decode']:.1f}%)")
         return 0
-    _missing(args, ("rate", "prompt_len", "output_len", "ttft_slo", "tpot_slo"))
+    require(args, ("rate", "prompt_len", "output_len", "ttft_slo", "tpot_slo"))
     slo = SLO(args.ttft_slo, args.tpot_slo)
     bounds = Bounds(args.min_prefill, args.max_prefill, args.min_decode, args.max_decode)
     if not args.rate > 0:  # before anything is measured
