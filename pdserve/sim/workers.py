@@ -82,12 +82,14 @@ class SimWorker:
         self.num_steps = 0
         self.busy_s = 0.0  # stepping, summed
         self._started = 0.0  # the step in flight's start
+        self._ending = False  # a step's end is being reported (kick: its end schedules)
 
     # ------------------------------------------------------------- stepping
     def kick(self) -> None:
         """Something was added: start stepping if idle (a step in flight sees it at its
-        end, as the real loop does)."""
-        if self._step is None and self._run is None:
+        end, as the real loop does; so does the step that is ending, whose listener
+        may add work to this worker before it schedules the next)."""
+        if self._step is None and self._run is None and not self._ending:
             self._next()
 
     def sync(self, batch_changes: bool = True) -> None:
@@ -164,7 +166,11 @@ class SimWorker:
         run = self._run
         assert run is not None
         self._run = None
-        self._apply(run, run.steps)
+        self._ending = True
+        try:
+            self._apply(run, run.steps)
+        finally:
+            self._ending = False
         self._next()
 
     def _apply(self, run: _Run, steps: int) -> None:
@@ -181,7 +187,11 @@ class SimWorker:
         got = self.engine.complete(batch)
         if self.pipe is not None:
             self._send_completed(batch)
-        self.listener.on_tokens(self, got)
+        self._ending = True
+        try:
+            self.listener.on_tokens(self, got)
+        finally:
+            self._ending = False
         self._next()
 
     # -------------------------------------------------------------- prefill

@@ -82,3 +82,18 @@ def test_max_concurrency_caps_requests_in_flight() -> None:
     r = _run(PAIRS, float("inf"), True, num_prompts=30, max_concurrency=3)
     assert r["max_concurrent_requests"] <= 3
     assert max(r["queue_times"]) > 0
+
+
+def test_a_request_admitted_as_another_ends_waits_for_the_next_step() -> None:
+    """A decode worker too small for the load: each request that ends admits a queued
+    one onto the same worker while its step is being reported; that one joins the
+    worker's next step -- not a second step started beside it."""
+    tight = {"prefill": {"workers": 1}, "decode": {"workers": 1, "engine": {"num_blocks": 300}},
+             "colocated": {"workers": 1, "engine": {"num_blocks": 300}},
+             "router": {"queue_timeout_s": 600}}
+    cfg = workload(num_prompts=40, random_input_len=1024, random_output_len=200)
+    fast, exact = (simulate(deployment(tight), plan(cfg, 50.0, 8192), cfg, 50.0, {}, fast=f)
+                   for f in (True, False))
+    assert fast["completed"] == exact["completed"] == 40
+    assert fast["ttfts"] == pytest.approx(exact["ttfts"], rel=1e-9)
+    assert fast["latencies"] == pytest.approx(exact["latencies"], rel=1e-9)
