@@ -92,10 +92,11 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
     print(f"\n{'model':<13}{'prompt':>7}{'SLO TTFT/TPOT ms':>19}"
           f"{'colocated':>11}{'disagg.':>9}{'decider':>9}  (req/s per GPU at 90% attainment)")
-    for r in rows:
-        print(f"{r['model']:<13}{r['prompt']:>7}{r['ttft_slo_ms']:>12.0f} / {r['tpot_slo_ms']:<5.1f}"
-              f"{r['colocated']['rps_per_gpu']:>11.3f}{r['disaggregated']['rps_per_gpu']:>9.3f}"
-              f"{r['decider']['rps_per_gpu']:>9.3f}  best split {r['decider']['deployment']}")
+    for out in rows:
+        print(f"{out['model']:<13}{out['prompt']:>7}{out['ttft_slo_ms']:>12.0f} / "
+              f"{out['tpot_slo_ms']:<5.1f}{out['colocated']['rps_per_gpu']:>11.3f}"
+              f"{out['disaggregated']['rps_per_gpu']:>9.3f}{out['decider']['rps_per_gpu']:>9.3f}"
+              f"  best split {out['decider']['deployment']}")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime
 from typing import Any
 
@@ -28,7 +29,7 @@ from pdserve.sim.deployment import (
     build,
     with_overheads,
 )
-from pdserve.sim.link import LINKS, get_link
+from pdserve.sim.link import LINKS, Link, get_link
 from pdserve.sim.run import simulate
 from pdserve.sim.workload import offered_rate, plan
 
@@ -65,6 +66,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "admission), call (router to a worker, one way), token (relay of "
                         "one), step (a worker loop's per step); default: measured here "
                         f"({_format_overheads()})")
+    g.add_argument("--step-time-scale", type=float, default=1.0, metavar="X",
+                   help="served steps take X times the step model's (default 1; more where "
+                        "the router and the client share the workers' cores)")
+    g.add_argument("--link-latency-ms", type=float, default=None,
+                   help="the link's latency per send (overrides --link's)")
+    g.add_argument("--link-bandwidth-gbs", type=float, default=None,
+                   help="the link's bandwidth per rank, GB/s (overrides --link's)")
     g.add_argument("--exact-steps", action="store_true",
                    help="simulate every step one by one (slower; the same results)")
     add_workload_arguments(p)
@@ -76,7 +84,15 @@ def run(args: argparse.Namespace, cluster: ClusterConfig) -> int:
     cfg = config_from_args(args)
     steps_for, device, model, max_len = step_source(args, cluster)
     link = get_link(args.link or ("infiniband" if device == "gpu" else f"{cluster.transfer}-cpu"))
-    deployment = build(cluster, steps_for, device, link, max_len)
+    if args.link_latency_ms is not None or args.link_bandwidth_gbs is not None:
+        link = Link(f"{link.name} (given)",
+                    link.bandwidth if args.link_bandwidth_gbs is None else args.link_bandwidth_gbs * 1e9,
+                    link.latency_s if args.link_latency_ms is None else args.link_latency_ms / 1e3,
+                    link.per_block_s)
+    if not args.step_time_scale > 0:
+        raise ValueError(f"--step-time-scale must be > 0, got {args.step_time_scale}")
+    deployment = replace(build(cluster, steps_for, device, link, max_len),
+                         step_scale=args.step_time_scale)
     if args.overheads_ms:
         deployment = with_overheads(deployment, args.overheads_ms)
     print(f"Simulating {deployment.describe()}; step times: "

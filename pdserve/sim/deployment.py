@@ -54,6 +54,10 @@ class Deployment:
     slo: Slo = field(default_factory=Slo)
     overheads: Overheads = MEASURED_OVERHEADS
     step_overhead_s: float = MEASURED_STEP_OVERHEAD_S
+    # the served engine's steps over the step model's: 1 where the workers have their
+    # cores to themselves; more where the router and the client share them (measured:
+    # benchmarks/simulate.py calibrates it from one stream)
+    step_scale: float = 1.0
 
     def describe(self) -> str:
         parts = [f"{p.workers} {p.role}" + (f" (TP {p.ranks})" if p.ranks > 1 else "")

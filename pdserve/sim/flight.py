@@ -41,6 +41,7 @@ class Flight:
     reused: int = 0  # blocks the decode worker held already
     local_pending: int = 0
     sent_to_prefill: float = 0.0  # the prefill worker got it
+    received: float = 0.0  # the token worker's loop took it (between two of its steps)
     prefill_done: float | None = None  # its first token sampled there
     landed: float | None = None  # its KV in the decode worker's blocks
     timings: StageTimings | None = None  # once finished

@@ -156,6 +156,7 @@ class SimRouter:
             return None
         self._granted[s.worker_id] += need
         f.token_req, f.token_worker = req, w
+        f.received = w.step_end()  # (a prompt computed there: its loop takes it then)
         w.kick()
         return target
 

@@ -54,7 +54,8 @@ class Simulation:
                 if pool.role == "prefill":
                     pipe = Pipe(deployment.link, pool.steps.kv_bytes_per_token * bs, pool.ranks)
                 workers.append(SimWorker(self.loop, wid, SimEngine(pool.role, pool.shape, self.loop),
-                                         pool.steps, self, deployment.step_overhead_s, pipe, fast))
+                                         pool.steps, self, deployment.step_overhead_s, pipe, fast,
+                                         deployment.step_scale))
                 computes[wid] = compute
         self.workers = workers
         self.router = SimRouter(self.loop, workers, cfg, deployment.slo, computes,

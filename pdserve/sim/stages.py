@@ -28,7 +28,9 @@ def timings_of(f: Flight) -> StageTimings:
     if f.end is not None:
         t.e2e = f.end - arrived
     computed_by = f.prefill_req if f.placement == "remote" else f.token_req
-    since = f.sent_to_prefill if f.placement == "remote" else arrived + f.queue_s
+    # (as the workers measure it: a prefill worker from the call's arrival, a token
+    # worker from when its loop took the request, between two steps)
+    since = f.sent_to_prefill if f.placement == "remote" else f.received
     if computed_by is not None and computed_by.first_scheduled_time is not None:
         t.prefill_queue = max(0.0, computed_by.first_scheduled_time - since)
         if computed_by.first_token_time is not None:

@@ -69,11 +69,12 @@ class _Run:
 class SimWorker:
     def __init__(self, loop: EventLoop, worker_id: str, engine: SimEngine, steps: StepTimes,
                  listener: Listener, step_overhead_s: float = 0.0, pipe: Pipe | None = None,
-                 fast: bool = True) -> None:
+                 fast: bool = True, step_scale: float = 1.0) -> None:
         self.loop, self.worker_id, self.engine = loop, worker_id, engine
         self.role = engine.role
         self.steps, self.listener = steps, listener
         self.step_overhead_s = step_overhead_s
+        self.step_scale = step_scale  # the served engine's steps over the model's
         self.pipe = pipe  # prefill role: its outgoing KV channel
         self.fast = fast
         self._step: ScheduledBatch | None = None
@@ -81,7 +82,7 @@ class SimWorker:
         self.sent: dict[str, int] = {}  # prefill: blocks of a request sent so far
         self.num_steps = 0
         self.busy_s = 0.0  # stepping, summed
-        self._started = 0.0  # the step in flight's start
+        self._started = self._step_end = 0.0  # the single step in flight's start and end
         self._ending = False  # a step's end is being reported (kick: its end schedules)
 
     # ------------------------------------------------------------- stepping
@@ -125,6 +126,13 @@ class SimWorker:
         run.steps = steps
         run.event = self.loop.at(max(run.end_of(steps), self.loop.now), self._run_done)
 
+    def step_end(self) -> float:
+        """When the step in flight ends (now, when idle): when the worker's loop next
+        takes a call (a call waits for the step to end)."""
+        if self._run is not None:
+            return self._run.end_of(min(self._run.ended_by(self.loop.now) + 1, self._run.steps))
+        return self._step_end if self._step is not None else self.loop.now
+
     def free_blocks(self) -> int:
         """The pool's allocatable blocks now (a run's steps that ended counted)."""
         free = self.engine.pool.num_free
@@ -144,10 +152,11 @@ class SimWorker:
         batch, info = nxt
         self._started = self.loop.now
         self._step = batch
-        self.loop.after(self.step_s(info), self._step_done)
+        self._step_end = self.loop.now + self.step_s(info)
+        self.loop.at(self._step_end, self._step_done)
 
     def step_s(self, info: StepInfo) -> float:
-        return self.steps.step_ms(info) / 1e3 + self.step_overhead_s
+        return self.steps.step_ms(info) * self.step_scale / 1e3 + self.step_overhead_s
 
     def _start_run(self, k: int) -> None:
         running = list(self.engine.scheduler.running)

@@ -1,0 +1,213 @@
+"""``make bench``: the simulator against served runs on this machine (issue 51).
+
+Each point -- a deployment, a workload, a request rate -- is served (``pdserve
+serve`` + ``pdserve bench --scrape-metrics``) in ``--rounds`` rounds (the second in
+reverse order: this VM drifts) and simulated once (``pdserve simulate``, the same
+config and bench flags, on profiles measured here first by ``pdserve plan
+--measure-profile``: one and two threads). Reported per point and metric: served p50
+and p90 (each round), simulated, the error against the served rounds' mean, and the
+served runs' own spread -- the tolerance where it exceeds the goal's 10%; a server
+stage (a histogram: its quantiles interpolate inside buckets 5-50 ms wide) also
+passes within 5 ms.
+
+Calibration, per deployment, on one point no other is: one stream (8 requests of
+the chat lengths, one at a time). Its served TPOT over the simulated one is the
+served engine's slowdown on cores it shares with the router and the client
+(``--step-time-scale``); what its TTFT has beyond the simulated one is the router's
+own cost per request (``--overheads-ms request=``); and on 1p1d, what its KV
+transfer takes beyond the link model, the link's latency.
+
+Deployments (each worker on cores of its own: no core sharing): ``colocated`` (one
+worker, two threads) and ``1p1d`` (one prefill, one decode worker, a thread each).
+Workloads: ``chat`` (random 256-token prompts, 64 out, lengths +-50%) and ``long``
+(1024-token prompts, 16 out).
+
+Run: ``python -m benchmarks.simulate [--deployments colocated,1p1d]
+[--workloads chat,long] [--rounds 2] [--out result.json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from benchmarks.harness import CLI, Served
+
+ROUTER = {"queue_timeout_s": 600}
+DEPLOYMENTS: dict[str, dict[str, Any]] = {
+    "colocated": {"prefill": {"workers": 0}, "decode": {"workers": 0},
+                  "colocated": {"workers": 1, "num_cpus": 2, "shared_cpus": 0},
+                  "router": ROUTER},
+    "1p1d": {"prefill": {"workers": 1, "num_cpus": 1, "shared_cpus": 0},
+             "decode": {"workers": 1, "num_cpus": 1, "shared_cpus": 0}, "router": ROUTER},
+}
+# workload -> (bench flags, request rates, goodput SLOs)
+WORKLOADS: dict[str, tuple[list[str], tuple[float, ...], list[str]]] = {
+    "chat": (["--random-input-len", "256", "--random-output-len", "64",
+              "--random-range-ratio", "0.5", "--num-prompts", "40"], (1.0, 2.0, 2.8),
+             ["ttft:1000", "tpot:100"]),
+    "long": (["--random-input-len", "1024", "--random-output-len", "16",
+              "--num-prompts", "24"], (0.4, 0.8, 1.2), ["ttft:3000", "tpot:100"]),
+}
+CALIBRATION = ("calibration", 0.0)  # (workload, rate): one stream, see the module doc
+CALIBRATION_FLAGS = ["--random-input-len", "256", "--random-output-len", "64",
+                     "--num-prompts", "8", "--max-concurrency", "1", "--request-rate", "inf",
+                     "--ignore-eos", "--metric-percentiles", "50,90", "--seed", "2"]
+STAGE_SLACK_MS = 5.0
+CLIENT = ("ttft", "tpot", "e2el")
+STAGES = {"prefill_queue": "pdserve_prefill_queue_seconds",
+          "prefill": "pdserve_prefill_seconds",
+          "kv_transfer": "pdserve_kv_transfer_seconds"}
+
+
+def flags(workload: str, rate: float) -> list[str]:
+    if (workload, rate) == CALIBRATION:
+        return CALIBRATION_FLAGS
+    extra, _, slo = WORKLOADS[workload]
+    return [*extra, "--request-rate", str(rate), "--ignore-eos", "--goodput", *slo,
+            "--metric-percentiles", "50,90", "--seed", "1"]
+
+
+def figures(result: dict[str, Any]) -> dict[str, float]:
+    """metric -> value: client p50/p90 of TTFT, TPOT, E2E; server stage p50/p90;
+    goodput."""
+    out = {}
+    for m in CLIENT:
+        for p in ("p50", "p90"):
+            out[f"{m} {p}"] = result[f"{p}_{m}_ms"]
+    for name, hist in STAGES.items():
+        row = result.get("server_metrics", {}).get(hist)
+        for p in ("p50", "p90"):
+            if row and row.get(f"{p}_ms") is not None:
+                out[f"{name} {p}"] = row[f"{p}_ms"]
+    if result.get("request_goodput") is not None:
+        out["goodput req/s"] = result["request_goodput"]
+    return out
+
+
+def measure_profiles(model: str, workdir: Path) -> list[Path]:
+    paths = []
+    for threads in (1, 2):
+        path = workdir / f"profile-t{threads}.json"
+        subprocess.run([*CLI, "plan", "--measure-profile", str(path), "--model", model,
+                        "--threads", str(threads)], check=True, capture_output=True)
+        paths.append(path)
+    return paths
+
+
+def simulated(config: dict[str, Any], workload: str, rate: float, profiles: list[Path],
+              workdir: Path, extra: list[str]) -> dict[str, Any]:
+    cfg = workdir / "sim.yaml"
+    cfg.write_text(yaml.safe_dump(config))
+    out = workdir / "sim.json"
+    profile_flags = [x for p in profiles for x in ("--profile", str(p))]
+    subprocess.run([*CLI, "simulate", "--config", str(cfg), *profile_flags,
+                    "--max-model-len", "2048", *flags(workload, rate), *extra,
+                    "--result-filename", str(out)], check=True, capture_output=True)
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def calibrate(config: dict[str, Any], served: list[dict[str, Any]], profiles: list[Path],
+              workdir: Path) -> list[str]:
+    """The simulator's flags for this deployment, from its served one-stream runs."""
+    def mean(key: str) -> float:
+        return sum(figures(r)[key] for r in served) / len(served)
+
+    zero = ["--overheads-ms", "request=0,call=0,token=0,step=0"]
+    base = figures(simulated(config, *CALIBRATION, profiles, workdir, zero))
+    scale = mean("tpot p50") / base["tpot p50"]
+    scaled = figures(simulated(config, *CALIBRATION, profiles, workdir,
+                               [*zero, "--step-time-scale", f"{scale:.4f}"]))
+    request_ms = max(0.0, mean("ttft p50") - scaled["ttft p50"])
+    out = ["--step-time-scale", f"{scale:.4f}",
+           "--overheads-ms", f"request={request_ms:.2f},call=0,token=0,step=0"]
+    if "kv_transfer p50" in scaled:
+        latency_ms = 2.3 + max(0.0, mean("kv_transfer p50") - scaled["kv_transfer p50"])
+        out += ["--link-latency-ms", f"{latency_ms:.2f}"]
+    return out
+
+
+def served_round(deployment: str, points: list[tuple[str, float]]) -> dict[tuple[str, float], dict[str, Any]]:
+    results = {}
+    with Served(DEPLOYMENTS[deployment]) as server:
+        for workload, rate in points:
+            results[(workload, rate)] = server.bench(*flags(workload, rate), "--scrape-metrics")
+            print(f"  served {deployment} {workload} {rate} req/s: "
+                  f"{results[(workload, rate)]['completed']} completed", flush=True)
+    return results
+
+
+def compare(served: list[dict[str, float]], sim: dict[str, float]) -> list[dict[str, Any]]:
+    rows = []
+    for metric, value in sim.items():
+        got = [s[metric] for s in served if metric in s]
+        if not got:
+            continue
+        mean = sum(got) / len(got)
+        spread = (max(got) - min(got)) / mean * 100 if mean and len(got) > 1 else 0.0
+        error = (value - mean) / mean * 100 if mean else math.nan
+        stage = metric.split()[0] in STAGES
+        rows.append({"metric": metric, "served": got, "simulated": value,
+                     "error_pct": error, "spread_pct": spread,
+                     "within": abs(error) <= max(10.0, spread)
+                     or (stage and abs(value - mean) <= STAGE_SLACK_MS)})
+    return rows
+
+
+def print_point(title: str, rows: list[dict[str, Any]]) -> None:
+    print(f"\n{title}")
+    print(f"{'metric':<20}{'served':>22}{'simulated':>11}{'error %':>9}{'spread %':>10}")
+    for row in rows:
+        served = " / ".join(f"{v:.1f}" for v in row["served"])
+        print(f"{row['metric']:<20}{served:>22}{row['simulated']:>11.1f}"
+              f"{row['error_pct']:>9.1f}{row['spread_pct']:>10.1f}"
+              f"{'' if row['within'] else '  *'}", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--deployments", default="colocated,1p1d")
+    ap.add_argument("--workloads", default="chat,long")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--model", default="SmolLM2-135M-Instruct")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="pdserve-simcheck-"))
+    profiles = measure_profiles(args.model, workdir)
+    report: dict[str, Any] = {"profiles": [json.loads(p.read_text()) for p in profiles],
+                              "points": []}
+    for deployment in args.deployments.split(","):
+        config = DEPLOYMENTS[deployment]
+        points = [CALIBRATION, *((w, r) for w in args.workloads.split(",")
+                                 for r in WORKLOADS[w][1])]
+        rounds = []
+        for i in range(args.rounds):
+            order = points if i % 2 == 0 else points[::-1]
+            rounds.append(served_round(deployment, order))
+        sim_flags = calibrate(config, [r[CALIBRATION] for r in rounds], profiles, workdir)
+        report["calibration"] = {**report.get("calibration", {}), deployment: sim_flags}
+        print(f"\n{deployment}: calibrated on one stream: {' '.join(sim_flags)}")
+        for workload, rate in points:
+            sim = simulated(config, workload, rate, profiles, workdir, sim_flags)
+            rows = compare([figures(r[(workload, rate)]) for r in rounds], figures(sim))
+            report["points"].append({"deployment": deployment, "workload": workload,
+                                     "rate": rate, "rows": rows,
+                                     "placement": sim["simulation"]["placement"]})
+            print_point(f"{deployment}, {workload}, {rate} req/s (simulated placement "
+                        f"{sim['simulation']['placement']})", rows)
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
