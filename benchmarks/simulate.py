@@ -10,12 +10,13 @@ served runs' own spread -- the tolerance where it exceeds the goal's 10%; a serv
 stage (a histogram: its quantiles interpolate inside buckets 5-50 ms wide) also
 passes within 5 ms.
 
-Calibration, per deployment, on one point no other is: one stream (8 requests of
-the chat lengths, one at a time). Its served TPOT over the simulated one is the
-served engine's slowdown on cores it shares with the router and the client
-(``--step-time-scale``); what its TTFT has beyond the simulated one is the router's
-own cost per request (``--overheads-ms request=``); and on 1p1d, what its KV
-transfer takes beyond the link model, the link's latency.
+Calibration, per deployment, on two points no other is: one stream (requests one at
+a time) of 256- and 1024-token prompts. Served TPOT over the simulated one is the
+served decode steps' slowdown on cores they share with the router and the client;
+TTFT at the two lengths gives the prompt tokens' slowdown and the router's own cost
+per request (served TTFT = request + slowdown x simulated; ``--step-time-scale
+prefill=,decode=``, ``--overheads-ms request=``); on 1p1d, what the KV transfer takes
+beyond the link model is the link's latency.
 
 Deployments (each worker on cores of its own: no core sharing): ``colocated`` (one
 worker, two threads) and ``1p1d`` (one prefill, one decode worker, a thread each).
@@ -57,10 +58,14 @@ WORKLOADS: dict[str, tuple[list[str], tuple[float, ...], list[str]]] = {
     "long": (["--random-input-len", "1024", "--random-output-len", "16",
               "--num-prompts", "24"], (0.4, 0.8, 1.2), ["ttft:3000", "tpot:100"]),
 }
-CALIBRATION = ("calibration", 0.0)  # (workload, rate): one stream, see the module doc
-CALIBRATION_FLAGS = ["--random-input-len", "256", "--random-output-len", "64",
-                     "--num-prompts", "8", "--max-concurrency", "1", "--request-rate", "inf",
-                     "--ignore-eos", "--metric-percentiles", "50,90", "--seed", "2"]
+# (workload, rate) of the two calibration points: one stream each, see the module doc
+CALIBRATION = (("one stream, 256", 0.0), ("one stream, 1024", 0.0))
+CALIBRATION_FLAGS = {
+    "one stream, 256": ["--random-input-len", "256", "--random-output-len", "64",
+                        "--num-prompts", "8"],
+    "one stream, 1024": ["--random-input-len", "1024", "--random-output-len", "16",
+                         "--num-prompts", "6"],
+}
 STAGE_SLACK_MS = 5.0
 CLIENT = ("ttft", "tpot", "e2el")
 STAGES = {"prefill_queue": "pdserve_prefill_queue_seconds",
@@ -69,8 +74,9 @@ STAGES = {"prefill_queue": "pdserve_prefill_queue_seconds",
 
 
 def flags(workload: str, rate: float) -> list[str]:
-    if (workload, rate) == CALIBRATION:
-        return CALIBRATION_FLAGS
+    if workload in CALIBRATION_FLAGS:
+        return [*CALIBRATION_FLAGS[workload], "--max-concurrency", "1", "--request-rate", "inf",
+                "--ignore-eos", "--metric-percentiles", "50,90", "--seed", "2"]
     extra, _, slo = WORKLOADS[workload]
     return [*extra, "--request-rate", str(rate), "--ignore-eos", "--goodput", *slo,
             "--metric-percentiles", "50,90", "--seed", "1"]
@@ -116,34 +122,53 @@ def simulated(config: dict[str, Any], workload: str, rate: float, profiles: list
     return result
 
 
-def calibrate(config: dict[str, Any], served: list[dict[str, Any]], profiles: list[Path],
-              workdir: Path) -> list[str]:
-    """The simulator's flags for this deployment, from its served one-stream runs."""
-    def mean(key: str) -> float:
-        return sum(figures(r)[key] for r in served) / len(served)
+def calibrate(config: dict[str, Any], rounds: list[dict[tuple[str, float], dict[str, Any]]],
+              profiles: list[Path], workdir: Path) -> list[str]:
+    """The simulator's flags for this deployment, from its served one-stream runs:
+    decoding rows' scale from TPOT; prompt tokens' scale and the router's cost per
+    request from TTFT at two prompt lengths (TTFT = request + scale x simulated)."""
+    def served(point: tuple[str, float], key: str) -> float:
+        return sum(figures(r[point])[key] for r in rounds) / len(rounds)
 
     zero = ["--overheads-ms", "request=0,call=0,token=0,step=0"]
-    base = figures(simulated(config, *CALIBRATION, profiles, workdir, zero))
-    scale = mean("tpot p50") / base["tpot p50"]
-    scaled = figures(simulated(config, *CALIBRATION, profiles, workdir,
-                               [*zero, "--step-time-scale", f"{scale:.4f}"]))
-    request_ms = max(0.0, mean("ttft p50") - scaled["ttft p50"])
-    out = ["--step-time-scale", f"{scale:.4f}",
+    short, long = CALIBRATION
+    base = {p: figures(simulated(config, *p, profiles, workdir, zero)) for p in CALIBRATION}
+    decode = served(short, "tpot p50") / base[short]["tpot p50"]
+    prefill = max(0.5, (served(long, "ttft p50") - served(short, "ttft p50"))
+                  / (base[long]["ttft p50"] - base[short]["ttft p50"]))
+    request_ms = max(0.0, served(short, "ttft p50") - prefill * base[short]["ttft p50"])
+    out = ["--step-time-scale", f"prefill={prefill:.4f},decode={decode:.4f}",
            "--overheads-ms", f"request={request_ms:.2f},call=0,token=0,step=0"]
-    if "kv_transfer p50" in scaled:
-        latency_ms = 2.3 + max(0.0, mean("kv_transfer p50") - scaled["kv_transfer p50"])
+    if all("kv_transfer p50" in figures(r[short]) for r in rounds) \
+            and "kv_transfer p50" in base[short]:
+        latency_ms = 2.3 + max(0.0, served(short, "kv_transfer p50")
+                               - base[short]["kv_transfer p50"])
         out += ["--link-latency-ms", f"{latency_ms:.2f}"]
     return out
 
 
-def served_round(deployment: str, points: list[tuple[str, float]]) -> dict[tuple[str, float], dict[str, Any]]:
+def served_round(deployment: str, points: list[tuple[str, float]], keep: Path,
+                 index: int) -> dict[tuple[str, float], dict[str, Any]]:
+    """One round of served runs; each result also kept in ``keep`` (``--reuse``)."""
     results = {}
     with Served(DEPLOYMENTS[deployment]) as server:
         for workload, rate in points:
-            results[(workload, rate)] = server.bench(*flags(workload, rate), "--scrape-metrics")
-            print(f"  served {deployment} {workload} {rate} req/s: "
-                  f"{results[(workload, rate)]['completed']} completed", flush=True)
+            r = server.bench(*flags(workload, rate), "--scrape-metrics")
+            results[(workload, rate)] = r
+            (keep / _name(deployment, index, workload, rate)).write_text(json.dumps(r))
+            print(f"  served {deployment} {workload} {rate} req/s: {r['completed']} completed",
+                  flush=True)
     return results
+
+
+def _name(deployment: str, index: int, workload: str, rate: float) -> str:
+    return f"served-{deployment}-{index}-{workload.replace(' ', '_').replace(',', '')}-{rate}.json"
+
+
+def reused_round(deployment: str, points: list[tuple[str, float]], keep: Path,
+                 index: int) -> dict[tuple[str, float], dict[str, Any]]:
+    return {(w, r): json.loads((keep / _name(deployment, index, w, r)).read_text())
+            for w, r in points}
 
 
 def compare(served: list[dict[str, float]], sim: dict[str, float]) -> list[dict[str, Any]]:
@@ -180,20 +205,26 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--reuse", default=None, metavar="DIR",
+                    help="a previous run's directory: its profiles and served results, "
+                         "simulated again (nothing served)")
     args = ap.parse_args()
-    workdir = Path(tempfile.mkdtemp(prefix="pdserve-simcheck-"))
-    profiles = measure_profiles(args.model, workdir)
+    workdir = Path(args.reuse or tempfile.mkdtemp(prefix="pdserve-simcheck-"))
+    print(f"profiles and served results: {workdir}", flush=True)
+    profiles = ([workdir / f"profile-t{t}.json" for t in (1, 2)] if args.reuse
+                else measure_profiles(args.model, workdir))
     report: dict[str, Any] = {"profiles": [json.loads(p.read_text()) for p in profiles],
                               "points": []}
     for deployment in args.deployments.split(","):
         config = DEPLOYMENTS[deployment]
-        points = [CALIBRATION, *((w, r) for w in args.workloads.split(",")
-                                 for r in WORKLOADS[w][1])]
+        points = [*CALIBRATION, *((w, r) for w in args.workloads.split(",")
+                                  for r in WORKLOADS[w][1])]
         rounds = []
         for i in range(args.rounds):
             order = points if i % 2 == 0 else points[::-1]
-            rounds.append(served_round(deployment, order))
-        sim_flags = calibrate(config, [r[CALIBRATION] for r in rounds], profiles, workdir)
+            run_round = reused_round if args.reuse else served_round
+            rounds.append(run_round(deployment, order, workdir, i))
+        sim_flags = calibrate(config, rounds, profiles, workdir)
         report["calibration"] = {**report.get("calibration", {}), deployment: sim_flags}
         print(f"\n{deployment}: calibrated on one stream: {' '.join(sim_flags)}")
         for workload, rate in points:

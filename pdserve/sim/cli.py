@@ -31,6 +31,7 @@ from pdserve.sim.deployment import (
 )
 from pdserve.sim.link import LINKS, Link, get_link
 from pdserve.sim.run import simulate
+from pdserve.sim.workers import StepScale
 from pdserve.sim.workload import offered_rate, plan
 
 SIMULATED = "http://simulated"  # the result JSON's base_url
@@ -66,9 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "admission), call (router to a worker, one way), token (relay of "
                         "one), step (a worker loop's per step); default: measured here "
                         f"({_format_overheads()})")
-    g.add_argument("--step-time-scale", type=float, default=1.0, metavar="X",
+    g.add_argument("--step-time-scale", default="1", metavar="X|prefill=X,decode=Y",
                    help="served steps take X times the step model's (default 1; more where "
-                        "the router and the client share the workers' cores)")
+                        "the router and the client share the workers' cores), or per kind: "
+                        "a step's prompt tokens and its decoding rows")
     g.add_argument("--link-latency-ms", type=float, default=None,
                    help="the link's latency per send (overrides --link's)")
     g.add_argument("--link-bandwidth-gbs", type=float, default=None,
@@ -89,10 +91,8 @@ def run(args: argparse.Namespace, cluster: ClusterConfig) -> int:
                     link.bandwidth if args.link_bandwidth_gbs is None else args.link_bandwidth_gbs * 1e9,
                     link.latency_s if args.link_latency_ms is None else args.link_latency_ms / 1e3,
                     link.per_block_s)
-    if not args.step_time_scale > 0:
-        raise ValueError(f"--step-time-scale must be > 0, got {args.step_time_scale}")
     deployment = replace(build(cluster, steps_for, device, link, max_len),
-                         step_scale=args.step_time_scale)
+                         step_scale=StepScale.parse(args.step_time_scale))
     if args.overheads_ms:
         deployment = with_overheads(deployment, args.overheads_ms)
     print(f"Simulating {deployment.describe()}; step times: "

@@ -29,6 +29,7 @@ from pdserve.router.placement import MIN_STEPS, Slo
 from pdserve.sim.engine import EngineShape
 from pdserve.sim.link import Link
 from pdserve.sim.router import Overheads
+from pdserve.sim.workers import StepScale
 
 # The router's and the worker loop's own costs, measured on this machine (AMX class,
 # docs/planner.md): the default for every run, GPU ones too (the same Python).
@@ -56,8 +57,8 @@ class Deployment:
     step_overhead_s: float = MEASURED_STEP_OVERHEAD_S
     # the served engine's steps over the step model's: 1 where the workers have their
     # cores to themselves; more where the router and the client share them (measured:
-    # benchmarks/simulate.py calibrates it from one stream)
-    step_scale: float = 1.0
+    # benchmarks/simulate.py calibrates it from single streams)
+    step_scale: StepScale = field(default_factory=StepScale)
 
     def describe(self) -> str:
         parts = [f"{p.workers} {p.role}" + (f" (TP {p.ranks})" if p.ranks > 1 else "")

@@ -31,6 +31,42 @@ from pdserve.sim.engine import SimEngine
 from pdserve.sim.link import Pipe
 
 
+@dataclass(frozen=True)
+class StepScale:
+    """Served steps over the step model's: prompt tokens' and decoding rows' (where
+    the router and the client share the workers' cores, a decode step -- streaming
+    tokens all the while -- slows more than a long prompt's). A step's scale is the
+    two weighted by its prompt tokens and its decoding rows."""
+
+    prefill: float = 1.0
+    decode: float = 1.0
+
+    def of(self, info: StepInfo) -> float:
+        prompt = info.num_tokens - info.num_decode
+        if not prompt:
+            return self.decode
+        return (prompt * self.prefill + info.num_decode * self.decode) / info.num_tokens
+
+    @classmethod
+    def parse(cls, text: str) -> StepScale:
+        """``X`` (both) or ``prefill=X,decode=Y`` (either)."""
+        try:
+            if "=" not in text:
+                scale = cls(float(text), float(text))
+            else:
+                given = {k.strip(): float(v) for k, v in
+                         (part.split("=", 1) for part in text.split(","))}
+                if set(given) - {"prefill", "decode"}:
+                    raise ValueError(text)
+                scale = cls(given.get("prefill", 1.0), given.get("decode", 1.0))
+        except ValueError:
+            raise ValueError(f"--step-time-scale: expected X or prefill=X,decode=Y; "
+                             f"got {text!r}") from None
+        if not (scale.prefill > 0 and scale.decode > 0):
+            raise ValueError(f"--step-time-scale must be > 0, got {text!r}")
+        return scale
+
+
 class Listener(Protocol):
     def on_tokens(self, worker: SimWorker, reqs: list[Request]) -> None:
         """These requests got a token at this step's end (see their ``status``)."""
@@ -69,12 +105,12 @@ class _Run:
 class SimWorker:
     def __init__(self, loop: EventLoop, worker_id: str, engine: SimEngine, steps: StepTimes,
                  listener: Listener, step_overhead_s: float = 0.0, pipe: Pipe | None = None,
-                 fast: bool = True, step_scale: float = 1.0) -> None:
+                 fast: bool = True, step_scale: StepScale | None = None) -> None:
         self.loop, self.worker_id, self.engine = loop, worker_id, engine
         self.role = engine.role
         self.steps, self.listener = steps, listener
         self.step_overhead_s = step_overhead_s
-        self.step_scale = step_scale  # the served engine's steps over the model's
+        self.step_scale = step_scale or StepScale()  # served steps over the model's
         self.pipe = pipe  # prefill role: its outgoing KV channel
         self.fast = fast
         self._step: ScheduledBatch | None = None
@@ -156,7 +192,7 @@ class SimWorker:
         self.loop.at(self._step_end, self._step_done)
 
     def step_s(self, info: StepInfo) -> float:
-        return self.steps.step_ms(info) * self.step_scale / 1e3 + self.step_overhead_s
+        return self.steps.step_ms(info) * self.step_scale.of(info) / 1e3 + self.step_overhead_s
 
     def _start_run(self, k: int) -> None:
         running = list(self.engine.scheduler.running)

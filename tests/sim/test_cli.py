@@ -106,3 +106,25 @@ def test_overheads_reach_the_latencies(capsys: pytest.CaptureFixture[str]) -> No
     assert slow == pytest.approx(base + 100, abs=5)
     assert main([*GPU, "--overheads-ms", "request=fast"]) == 2
     assert "not a number" in capsys.readouterr().err
+
+
+def test_step_time_scale_per_kind(capsys: pytest.CaptureFixture[str]) -> None:
+    def means(extra: list[str]) -> tuple[float, float]:
+        assert main([*GPU, "--num-prompts", "5", "--request-rate", "1", "--overheads-ms",
+                     "request=0,call=0,token=0,step=0", *extra]) == 0
+        lines = capsys.readouterr().out.splitlines()
+
+        def mean(name: str) -> float:
+            return float(next(x.split()[-1] for x in lines if x.startswith(f"Mean {name}")))
+
+        return mean("TTFT"), mean("TPOT")
+
+    ttft, tpot = means([])
+    slow_prompts = means(["--step-time-scale", "prefill=2"])
+    assert slow_prompts[0] == pytest.approx(2 * ttft, rel=0.05)
+    assert slow_prompts[1] == pytest.approx(tpot, rel=0.05)  # (local prefills slow decodes)
+    both = means(["--step-time-scale", "1.5"])
+    assert both[1] == pytest.approx(1.5 * tpot, rel=0.01)
+    for bad in ("fast", "prefill=0", "middle=2"):
+        assert main([*GPU, "--step-time-scale", bad]) == 2
+        assert "--step-time-scale" in capsys.readouterr().err
