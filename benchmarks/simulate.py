@@ -123,10 +123,12 @@ def simulated(config: dict[str, Any], workload: str, rate: float, profiles: list
 
 
 def calibrate(config: dict[str, Any], rounds: list[dict[tuple[str, float], dict[str, Any]]],
-              profiles: list[Path], workdir: Path) -> list[str]:
+              profiles: list[Path], workdir: Path, prompts: bool = True) -> list[str]:
     """The simulator's flags for this deployment, from its served one-stream runs:
     decoding rows' scale from TPOT; prompt tokens' scale and the router's cost per
-    request from TTFT at two prompt lengths (TTFT = request + scale x simulated)."""
+    request from TTFT at two prompt lengths (TTFT = request + scale x simulated); with
+    ``prompts`` off, prompt tokens as the profile says and the router's cost from the
+    256-token point alone."""
     def served(point: tuple[str, float], key: str) -> float:
         return sum(figures(r[point])[key] for r in rounds) / len(rounds)
 
@@ -135,7 +137,7 @@ def calibrate(config: dict[str, Any], rounds: list[dict[tuple[str, float], dict[
     base = {p: figures(simulated(config, *p, profiles, workdir, zero)) for p in CALIBRATION}
     decode = served(short, "tpot p50") / base[short]["tpot p50"]
     prefill = max(0.5, (served(long, "ttft p50") - served(short, "ttft p50"))
-                  / (base[long]["ttft p50"] - base[short]["ttft p50"]))
+                  / (base[long]["ttft p50"] - base[short]["ttft p50"])) if prompts else 1.0
     request_ms = max(0.0, served(short, "ttft p50") - prefill * base[short]["ttft p50"])
     out = ["--step-time-scale", f"prefill={prefill:.4f},decode={decode:.4f}",
            "--overheads-ms", f"request={request_ms:.2f},call=0,token=0,step=0"]
@@ -205,6 +207,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--model", default="SmolLM2-135M-Instruct")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--calibrate", choices=("both", "decode"), default="both",
+                    help="scales calibrated: prompt tokens' and decoding rows' (default), "
+                         "or decoding rows' alone (prompt tokens as the profile says)")
     ap.add_argument("--reuse", default=None, metavar="DIR",
                     help="a previous run's directory: its profiles and served results, "
                          "simulated again (nothing served)")
@@ -224,7 +229,7 @@ def main() -> None:
             order = points if i % 2 == 0 else points[::-1]
             run_round = reused_round if args.reuse else served_round
             rounds.append(run_round(deployment, order, workdir, i))
-        sim_flags = calibrate(config, rounds, profiles, workdir)
+        sim_flags = calibrate(config, rounds, profiles, workdir, args.calibrate == "both")
         report["calibration"] = {**report.get("calibration", {}), deployment: sim_flags}
         print(f"\n{deployment}: calibrated on one stream: {' '.join(sim_flags)}")
         for workload, rate in points:

@@ -106,3 +106,6 @@ class StepInfo:
     context_tokens: int  # sum over sequences of the tokens attended (cached + new)
     seconds: float  # wall time of the forward pass + sampling
     num_draft_tokens: int = 0  # speculative draft tokens verified (each a logits row too)
+    # what the prompt chunks' new tokens attend, summed (a chunk of n after c computed
+    # tokens: n·c + n(n+1)/2); None where unknown (step-time models then estimate it)
+    prompt_pairs: float | None = None

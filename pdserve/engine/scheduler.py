@@ -60,7 +60,9 @@ class ScheduledBatch:
         return StepInfo(num_seqs=len(self.work), num_tokens=self.num_tokens,
                         num_decode=sum(1 for _, n in self.work if n == 1),
                         context_tokens=sum(r.num_computed_tokens + n for r, n in self.work),
-                        seconds=seconds)
+                        seconds=seconds,
+                        prompt_pairs=sum(n * r.num_computed_tokens + n * (n + 1) / 2
+                                         for r, n in self.work if n > 1))
 
     def __bool__(self) -> bool:
         return bool(self.work)

@@ -297,17 +297,24 @@ class Profile:
         return d + e * batch + f * batch * context
 
     def step_ms(self, info: StepInfo) -> float:
-        """Any step: exact for decode-only steps and for equal fresh prompts; a mixed
-        step is its prompt chunks' prefill time (equal chunks) plus what its decoding
-        rows add to a step (every row at the step's mean context)."""
+        """Any step: a step of prompt chunks costs ``a + b·tokens + 2c·pairs``
+        (``pairs``: what its new tokens attend, ``StepInfo.prompt_pairs``, else
+        estimated: a fresh prompt of N attends about N²/2, so this is the fit's
+        ``c·N²``, and a later chunk attends its prompt's earlier chunks too), plus what
+        its decoding rows add to a step (every row at the step's mean context)."""
+        from pdserve.engine.cost import attended_tokens
+
         rows, chunks = info.num_decode, info.num_seqs - info.num_decode
         tokens = info.num_tokens - rows
         if chunks == 0:
             return self.decode_ms(rows, info.context_tokens / max(1, rows))
         a, b, c = self.prefill_coef
         _, e, f = self.decode_coef
-        return (a + b * tokens + c * tokens * tokens / chunks
-                + rows * (e + f * info.context_tokens / info.num_seqs))
+        mean_context = info.context_tokens / info.num_seqs
+        pairs = info.prompt_pairs
+        if pairs is None:  # estimated: every sequence at the mean prior context
+            pairs = max(0.0, attended_tokens(info) - rows * mean_context)
+        return a + b * tokens + 2 * c * pairs + rows * (e + f * mean_context)
 
     def describe(self) -> str:
         return (f"{self.model}, measured profile ({self.device}, {self.threads} thread(s), "

@@ -357,3 +357,17 @@ def test_observed_lengths_replace_the_configured_ones() -> None:
     assert a.decide(base) == {"prefill": 1, "decode": 1}
     # outputs twice as long: twice the decode work per request
     assert a.decide(replace(base, output_len=201)) == {"prefill": 1, "decode": 2}
+
+
+def test_a_profiles_later_chunk_attends_the_earlier_ones() -> None:
+    """A prompt prefilled in two chunks costs what it costs whole, plus one step's
+    fixed part: the second chunk's tokens attend the first's too."""
+    from pdserve.engine.results import StepInfo
+
+    prof = Profile("m", "cpu", "bfloat16", "none", 1, (25.0, 0.3, 4e-4), (25.0, 0.45, 4.5e-3),
+                   1024, 65536)
+    first = prof.step_ms(StepInfo(1, 512, 0, 512, 0.0))
+    second = prof.step_ms(StepInfo(1, 512, 0, 1024, 0.0))
+    assert first == pytest.approx(prof.prefill_ms(512), rel=0.01)
+    assert first + second == pytest.approx(prof.prefill_ms(1024) + 25.0, rel=0.01)
+    assert prof.step_ms(StepInfo(4, 4, 4, 800, 0.0)) == pytest.approx(prof.decode_ms(4, 200))
