@@ -284,6 +284,14 @@ class Scheduler:
         req.num_computed_tokens += n
         self._register_full_blocks(req)
 
+    def grow_for_decode(self, reqs: Sequence[Request]) -> None:
+        """The blocks the next decode step of ``reqs`` writes into, taken now, as
+        ``schedule`` takes them when that step starts (for the simulator's steady runs,
+        whose steps are applied later: the caller knows they fit)."""
+        for req in reqs:
+            if not self._grow(req, 1):
+                raise RuntimeError(f"grow_for_decode: no free block for {req.request_id!r}")
+
     def decode_steps(self, reqs: Sequence[Request], k: int) -> None:
         """``k`` decode steps of ``reqs`` at once, for a caller that knows nothing else
         would happen in them (the simulator's steady runs: nobody waiting, finishing,

@@ -144,6 +144,8 @@ class SimWorker:
             start = run.end_of(done)  # the rest of the run, from there
             run.first_s += run.slope_s * done
             run.start, run.steps = start, run.steps - done
+        # the step in flight took its blocks when it started
+        self.engine.scheduler.grow_for_decode(run.reqs)
         if batch_changes and run.steps > 1:
             self._end_run_at(run, 1)
 
@@ -173,8 +175,9 @@ class SimWorker:
         """The pool's allocatable blocks now (a run's steps that ended counted)."""
         free = self.engine.pool.num_free
         run = self._run
-        if run is not None:
-            free -= self.engine.blocks_needed(run.reqs, run.ended_by(self.loop.now))
+        if run is not None:  # (the step in flight took its blocks when it started)
+            free -= self.engine.blocks_needed(
+                run.reqs, min(run.ended_by(self.loop.now) + 1, run.steps))
         return free
 
     def _next(self) -> None:

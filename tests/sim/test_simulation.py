@@ -97,3 +97,21 @@ def test_a_request_admitted_as_another_ends_waits_for_the_next_step() -> None:
     assert fast["completed"] == exact["completed"] == 40
     assert fast["ttfts"] == pytest.approx(exact["ttfts"], rel=1e-9)
     assert fast["latencies"] == pytest.approx(exact["latencies"], rel=1e-9)
+
+
+def test_a_reservation_during_a_run_finds_the_step_in_flights_blocks_taken() -> None:
+    """8k-token prompts fill the decode workers' KV: a reservation that takes the last
+    free blocks while a steady run is in flight must leave that step the blocks it took
+    when it started (the run applied its steps later, and ran out)."""
+    from pdserve.planner.sizing import SLO
+    from pdserve.planner.step_times import AnalyticModel
+    from pdserve.sim.link import get_link
+    from pdserve.sim.plan import Candidate, evaluate
+    from pdserve.sim.plan import workload as plan_workload
+    from tests.sim.helpers import H100, MODEL
+
+    model = AnalyticModel(MODEL, H100)
+    slo = SLO(5 * model.prefill_ms(8192), 3 * model.decode_ms(1, 8192))
+    out = evaluate(Candidate(1, 3, 0, 1), lambda tp: model, get_link("infiniband"),
+                   plan_workload(4e3 / model.prefill_ms(8192), 8192, 256, 20, slo), 8448)
+    assert out.attainment > 0
