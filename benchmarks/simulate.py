@@ -11,7 +11,8 @@ stage (a histogram: its quantiles interpolate inside buckets 5-50 ms wide) also
 passes within 5 ms.
 
 Calibration, per deployment, on two points no other is: one stream (requests one at
-a time) of 256- and 1024-token prompts. Served TPOT over the simulated one is the
+a time) of 256- and 1024-token prompts, every prompt on a prefill worker where there
+are pairs (``placement: static``: the loaded points compute most prompts there). Served TPOT over the simulated one is the
 served decode steps' slowdown on cores they share with the router and the client;
 TTFT at the two lengths gives the prompt tokens' slowdown and the router's own cost
 per request (served TTFT = request + slowdown x simulated; ``--step-time-scale
@@ -149,10 +150,27 @@ def calibrate(config: dict[str, Any], rounds: list[dict[tuple[str, float], dict[
     return out
 
 
+def calibration_config(deployment: str) -> dict[str, Any]:
+    """Calibration runs compute every prompt where the loaded points mostly do: on a
+    prefill worker where there are pairs (``placement: static``; at one stream the
+    placement rule would compute them on the idle decode worker)."""
+    config = DEPLOYMENTS[deployment]
+    return {**config, "router": {**config["router"], "placement": "static"}}
+
+
 def served_round(deployment: str, points: list[tuple[str, float]], keep: Path,
                  index: int) -> dict[tuple[str, float], dict[str, Any]]:
-    """One round of served runs; each result also kept in ``keep`` (``--reuse``)."""
+    """One round of served runs (the calibration points on their own deployment);
+    each result also kept in ``keep`` (``--reuse``)."""
     results = {}
+    calibration = [p for p in points if p in CALIBRATION]
+    if calibration:
+        with Served(calibration_config(deployment)) as server:
+            for workload, rate in calibration:
+                r = server.bench(*flags(workload, rate), "--scrape-metrics")
+                results[(workload, rate)] = r
+                (keep / _name(deployment, index, workload, rate)).write_text(json.dumps(r))
+        points = [p for p in points if p not in CALIBRATION]
     with Served(DEPLOYMENTS[deployment]) as server:
         for workload, rate in points:
             r = server.bench(*flags(workload, rate), "--scrape-metrics")
@@ -229,11 +247,13 @@ def main() -> None:
             order = points if i % 2 == 0 else points[::-1]
             run_round = reused_round if args.reuse else served_round
             rounds.append(run_round(deployment, order, workdir, i))
-        sim_flags = calibrate(config, rounds, profiles, workdir, args.calibrate == "both")
+        sim_flags = calibrate(calibration_config(deployment), rounds, profiles, workdir,
+                              args.calibrate == "both")
         report["calibration"] = {**report.get("calibration", {}), deployment: sim_flags}
         print(f"\n{deployment}: calibrated on one stream: {' '.join(sim_flags)}")
         for workload, rate in points:
-            sim = simulated(config, workload, rate, profiles, workdir, sim_flags)
+            sim = simulated(calibration_config(deployment) if (workload, rate) in CALIBRATION
+                            else config, workload, rate, profiles, workdir, sim_flags)
             rows = compare([figures(r[(workload, rate)]) for r in rounds], figures(sim))
             report["points"].append({"deployment": deployment, "workload": workload,
                                      "rate": rate, "rows": rows,
