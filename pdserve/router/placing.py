@@ -48,12 +48,11 @@ class Target:
     decision: Decision | None = None  # decode: what the rule predicted
     uncached: int = 0  # prompt tokens computed for it (local: on the decode worker)
     clock: Callable[[], float] = time.monotonic  # the router's (the simulator's: virtual)
-    placed_at: float = field(default=math.nan)
+    placed_at: float = field(init=False)
     _learnt: bool = False
 
     def __post_init__(self) -> None:
-        if math.isnan(self.placed_at):
-            self.placed_at = self.clock()
+        self.placed_at = self.clock()
 
     def first_token(self) -> None:
         """The attempt's first token came: the rule learns how long its prompt took

@@ -24,8 +24,8 @@ from pdserve.planner.step_times import (
     resolve_model_config,
 )
 from pdserve.sim.deployment import (
-    MEASURED_OVERHEADS,
-    MEASURED_STEP_OVERHEAD_S,
+    DEFAULT_OVERHEADS,
+    DEFAULT_STEP_OVERHEAD_S,
     build,
     with_overheads,
 )
@@ -65,8 +65,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--overheads-ms", default=None, metavar="K=MS,...",
                    help="the router's and workers' own costs, milliseconds: request (before "
                         "admission), call (router to a worker, one way), token (relay of "
-                        "one), step (a worker loop's per step); default: measured here "
-                        f"({_format_overheads()})")
+                        "one), step (a worker loop's per step); default: small guesses, "
+                        f"not measurements ({_format_overheads()}): benchmarks/simulate.py "
+                        "calibrates them against served runs")
     g.add_argument("--step-time-scale", default="1", metavar="X|prefill=X,decode=Y",
                    help="served steps take X times the step model's (default 1; more where "
                         "the router and the client share the workers' cores), or per kind: "
@@ -177,6 +178,6 @@ def _sharegpt_lengths(args: argparse.Namespace, cfg: BenchConfig, model: str,
 
 
 def _format_overheads() -> str:
-    o = MEASURED_OVERHEADS
+    o = DEFAULT_OVERHEADS
     return (f"request={o.request_s * 1e3:g},call={o.call_s * 1e3:g},token={o.token_s * 1e3:g},"
-            f"step={MEASURED_STEP_OVERHEAD_S * 1e3:g}")
+            f"step={DEFAULT_STEP_OVERHEAD_S * 1e3:g}")

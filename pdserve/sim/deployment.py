@@ -31,10 +31,13 @@ from pdserve.sim.link import Link
 from pdserve.sim.router import Overheads
 from pdserve.sim.workers import StepScale
 
-# The router's and the worker loop's own costs, measured on this machine (AMX class,
-# docs/planner.md): the default for every run, GPU ones too (the same Python).
-MEASURED_OVERHEADS = Overheads(request_s=2.0e-3, call_s=0.5e-3, token_s=0.3e-3)
-MEASURED_STEP_OVERHEAD_S = 0.5e-3
+# The router's and the worker loop's own costs when nothing better is known: small
+# fixed guesses (a GPU deployment's Python router on cores of its own), not
+# measurements. `benchmarks/simulate.py` calibrates them per deployment against served
+# runs (on this machine's two shared cores the router's cost per request came out at
+# 14-67 ms); give `--overheads-ms` what that, or your own served runs, measured.
+DEFAULT_OVERHEADS = Overheads(request_s=2.0e-3, call_s=0.5e-3, token_s=0.3e-3)
+DEFAULT_STEP_OVERHEAD_S = 0.5e-3
 
 
 @dataclass(frozen=True)
@@ -53,8 +56,8 @@ class Deployment:
     link: Link
     max_model_len: int
     slo: Slo = field(default_factory=Slo)
-    overheads: Overheads = MEASURED_OVERHEADS
-    step_overhead_s: float = MEASURED_STEP_OVERHEAD_S
+    overheads: Overheads = DEFAULT_OVERHEADS
+    step_overhead_s: float = DEFAULT_STEP_OVERHEAD_S
     # the served engine's steps over the step model's: 1 where the workers have their
     # cores to themselves; more where the router and the client share them (measured:
     # benchmarks/simulate.py calibrates it from single streams)
