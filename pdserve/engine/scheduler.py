@@ -102,7 +102,7 @@ class Scheduler:
         sent). ``None`` when there is no room (the caller waits or tries elsewhere)."""
         if len(self.running) + len(self.waiting_for_kv) >= self.max_num_seqs:
             return None
-        hits = self.pool.lookup(self._block_hashes(req, (req.num_tokens - 1) // self.block_size))
+        hits = self._cached_prefix(req)
         self.pool.acquire(hits)  # before allocating: an allocation may evict cached blocks
         blocks = self.pool.allocate(ceil_div(req.num_prompt_tokens, self.block_size) - len(hits))
         if blocks is None:
@@ -212,8 +212,7 @@ class Scheduler:
         # every prompt position computed: no hits.
         if req.params.prompt_logprobs is not None:
             return
-        hashes = self._block_hashes(req, (req.num_tokens - 1) // self.block_size)
-        hits = self.pool.lookup(hashes)
+        hits = self._cached_prefix(req)
         if hits:
             self.pool.acquire(hits)
             req.block_ids = list(hits)
@@ -307,9 +306,20 @@ class Scheduler:
             if computed // bs > req.num_registered_blocks:
                 self._register_full_blocks(req)
 
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """The cached blocks holding the longest prefix of ``req``'s tokens but its
+        last (at least one token is computed, for its logits); none without a prefix
+        cache (nothing hashed)."""
+        if not self.pool.enable_prefix_caching:
+            return []
+        return self.pool.lookup(self._block_hashes(req, (req.num_tokens - 1) // self.block_size))
+
     def _register_full_blocks(self, req: Request) -> None:
         full = req.num_computed_tokens // self.block_size
         if full <= req.num_registered_blocks:
+            return
+        if not self.pool.enable_prefix_caching:  # nothing is looked up: nothing hashed
+            req.num_registered_blocks = full
             return
         hashes = self._block_hashes(req, full)
         start = req.num_registered_blocks

@@ -13,6 +13,7 @@ model imports ``pdserve.engine.cost`` on first use.
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -188,8 +189,8 @@ class AnalyticModel:
         if self.quantization not in ("none", "int8", "int4"):
             raise ValueError(f"--quantization must be none, int8 or int4, got {self.quantization!r}")
 
-    @property
-    def cost(self) -> CostModel:
+    @functools.cached_property
+    def cost(self) -> CostModel:  # (read per simulated step: built once)
         from pdserve.engine.cost import cost_model
 
         return cost_model(self.model, self.dtype, self.quantization)

@@ -7,6 +7,7 @@ events run and the wall time taken)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter, deque
 from collections.abc import Sequence
@@ -25,7 +26,7 @@ from pdserve.sim.link import Pipe
 from pdserve.sim.router import SimRouter
 from pdserve.sim.stages import Stages
 from pdserve.sim.workers import SimWorker
-from pdserve.sim.workload import Planned
+from pdserve.sim.workload import Planned, shares_blocks
 
 MAX_EVENTS_PER_REQUEST = 100_000  # a bound on a runaway model, not a limit in practice
 
@@ -42,18 +43,22 @@ class Simulation:
         mean_ctx = (sum(p.prompt_len + p.output_len / 2 for p in self.planned)
                     / max(1, len(self.planned)))
         workers, computes = [], {}
+        shared = shares_blocks(self.planned, bs)
         for pool in deployment.pools:
             if pool.shape.block_size != bs:
                 raise ValueError(f"the {pool.role} pool's block_size {pool.shape.block_size} "
                                  f"differs from the router's {bs}")
             compute = compute_of(pool.steps, mean_ctx, pool.shape.max_num_seqs,
                                  deployment.max_model_len)
+            shape = pool.shape
+            if shape.enable_prefix_caching and not shared:  # no hit possible: none kept
+                shape = dataclasses.replace(shape, enable_prefix_caching=False)
             for i in range(pool.workers):
                 wid = f"{pool.role}-{i}"
                 pipe = None
                 if pool.role == "prefill":
                     pipe = Pipe(deployment.link, pool.steps.kv_bytes_per_token * bs, pool.ranks)
-                workers.append(SimWorker(self.loop, wid, SimEngine(pool.role, pool.shape, self.loop),
+                workers.append(SimWorker(self.loop, wid, SimEngine(pool.role, shape, self.loop),
                                          pool.steps, self, deployment.step_overhead_s, pipe, fast,
                                          deployment.step_scale))
                 computes[wid] = compute

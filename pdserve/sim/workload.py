@@ -17,7 +17,7 @@ equal prefixes give equal leading hashes, the rest are unique per request.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +28,7 @@ from pdserve.client.request_runner import arrival_offsets
 from pdserve.client.trace import TraceOptions, TraceRecord, load_trace, window
 
 SHARED, OWN, TRACE = 1, 2, 3  # tags of the three kinds of block identity
+# (own blocks: the tag, the request's index and the block's, in one number)
 MASK = (1 << 64) - 1  # identities are unsigned, as the engine's block hashes
 
 
@@ -45,16 +46,36 @@ class Planned:
 
     def block_hashes(self, block_size: int) -> list[int]:
         """The prompt's full blocks' identities."""
-        out = []
-        for b in range(self.prompt_len // block_size):
-            last = (b + 1) * block_size - 1  # the block's last token
-            if last < self.shared_tokens:
-                out.append(hash((SHARED, b)) & MASK)
-            elif self.trace_block and last // self.trace_block < len(self.hash_ids):
-                out.append(hash((TRACE, self.hash_ids[last // self.trace_block], b)) & MASK)
-            else:
-                out.append(hash((OWN, self.index, b)) & MASK)
+        n = self.prompt_len // block_size
+        shared = min(n, self.shared_tokens // block_size)  # (blocks ending inside it)
+        out = [hash((SHARED, b)) & MASK for b in range(shared)]
+        if self.trace_block:
+            for b in range(shared, n):
+                i = ((b + 1) * block_size - 1) // self.trace_block  # its last token's id
+                if i >= len(self.hash_ids):
+                    break
+                out.append(hash((TRACE, self.hash_ids[i], b)) & MASK)
+        own = (OWN << 56) | (self.index << 24)  # this request's own blocks, numbered
+        out.extend(range(own + len(out), own + n))
         return out
+
+
+def shares_blocks(planned: Sequence[Planned], block_size: int) -> bool:
+    """Whether any full prompt block of one request is a block of another: without
+    that, a prefix cache never hits and the engines can run without one (the same
+    schedule, without hashing or registering every block)."""
+    if len(planned) < 2:
+        return False
+    if any(p.shared_tokens >= block_size for p in planned):
+        return True
+    seen: set[int] = set()  # (only a trace's blocks can repeat: the rest are unique)
+    for p in planned:
+        if p.hash_ids:
+            ids = p.block_hashes(block_size)
+            if not seen.isdisjoint(ids):
+                return True
+            seen.update(ids)
+    return False
 
 
 def plan(cfg: BenchConfig, rate: float, max_model_len: int,

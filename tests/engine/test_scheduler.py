@@ -62,6 +62,24 @@ def test_prefix_hit_skips_computation_but_not_the_last_token() -> None:
     s.pool.check_integrity()
 
 
+def test_without_a_prefix_cache_nothing_is_hashed_or_shared() -> None:
+    s = Scheduler(BlockPool(16, enable_prefix_caching=False), block_size=4,
+                  max_num_batched_tokens=64, max_num_seqs=8)
+    a = req("a", 8)
+    s.add(a)
+    run_step(s)
+    run_step(s)
+    assert a.num_registered_blocks == 2 and not a.block_hashes
+    s.finish(a)
+    assert s.pool.num_cached == 0 and s.pool.num_free == 16
+    b = req("b", 8)
+    s.add(b)
+    assert run_step(s) == [("b", 8)] and b.num_cached_tokens == 0 and not b.block_hashes
+    d = req("d", 8)
+    assert s.reserve(d) is not None and d.num_cached_tokens == 0 and not d.block_hashes
+    s.pool.check_integrity()
+
+
 def test_preemption_frees_the_newest_and_recomputes_it() -> None:
     s = make(num_blocks=4, budget=64)
     a, b = req("a", 8), req("b", 8, first=100)

@@ -32,6 +32,27 @@ def test_steady_runs_change_nothing(config: dict[str, Any]) -> None:
     assert fast["simulation"]["events"] < exact["simulation"]["events"]
 
 
+def test_engines_drop_a_prefix_cache_that_could_never_hit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a block two prompts share, the engines run without a prefix cache
+    (nothing hashed or registered), and every latency is what it is with one."""
+    import pdserve.sim.run as run
+
+    cfg = workload()
+    planned = plan(cfg, 12.0, 8192)
+    without = Simulation(deployment(PAIRS), planned)
+    assert not any(w.engine.pool.enable_prefix_caching for w in without.workers)
+    monkeypatch.setattr(run, "shares_blocks", lambda planned, bs: True)
+    kept = Simulation(deployment(PAIRS), planned)
+    assert all(w.engine.pool.enable_prefix_caching for w in kept.workers)
+    a, b = without.run(), kept.run()
+    assert [(o.ttft, o.latency, o.itl) for o in a[0]] == [(o.ttft, o.latency, o.itl)
+                                                           for o in b[0]]
+    shared = plan(workload(random_prefix_len=64), 12.0, 8192)
+    assert all(w.engine.pool.enable_prefix_caching
+               for w in Simulation(deployment(PAIRS), shared).workers)
+
+
 def test_a_run_repeats_exactly() -> None:
     a, b = (_run(PAIRS, 20.0, True) for _ in range(2))
     assert a["ttfts"] == b["ttfts"] and a["latencies"] == b["latencies"]

@@ -12,7 +12,7 @@ from pdserve.client.datasets import random_requests
 from pdserve.client.request_runner import arrival_offsets
 from pdserve.client.tokens import PromptTokenizer
 from pdserve.sim.link import LINKS, Pipe
-from pdserve.sim.workload import plan
+from pdserve.sim.workload import plan, shares_blocks
 
 
 def test_random_lengths_and_times_are_the_benchs(tiny_model: Callable[[str], Path]) -> None:
@@ -43,6 +43,21 @@ def test_trace_prompts_share_what_their_hash_ids_share(tmp_path: Path) -> None:
     shared = 2 * 512 // 16  # two hash ids of 512 tokens
     assert h0[:shared] == h1[:shared] and h0[shared] != h1[shared]
     assert not set(h2) & set(h0)
+    assert shares_blocks(p, 16) and not shares_blocks([p[0], p[2]], 16)
+    assert not shares_blocks(p, 2048)  # no whole engine block within one hash id
+
+
+def test_own_blocks_are_unique_and_shared_ones_common() -> None:
+    cfg = BenchConfig("http://simulated", num_prompts=50, random_input_len=300)
+    p = plan(cfg, 10.0, 4096)
+    ids = [h for x in p for h in x.block_hashes(16)]
+    assert len(ids) == len(set(ids)) and not shares_blocks(p, 16)
+    cfg = BenchConfig("http://simulated", num_prompts=50, random_input_len=300,
+                      random_prefix_len=40)
+    p = plan(cfg, 10.0, 4096)
+    assert len({x.block_hashes(16)[1] for x in p}) == 1  # blocks 0, 1 inside the prefix
+    assert len({x.block_hashes(16)[2] for x in p}) == 50
+    assert shares_blocks(p, 16) and not shares_blocks(p, 64)
 
 
 def test_a_pipe_queues_its_sends() -> None:
