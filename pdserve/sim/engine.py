@@ -14,9 +14,10 @@ filled in advance), so the prefix cache sees exactly the sharing the workload ha
 without hashing token ids.
 
 ``decode_run(reqs, k)``: ``k`` steps at once while nothing but the clock changes -- every
-request decoding, none waiting, none finishing and no block needed beyond the free
-ones within them -- the scheduler's own ``_grow`` and ``advance`` applied ``k``
-tokens at a time (a test holds it equal to ``k`` single steps).
+request decoding, none waiting, none finishing before the last of them and no block
+needed beyond the free ones within them -- the scheduler's own ``_grow`` and
+``advance`` applied ``k`` tokens at a time, the requests the last step ends finished
+as a single step finishes them (a test holds it equal to ``k`` single steps).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.engine.block_pool import BlockPool
-from pdserve.engine.config import ceil_div
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.results import StepInfo
 from pdserve.engine.sampling.sampling_params import SamplingParams
@@ -39,6 +39,13 @@ TOKEN = 0  # every placeholder token's id
 @functools.lru_cache(maxsize=4096)
 def params_for(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+@functools.lru_cache(maxsize=1024)
+def _prompt(n: int) -> list[int]:
+    """A prompt of ``n`` placeholder tokens, one list for every request of that length
+    (only read: a request's ``token_ids`` is its own copy)."""
+    return [TOKEN] * n
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,7 @@ class SimEngine:
 
     def new_request(self, request_id: str, prompt_len: int, max_tokens: int,
                     block_hashes: list[int]) -> Request:
-        req = Request(request_id, [TOKEN] * prompt_len, params_for(max_tokens),
+        req = Request(request_id, _prompt(prompt_len), params_for(max_tokens),
                       arrival_time=self._loop.now)
         req.block_hashes = list(block_hashes[: prompt_len // self.block_size])
         return req
@@ -135,37 +142,45 @@ class SimEngine:
     # ------------------------------------------------------------ fast path
     def steady_steps(self) -> int:
         """How many decode-only steps, from now, would each schedule exactly the running
-        batch and change nothing but its lengths: 0 when the next step is not such a
-        step. Bounded by the first request to finish and by the free blocks."""
+        batch and change nothing but its lengths (the last may finish requests): 0
+        when the next step is not such a step. Bounded by the first request to finish
+        and by the free blocks."""
         sch = self.scheduler
         if sch.waiting or not sch.running or self.role == "prefill":
             return 0
         if len(sch.running) > sch.budget:
             return 0
-        k = None
+        k = -1
         for req in sch.running:
-            n = len(req.token_ids)
-            if req.num_computed_tokens + 1 != n or n <= req.num_prompt_tokens or req.spec_token_ids:
+            n, p = len(req.token_ids), len(req.prompt_token_ids)
+            if req.num_computed_tokens + 1 != n or n <= p or req.spec_token_ids:
                 return 0  # not decoding (a prompt's chunk, its last token too), or a draft
-            left = req.num_prompt_tokens + req.params.max_tokens - len(req.token_ids)
-            k = left if k is None or left < k else k
-        assert k is not None
-        # the last of the k tokens finishes a request: that step is an ordinary one
-        k -= 1
+            left = p + req.params.max_tokens - n
+            if k < 0 or left < k:
+                k = left  # (the last of the k tokens finishes a request)
         while k > 0 and self.blocks_needed(sch.running, k) > self.pool.num_free:
             k //= 2
         return max(0, k)
 
     def blocks_needed(self, reqs: Sequence[Request], k: int) -> int:
         """Blocks ``k`` more decode steps of ``reqs`` allocate."""
-        bs = self.block_size
-        return sum(max(0, ceil_div(r.num_computed_tokens + k, bs) - len(r.block_ids))
-                   for r in reqs)
+        bs, need = self.block_size, 0
+        for r in reqs:
+            more = (r.num_computed_tokens + k + bs - 1) // bs - len(r.block_ids)
+            if more > 0:
+                need += more
+        return need
 
-    def decode_run(self, reqs: Sequence[Request], k: int) -> None:
+    def decode_run(self, reqs: Sequence[Request], k: int) -> list[Request]:
         """``k`` steady steps of ``reqs`` (``steady_steps`` allowed them) at once: their
-        ``k`` tokens each, then the scheduler's ``decode_steps``."""
+        ``k`` tokens each, then the scheduler's ``decode_steps``; the requests the last
+        step finished (their ``max_tokens`` reached), taken out as ``_append`` does."""
         tail = [TOKEN] * k
         for req in reqs:
             req.token_ids.extend(tail)
         self.scheduler.decode_steps(reqs, k)
+        done = [r for r in reqs if r.num_output_tokens >= r.params.max_tokens]
+        for req in done:
+            req.finish_reason = "length"
+            self.scheduler.finish(req)
+        return done

@@ -212,7 +212,10 @@ class SimRouter:
     def on_run(self, worker: SimWorker, reqs: Sequence[Request], times: Sequence[float]) -> None:
         dt, flights = self.overheads.token_s, self.flights
         for req in reqs:
-            flights[req.request_id].tokens(times, dt)
+            f = flights[req.request_id]
+            f.tokens(times, dt)
+            if req.status is RequestStatus.FINISHED:
+                self._finished(f)
 
     def _first(self, f: Flight, now: float) -> None:
         f.first(now)

@@ -72,7 +72,8 @@ class Listener(Protocol):
         """These requests got a token at this step's end (see their ``status``)."""
 
     def on_run(self, worker: SimWorker, reqs: Sequence[Request], times: Sequence[float]) -> None:
-        """Each of ``reqs`` got one token at each of ``times`` (a run's steps)."""
+        """Each of ``reqs`` got one token at each of ``times`` (a run's steps); the last
+        step may have finished some (see their ``status``)."""
 
 
 @dataclass
@@ -222,7 +223,7 @@ class SimWorker:
         self._next()
 
     def _apply(self, run: _Run, steps: int) -> None:
-        self.engine.decode_run(run.reqs, steps)
+        self.engine.decode_run(run.reqs, steps)  # (the requests it finished: see status)
         self.num_steps += steps
         self.busy_s += run.end_of(steps) - run.start
         self.listener.on_run(self, run.reqs, [run.end_of(j) for j in range(1, steps + 1)])

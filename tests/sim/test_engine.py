@@ -79,8 +79,9 @@ def _state(sim: SimEngine) -> list[tuple[int, int, int, int]]:
 def test_a_steady_run_is_its_single_steps() -> None:
     one, many = _decoding(4), _decoding(4)
     k = many.steady_steps()
-    assert k == 59 - 1  # the first token came from the prefill worker; the last ends one
-    many.decode_run(list(many.scheduler.running), 20)
+    assert k == 59  # the first token came from the prefill worker; the last ends them
+    reqs = list(many.scheduler.running)
+    assert many.decode_run(reqs, 20) == []
     for _ in range(20):
         nxt = one.schedule()
         assert nxt is not None and nxt[1].num_decode == 4
@@ -89,6 +90,18 @@ def test_a_steady_run_is_its_single_steps() -> None:
     assert one.pool.num_free == many.pool.num_free
     one.pool.check_integrity()
     many.pool.check_integrity()
+    # the rest, whose last step finishes every request, as single steps finish them
+    assert many.steady_steps() == 39
+    assert many.decode_run(reqs, 39) == reqs
+    ended = []
+    for _ in range(39):
+        nxt = one.schedule()
+        assert nxt is not None
+        ended += [r for r in one.complete(nxt[0]) if r.status is RequestStatus.FINISHED]
+    assert [r.request_id for r in ended] == [r.request_id for r in reqs]
+    assert all(r.status is RequestStatus.FINISHED and r.finish_reason == "length"
+               and r.num_output_tokens == 60 for r in reqs)
+    assert not many.scheduler.running and many.pool.num_free == one.pool.num_free == 64
 
 
 def test_no_steady_run_where_a_step_would_differ() -> None:

@@ -53,6 +53,15 @@ def test_engines_drop_a_prefix_cache_that_could_never_hit(
                for w in Simulation(deployment(PAIRS), shared).workers)
 
 
+def test_peak_output_throughput_without_every_tokens_time() -> None:
+    """The client's peak counts each token's time; a run that keeps none (no ITL
+    asked for) counts the same tokens per second itself."""
+    kept = _run(PAIRS, 12.0, True)
+    counted = _run(PAIRS, 12.0, True, percentile_metrics=("ttft", "tpot"))
+    assert counted["itls"] == [[]] * 120
+    assert counted["max_output_tokens_per_s"] == kept["max_output_tokens_per_s"] > 64
+
+
 def test_a_run_repeats_exactly() -> None:
     a, b = (_run(PAIRS, 20.0, True) for _ in range(2))
     assert a["ttfts"] == b["ttfts"] and a["latencies"] == b["latencies"]
