@@ -58,6 +58,7 @@ class SimRouter:
         self.workers = {w.worker_id: w for w in workers}
         self.states = {w.worker_id: WorkerState(None, w.worker_id, w.role, alive=True)  # type: ignore[arg-type]
                        for w in workers}
+        self._live: dict[tuple[str, ...], list[WorkerState]] = {}
         self._computes = computes
         self.prefix = PrefixIndex()
         self.ranking = Ranking(self, get_policy(config.policy), self.prefix, config.block_size,
@@ -70,7 +71,11 @@ class SimRouter:
 
     # ------------------------------------------ what the ranking reads (WorkerSource)
     def live(self, *roles: str) -> list[WorkerState]:
-        return [s for s in self.states.values() if s.role in roles]
+        """(Every worker lives for the whole run: one list per roles asked, read only.)"""
+        got = self._live.get(roles)
+        if got is None:
+            got = self._live[roles] = [s for s in self.states.values() if s.role in roles]
+        return got
 
     def prefill_for(self, decode_id: str) -> list[WorkerState]:
         return self.live("prefill")
