@@ -8,6 +8,8 @@ import itertools
 from collections.abc import Callable
 from typing import Any
 
+_FIRST = 1 << 62  # ``due`` events' order keys lie below every ``at`` event's
+
 
 class Event:
     __slots__ = ("args", "cancelled", "fn", "time")
@@ -35,6 +37,17 @@ class EventLoop:
             raise ValueError(f"event at {time} is before now ({self.now})")
         ev = Event(time, fn, args)
         heapq.heappush(self._heap, (time, next(self._seq), ev))
+        return ev
+
+    def due(self, time: float, rank: int, fn: Callable[..., Any], *args: Any) -> Event:
+        """An event known from the start (the workload's ``rank``-th arrival), added
+        when it is next: it runs before every other event of the same time, and in
+        ``rank`` order among its kind, as if all were added before the run began
+        (which would keep a heap of every arrival)."""
+        if time < self.now:
+            raise ValueError(f"event at {time} is before now ({self.now})")
+        ev = Event(time, fn, args)
+        heapq.heappush(self._heap, (time, rank - _FIRST, ev))
         return ev
 
     def after(self, delay: float, fn: Callable[..., Any], *args: Any) -> Event:

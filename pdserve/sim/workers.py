@@ -87,6 +87,7 @@ class _Run:
     first_s: float  # the run's first step
     slope_s: float  # what each later step adds (its context grows)
     event: Event | None = None
+    grown: bool = False  # the step in flight's blocks are taken (``sync``)
 
     def ended_by(self, t: float) -> int:
         """Steps of the run complete at time ``t``."""
@@ -145,8 +146,10 @@ class SimWorker:
             start = run.end_of(done)  # the rest of the run, from there
             run.first_s += run.slope_s * done
             run.start, run.steps = start, run.steps - done
-        # the step in flight took its blocks when it started
-        self.engine.scheduler.grow_for_decode(run.reqs)
+            run.grown = False
+        if not run.grown:  # the step in flight took its blocks when it started
+            self.engine.scheduler.grow_for_decode(run.reqs)
+            run.grown = True
         if batch_changes and run.steps > 1:
             self._end_run_at(run, 1)
 
