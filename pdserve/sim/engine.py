@@ -158,9 +158,17 @@ class SimEngine:
             left = p + req.params.max_tokens - n
             if k < 0 or left < k:
                 k = left  # (the last of the k tokens finishes a request)
-        while k > 0 and self.blocks_needed(sch.running, k) > self.pool.num_free:
+        while k > 0 and not self.fits(sch.running, k):
             k //= 2
         return max(0, k)
+
+    def fits(self, reqs: Sequence[Request], k: int) -> bool:
+        """Whether the blocks ``k`` more decode steps of ``reqs`` take are free (each
+        request's ``k`` tokens reach into at most ``k // block_size + 1`` new blocks:
+        where even that many are free, they are not counted)."""
+        free = self.pool.num_free
+        return (len(reqs) * (k // self.block_size + 1) <= free
+                or self.blocks_needed(reqs, k) <= free)
 
     def blocks_needed(self, reqs: Sequence[Request], k: int) -> int:
         """Blocks ``k`` more decode steps of ``reqs`` allocate."""
@@ -179,7 +187,8 @@ class SimEngine:
         for req in reqs:
             req.token_ids.extend(tail)
         self.scheduler.decode_steps(reqs, k)
-        done = [r for r in reqs if r.num_output_tokens >= r.params.max_tokens]
+        done = [r for r in reqs
+                if len(r.token_ids) - len(r.prompt_token_ids) >= r.params.max_tokens]
         for req in done:
             req.finish_reason = "length"
             self.scheduler.finish(req)

@@ -158,8 +158,7 @@ class SimWorker:
         blocks free, else it ends with the step in flight (the next steps, scheduled
         one by one, preempt as the scheduler does)."""
         run = self._run
-        if run is not None and run.steps > 1 and (
-                self.engine.blocks_needed(run.reqs, run.steps) > self.engine.pool.num_free):
+        if run is not None and run.steps > 1 and not self.engine.fits(run.reqs, run.steps):
             self._end_run_at(run, 1)
 
     def _end_run_at(self, run: _Run, steps: int) -> None:
