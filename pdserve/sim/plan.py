@@ -45,13 +45,16 @@ class Candidate:
             [f"{self.colocated} colocated"] if self.colocated else [])
         return " + ".join(parts) + f" at TP {self.tp} ({self.gpus} GPUs)"
 
-    def config(self, placement: str = "measured") -> dict[str, Any]:
+    def config(self, placement: str = "measured", slo: SLO | None = None) -> dict[str, Any]:
+        """The deployment's config; ``slo``: the targets its router is told (``serve
+        --ttft-slo-ms --tpot-slo-ms``: the placement rule keeps decodes within TPOT)."""
         def pool(n: int) -> dict[str, Any]:
             return {"workers": n, "tensor_parallel_size": self.tp}
 
+        targets = {} if slo is None else {"ttft_slo_ms": slo.ttft_ms, "tpot_slo_ms": slo.tpot_ms}
         return {"prefill": pool(self.prefill), "decode": pool(self.decode),
                 "colocated": pool(self.colocated),
-                "router": {"placement": placement, "queue_timeout_s": 600}}
+                "router": {"placement": placement, "queue_timeout_s": 600}, **targets}
 
 
 @dataclass(frozen=True)
@@ -88,8 +91,11 @@ def workload(rate: float, prompt_len: int, output_len: int, duration_s: float,
 
 def evaluate(c: Candidate, steps_for: StepsFor, link: Link, cfg: BenchConfig,
              max_model_len: int, placement: str = "measured") -> Outcome:
-    """One candidate under the workload, simulated."""
-    cluster = ClusterConfig.from_dict(c.config(placement))
+    """One candidate under the workload, simulated, its router told the workload's
+    SLO (its goodput targets), as a deployment serving it would be."""
+    g = cfg.goodput or {}
+    slo = SLO(g["ttft"], g["tpot"]) if "ttft" in g and "tpot" in g else None
+    cluster = ClusterConfig.from_dict(c.config(placement, slo))
 
     def steps(pool: PoolConfig) -> StepTimes:
         return steps_for(pool.tensor_parallel_size)

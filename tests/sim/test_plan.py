@@ -45,3 +45,24 @@ def test_ties_go_to_the_most_headroom() -> None:
     c = Outcome(Candidate(0, 0, 1, 1), 0.5, 2.0, 500.0, 50.0, {})
     assert choose([a, b, c], slo) is b
     assert choose([c], slo) is None
+
+
+def test_each_candidates_router_is_told_the_slo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As a deployment serving the workload would be (``--ttft-slo-ms``,
+    ``--tpot-slo-ms``): the placement rule keeps decodes within the TPOT target."""
+    import pdserve.sim.plan as plan
+    from pdserve.planner.step_times import AnalyticModel
+    from pdserve.sim.link import get_link
+    from tests.sim.helpers import H100, MODEL
+
+    told = []
+    build = plan.build
+    monkeypatch.setattr(plan, "build", lambda cluster, *a: told.append(cluster) or build(
+        cluster, *a))
+    model = AnalyticModel(MODEL, H100)
+    plan.evaluate(Candidate(1, 1, 0, 1), lambda tp: model, get_link("infiniband"),
+                  plan.workload(2.0, 512, 16, 10, SLO(300, 40)), 1024)
+    (cluster,) = told
+    assert (cluster.ttft_slo_ms, cluster.tpot_slo_ms) == (300, 40)
+    assert plan.build(cluster, lambda pool: model, "gpu", get_link("infiniband"),
+                      1024).slo.tpot_s == pytest.approx(0.04)
