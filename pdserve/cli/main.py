@@ -115,8 +115,11 @@ def _add_deployment_flags(p: argparse.ArgumentParser) -> None:
                         "queues and the SLOs; static -- a prefill worker (but for the rule "
                         "above)")
     p.add_argument("--config", default=None, help="YAML cluster config (flags override it)")
-    p.add_argument("--ttft-slo-ms", type=float, default=None, help="TTFT target for SLO metrics")
-    p.add_argument("--tpot-slo-ms", type=float, default=None, help="TPOT target for SLO metrics")
+    p.add_argument("--ttft-slo-ms", type=float, default=None,
+                   help="TTFT target: the SLO metrics, and the placement rule's target")
+    p.add_argument("--tpot-slo-ms", type=float, default=None,
+                   help="TPOT target: the SLO metrics, and what the placement rule keeps "
+                        "decode workers' running requests within")
     _add_format_flags(p, per_pool=True)
 
 

@@ -45,6 +45,17 @@ class Candidate:
             [f"{self.colocated} colocated"] if self.colocated else [])
         return " + ".join(parts) + f" at TP {self.tp} ({self.gpus} GPUs)"
 
+    def serve_flags(self, slo: SLO) -> list[str]:
+        """``pdserve serve``'s flags for this deployment, its router told ``slo`` (as
+        it was simulated)."""
+        flags = [f"--prefill-workers {self.prefill}", f"--decode-workers {self.decode}",
+                 f"--colocated-workers {self.colocated}"]
+        for pool, n in (("prefill", self.prefill), ("decode", self.decode),
+                        ("colocated", self.colocated)):
+            if n and self.tp > 1:
+                flags.append(f"--{pool}-tensor-parallel-size {self.tp}")
+        return [*flags, f"--ttft-slo-ms {slo.ttft_ms:g}", f"--tpot-slo-ms {slo.tpot_ms:g}"]
+
     def config(self, placement: str = "measured", slo: SLO | None = None) -> dict[str, Any]:
         """The deployment's config; ``slo``: the targets its router is told (``serve
         --ttft-slo-ms --tpot-slo-ms``: the placement rule keeps decodes within TPOT)."""
@@ -173,14 +184,15 @@ def run(args: Any) -> int:
                 for c in candidates(steps_for, tps, slo, bounds, args.rate, args.prompt_len,
                                     args.output_len, args.max_gpus)]
     best = choose(outcomes, slo)
+    serve = None if best is None else " ".join(["pdserve serve", *best.candidate.serve_flags(slo)])
     if args.json:
-        print(json.dumps({"choice": best.to_dict() if best else None,
+        print(json.dumps({"choice": best.to_dict() if best else None, "serve": serve,
                           "candidates": [o.to_dict() for o in outcomes]}))
     else:
         print(f"{'candidate':<34}{'attainment':>11}{'goodput':>9}{'TTFT p90':>10}{'TPOT p90':>10}")
         for o in sorted(outcomes, key=lambda o: (o.candidate.gpus, -o.goodput_rps)):
             print(f"{o.candidate.describe():<34}{100 * o.attainment:>10.1f}%"
                   f"{o.goodput_rps:>9.2f}{o.ttft_p90_ms:>10.1f}{o.tpot_p90_ms:>10.1f}")
-        print(f"choice: {best.candidate.describe()}" if best else
+        print(f"choice: {best.candidate.describe()}\nserve it: {serve}" if best else
               f"no candidate reaches {100 * TARGET:.0f}% of requests within both SLOs")
     return 0 if best else 1

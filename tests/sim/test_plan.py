@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pdserve.cli.main import main
+from pdserve.cli.main import build_parser, main
 from pdserve.planner.sizing import SLO
 from pdserve.sim.plan import Candidate, Outcome, choose
 
@@ -23,6 +23,14 @@ def test_the_fewest_gpus_that_meet_the_slos(capsys: pytest.CaptureFixture[str]) 
     assert not [c for c in cands if c["slo_attainment"] >= 0.9 and c["gpus"] < choice["gpus"]]
     assert {c["tp"] for c in cands} == {1, 2}
     assert any(c["colocated_workers"] for c in cands) and any(c["prefill_workers"] for c in cands)
+    # the command that serves the choice as it was simulated, its router told the SLO
+    serve = out["serve"].split()
+    assert serve[:2] == ["pdserve", "serve"] and serve[-4:] == [
+        "--ttft-slo-ms", "300", "--tpot-slo-ms", "40"]
+    assert build_parser().parse_args(serve[1:]).command == "serve"  # flags serve takes
+    flags = dict(zip(serve[2::2], serve[3::2], strict=True))
+    assert [int(flags[f"--{p}-workers"]) for p in ("prefill", "decode", "colocated")] == [
+        choice["prefill_workers"], choice["decode_workers"], choice["colocated_workers"]]
 
 
 def test_no_size_meets_an_impossible_slo(capsys: pytest.CaptureFixture[str]) -> None:
