@@ -21,8 +21,9 @@ beyond the link model is the link's latency.
 
 Deployments (each worker on cores of its own: no core sharing): ``colocated`` (one
 worker, two threads) and ``1p1d`` (one prefill, one decode worker, a thread each).
-Workloads: ``chat`` (random 256-token prompts, 64 out, lengths +-50%) and ``long``
-(1024-token prompts, 16 out).
+Workloads: ``chat`` (random 256-token prompts, 64 out, lengths +-50%), ``long``
+(1024-token prompts, 16 out) and ``trace`` (Mooncake's conversation trace, scaled:
+``WORKLOADS``; its loads are the trace clock's slow-down, not rates).
 
 Run: ``python -m benchmarks.simulate [--deployments colocated,1p1d]
 [--workloads chat,long] [--rounds 2] [--out result.json]``.
@@ -44,6 +45,7 @@ import yaml
 from benchmarks.harness import CLI, Served
 
 ROUTER = {"queue_timeout_s": 600}
+MOONCAKE = Path(__file__).resolve().parents[2] / "shared/data/mooncake/conversation_trace.jsonl"
 DEPLOYMENTS: dict[str, dict[str, Any]] = {
     "colocated": {"prefill": {"workers": 0}, "decode": {"workers": 0},
                   "colocated": {"workers": 1, "num_cpus": 2, "shared_cpus": 0},
@@ -58,6 +60,11 @@ WORKLOADS: dict[str, tuple[list[str], tuple[float, ...], list[str]]] = {
              ["ttft:1000", "tpot:100"]),
     "long": (["--random-input-len", "1024", "--random-output-len", "16",
               "--num-prompts", "24"], (0.4, 0.8, 1.2), ["ttft:3000", "tpot:100"]),
+    # Mooncake's conversation trace, its first 30 requests (bursts of up to 16 at once),
+    # lengths x 0.05 (~600-token prompts, ~20 out; clipped to the simulated 2,048 served
+    # too), its clock slowed by each "rate": the trace's time scale
+    "trace": (["--dataset", "trace", "--dataset-path", str(MOONCAKE), "--trace-length-scale",
+               "0.05", "--num-prompts", "30", "--max-model-len", "2048"], (8.0, 4.0, 2.7), ["ttft:3000", "tpot:100"]),
 }
 # (workload, rate) of the two calibration points: one stream each, see the module doc
 CALIBRATION = (("one stream, 256", 0.0), ("one stream, 1024", 0.0))
@@ -79,8 +86,15 @@ def flags(workload: str, rate: float) -> list[str]:
         return [*CALIBRATION_FLAGS[workload], "--max-concurrency", "1", "--request-rate", "inf",
                 "--ignore-eos", "--metric-percentiles", "50,90", "--seed", "2"]
     extra, _, slo = WORKLOADS[workload]
-    return [*extra, "--request-rate", str(rate), "--ignore-eos", "--goodput", *slo,
+    pace = ["--trace-time-scale" if "trace" in extra else "--request-rate", str(rate)]
+    return [*extra, *pace, "--ignore-eos", "--goodput", *slo,
             "--metric-percentiles", "50,90", "--seed", "1"]
+
+
+def load(workload: str, rate: float) -> str:
+    """A point's load as its flags set it."""
+    return f"time x {rate:g}" if "trace" in WORKLOADS.get(workload, ([], 0, 0))[0] else (
+        f"{rate:g} req/s")
 
 
 def figures(result: dict[str, Any]) -> dict[str, float]:
@@ -176,8 +190,8 @@ def served_round(deployment: str, points: list[tuple[str, float]], keep: Path,
             r = server.bench(*flags(workload, rate), "--scrape-metrics")
             results[(workload, rate)] = r
             (keep / _name(deployment, index, workload, rate)).write_text(json.dumps(r))
-            print(f"  served {deployment} {workload} {rate} req/s: {r['completed']} completed",
-                  flush=True)
+            print(f"  served {deployment} {workload} {load(workload, rate)}: "
+                  f"{r['completed']} completed", flush=True)
     return results
 
 
@@ -258,7 +272,7 @@ def main() -> None:
             report["points"].append({"deployment": deployment, "workload": workload,
                                      "rate": rate, "rows": rows,
                                      "placement": sim["simulation"]["placement"]})
-            print_point(f"{deployment}, {workload}, {rate} req/s (simulated placement "
+            print_point(f"{deployment}, {workload}, {load(workload, rate)} (simulated placement "
                         f"{sim['simulation']['placement']})", rows)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
