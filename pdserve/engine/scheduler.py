@@ -222,8 +222,7 @@ class Scheduler:
             req.num_cached_tokens = req.num_computed_tokens
 
     def _grow(self, req: Request, n: int) -> bool:
-        bs = self.block_size
-        need = (req.num_computed_tokens + n + bs - 1) // bs - len(req.block_ids)  # (per row, per step)
+        need = ceil_div(req.num_computed_tokens + n, self.block_size) - len(req.block_ids)
         if need <= 0:
             return True
         blocks = self.pool.allocate(need)

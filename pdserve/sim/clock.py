@@ -33,21 +33,21 @@ class EventLoop:
         return self.now
 
     def at(self, time: float, fn: Callable[..., Any], *args: Any) -> Event:
-        if time < self.now:
-            raise ValueError(f"event at {time} is before now ({self.now})")
-        ev = Event(time, fn, args)
-        heapq.heappush(self._heap, (time, next(self._seq), ev))
-        return ev
+        return self._push(time, next(self._seq), fn, args)
 
     def due(self, time: float, rank: int, fn: Callable[..., Any], *args: Any) -> Event:
         """An event known from the start (the workload's ``rank``-th arrival), added
         when it is next: it runs before every other event of the same time, and in
         ``rank`` order among its kind, as if all were added before the run began
         (which would keep a heap of every arrival)."""
+        return self._push(time, rank - _FIRST, fn, args)
+
+    def _push(self, time: float, order: int, fn: Callable[..., Any],
+              args: tuple[Any, ...]) -> Event:
         if time < self.now:
             raise ValueError(f"event at {time} is before now ({self.now})")
         ev = Event(time, fn, args)
-        heapq.heappush(self._heap, (time, rank - _FIRST, ev))
+        heapq.heappush(self._heap, (time, order, ev))
         return ev
 
     def after(self, delay: float, fn: Callable[..., Any], *args: Any) -> Event:

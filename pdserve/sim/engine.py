@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.engine.block_pool import BlockPool
+from pdserve.engine.config import ceil_div
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.results import StepInfo
 from pdserve.engine.sampling.sampling_params import SamplingParams
@@ -152,10 +153,10 @@ class SimEngine:
             return 0
         k = -1
         for req in sch.running:
-            n, p = len(req.token_ids), len(req.prompt_token_ids)
-            if req.num_computed_tokens + 1 != n or n <= p or req.spec_token_ids:
+            n = req.num_tokens
+            if req.num_computed_tokens + 1 != n or n <= req.num_prompt_tokens or req.spec_token_ids:
                 return 0  # not decoding (a prompt's chunk, its last token too), or a draft
-            left = p + req.params.max_tokens - n
+            left = req.params.max_tokens - req.num_output_tokens
             if k < 0 or left < k:
                 k = left  # (the last of the k tokens finishes a request)
         while k > 0 and not self.fits(sch.running, k):
@@ -172,12 +173,9 @@ class SimEngine:
 
     def blocks_needed(self, reqs: Sequence[Request], k: int) -> int:
         """Blocks ``k`` more decode steps of ``reqs`` allocate."""
-        bs, need = self.block_size, 0
-        for r in reqs:
-            more = (r.num_computed_tokens + k + bs - 1) // bs - len(r.block_ids)
-            if more > 0:
-                need += more
-        return need
+        bs = self.block_size
+        return sum(max(0, ceil_div(r.num_computed_tokens + k, bs) - len(r.block_ids))
+                   for r in reqs)
 
     def decode_run(self, reqs: Sequence[Request], k: int) -> list[Request]:
         """``k`` steady steps of ``reqs`` (``steady_steps`` allowed them) at once: their
@@ -187,8 +185,7 @@ class SimEngine:
         for req in reqs:
             req.token_ids.extend(tail)
         self.scheduler.decode_steps(reqs, k)
-        done = [r for r in reqs
-                if len(r.token_ids) - len(r.prompt_token_ids) >= r.params.max_tokens]
+        done = [r for r in reqs if r.num_output_tokens >= r.params.max_tokens]
         for req in done:
             req.finish_reason = "length"
             self.scheduler.finish(req)
