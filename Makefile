@@ -73,6 +73,7 @@ bench: $(VENV)/.test $(KERNELS) model
 	$(PY) -m benchmarks.kv_transfer --slice
 	$(PY) -m benchmarks.serving
 	$(PY) -m benchmarks.pd $(if $(VLLM_PYTHON),--vllm $(VLLM_PYTHON))
+	$(PY) -m benchmarks.long_prompts $(if $(VLLM_PYTHON),--vllm $(VLLM_PYTHON))
 	$(PY) -m benchmarks.tracing
 
 # 20 minutes of steady load on a real deployment (not in CI): RSS and fds per process,

