@@ -105,15 +105,14 @@ inline __mmask16 live(int limit, int j) {
 }
 
 // 2^x on 16 lanes for the softmax's scores, already in base 2 (q carries log2 e):
-// n = round(x), 2^(x - n) by its Taylor polynomial of degree 5 (relative error below
-// 3e-6, well under P's bfloat16 rounding), scaled by 2^n. x is clamped at -125, so
+// n = round(x), 2^(x - n) by its Taylor polynomial of degree 4 (relative error below
+// 5e-5, well under P's bfloat16 rounding of 4e-3), scaled by 2^n. x is clamped at -125, so
 // nothing is denormal: exp2(-inf) (a row's first chunk) is 2^-125 times zeros.
 inline __m512 exp2_16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-125.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.3333558e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  __m512 p = _mm512_set1_ps(9.6181291e-3f);
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
@@ -128,7 +127,7 @@ inline __m512 exp2_16(__m512 x) {
 // P (bfloat16, groups of 32 up to `width`) and its sum into l. Each row's operations are the same whichever lane, tile or chunk width it comes
 // with (groups past the limit add exact zeros).
 void tile_softmax(const float* S, int CS, const int* lim, int rt, int width, float* m_run,
-                  float* l_run, bf16_t* P, float* corr) {
+                  float* l_run, bf16_t* P, float* corr) {  // l_run: 16 lanes a row
   alignas(64) float mx[16], mo[16];
   for (int m = 0; m < 16; ++m) {
     mo[m] = m < rt && lim[m] > 0 ? m_run[m] : 0.f;  // rows that skip the chunk: factor 1
@@ -136,10 +135,15 @@ void tile_softmax(const float* S, int CS, const int* lim, int rt, int width, flo
   }
   for (int m = 0; m < rt; ++m) {
     if (lim[m] <= 0) continue;
-    __m512 v = _mm512_set1_ps(kNegInf);
-    for (int j = 0; j < lim[m]; j += 16)
-      v = _mm512_mask_max_ps(v, live(lim[m], j), v, _mm512_loadu_ps(S + m * CS + j));
-    mx[m] = std::max(m_run[m], _mm512_reduce_max_ps(v));  // a max is exact in any order
+    const float* sr = S + m * CS;
+    __m512 v0 = _mm512_set1_ps(kNegInf), v1 = v0;
+    int j = 0;
+    for (; j + 32 <= lim[m]; j += 32) {  // (a max is exact in any order)
+      v0 = _mm512_max_ps(v0, _mm512_loadu_ps(sr + j));
+      v1 = _mm512_max_ps(v1, _mm512_loadu_ps(sr + j + 16));
+    }
+    for (; j < lim[m]; j += 16) v0 = _mm512_mask_max_ps(v0, live(lim[m], j), v0, _mm512_loadu_ps(sr + j));
+    mx[m] = std::max(m_run[m], _mm512_reduce_max_ps(_mm512_max_ps(v0, v1)));
   }
   _mm512_store_ps(corr, exp2_16(_mm512_sub_ps(_mm512_load_ps(mo), _mm512_load_ps(mx))));
   for (int m = 0; m < rt; ++m) {
@@ -149,16 +153,26 @@ void tile_softmax(const float* S, int CS, const int* lim, int rt, int width, flo
       continue;
     }
     const __m512 mv = _mm512_set1_ps(mx[m]);
+    const float* sr = S + m * CS;
+    const int limit = lim[m], full = std::min(width, limit);
     __m512 sum = _mm512_setzero_ps();
-    for (int j = 0; j < width; j += 32) {
-      const __m512 p0 = _mm512_maskz_mov_ps(live(lim[m], j), exp2_16(_mm512_sub_ps(
-          _mm512_loadu_ps(S + m * CS + j), mv)));
-      const __m512 p1 = _mm512_maskz_mov_ps(live(lim[m], j + 16), exp2_16(_mm512_sub_ps(
-          _mm512_loadu_ps(S + m * CS + j + 16), mv)));
+    int j = 0;
+    for (; j + 32 <= full; j += 32) {  // every lane live: no masks
+      const __m512 p0 = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mv));
+      const __m512 p1 = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(sr + j + 16), mv));
       sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
       _mm512_storeu_si512(pr + j, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
     }
-    l_run[m] = l_run[m] * corr[m] + _mm512_reduce_add_ps(sum);
+    for (; j < width; j += 32) {
+      const __m512 p0 = _mm512_maskz_mov_ps(live(limit, j), exp2_16(_mm512_sub_ps(
+          _mm512_loadu_ps(sr + j), mv)));
+      const __m512 p1 = _mm512_maskz_mov_ps(live(limit, j + 16), exp2_16(_mm512_sub_ps(
+          _mm512_loadu_ps(sr + j + 16), mv)));
+      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+      _mm512_storeu_si512(pr + j, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    }
+    float* lr = l_run + m * 16;  // lanes summed once, at the end (before write_rows)
+    _mm512_storeu_ps(lr, _mm512_fmadd_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(corr[m]), sum));
     m_run[m] = mx[m];
   }
 }
@@ -184,7 +198,12 @@ template <int D>
 void amx_scores4(const bf16_t* Qt, const uint32_t* kt, int n_st, float* S, int CS) {
   constexpr int kSteps = D / 32, kTail = D % 32;  // full 32-dim steps; a 16-dim tail
 #define PDK_ZERO(t) _tile_zero(t);
-#define PDK_QK(t) _tile_loadd(5, kt + (t) * kT * D / 2 + s * kT * kT, 64); _tile_dpbf16ps(t, 4, 5);
+#define PDK_QK(t)                                                                  \
+  if constexpr (kTail == 0 && (t) % 2 == 1) {                                      \
+    _tile_loadd(7, kt + (t) * kT * D / 2 + s * kT * kT, 64); _tile_dpbf16ps(t, 4, 7); \
+  } else {                                                                         \
+    _tile_loadd(5, kt + (t) * kT * D / 2 + s * kT * kT, 64); _tile_dpbf16ps(t, 4, 5); \
+  }
 #define PDK_QK_TAIL(t) _tile_loadd(7, kt + (t) * kT * D / 2 + kSteps * kT * kT, 64); _tile_dpbf16ps(t, 6, 7);
 #define PDK_STORE_S(t) _tile_stored(t, S + (t) * kT, CS * 4);
   PDK_UPTO(n_st, PDK_ZERO)
@@ -218,7 +237,12 @@ void amx_pv(const bf16_t* P, int, int CS, const uint32_t* Vp, int n_ks, float* O
     float* oc = Ot + c0t * kT;
     const uint32_t* vp = Vp + c0t * kT;
 #define PDK_ZERO_O(t) _tile_zero(t);
-#define PDK_PV(t) _tile_loadd(5, vp + ks * kT * D + (t) * kT, D * 4); _tile_dpbf16ps(t, 4, 5);
+#define PDK_PV(t)                                                               \
+  if constexpr (D % 32 == 0 && (t) % 2 == 1) {                                  \
+    _tile_loadd(7, vp + ks * kT * D + (t) * kT, D * 4); _tile_dpbf16ps(t, 4, 7); \
+  } else {                                                                      \
+    _tile_loadd(5, vp + ks * kT * D + (t) * kT, D * 4); _tile_dpbf16ps(t, 4, 5); \
+  }
 #define PDK_STORE_O(t) _tile_stored(t, oc + (t) * kT, D * 4);
     PDK_UPTO(n_ct, PDK_ZERO_O)
     for (int ks = 0; ks < n_ks; ++ks) {
@@ -311,7 +335,7 @@ void attend_tile_bf16(const float* q, int64_t q_row_stride, float* out, int64_t 
   const int rows = per_kvh * KVH;
   const int CS = kChunk;
   std::vector<bf16_t> Qb(static_cast<size_t>(rows) * D);
-  std::vector<float> Ob(static_cast<size_t>(rows) * D, 0.f), mrow(rows, kNegInf), lrow(rows, 0.f);
+  std::vector<float> Ob(static_cast<size_t>(rows) * D, 0.f), mrow(rows, kNegInf), lrow(rows * 16, 0.f);
   std::vector<uint32_t> Kt(static_cast<size_t>(CS) * D / 2), Vp(static_cast<size_t>(CS) * D / 2);
   alignas(64) float S[kT * kChunk] = {};  // (slots past the scores computed: masked)
   // A tile's P V waits for the next tile's scores and softmax (two P buffers): the
@@ -389,7 +413,7 @@ void attend_tile_bf16(const float* q, int64_t q_row_stride, float* out, int64_t 
         int lim[kT];
         for (int m = 0; m < rt; ++m) lim[m] = row_limit(rt0 + m, c0, cslots);
         const int r0 = kvh * per_kvh + rt0;
-        tile_softmax(S, CS, lim, rt, n_ks * 32, mrow.data() + r0, lrow.data() + r0, P[buf], corr[buf]);
+        tile_softmax(S, CS, lim, rt, n_ks * 32, mrow.data() + r0, lrow.data() + r0 * 16, P[buf], corr[buf]);
         finish();
         pend = rt0;
         pend_rt = rt;
@@ -398,6 +422,7 @@ void attend_tile_bf16(const float* q, int64_t q_row_stride, float* out, int64_t 
     }
   }
   if constexpr (Amx) _tile_release();
+  for (int r = 0; r < rows; ++r) lrow[r] = _mm512_reduce_add_ps(_mm512_loadu_ps(lrow.data() + r * 16));
   write_rows<D>(out, out_row_stride, Ob.data(), lrow.data(), KVH, nq, G);
 }
 
