@@ -269,11 +269,14 @@ def main() -> None:
             sim = simulated(calibration_config(deployment) if (workload, rate) in CALIBRATION
                             else config, workload, rate, profiles, workdir, sim_flags)
             rows = compare([figures(r[(workload, rate)]) for r in rounds], figures(sim))
+            served_placed = [r[(workload, rate)].get("server_placements") for r in rounds]
             report["points"].append({"deployment": deployment, "workload": workload,
                                      "rate": rate, "rows": rows,
-                                     "placement": sim["simulation"]["placement"]})
-            print_point(f"{deployment}, {workload}, {load(workload, rate)} (simulated placement "
-                        f"{sim['simulation']['placement']})", rows)
+                                     "placement": sim["server_placements"],
+                                     "served_placement": served_placed})
+            print_point(f"{deployment}, {workload}, {load(workload, rate)} (prompts computed: "
+                        f"simulated {sim['server_placements']}, served "
+                        f"{' / '.join(str(p) for p in served_placed)})", rows)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     sys.exit(0)

@@ -29,7 +29,7 @@ from pdserve.client.openai_stream import (
 )
 from pdserve.client.report import build_result, format_result, rate_field
 from pdserve.client.request_runner import RunSpec, arrival_offsets, run_requests, trace_offsets
-from pdserve.client.server_metrics import stage_breakdown
+from pdserve.client.server_metrics import placements, stage_breakdown
 from pdserve.client.sweep import DEFAULT_ATTAINMENT_TARGET
 from pdserve.client.tokens import PromptTokenizer, resolve_tokenizer_dir
 from pdserve.client.trace import TraceOptions, load_trace, trace_requests
@@ -233,4 +233,5 @@ async def _one_rate(client: OpenAIStreamClient, cfg: BenchConfig, spec: RunSpec,
         if after is None:
             _log(f"warning: no /metrics at {cfg.base_url}; server breakdown skipped")
         result["server_metrics"] = stage_breakdown(before, after)
+        result["server_placements"] = placements(before, after)
     return result

@@ -140,6 +140,9 @@ def format_result(result: Mapping[str, Any], metric_names: Sequence[str],
         lines.append(_section("Server Stage Breakdown"))
         client = {name: result[f"mean_{name}_ms"] for name in ("ttft", "tpot", "e2el")}
         lines += format_breakdown(result["server_metrics"], client)
+    if result.get("server_placements"):
+        lines.append(_line("Prompts computed (where: attempts):", ", ".join(
+            f"{where} {n}" for where, n in result["server_placements"].items())))
     lines.append(_section("", "="))
     return "\n".join(lines)
 

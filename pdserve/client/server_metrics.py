@@ -40,6 +40,9 @@ CLIENT_COUNTERPART = {
     "pdserve_e2e_request_latency_seconds": "e2el",
 }
 QUANTILES = (0.5, 0.9, 0.99)
+# The router's counter of where each attempt's prompt was computed (its ``where`` label:
+# remote, local, colocated).
+PLACEMENTS = "pdserve_prompt_placements"
 
 
 @dataclass
@@ -121,6 +124,25 @@ def stage_breakdown(before_text: str | None, after_text: str | None,
             row[f"p{round(q * 100)}_ms"] = None if value is None else value * 1000.0
         result[name] = row
     return result
+
+
+def placements(before_text: str | None, after_text: str | None) -> dict[str, int]:
+    """Attempts admitted over the run by where their prompt was computed (the router's
+    ``pdserve_prompt_placements`` counter, reasons summed); places with none left out."""
+    def counts(text: str | None) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text or ""):
+            for sample in family.samples:
+                if sample.name == f"{PLACEMENTS}_total":
+                    where = sample.labels["where"]
+                    out[where] = out.get(where, 0.0) + sample.value
+        return out
+
+    if after_text is None:
+        return {}
+    before, after = counts(before_text), counts(after_text)
+    delta = {where: round(n - before.get(where, 0.0)) for where, n in after.items()}
+    return {where: n for where, n in sorted(delta.items()) if n}
 
 
 def format_breakdown(breakdown: Mapping[str, Mapping[str, Any]],

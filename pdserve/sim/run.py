@@ -177,8 +177,9 @@ def _output(f: Flight) -> RequestOutput:
 
 def simulate(deployment: Deployment, planned: Sequence[Planned], cfg: BenchConfig,
              rate: float, setup: dict[str, Any], fast: bool = True) -> dict[str, Any]:
-    """One run: ``pdserve bench``'s result object, with its ``server_metrics`` (as
-    ``--scrape-metrics`` reads them) and a ``simulation`` section."""
+    """One run: ``pdserve bench``'s result object, with its ``server_metrics`` and
+    ``server_placements`` (as ``--scrape-metrics`` reads them) and a ``simulation``
+    section."""
     started = time.perf_counter()
     sim = Simulation(deployment, planned, cfg.max_concurrency,
                      keep_itl="itl" in cfg.percentile_metrics, fast=fast,
@@ -191,5 +192,6 @@ def simulate(deployment: Deployment, planned: Sequence[Planned], cfg: BenchConfi
     result = {**setup, **build_result(metrics, outputs, duration,
                                       {"request_rate": rate_field(rate)})}
     result["server_metrics"] = sim.stages.breakdown()
+    result["server_placements"] = {k: v for k, v in sorted(sim.placements.items()) if v}
     result["simulation"] = sim.summary(time.perf_counter() - started)
     return result

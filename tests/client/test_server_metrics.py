@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from pdserve.client.server_metrics import (
     Histogram as Hist,
@@ -11,6 +11,7 @@ from pdserve.client.server_metrics import (
 from pdserve.client.server_metrics import (
     format_breakdown,
     parse_histograms,
+    placements,
     stage_breakdown,
 )
 
@@ -82,3 +83,19 @@ def test_format_breakdown() -> None:
     lines = format_breakdown(stage_breakdown(BEFORE, AFTER), {"ttft": 1.0})
     assert lines[0].split() == ["stage", "(ms)", "count", "mean", "p50", "p90", "p99", "client"]
     assert lines[1].split()[:3] == ["prefill", "10", "200.00"]
+
+
+def test_placements_are_the_router_counter_s_delta_by_where() -> None:
+    reg = CollectorRegistry()
+    c = Counter("pdserve_prompt_placements", "p", ["where", "reason"], registry=reg)
+    c.labels(where="remote", reason="protects_tpot").inc(3)
+    c.labels(where="local", reason="faster_here").inc(1)
+    c.labels(where="colocated", reason="colocated")  # a series at zero
+    before = generate_latest(reg).decode()
+    c.labels(where="remote", reason="protects_tpot").inc(2)
+    c.labels(where="remote", reason="unmeasured").inc(1)
+    c.labels(where="local", reason="within_ttft_slo").inc(4)
+    after = generate_latest(reg).decode()
+    assert placements(before, after) == {"local": 4, "remote": 3}
+    assert placements(None, after) == {"local": 5, "remote": 6}
+    assert placements(before, None) == {}

@@ -82,6 +82,8 @@ def test_static_placement_sends_every_prompt_to_a_prefill_worker() -> None:
     r = _run({**PAIRS, "router": {"placement": "static", "local_prefill_max_tokens": 0}},
              8.0, True, num_prompts=40)
     assert r["simulation"]["placement"] == {"remote": 40}
+    # the same counts where a served run's --scrape-metrics puts the router's counter
+    assert r["server_placements"] == {"remote": 40}
 
 
 def test_the_decision_computes_short_prompts_locally_when_that_is_faster() -> None:
