@@ -6,10 +6,11 @@ of an unloaded prompt at 1k, 2k, 4k and 8k tokens, its MFU (model FLOPs, attenti
 included, over the linear family's peak) and attention's share of it (the paged
 attention kernel alone, timed on the same chunks, 30 layers' worth).
 
-``--part served``: time to the first token at c=1 of random 2,048- and 7,680-token
-prompts (16 tokens out), ``pdserve serve`` colocated and default against vLLM's CPU
-build in its best two-core configuration (``--vllm PYTHON``), same client
-(``pdserve bench``); rounds run the systems in one order, then the reverse.
+``--part served``: time to the first token and time per output token at c=1 of random
+2,048- and 7,680-token prompts (32 tokens out: decoding at that context), ``pdserve
+serve`` colocated and default against vLLM's CPU build in its best two-core
+configuration (``--vllm PYTHON``), same client (``pdserve bench``); rounds run the
+systems in one order, then the reverse.
 
 Run: ``python -m benchmarks.long_prompts [--part engine,served] [--vllm PYTHON]
 [--lengths 2048,7680] [--prompts 3] [--rounds 2] [--out result.json]``.
@@ -38,6 +39,7 @@ from pdserve.engine.model.gguf_convert import resolve_model
 from pdserve.engine.sampling.sampling_params import SamplingParams
 
 STEP = 512  # served CPU prefill steps (tokens)
+OUT_TOKENS = 32  # served: tokens out per request (TPOT at the prompt's context)
 
 
 def attention_alone(eng: LLMEngine, n: int, family: str) -> float:
@@ -104,9 +106,9 @@ def start(system: str, vllm: str | None) -> Served | External:
     return Served(CONFIGS[system])
 
 
-def served_part(args: argparse.Namespace) -> dict[str, list[dict[int, list[float]]]]:
+def served_part(args: argparse.Namespace) -> dict[str, list[dict[int, dict[str, Any]]]]:
     systems = ["colocated", "default"] + (["vllm"] if args.vllm else [])
-    results: dict[str, list[dict[int, list[float]]]] = {s: [] for s in systems}
+    results: dict[str, list[dict[int, dict[str, Any]]]] = {s: [] for s in systems}
     for r in range(args.rounds):
         for system in (systems if r % 2 == 0 else systems[::-1]):
             with start(system, args.vllm) as server:
@@ -115,21 +117,25 @@ def served_part(args: argparse.Namespace) -> dict[str, list[dict[int, list[float
                 run = {}
                 for n in args.lengths:
                     res = server.bench("--dataset", "random", "--random-input-len", str(n),
-                                       "--random-output-len", "16", "--num-prompts",
+                                       "--random-output-len", str(OUT_TOKENS), "--num-prompts",
                                        str(args.prompts), "--max-concurrency", "1",
                                        "--ignore-eos")
-                    run[n] = [t * 1e3 for t in res["ttfts"]]
+                    run[n] = {"ttft_p50_ms": float(res["median_ttft_ms"]),
+                              "tpot_p50_ms": float(res["median_tpot_ms"]),
+                              "ttfts_ms": [t * 1e3 for t in res["ttfts"]]}
                 results[system].append(run)
             print(f"   (round {r + 1}: {system} " + ", ".join(
-                f"{n}: {sorted(v)[len(v) // 2]:.0f} ms" for n, v in run.items()) + ")", flush=True)
+                f"{n}: TTFT {v['ttft_p50_ms']:.0f} ms, TPOT {v['tpot_p50_ms']:.1f} ms"
+                for n, v in run.items()) + ")", flush=True)
     for n in args.lengths:
-        med = {s: [sorted(run[n])[len(run[n]) // 2] for run in runs] for s, runs in results.items()}
-        ref = min(med["vllm"]) if "vllm" in med else None
-        print(f"== TTFT p50 at {n} tokens (c=1, per round)")
-        for s, values in med.items():
-            ratio = f" ({' / '.join(f'{v / ref:.2f}x' for v in values)} vLLM's best round)" \
-                if ref and s != "vllm" else ""
-            print(f"   {s:>9}: {' / '.join(f'{v:.0f}' for v in values)} ms{ratio}")
+        for key, label in (("ttft_p50_ms", "TTFT"), ("tpot_p50_ms", "TPOT")):
+            med = {s: [run[n][key] for run in runs] for s, runs in results.items()}
+            ref = min(med["vllm"]) if "vllm" in med else None
+            print(f"== {label} p50 at {n} tokens (c=1, per round)")
+            for s, values in med.items():
+                ratio = f" ({' / '.join(f'{v / ref:.2f}x' for v in values)} vLLM's best round)" \
+                    if ref and s != "vllm" else ""
+                print(f"   {s:>9}: {' / '.join(f'{v:.1f}' for v in values)} ms{ratio}")
     return results
 
 
