@@ -163,14 +163,19 @@ VLLM_MAIN = ("import importlib.metadata as m, sys; v = m.version; "
              "from vllm.entrypoints.cli.main import main; main()")
 
 
+def free_port() -> int:
+    """A loopback TCP port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def vllm_server(python: str, max_model_len: int = 8192) -> External:
     """vLLM's CPU build (the venv of ``python``) serving the default model in its best
     two-core configuration: bf16, no core reserved for its scheduler
     (``VLLM_CPU_NUM_OF_RESERVED_CPU=0``), 4 GiB of KV cache."""
     from pdserve.engine.model.gguf_convert import resolve_model
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     model = resolve_model(None)
     return External([python, "-c", VLLM_MAIN, str(model), "--served-model-name", model.name,
                      "--dtype", "bfloat16", "--max-model-len", str(max_model_len),

@@ -17,11 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import External, Served
+from benchmarks.harness import External, Served, free_port
 from benchmarks.pd import CONFIGS
 from pdserve.engine.model.gguf_convert import default_gguf_path, resolve_model
 
@@ -33,9 +32,7 @@ def start(system: str, llama_server: str) -> Served | External:
         return Served(CONFIGS["default"], flags=("--decode-quantization", "int4"))
     if system == "colocated int4":
         return Served(CONFIGS["colocated"], flags=("--quantization", "int4"))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     return External([llama_server, "-m", str(default_gguf_path()), "--host", "127.0.0.1",
                      "--port", str(port), "-t", "2", "-c", "4096"], {},
                     f"http://127.0.0.1:{port}", start_timeout_s=180)

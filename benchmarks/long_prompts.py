@@ -27,8 +27,7 @@ from typing import Any
 import torch
 
 from benchmarks.engine import random_prompts
-from benchmarks.harness import External, Served, vllm_server
-from benchmarks.pd import CONFIGS
+from benchmarks.pd import start
 from pdserve.engine import kernels
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cost import cost_model
@@ -97,13 +96,6 @@ def engine_part(lengths: list[int], threads: int) -> dict[str, Any]:
         out[family] = rows
         del eng
     return out
-
-
-def start(system: str, vllm: str | None) -> Served | External:
-    if system == "vllm":
-        assert vllm is not None
-        return vllm_server(vllm)
-    return Served(CONFIGS[system])
 
 
 def served_part(args: argparse.Namespace) -> dict[str, list[dict[int, dict[str, Any]]]]:

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import json
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -18,7 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import Served
+from benchmarks.harness import Served, free_port
 from benchmarks.spec_workloads import (
     SELF_DRAFT,
     SERVED_MODEL,
@@ -29,12 +28,6 @@ from benchmarks.spec_workloads import (
 )
 from pdserve.client.openai_stream import CHAT_COMPLETIONS, OpenAIStreamClient
 from pdserve.engine.model.gguf_convert import default_gguf_path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def _chat_once(base_url: str, prompt: str, max_tokens: int,
@@ -104,7 +97,7 @@ def _ended(proc: subprocess.Popen[bytes]) -> str:
 def _llama_server(binary: str, gguf: Path, threads: int,
                   spec_flags: list[str]) -> Iterator[tuple[str, str]]:
     """llama.cpp's server on ``gguf`` while the block runs: (its base URL, model)."""
-    port = _free_port()
+    port = free_port()
     log = Path(tempfile.mkdtemp(prefix="pdserve-llama-")) / "server.log"
     with log.open("wb") as out:
         proc = subprocess.Popen([binary, "-m", str(gguf), "--host", "127.0.0.1", "--port",

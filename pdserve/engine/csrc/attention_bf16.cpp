@@ -156,21 +156,15 @@ void tile_softmax(const float* S, int CS, const int* lim, int rt, int width, flo
     const float* sr = S + m * CS;
     const int limit = lim[m], full = std::min(width, limit);
     __m512 sum = _mm512_setzero_ps();
+    auto group = [&](int j, __mmask16 k0, __mmask16 k1) {  // slots j .. j + 31
+      const __m512 p0 = _mm512_maskz_mov_ps(k0, exp2_16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mv)));
+      const __m512 p1 = _mm512_maskz_mov_ps(k1, exp2_16(_mm512_sub_ps(_mm512_loadu_ps(sr + j + 16), mv)));
+      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+      _mm512_storeu_si512(pr + j, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+    };
     int j = 0;
-    for (; j + 32 <= full; j += 32) {  // every lane live: no masks
-      const __m512 p0 = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mv));
-      const __m512 p1 = exp2_16(_mm512_sub_ps(_mm512_loadu_ps(sr + j + 16), mv));
-      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-      _mm512_storeu_si512(pr + j, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-    }
-    for (; j < width; j += 32) {
-      const __m512 p0 = _mm512_maskz_mov_ps(live(limit, j), exp2_16(_mm512_sub_ps(
-          _mm512_loadu_ps(sr + j), mv)));
-      const __m512 p1 = _mm512_maskz_mov_ps(live(limit, j + 16), exp2_16(_mm512_sub_ps(
-          _mm512_loadu_ps(sr + j + 16), mv)));
-      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-      _mm512_storeu_si512(pr + j, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-    }
+    for (; j + 32 <= full; j += 32) group(j, 0xFFFF, 0xFFFF);  // every lane live
+    for (; j < width; j += 32) group(j, live(limit, j), live(limit, j + 16));
     float* lr = l_run + m * 16;  // lanes summed once, at the end (before write_rows)
     _mm512_storeu_ps(lr, _mm512_fmadd_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(corr[m]), sum));
     m_run[m] = mx[m];
