@@ -103,4 +103,10 @@ inline void prefetch_region(const void* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
 }
 
+// The same into L2 only.
+inline void prefetch_region_l2(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(c + i, _MM_HINT_T1);
+}
+
 }  // namespace pdk
