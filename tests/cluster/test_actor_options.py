@@ -62,6 +62,8 @@ def test_embedded_workers_spin_less_between_parallel_regions(ray_address: str) -
         **actor_options(PoolConfig(), False, "probe-env", 0)).remote()
     try:
         assert ray.get(handle.get.remote("GOMP_SPINCOUNT")) == "3000"
+        # and malloc in transparent huge pages (the weights', the KV cache's streams)
+        assert "glibc.malloc.hugetlb=1" in ray.get(handle.get.remote("GLIBC_TUNABLES"))
     finally:
         ray.kill(handle)
 
