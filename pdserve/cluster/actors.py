@@ -246,7 +246,8 @@ class DecodeActor(_WorkerActor):
                                           pool.engine_config("decode", _device()),
                                           settings.transfer, settings.receiver_options(),
                                           settings.kv_timeout_s, settings.host(),
-                                          _cores(pool), settings.tracer("decode", worker_id))
+                                          _cores(pool), settings.tracer("decode", worker_id),
+                                          settings.sender_options())
         self._adopt(self.decode_worker, settings)
 
     async def reserve(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -255,6 +256,27 @@ class DecodeActor(_WorkerActor):
                       ) -> Reservation | None:
         return await self.decode_worker.reserve(request_id, prompt_token_ids, params, local,
                                                 router_id, trace)
+
+    async def move_connect(self, worker_id: str, endpoint: dict[str, Any]) -> None:
+        await self.decode_worker.move_connect(worker_id, endpoint)
+
+    async def stage(self, stage_id: str, token_ids: Sequence[int],
+                    cache_salt: str | None) -> Reservation | None:
+        return await self.decode_worker.stage(stage_id, token_ids, cache_salt)
+
+    async def unstage(self, stage_id: str) -> None:
+        await self.decode_worker.unstage(stage_id)
+
+    async def reserve_moved(self, request_id: str, token_ids: Sequence[int],
+                            params: SamplingParams, router_id: str = "",
+                            trace: Carrier | None = None) -> Reservation | None:
+        return await self.decode_worker.reserve_moved(request_id, token_ids, params,
+                                                      router_id, trace)
+
+    async def move_out(self, request_id: str, send_id: str, worker_id: str,
+                       first_block: int, dst_blocks: Sequence[int], stop: bool) -> int:
+        return await self.decode_worker.move_out(request_id, send_id, worker_id,
+                                                 first_block, dst_blocks, stop)
 
 
 class ColocatedActor(_WorkerActor):
@@ -349,6 +371,27 @@ class RayWorker:
                       ) -> Reservation | None:
         return await self._call("reserve", request_id, list(prompt_token_ids), params,
                                 local, router_id, trace)
+
+    async def move_connect(self, worker_id: str, endpoint: dict[str, Any]) -> None:
+        await self._call("move_connect", worker_id, endpoint)
+
+    async def stage(self, stage_id: str, token_ids: Sequence[int],
+                    cache_salt: str | None) -> Reservation | None:
+        return await self._call("stage", stage_id, list(token_ids), cache_salt)
+
+    async def unstage(self, stage_id: str) -> None:
+        await self._call("unstage", stage_id)
+
+    async def reserve_moved(self, request_id: str, token_ids: Sequence[int],
+                            params: SamplingParams, router_id: str = "",
+                            trace: Carrier | None = None) -> Reservation | None:
+        return await self._call("reserve_moved", request_id, list(token_ids), params,
+                                router_id, trace)
+
+    async def move_out(self, request_id: str, send_id: str, worker_id: str,
+                       first_block: int, dst_blocks: Sequence[int], stop: bool) -> int:
+        return int(await self._call("move_out", request_id, send_id, worker_id, first_block,
+                                    list(dst_blocks), stop))
 
     async def admit(self, request_id: str, prompt_token_ids: Sequence[int],
                     params: SamplingParams, router_id: str = "",

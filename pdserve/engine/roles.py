@@ -87,6 +87,39 @@ class DisaggregatedRoles:
                                            [] if first_logprobs is None else [first_logprobs]))
 
     @replicated
+    def start_moved(self, request_id: str) -> None:
+        """Decode role: the KV of a request moved from another decode worker is in its
+        reserved blocks, but for its last token's: that token is computed and the next
+        one sampled by this engine's next step (``Scheduler.start_moved``)."""
+        req = self.requests[request_id]
+        if req.status is not RequestStatus.WAITING_FOR_KV:
+            raise ValueError(f"request {request_id!r} is {req.status.value}, not waiting for KV")
+        self.scheduler.start_moved(req)
+
+    @replicated
+    def stage(self, block_hashes: Sequence[int]) -> tuple[list[int], int] | None:
+        """Decode role, the first phase of a move: blocks for another engine's full
+        blocks of a running sequence (their chained hashes), so they can be copied
+        while it keeps decoding there. The leading ones this pool's prefix cache holds
+        are shared; the rest are fresh, to be written from outside and then
+        ``register``-ed. All are held (one reference) until ``unpin``. Returns (blocks,
+        how many were shared), or ``None`` without a prefix cache or room."""
+        if not self.pool.enable_prefix_caching:
+            return None
+        hits = self.pool.lookup(block_hashes)
+        self.pool.acquire(hits)  # before allocating: an allocation may evict cached blocks
+        fresh = self.pool.allocate(len(block_hashes) - len(hits))
+        if fresh is None:
+            self.pool.free(hits)
+            return None
+        return [*hits, *fresh], len(hits)
+
+    @replicated
+    def register(self, block_ids: Sequence[int], block_hashes: Sequence[int]) -> None:
+        """Enter held, written blocks into the prefix cache under these hashes."""
+        self.pool.register(list(block_ids), list(block_hashes))
+
+    @replicated
     def reserve_draft(self, request_id: str) -> list[int]:
         """Decode role, after ``reserve``: the draft model's blocks for the prompt's
         draft KV, which the prefill worker sends with the target's ([] without a draft

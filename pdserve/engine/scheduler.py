@@ -134,6 +134,17 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 
+    def start_moved(self, req: Request) -> None:
+        """Decode role: a request moved here from another decode worker, its KV in
+        ``req.block_ids`` for every token but the last (the one sampled last, whose KV
+        the next step computes): it runs from the next step on, that token a prefill
+        chunk of one, its next token sampled here."""
+        del self.waiting_for_kv[req.request_id]
+        req.num_computed_tokens = req.num_tokens - 1
+        req.status = RequestStatus.RUNNING
+        self._register_full_blocks(req)
+        self.running.append(req)
+
     def room_for(self, num_prompt_tokens: int) -> bool:
         """Colocated admission: whether a prompt's blocks fit in the free pool beside
         the blocks the waiting requests still need."""

@@ -50,7 +50,22 @@ class DeadlinePassed:
     """The request's deadline passed (the attempt's timer)."""
 
 
-Event = RequestDelta | PrefillAnswered | HandoffAnswered | WorkerFailed | DeadlinePassed
+@dataclass(frozen=True, slots=True)
+class MoveRequested:
+    """Move the request to another decode worker (``router/migration.py``): ``reason``
+    "drain" (its worker is leaving) or "rebalance"."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PrecopyDone:
+    """A move's first phase (its full blocks copied while it decodes) ended, or failed:
+    in the move's ``error``."""
+
+
+Event = (RequestDelta | PrefillAnswered | HandoffAnswered | WorkerFailed | DeadlinePassed
+         | MoveRequested | PrecopyDone)
 
 
 # --------------------------------------------------------------------- the states
@@ -95,6 +110,11 @@ class Attempt:
     @property
     def finished(self) -> bool:
         return self.phase is Phase.FINISHED
+
+    @property
+    def movable(self) -> bool:
+        """Decoding on its token worker alone: its KV can move to another."""
+        return self.phase is Phase.DECODING and self.leg in (Leg.NONE, Leg.HANDED_OFF)
 
     def delta(self, d: RequestDelta) -> RequestDelta:
         """The token worker's delta: what of it goes to the client. An error it

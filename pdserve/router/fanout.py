@@ -19,7 +19,7 @@ from collections import deque
 
 from pdserve.failures import FailReason
 from pdserve.messages import RequestDelta
-from pdserve.router.attempt import Event, WorkerFailed
+from pdserve.router.attempt import Event, MoveRequested, WorkerFailed
 
 
 class Inbox:
@@ -83,6 +83,17 @@ class Fanout:
         for inbox in self._inboxes.values():
             if worker_id in inbox.workers:
                 inbox.push(failure)
+
+    def request_moves(self, worker_id: str, reason: str) -> int:
+        """Ask every attempt whose tokens come from ``worker_id`` to move elsewhere
+        (``MoveRequested``; each moves once it can). Returns how many were asked."""
+        event = MoveRequested(reason)
+        asked = 0
+        for inbox in self._inboxes.values():
+            if inbox.workers[:1] == (worker_id,):
+                inbox.push(event)
+                asked += 1
+        return asked
 
     def workers_of(self, request_id: str) -> set[str]:
         """The workers serving the attempts of a client request now."""

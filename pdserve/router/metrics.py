@@ -211,6 +211,26 @@ class RouterMetrics:
             (*_LABELS, "pool"),
             registry=registry,
         )
+        self._moves = Counter(
+            "pdserve_request_moves",
+            "Running requests moved to another decode worker with their KV, by reason "
+            "(drain, rebalance) and outcome (moved; abandoned: it stayed where it was; "
+            "failed: its attempt on the new worker failed before a token, and retried).",
+            (*_LABELS, "reason", "outcome"),
+            registry=registry,
+        )
+        self._move_bytes = Counter(
+            "pdserve_request_move_kv_bytes",
+            "KV bytes sent between decode workers for moved requests.",
+            _LABELS,
+            registry=registry,
+        ).labels(**labels)
+        self._move_pause = histogram(
+            "pdserve_request_move_pause_seconds",
+            "Router: a moved request's pause, from its last token read from the old decode "
+            "worker's stream to its first from the new one.",
+            TOKEN_BUCKETS,
+        )
         self._labels = labels
         self._registry = registry
         self.vllm: VllmMetrics | None = None  # vLLM's names, once a router serves these
@@ -230,6 +250,14 @@ class RouterMetrics:
     def observe_placement(self, where: str, reason: str) -> None:
         """One attempt admitted: where its prompt is computed, and why."""
         self._placements.labels(**self._labels, where=where, reason=reason).inc()
+
+    def observe_move(self, reason: str, outcome: str, kv_bytes: int = 0,
+                     pause_s: float | None = None) -> None:
+        """A move of a running request ended: ``outcome`` moved | abandoned | failed."""
+        self._moves.labels(**self._labels, reason=reason, outcome=outcome).inc()
+        self._move_bytes.inc(kv_bytes)
+        if pause_s is not None:
+            self._move_pause.observe(pause_s)
 
     def observe_worker(self, worker: str, pool: str, what: str, in_routing: int) -> None:
         """A worker joined, rejoined after a restart ("restarted") or left routing."""

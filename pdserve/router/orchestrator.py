@@ -48,19 +48,24 @@ from pdserve.engine.output import OutputProcessor
 from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.engine.sampling.stop import StopDecision
 from pdserve.engine.tokenizer import Tokenizer
-from pdserve.failures import AttemptFailed, FailReason, WorkerGone
-from pdserve.messages import FirstToken, PrefillResult, PrefillTask, RequestDelta, TokenLogprob
+from pdserve.failures import AttemptFailed, FailReason
+from pdserve.messages import PrefillTask, RequestDelta, TokenLogprob
 from pdserve.router.admission import Admission
 from pdserve.router.attempt import (
     Attempt,
     DeadlinePassed,
     HandoffAnswered,
     Leg,
+    MoveRequested,
+    PrecopyDone,
     PrefillAnswered,
     WorkerFailed,
 )
 from pdserve.router.fanout import Fanout, Inbox
+from pdserve.router.migration import Handover, Move, Moved
+from pdserve.router.placing import Target
 from pdserve.router.policies import PrefixIndex, RouteInput
+from pdserve.router.prefill_leg import PrefillLeg, PrefillLegs
 from pdserve.router.trace import RequestTrace
 from pdserve.router.types import (
     ErrorKind,
@@ -72,10 +77,10 @@ from pdserve.router.types import (
     Usage,
 )
 from pdserve.router.workers import WorkerSet, WorkerState
-from pdserve.tracing import Tracing
+from pdserve.tracing import Carrier, Tracing
 
 log = logging.getLogger("pdserve.router")
-LATE_PREFILL_WAIT_S = 5.0  # P's timings may come after a request done in a token or two
+MAX_MOVES = 16  # moves of one request to another decode worker (drains, rebalancing)
 
 
 @dataclass
@@ -95,28 +100,8 @@ class Services:
     attempt_ids: itertools.count[int] = field(default_factory=itertools.count)
 
 
-@dataclass
-class _PrefillLeg:
-    """An attempt's prefill call (its first token, then its hand-off), counted against
-    its worker (by admission, which chose it) until settled."""
 
-    worker: WorkerState
-    future: asyncio.Future[FirstToken]  # P.prefill: the first token
-    request_id: str
-    num_tokens: int
-    decode_worker: str
-    first: FirstToken | None = None  # the future's answer, once taken
-    handoff: asyncio.Future[PrefillResult] | None = None  # P.handoff, once the token is in
-    settled: bool = False
-
-    def settle(self) -> None:
-        if not self.settled:
-            self.settled = True
-            self.worker.outstanding_tokens -= self.num_tokens
-            self.worker.outstanding_requests -= 1
-
-
-class RequestRun:
+class RequestRun(PrefillLegs):
     def __init__(self, s: Services, req: GenerateRequest, prompt: list[int], arrival: float,
                  deadline: float) -> None:
         self.s = s
@@ -133,6 +118,7 @@ class RequestRun:
         self.cached = 0
         self._last_token_at: float | None = None
         self._failed_on: set[str] = set()  # workers an attempt of this request failed on
+        self._moves = 0  # to another decode worker (router/migration.py), at most MAX_MOVES
         # prompt logprobs (asked for with params.prompt_logprobs): from the prefilling
         # worker; handed to the client once, with the first chunk
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -152,22 +138,26 @@ class RequestRun:
 
     async def _stream(self) -> AsyncIterator[StreamChunk | FinalChunk]:
         failures: list[AttemptFailed] = []
-        for attempt in range(self.s.max_retries + 1):
+        handover: Handover | None = None  # a move's: the next attempt is on its worker
+        while len(failures) <= self.s.max_retries:
             try:
-                async with contextlib.aclosing(self._attempt()) as deltas:
+                async with contextlib.aclosing(self._attempt(handover)) as deltas:
+                    handover = None
                     async for delta in deltas:
-                        chunk, final = self._process(delta, attempt)
+                        chunk, final = self._process(delta, len(failures))
                         if chunk is not None:
                             yield chunk
                         if final is not None:
                             yield final
                             return
+            except Moved as moved:  # not a failure: the stream goes on from the new worker
+                handover = moved.handover
             except AttemptFailed as exc:
                 failures.append(exc)
                 if self.s.metrics is not None:
                     self.s.metrics.observe_attempt_failed(exc.reason)
                 log.warning("request %s attempt %d failed (%s): %s", self.req.request_id,
-                            attempt, exc.reason.value, exc.message)
+                            len(failures) - 1, exc.reason.value, exc.message)
                 if time.monotonic() >= self.deadline:
                     break
         reasons = ", ".join(f.reason.value for f in failures)
@@ -175,12 +165,12 @@ class RequestRun:
                           f"request failed after {len(failures)} attempt(s): {reasons}")
 
     # ------------------------------------------------------------ one attempt
-    async def _attempt(self) -> AsyncGenerator[RequestDelta, None]:
+    async def _admit(self, ids: list[int], params: SamplingParams, hashes: list[int],
+                     ) -> tuple[str, Inbox, Target, Carrier | None]:
+        """A new attempt: its id, its inbox, where it runs (admission), its trace."""
         s = self.s
         # unique per attempt, and among routers serving the same workers
         aid = f"{self.req.request_id}#{next(s.attempt_ids)}@{s.workers.router_id}"
-        ids, params = self.prompt + self.emitted, self._params_left()
-        hashes = prefix_block_hashes(ids, s.block_size, root=root_hash(params.cache_salt))
         route = RouteInput(len(ids), hashes, self.req.share_prefix, s.block_size)
         avoid = frozenset(self._failed_on)
         # Open before admitting: a colocated worker computes as soon as it admits, and
@@ -208,14 +198,31 @@ class RequestRun:
                              "pdserve.placement_reason": target.reason})
         if s.metrics is not None:
             s.metrics.observe_placement(target.placement, target.reason)
+        return aid, inbox, target, carrier
+
+    async def _attempt(self, handover: Handover | None = None,
+                       ) -> AsyncGenerator[RequestDelta, None]:
+        s = self.s
+        ids, params = self.prompt + self.emitted, self._params_left()
+        hashes = prefix_block_hashes(ids, s.block_size, root=root_hash(params.cache_salt))
+        if handover is None:
+            aid, inbox, target, carrier = await self._admit(ids, params, hashes)
+        else:  # moved here: the KV is in, the tokens come from the new worker's stream
+            aid, inbox, carrier = handover.attempt_id, handover.inbox, None
+            target = Target(handover.worker, handover.reservation, placement="moved",
+                            reason=handover.reason)
+            self.timings.worker = handover.worker.worker_id
+        token = target.worker
         local_pending = target.uncached if target.placement == "local" else 0
         timer = asyncio.get_running_loop().call_later(
             max(0.0, self.deadline - time.monotonic()), inbox.push, DeadlinePassed())
         r = target.reservation
         # a decode worker not computing the prompt itself: its KV comes from P
         att = Attempt(self.req.request_id, aid, token.worker_id,
-                      remote=r is not None and not r.local)
-        leg: _PrefillLeg | None = None
+                      remote=r is not None and not r.local and handover is None)
+        leg: PrefillLeg | None = None
+        move: Move | None = None
+        wanted: str | None = None  # a move asked for, to start once the attempt can move
         try:
             if r is not None and att.leg is Leg.PREFILLING:
                 p = target.prefill
@@ -227,6 +234,8 @@ class RequestRun:
                     carrier), hashes)
             wants_prompt = params.prompt_logprobs is not None
             while True:
+                if wanted is not None and att.movable:
+                    move, wanted = self._start_move(token, aid, wanted, inbox), None
                 event = await inbox.get()
                 match event:
                     case RequestDelta() as delta:
@@ -235,6 +244,9 @@ class RequestRun:
                             local_pending = 0
                             target.first_token()
                         delta = att.delta(delta)
+                        if handover is not None and delta.token_ids:
+                            self._moved_in(handover, "moved")
+                            handover = None
                         if wants_prompt and self.prompt_logprobs is None and leg is not None:
                             await self._late_first(leg)  # the prompt's part comes first
                             if self.prompt_logprobs is None:
@@ -258,6 +270,17 @@ class RequestRun:
                         assert leg is not None  # only a prefill leg's call pushes it
                         att.handoff_answered()
                         self._handoff_done(leg)
+                    case MoveRequested(reason=reason):
+                        if (move is None and token.role == "decode"
+                                and self._moves < MAX_MOVES):
+                            wanted = reason
+                    case PrecopyDone():
+                        assert move is not None  # only a move's first phase pushes it
+                        handed = await self._finish_move(move)
+                        if handed is not None:
+                            move = None
+                            raise Moved(handed)
+                        move = None
                     case WorkerFailed() | DeadlinePassed():
                         att.fail(event)
                     case _:
@@ -269,6 +292,10 @@ class RequestRun:
             self.trace.attempt_ended(exc.reason.value, exc.message)
             raise
         finally:
+            if handover is not None:  # moved here, and ended before a token came
+                self._moved_in(handover, "failed")
+            if move is not None:
+                move.cancel()
             self.trace.attempt_ended()
             timer.cancel()
             s.fanout.close(aid)
@@ -287,6 +314,37 @@ class RequestRun:
             s.admission.wake()
             s.workers.attempt_ended()
 
+    # ---------------------------------------------------------------- moves
+    def _start_move(self, token: WorkerState, aid: str, reason: str,
+                    inbox: Inbox) -> Move | None:
+        """Phase 1 of a move (router/migration.py); None when nowhere to go."""
+        s = self.s
+        move = Move(s.workers, s.fanout, s.admission.ranking, token, aid, reason,
+                    s.block_size)
+        if move.start(self.prompt + self.emitted, self._params_left(), inbox):
+            return move
+        if s.metrics is not None:
+            s.metrics.observe_move(reason, "abandoned")
+        return None
+
+    async def _finish_move(self, move: Move) -> Handover | None:
+        """Phase 2: the tokens so far as the client has them go to the new worker."""
+        s = self.s
+        self._moves += 1
+        aid = f"{self.req.request_id}#{next(s.attempt_ids)}@{s.workers.router_id}"
+        handed = await move.finish(aid, self.prompt + self.emitted, self._params_left(), None)
+        if handed is None and s.metrics is not None:
+            s.metrics.observe_move(move.reason, "abandoned")
+        return handed
+
+    def _moved_in(self, handover: Handover, outcome: str) -> None:
+        """A moved request's first token on its new worker came ("moved": the pause
+        since the router stopped reading the old one), or its attempt ended first."""
+        if self.s.metrics is not None:
+            self.s.metrics.observe_move(handover.reason, outcome, handover.kv_bytes,
+                                        time.monotonic() - handover.stopped_at
+                                        if outcome == "moved" else None)
+
     def _held_by(self, token: WorkerState, last: list[int], hashes: list[int]) -> None:
         """The token worker's prefix cache now holds this request's prompt and output
         (up to ``last``, the final delta's tokens) but the very last token, whose KV was
@@ -300,92 +358,6 @@ class RequestRun:
             prefix_block_hashes(held, bs, hashes[: len(held) // bs],
                                 root_hash(self.req.params.cache_salt)), token.worker_id)
 
-    def _start_prefill(self, p: WorkerState, inbox: Inbox, task: PrefillTask,
-                       hashes: list[int]) -> _PrefillLeg:
-        self.s.fanout.attach(task.request_id, p.worker_id)
-        self.s.prefix.record(hashes, p.worker_id)
-        fut = asyncio.ensure_future(p.prefill.prefill(task))
-        fut.add_done_callback(lambda _: inbox.push(PrefillAnswered()))
-        return _PrefillLeg(p, fut, task.request_id, len(task.prompt_token_ids),
-                           task.decode_worker)
-
-    def _start_handoff(self, leg: _PrefillLeg, inbox: Inbox | None) -> None:
-        if leg.handoff is None:
-            leg.handoff = asyncio.ensure_future(leg.worker.prefill.handoff(leg.request_id))
-            if inbox is not None:
-                leg.handoff.add_done_callback(lambda _: inbox.push(HandoffAnswered()))
-
-    def _first_done(self, leg: _PrefillLeg) -> FirstToken:
-        """P's first token (and its timings, prompt logprobs); raises what failed."""
-        if leg.first is None:
-            first = leg.first = self._answer(leg, leg.future)
-            t = self.timings
-            t.prefill_queue, t.prefill = first.prefill_queue_s, first.prefill_s
-            self.cached = self.cached or first.num_cached_tokens
-            self._got_prompt_logprobs(first.prompt_logprobs)
-            if first.token_id is None:  # nothing handed off
-                self._settle(leg)
-        return leg.first
-
-    def _handoff_done(self, leg: _PrefillLeg) -> None:
-        """P's hand-off ended: the decode worker has the KV (or it failed: raises)."""
-        assert leg.handoff is not None
-        try:
-            res = self._answer(leg, leg.handoff)
-        finally:
-            self._settle(leg)
-        self.timings.kv_transfer, self.timings.kv_bytes = res.kv_transfer_s, res.kv_bytes
-
-    def _settle(self, leg: _PrefillLeg) -> None:
-        leg.settle()
-        self.s.workers.attempt_ended()  # a draining prefill worker may be done now
-        self.s.fanout.detach(leg.request_id, leg.worker.worker_id)  # P may leave now
-
-    def _answer(self, leg: _PrefillLeg, fut: asyncio.Future[Any]) -> Any:
-        """One of P's answers, or the failure it means for the attempt."""
-        p = leg.worker
-        if fut.cancelled():
-            raise AttemptFailed(FailReason.ABORTED, f"{p.worker_id}: call cancelled")
-        exc = fut.exception()
-        if exc is None:
-            return fut.result()
-        if isinstance(exc, ValueError):
-            raise RouterError(ErrorKind.INVALID, str(exc)) from exc
-        if isinstance(exc, WorkerGone):
-            self.s.workers.gone(p.worker_id, str(exc))
-            raise AttemptFailed(FailReason.WORKER_DIED, f"{p.worker_id}: {exc}") from exc
-        if isinstance(exc, AttemptFailed):
-            if exc.reason in (FailReason.PEER_DIED, FailReason.NOT_CONNECTED):
-                self.s.workers.channel_lost(p.worker_id, leg.decode_worker)
-            raise exc
-        raise AttemptFailed(FailReason.TRANSPORT, f"{p.worker_id}: {exc!r}") from exc
-
-    async def _late_first(self, leg: _PrefillLeg) -> None:
-        """A decode worker's tokens came before P's first-token answer: wait for it
-        (the prompt's logprobs and P's timings are in it)."""
-        if leg.first is not None:
-            return
-        with contextlib.suppress(Exception):  # a failure is _first_done's to map
-            async with asyncio.timeout(LATE_PREFILL_WAIT_S):
-                await asyncio.shield(leg.future)
-        if leg.future.done():
-            self._first_done(leg)
-
-    async def _late_prefill(self, leg: _PrefillLeg | None) -> None:
-        """The request ended; P's answers (its timings) may not be in yet."""
-        if leg is None or leg.settled:
-            return
-        with contextlib.suppress(RouterError, AttemptFailed):  # a late failure is moot
-            await self._late_first(leg)
-            if leg.first is None:
-                return
-            self._start_handoff(leg, None)
-            assert leg.handoff is not None
-            with contextlib.suppress(Exception):
-                async with asyncio.timeout(LATE_PREFILL_WAIT_S):
-                    await asyncio.shield(leg.handoff)
-            if leg.handoff.done():
-                self._handoff_done(leg)
 
     # --------------------------------------------------------------- tokens
     def _process(self, delta: RequestDelta, attempt: int,

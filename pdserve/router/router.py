@@ -70,6 +70,10 @@ class RouterConfig:
     # times, queues and the SLOs; "static" -- always a prefill worker (but for the
     # rule above): the decision off.
     placement: str = "measured"
+    # A decode worker drained (``pdserve scale``, the autoscaler) moves its running
+    # requests to the others with their KV (router/migration.py) instead of waiting for
+    # them to finish; False: it waits (up to the drain timeout, then they fail over).
+    move_on_drain: bool = True
 
     def __post_init__(self) -> None:
         get_policy(self.policy)
@@ -186,8 +190,11 @@ class Router:
 
     async def drain_worker(self, worker_id: str, timeout_s: float) -> int:
         """No new requests for ``worker_id``; once its attempts end (or ``timeout_s``
-        passes: they fail over) it leaves for good. Returns the number cut off."""
-        return await self.workers.drain(worker_id, timeout_s)
+        passes: they fail over) it leaves for good. Returns the number cut off. A
+        decode worker's running requests move to the others first (``move_on_drain``)."""
+        evacuate = ((lambda: self.fanout.request_moves(worker_id, "drain"))
+                    if self.config.move_on_drain else None)
+        return await self.workers.drain(worker_id, timeout_s, evacuate)
 
     def metrics_targets(self) -> dict[str, tuple[str, int]]:
         """worker id -> its ``/metrics`` (host, port), for the workers joined (a

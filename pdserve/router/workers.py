@@ -165,14 +165,18 @@ class WorkerSet:
         self._tasks.append(asyncio.create_task(self._probe_loop(w), name=f"probe-{w.worker_id}"))
         return w
 
-    async def drain(self, worker_id: str, timeout_s: float) -> int:
-        """Take ``worker_id`` out of routing for new requests, wait (at most
-        ``timeout_s``) until none of its attempts is left, then remove it: its
-        channels close with nothing in flight. Attempts still on it at the timeout
-        fail over (retried elsewhere). Returns how many were cut off."""
+    async def drain(self, worker_id: str, timeout_s: float,
+                    evacuate: Callable[[], object] | None = None) -> int:
+        """Take ``worker_id`` out of routing for new requests, ``evacuate`` it (its
+        attempts asked to move elsewhere), wait (at most ``timeout_s``) until none of
+        its attempts is left, then remove it: its channels close with nothing in
+        flight. Attempts still on it at the timeout fail over (retried elsewhere).
+        Returns how many were cut off."""
         w = self.workers[worker_id]
         w.draining = True
         self._on_change(w, "draining")
+        if evacuate is not None:
+            evacuate()
         deadline = time.monotonic() + timeout_s
         while w.alive and w.outstanding_requests > 0 and time.monotonic() < deadline:
             self._drained.clear()

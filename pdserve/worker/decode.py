@@ -51,15 +51,19 @@ from pdserve.output_stream import OutputServer
 from pdserve.tracing import Carrier, Tracing
 from pdserve.worker.core_share import CoreShare
 from pdserve.worker.loop import WorkerLoop, delta_of, prefill_stages
+from pdserve.worker.moves import Moving
 
 log = logging.getLogger("pdserve.decode_worker")
 
 
-class DecodeWorker(WorkerLoop):
+class DecodeWorker(Moving, WorkerLoop):
     def __init__(self, worker_id: str, model_dir: str | Path, config: EngineConfig,
                  transfer: str = "local", transfer_options: dict[str, Any] | None = None,
                  kv_timeout_s: float = 30.0, host: str = "127.0.0.1",
-                 cores: CoreShare | None = None, tracing: Tracing | None = None) -> None:
+                 cores: CoreShare | None = None, tracing: Tracing | None = None,
+                 send_options: dict[str, Any] | None = None) -> None:
+        """``send_options``: the transfer's sender options, for the requests this worker
+        moves to another (moves.py; default: ``kv_timeout_s`` as the send timeout)."""
         super().__init__("decode", worker_id, model_dir, config, cores, tracing)
         self.kv_timeout_s = kv_timeout_s
         self.receiver = cast(KVReceiver, self._on_loop_now(
@@ -71,6 +75,8 @@ class DecodeWorker(WorkerLoop):
         self._expecting: set[str] = set()  # reserved; the receiver has not reported it
         self._aborted: set[str] = set()  # ... of those, aborted: free on the report
         self._received: dict[str, float] = {}  # prefilled here: reserved at (until its first token)
+        self._init_moves(transfer, send_options if send_options is not None
+                         else {"timeout_s": kv_timeout_s})
         self.start()
 
     # ------------------------------------------------------------ async API
@@ -96,6 +102,7 @@ class DecodeWorker(WorkerLoop):
     def close(self) -> None:
         self.stop()
         self.transfer.close()
+        self._close_moves()
         self.outputs.close()
 
     # ------------------------------------------------------------- loop side
@@ -156,6 +163,8 @@ class DecodeWorker(WorkerLoop):
         for ev in events:
             rid = ev.request_id
             self._expecting.discard(rid)
+            if self._moved_arrived(ev, batch):
+                continue
             if rid in self._aborted:  # nobody waits for it; its blocks can be reused now
                 self._aborted.discard(rid)
                 self.engine.abort(rid)
