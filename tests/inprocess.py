@@ -61,15 +61,20 @@ class Pair:
 
 
 async def collect(stream: AsyncIterator[StreamChunk | FinalChunk]) -> tuple[list[int], str, FinalChunk]:
+    """Read a stream to its end, as the front ends do (the run's cleanup -- its
+    workers' counts, which a drain waits on -- runs when the generator ends)."""
     tokens: list[int] = []
     text = ""
+    final: FinalChunk | None = None
     async for item in stream:
+        assert final is None, "a chunk after the final one"
         if isinstance(item, StreamChunk):
             tokens += item.token_ids
             text += item.text
         else:
-            return tokens, text, item
-    raise AssertionError("no final chunk")
+            final = item
+    assert final is not None, "no final chunk"
+    return tokens, text, final
 
 
 def run(pair: Pair, body: Callable[[Router], object]) -> object:

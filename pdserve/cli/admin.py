@@ -2,6 +2,7 @@
 server's ``/admin/`` API (``pdserve.router.http.admin``).
 
 ``pdserve scale --prefill N --decode M --colocated K`` sets the pools' target sizes
+(``--remove WORKER``: that worker is the one that leaves)
 and waits until the server reports them reached (or ``--timeout`` passes, or the
 server reports a scaling error); ``--no-wait`` returns at once. ``pdserve workers``
 lists every worker. Both send ``--api-key`` (default ``$PDSERVE_API_KEY``) as a
@@ -26,6 +27,9 @@ def add_scale_arguments(p: argparse.ArgumentParser) -> None:
     _add_common(p)
     for pool in ("prefill", "decode", "colocated"):
         p.add_argument(f"--{pool}", type=int, default=None, help=f"target {pool} workers")
+    p.add_argument("--remove", action="append", default=[], metavar="WORKER",
+                   help="this worker leaves (its pool shrinks by one unless its size is "
+                        "given; a decode worker's requests move to the others); repeatable")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds to wait for the targets (default 600)")
     p.add_argument("--no-wait", action="store_true", help="set the targets and return")
@@ -44,10 +48,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def run_scale(args: argparse.Namespace) -> int:
-    changes = {pool: n for pool in ("prefill", "decode", "colocated")
-               if (n := getattr(args, pool)) is not None}
+    changes: dict[str, Any] = {pool: n for pool in ("prefill", "decode", "colocated")
+                               if (n := getattr(args, pool)) is not None}
+    if args.remove:
+        changes["remove"] = args.remove
     if not changes:
-        raise ValueError("give --prefill, --decode and/or --colocated")
+        raise ValueError("give --prefill, --decode, --colocated and/or --remove")
     status = _call(args, "POST", "/admin/scale", changes)
     deadline = time.monotonic() + args.timeout
     while not args.no_wait and not status["reached"] and status["error"] is None:

@@ -49,6 +49,7 @@ class Scaler:
         self._wake = asyncio.Event()
         self._busy = False
         self._task: asyncio.Task[None] | None = None
+        self._remove: set[str] = set()  # workers named to leave first
 
     # --------------------------------------------------------------- the API
     def current(self) -> dict[str, int]:
@@ -63,12 +64,23 @@ class Scaler:
 
     def set_targets(self, changes: dict[str, Any]) -> dict[str, Any]:
         """Set some pools' target sizes (others keep theirs); ``ValueError`` naming
-        the problem for a bad pool name or size, or sizes that leave nothing serving."""
+        the problem for a bad pool name or size, or sizes that leave nothing serving.
+        ``"remove": [worker ids]`` names the workers that leave (a rolling restart
+        drains one at a time; a decode worker's requests move with their KV to the
+        others): each one's pool shrinks by one unless its size is given."""
         if not isinstance(changes, dict) or not changes:
             raise ValueError(f"give target sizes for one or more of {list(ROLES)}")
+        changes = dict(changes)
+        remove = self._named(changes.pop("remove", []))
         unknown = sorted(set(changes) - set(ROLES))
         if unknown:
-            raise ValueError(f"unknown pool(s) {unknown}; pools are {list(ROLES)}")
+            raise ValueError(f"unknown pool(s) {unknown}; pools are {list(ROLES)} "
+                             f"(and 'remove')")
+        current = self.current()
+        for role in ROLES:
+            named = sum(self.cluster.roles[wid] == role for wid in remove)
+            if named and role not in changes:
+                changes[role] = current[role] - named
         for role, n in changes.items():
             if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= self.max_workers:
                 raise ValueError(f"{role} must be a whole number of workers in "
@@ -81,9 +93,22 @@ class Scaler:
         if targets["prefill"] == 0 and targets["colocated"] == 0:
             raise ValueError("these sizes leave no worker serving")
         self.targets = targets
+        self._remove |= remove
         self._last = _Round()
         self._wake.set()
         return self.status()
+
+    def _named(self, ids: Any) -> set[str]:
+        """The worker ids of a ``remove`` list, checked."""
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            raise ValueError(f"remove must be a list of worker ids, got {ids!r}")
+        states = self.router.workers.workers
+        for wid in ids:
+            if wid not in self.cluster.roles:
+                raise ValueError(f"no worker {wid!r}; workers are {sorted(self.cluster.roles)}")
+            if wid in states and states[wid].draining:
+                raise ValueError(f"worker {wid!r} is leaving already")
+        return set(ids)
 
     def workers(self) -> list[dict[str, Any]]:
         """Every worker the router knows (``/admin/workers``)."""
@@ -155,16 +180,17 @@ class Scaler:
         log.info("worker %s (%s) added", handle.worker_id, role)
 
     def _victims(self, role: str, n: int) -> list[str]:
-        """The ``n`` workers of ``role`` to drain: those out of routing (down,
-        restarting) first, then the fewest requests, then the newest."""
+        """The ``n`` workers of ``role`` to drain: those named (``remove``) first,
+        then those out of routing (down, restarting), then the fewest requests, then
+        the newest."""
         states = self.router.workers.workers
         ids = [wid for wid, r in self.cluster.roles.items()
                if r == role and not (wid in states and states[wid].draining)]
 
-        def key(wid: str) -> tuple[bool, int, int]:
+        def key(wid: str) -> tuple[bool, bool, int, int]:
             w = states.get(wid)
-            return (w is not None and w.alive, w.outstanding_requests if w else 0,
-                    -int(wid.rsplit("-", 1)[1]))
+            return (wid not in self._remove, w is not None and w.alive,
+                    w.outstanding_requests if w else 0, -int(wid.rsplit("-", 1)[1]))
 
         return sorted(ids, key=key)[:n]
 
@@ -174,6 +200,7 @@ class Scaler:
         if worker_id in self.router.workers.workers:
             cut = await self.router.drain_worker(worker_id, self.drain_timeout_s)
         await asyncio.to_thread(self.cluster.remove_worker, worker_id)
+        self._remove.discard(worker_id)
         log.info("worker %s removed%s", worker_id,
                  f" ({cut} request(s) failed over at the drain timeout)" if cut else "")
         return cut

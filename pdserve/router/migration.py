@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -125,6 +126,8 @@ class Move:
             await self._unstage()
             return None
         stopped = time.monotonic()
+        # (the prompt's logprobs went out with the first token: none to compute there)
+        params = dataclasses.replace(params, prompt_logprobs=None)
         inbox = self.fanout.open(attempt_id, (b.worker_id,))
         b.outstanding_requests += 1
         kept = False

@@ -36,21 +36,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any, assert_never
+from typing import assert_never
 
 from pdserve.engine.block_pool import prefix_block_hashes, root_hash
 from pdserve.engine.output import OutputProcessor
 from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.engine.sampling.stop import StopDecision
-from pdserve.engine.tokenizer import Tokenizer
 from pdserve.failures import AttemptFailed, FailReason
 from pdserve.messages import PrefillTask, RequestDelta, TokenLogprob
-from pdserve.router.admission import Admission
 from pdserve.router.attempt import (
     Attempt,
     DeadlinePassed,
@@ -61,11 +57,12 @@ from pdserve.router.attempt import (
     PrefillAnswered,
     WorkerFailed,
 )
-from pdserve.router.fanout import Fanout, Inbox
+from pdserve.router.fanout import Inbox
 from pdserve.router.migration import Handover, Move, Moved
 from pdserve.router.placing import Target
-from pdserve.router.policies import PrefixIndex, RouteInput
+from pdserve.router.policies import RouteInput
 from pdserve.router.prefill_leg import PrefillLeg, PrefillLegs
+from pdserve.router.services import Services
 from pdserve.router.trace import RequestTrace
 from pdserve.router.types import (
     ErrorKind,
@@ -76,29 +73,11 @@ from pdserve.router.types import (
     StreamChunk,
     Usage,
 )
-from pdserve.router.workers import WorkerSet, WorkerState
-from pdserve.tracing import Carrier, Tracing
+from pdserve.router.workers import WorkerState
+from pdserve.tracing import Carrier
 
 log = logging.getLogger("pdserve.router")
 MAX_MOVES = 16  # moves of one request to another decode worker (drains, rebalancing)
-
-
-@dataclass
-class Services:
-    """What every request's orchestration shares (owned by ``Router``)."""
-
-    workers: WorkerSet
-    admission: Admission
-    fanout: Fanout
-    prefix: PrefixIndex
-    tokenizer: Tokenizer
-    block_size: int
-    max_retries: int
-    metrics: Any = None  # RouterMetrics or None
-    tracing: Tracing | None = None  # tracing.py: None when off
-    model: str = ""  # the served model's name (in traces)
-    attempt_ids: itertools.count[int] = field(default_factory=itertools.count)
-
 
 
 class RequestRun(PrefillLegs):

@@ -17,7 +17,7 @@ from pdserve.router.types import ErrorKind, RouterError, StageTimings
 from pdserve.router.workers import WorkerState
 
 if TYPE_CHECKING:
-    from pdserve.router.orchestrator import Services
+    from pdserve.router.services import Services
 
 LATE_PREFILL_WAIT_S = 5.0  # P's timings may come after a request done in a token or two
 

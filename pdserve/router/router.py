@@ -33,9 +33,10 @@ from pdserve.messages import ServingLimits, WorkerLoad
 from pdserve.router.admission import Admission
 from pdserve.router.clients import WorkerHandle
 from pdserve.router.fanout import Fanout
-from pdserve.router.orchestrator import RequestRun, Services
+from pdserve.router.orchestrator import RequestRun
 from pdserve.router.placement import MODES, Slo
 from pdserve.router.policies import PrefixIndex, get_policy
+from pdserve.router.services import Services
 from pdserve.router.types import (
     ErrorKind,
     FinalChunk,

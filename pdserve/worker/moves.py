@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -39,7 +40,7 @@ from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.failures import AttemptFailed, FailReason
 from pdserve.kv_transfer import KVSender, RecvEvent, SendEvent
 from pdserve.kv_transfer.driver import ChannelThread
-from pdserve.messages import RequestDelta, Reservation
+from pdserve.messages import RequestDelta, Reservation, WorkerMetrics
 from pdserve.tracing import Carrier
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     from pdserve.tracing import Marks
 
 log = logging.getLogger("pdserve.decode_worker")
+STAGE_KEEP_KV_TIMEOUTS = 2
 
 
 class Mover:
@@ -138,7 +140,8 @@ class Moving:
 
     def _init_moves(self, transfer: str, options: dict[str, Any] | None) -> None:
         self._transfer_kind = (transfer, options)
-        self._staged: dict[str, tuple[list[int], list[int], int]] = {}  # blocks, hashes, shared
+        # stage id -> its blocks, their hashes, how many were shared, when staged
+        self._staged: dict[str, tuple[list[int], list[int], int, float]] = {}
         self._moved: set[str] = set()  # reserved moves whose tail KV is to land
 
     def can_move(self) -> bool:
@@ -199,7 +202,7 @@ class Moving:
         if not self._expect(stage_id, blocks[shared:]):
             self.engine.unpin(blocks)
             return None
-        self._staged[stage_id] = (blocks, hashes, shared)
+        self._staged[stage_id] = (blocks, hashes, shared, time.monotonic())
         return Reservation(blocks, shared)
 
     def _unstage(self, stage_id: str) -> None:
@@ -270,7 +273,7 @@ class Moving:
         """A stage's or a moved request's KV landed (or failed); False: not a move's."""
         rid = ev.request_id
         if rid in self._staged:
-            blocks, hashes, shared = self._staged[rid]
+            blocks, hashes, shared, _ = self._staged[rid]
             if rid in self._aborted:  # unstaged while in flight
                 self._aborted.discard(rid)
                 del self._staged[rid]
@@ -291,6 +294,19 @@ class Moving:
             return True
         self.engine.start_moved(rid)
         return True
+
+    def _before_publish(self, m: WorkerMetrics) -> None:
+        """(The loop's periodic hook.) A stage its router never claimed nor dropped
+        -- the router died, or lost this worker for a while -- is dropped after
+        ``STAGE_KEEP_KV_TIMEOUTS`` transfer timeouts: a move's first phase ends within
+        one, and its second follows at once."""
+        now = time.monotonic()
+        keep = STAGE_KEEP_KV_TIMEOUTS * self.kv_timeout_s
+        for stage_id in [k for k, v in self._staged.items()
+                         if now - v[3] > keep and k not in self._aborted]:
+            log.warning("decode worker %s: stage %s unclaimed for %.0f s: dropped",
+                        self.worker_id, stage_id, keep)
+            self._unstage(stage_id)
 
     def _close_moves(self) -> None:
         if self._mover is not None:

@@ -8,13 +8,19 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampling.sampling_params import SamplingParams
+from pdserve.failures import FailReason, WorkerGone
 from pdserve.router.router import Router
 from pdserve.router.types import FinalChunk, GenerateRequest, StreamChunk
+from pdserve.worker.decode import DecodeWorker
 from tests.inprocess import Pair, collect, run
+from tests.waiting import until
 
 PROMPTS = [list(range(5, 45)), list(range(7, 60)), list(range(100, 130))]
 PARAMS = [SamplingParams(max_tokens=900, ignore_eos=True),
@@ -43,11 +49,96 @@ def counted_prefills(pair: Pair) -> list[str]:
     return asked
 
 
+@pytest.mark.parametrize("transfer", ["local", "torch"])
 def test_a_drained_decode_workers_requests_move_with_their_kv(
-        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:
-    want = expected(tiny_model)
-    pair = pair_factory(n_decode=2, decode_blocks=256)
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path],
+        transfer: str) -> None:
+    """(nixl: the served check, docs/operations.md; in one process UCX's teardown
+    needs a child of its own, as tests/integration/test_decode_accounting.py's.)"""
+    pair = pair_factory(n_decode=2, decode_blocks=256, transfer=transfer)
     asked = counted_prefills(pair)
+    source, finals = drain_mid_stream(pair, tiny_model)
+    for final in finals:
+        assert final.num_retries == 0
+        assert final.timings.worker != source  # every request ended on the other worker
+    assert len(asked) == len(PROMPTS)  # no prompt prefilled again
+    drained = next(d for d in pair.decode if d.worker_id == source)
+    assert not drained.engine.requests
+
+
+def fail_once(worker: object, method: str, after: bool,
+              then: Callable[[], None]) -> list[str]:
+    """``worker.method`` fails once, as the Ray proxy says a dead worker's call did
+    (``WorkerGone``): before the call or ``after`` it ran; ``then`` first (the router
+    learns the worker is gone). The ids it failed for."""
+    real = getattr(worker, method)
+    failed: list[str] = []
+
+    async def failing(request_id: str, *args: object) -> object:
+        if failed:
+            return await real(request_id, *args)
+        failed.append(request_id)
+        if after:
+            await real(request_id, *args)
+        then()
+        raise WorkerGone(f"test: {method} lost")
+
+    setattr(worker, method, failing)
+    return failed
+
+
+def test_a_move_whose_target_is_lost_before_the_stop_leaves_the_request_where_it_was(
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:
+    """The target is lost while it stages the full blocks: the move is given up, the
+    request decodes on where it was, and the stage's blocks on the (live) target go
+    once unclaimed for two transfer timeouts."""
+    pair = pair_factory(n_decode=2, decode_blocks=256, kv_timeout_s=1)
+    router = pair.router
+    lost: list[str] = []
+    for d in pair.decode:
+        fail_once(d, "stage", after=True, then=lambda d=d: (  # type: ignore[misc]
+            lost.append(d.worker_id), router.workers.gone(d.worker_id, "test")))
+    source, finals = drain_mid_stream(pair, tiny_model)
+    assert finals[0].num_retries == 0 and finals[0].timings.worker == source
+    (target,) = (d for d in pair.decode if d.worker_id != source)
+    assert lost == [target.worker_id]
+    until("the unclaimed stage's blocks are freed", lambda: target.engine.pool.num_used == 0,
+          timeout_s=30)
+
+
+def test_a_move_whose_source_dies_after_the_stop_fails_over(
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:
+    """The source lets the request go and dies before the tail is sent: the attempt
+    fails and retries as any other (from the tokens the client has), the target's
+    reservation freed."""
+    pair = pair_factory(n_decode=2, decode_blocks=256)
+    router = pair.router
+    died: list[str] = []
+    for d in pair.decode:
+        real = d.move_out
+
+        async def out(request_id: str, send_id: str, worker_id: str, first: int,
+                      dst: list[int], stop: bool, d: DecodeWorker = d,
+                      real: Callable[..., Any] = real) -> int:
+            if not stop or died:
+                return int(await real(request_id, send_id, worker_id, first, dst, stop))
+            died.append(request_id)
+            await real(request_id, send_id, worker_id, first, [], True)  # let it go
+            router.fanout.fail_worker(d.worker_id, FailReason.WORKER_DIED, "test")
+            raise WorkerGone("test: the source died")
+
+        d.move_out = out  # type: ignore[method-assign]
+    _, finals = drain_mid_stream(pair, tiny_model)
+    assert len(died) == 1
+    assert any(f.num_retries == 1 for f in finals)
+
+
+def drain_mid_stream(pair: Pair, tiny_model: Callable[[str], Path],
+                     ) -> tuple[str, list[FinalChunk]]:
+    """The three requests decode, then the decode worker of "r0" is drained while a
+    client reads on: every stream is the engine's alone, whatever happened to the
+    moves. The drained worker's id and the final chunks."""
+    want = expected(tiny_model)
 
     async def body(router: Router) -> tuple[str, list[tuple[list[int], FinalChunk]]]:
         streams = [router.generate(GenerateRequest(f"r{i}", params, prompt_token_ids=p))
@@ -62,16 +153,11 @@ def test_a_drained_decode_workers_requests_move_with_their_kv(
             heads.append(got)
         source = next(w for w in router.fanout.workers_of("r0") if w.startswith("decode"))
         reading = asyncio.gather(*(collect(s) for s in streams))  # (a client reads on)
-        cut = await router.drain_worker(source, timeout_s=60)
-        assert cut == 0
+        assert await router.drain_worker(source, timeout_s=60) == 0
         tails = await reading
         return source, [(h + t[0], t[2]) for h, t in zip(heads, tails, strict=True)]
 
     source, results = run(pair, body)  # type: ignore[misc]
-    for (tokens, final), reference in zip(results, want, strict=True):
+    for (tokens, _), reference in zip(results, want, strict=True):
         assert tokens == reference
-        assert final.num_retries == 0
-        assert final.timings.worker != source  # every request ended on the other worker
-    assert len(asked) == len(PROMPTS)  # no prompt prefilled again
-    drained = next(d for d in pair.decode if d.worker_id == source)
-    assert not drained.engine.requests
+    return source, [final for _, final in results]

@@ -1,5 +1,6 @@
 """Scaling a running Ray cluster through the admin API while load runs: 1P+1D ->
-1P+2D -> 2P+2D -> 1P+1D with ``pdserve scale`` (the CLI, over HTTP with an API key).
+1P+2D -> 2P+2D -> 1P+1D with ``pdserve scale`` (the CLI, over HTTP with an API key;
+the last step names the decode worker that leaves: its requests move to the other).
 No request fails, every one gets the engine's greedy tokens, the new workers serve,
 the drained ones leave, and no block is left in use."""
 
@@ -111,14 +112,16 @@ def test_scale_out_and_in_under_load(tiny_model: Callable[[str], Path],
             # (Blocking clients run on threads: the server shares this loop.)
             assert (await asyncio.to_thread(_get, f"{url}/admin/workers", None))[0] == 401
             for bad, message in ([["--decode", "0"], "come in pairs"],
-                                 [["--prefill", "-1"], "whole number"]):
+                                 [["--prefill", "-1"], "whole number"],
+                                 [["--remove", "decode-9"], "no worker 'decode-9'"]):
                 capsys.readouterr()
                 assert await asyncio.to_thread(
                     cli_main, ["scale", "--url", url, "--api-key", KEY, *bad]) == 2
                 assert message in capsys.readouterr().err
             load = [asyncio.create_task(client(c)) for c in range(CLIENTS)]
             steps = [(["--decode", "2"], "decode-1"), (["--prefill", "2"], "prefill-1"),
-                     (["--prefill", "1", "--decode", "1"], None)]
+                     # the first decode worker leaves, named (its requests move)
+                     (["--prefill", "1", "--remove", "decode-0"], None)]
             for flags, new in steps:
                 t0, n0 = time.monotonic(), len(done)
                 status = await asyncio.to_thread(scale, *flags)
@@ -139,6 +142,7 @@ def test_scale_out_and_in_under_load(tiny_model: Callable[[str], Path],
             roles = sorted(w["role"] for w in listed["workers"])  # type: ignore[union-attr]
             assert roles == ["decode", "prefill"]
             assert sorted(cluster.roles.values()) == ["decode", "prefill"]
+            assert "decode-1" in cluster.roles  # decode-0 was the one named
         finally:
             stop.set()
             await server.stop()

@@ -5,8 +5,9 @@
 * ``GET /admin/scale`` -- each pool's target and current size, whether the targets
   are reached, the last scaling error;
 * ``POST /admin/scale`` with ``{"prefill": N, "decode": M, "colocated": K}`` (any
-  of them) -- set target sizes; answers 202 with the status at once (poll ``GET``
-  until ``reached``), 400 naming the problem for bad sizes.
+  of them) and ``"remove": [worker ids]`` (those leave; each one's pool shrinks by
+  one unless its size is given) -- set target sizes; answers 202 with the status at
+  once (poll ``GET`` until ``reached``), 400 naming the problem for bad sizes.
 
 With API keys configured, these need ``Authorization: Bearer <key>`` like every
 route but the probes (``ApiKeyMiddleware`` denies by default). Without keys the API
