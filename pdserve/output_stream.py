@@ -68,7 +68,8 @@ class OutputServer:
         self._listener = socket.create_server((host, 0))
         self._listener.setblocking(False)
         self._token = secrets.token_hex(TOKEN_LEN // 2)
-        self._queue: queue.SimpleQueue[list[RequestDelta] | None] = queue.SimpleQueue()
+        # a step's deltas | a request id to forget after them (``release``) | None: stop
+        self._queue: queue.SimpleQueue[list[RequestDelta] | str | None] = queue.SimpleQueue()
         self._conns: dict[str, socket.socket] = {}  # router id -> its connection
         self._owners: dict[str, str] = {}  # request id -> router id (until finished)
         self._owners_lock = threading.Lock()  # assign/forget come from other threads
@@ -91,6 +92,11 @@ class OutputServer:
         """The request ended without a last delta (aborted): nobody owns it now."""
         with self._owners_lock:
             self._owners.pop(request_id, None)
+
+    def release(self, request_id: str) -> None:
+        """``forget``, once the deltas published before are sent (a request that moved
+        to another worker: its last tokens still go out)."""
+        self._queue.put(request_id)
 
     @property
     def num_assigned(self) -> int:
@@ -116,19 +122,21 @@ class OutputServer:
                 item = self._queue.get(timeout=ACCEPT_POLL_S)
             except queue.Empty:
                 continue
-            if item is None:
-                return
-            batch = item
-            while True:  # coalesce whatever is queued into one frame
+            batch: list[RequestDelta] = []
+            while item is not None:  # coalesce whatever is queued into one frame
+                if isinstance(item, str):  # released: after what was published before it
+                    self._send(batch)
+                    batch = []
+                    self.forget(item)
+                else:
+                    batch.extend(item)
                 try:
-                    more = self._queue.get_nowait()
+                    item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-                if more is None:
-                    self._send(batch)
-                    return
-                batch.extend(more)
             self._send(batch)
+            if item is None:
+                return
 
     def _send(self, batch: list[RequestDelta]) -> None:
         """Each connected router gets its own requests' deltas, one frame each."""

@@ -260,23 +260,24 @@ class DecodeActor(_WorkerActor):
     async def move_connect(self, worker_id: str, endpoint: dict[str, Any]) -> None:
         await self.decode_worker.move_connect(worker_id, endpoint)
 
-    async def stage(self, stage_id: str, token_ids: Sequence[int],
-                    cache_salt: str | None) -> Reservation | None:
-        return await self.decode_worker.stage(stage_id, token_ids, cache_salt)
-
-    async def unstage(self, stage_id: str) -> None:
-        await self.decode_worker.unstage(stage_id)
-
     async def reserve_moved(self, request_id: str, token_ids: Sequence[int],
-                            params: SamplingParams, router_id: str = "",
-                            trace: Carrier | None = None) -> Reservation | None:
+                            params: SamplingParams, head_blocks: int, spare_blocks: int,
+                            router_id: str = "", trace: Carrier | None = None,
+                            ) -> Reservation | None:
         return await self.decode_worker.reserve_moved(request_id, token_ids, params,
-                                                      router_id, trace)
+                                                      head_blocks, spare_blocks, router_id,
+                                                      trace)
 
-    async def move_out(self, request_id: str, send_id: str, worker_id: str,
-                       first_block: int, dst_blocks: Sequence[int], stop: bool) -> int:
-        return await self.decode_worker.move_out(request_id, send_id, worker_id,
-                                                 first_block, dst_blocks, stop)
+    async def move_blocks(self, request_id: str, send_id: str, worker_id: str,
+                          first_block: int, dst_blocks: Sequence[int]) -> int:
+        return await self.decode_worker.move_blocks(request_id, send_id, worker_id,
+                                                    first_block, dst_blocks)
+
+    async def move_stop(self, request_id: str, send_id: str, worker_id: str,
+                        first_block: int, dst_blocks: Sequence[int],
+                        known_tokens: int) -> tuple[int, int]:
+        return await self.decode_worker.move_stop(request_id, send_id, worker_id,
+                                                  first_block, dst_blocks, known_tokens)
 
 
 class ColocatedActor(_WorkerActor):
@@ -375,23 +376,24 @@ class RayWorker:
     async def move_connect(self, worker_id: str, endpoint: dict[str, Any]) -> None:
         await self._call("move_connect", worker_id, endpoint)
 
-    async def stage(self, stage_id: str, token_ids: Sequence[int],
-                    cache_salt: str | None) -> Reservation | None:
-        return await self._call("stage", stage_id, list(token_ids), cache_salt)
-
-    async def unstage(self, stage_id: str) -> None:
-        await self._call("unstage", stage_id)
-
     async def reserve_moved(self, request_id: str, token_ids: Sequence[int],
-                            params: SamplingParams, router_id: str = "",
-                            trace: Carrier | None = None) -> Reservation | None:
+                            params: SamplingParams, head_blocks: int, spare_blocks: int,
+                            router_id: str = "", trace: Carrier | None = None,
+                            ) -> Reservation | None:
         return await self._call("reserve_moved", request_id, list(token_ids), params,
-                                router_id, trace)
+                                head_blocks, spare_blocks, router_id, trace)
 
-    async def move_out(self, request_id: str, send_id: str, worker_id: str,
-                       first_block: int, dst_blocks: Sequence[int], stop: bool) -> int:
-        return int(await self._call("move_out", request_id, send_id, worker_id, first_block,
-                                    list(dst_blocks), stop))
+    async def move_blocks(self, request_id: str, send_id: str, worker_id: str,
+                          first_block: int, dst_blocks: Sequence[int]) -> int:
+        return int(await self._call("move_blocks", request_id, send_id, worker_id,
+                                    first_block, list(dst_blocks)))
+
+    async def move_stop(self, request_id: str, send_id: str, worker_id: str,
+                        first_block: int, dst_blocks: Sequence[int],
+                        known_tokens: int) -> tuple[int, int]:
+        length, nbytes = await self._call("move_stop", request_id, send_id, worker_id,
+                                          first_block, list(dst_blocks), known_tokens)
+        return int(length), int(nbytes)
 
     async def admit(self, request_id: str, prompt_token_ids: Sequence[int],
                     params: SamplingParams, router_id: str = "",

@@ -10,6 +10,7 @@ followers replay them."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -21,12 +22,12 @@ from pdserve.engine.runner import Sampled
 from pdserve.engine.sampling.logprobs import TokenLogprob
 from pdserve.engine.sampling.sampler import skip_draws
 from pdserve.engine.sampling.sampling_params import SamplingParams
+from pdserve.engine.sampling.stop import StopChecker
 from pdserve.engine.tp.lockstep import replicated
 
 if TYPE_CHECKING:
     from pdserve.engine.block_pool import BlockPool
     from pdserve.engine.request import Request
-    from pdserve.engine.sampling.stop import StopChecker
     from pdserve.engine.scheduler import Scheduler
     from pdserve.engine.spec.draft_model import DraftModel
 
@@ -40,6 +41,7 @@ class DisaggregatedRoles:
         draft_model_id: str | None
         block_size: int
         kv_cache: torch.Tensor
+        eos_token_ids: frozenset[int]
         _stops: dict[str, StopChecker]
 
         def _new_request(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -87,37 +89,50 @@ class DisaggregatedRoles:
                                            [] if first_logprobs is None else [first_logprobs]))
 
     @replicated
-    def start_moved(self, request_id: str) -> None:
+    def reserve_more(self, request_id: str, n: int) -> bool:
+        """Decode role: ``n`` blocks more for a reserved request (a moved request's
+        tokens made while it moves); False when there is no room."""
+        req = self.requests[request_id]
+        blocks = self.pool.allocate(n)
+        if blocks is None:
+            return False
+        req.block_ids.extend(blocks)
+        return True
+
+    @replicated
+    def start_moved(self, request_id: str, more_tokens: Sequence[int] = ()) -> None:
         """Decode role: the KV of a request moved from another decode worker is in its
-        reserved blocks, but for its last token's: that token is computed and the next
-        one sampled by this engine's next step (``Scheduler.start_moved``)."""
+        reserved blocks, but for its last token's. ``more_tokens``: those it made there
+        after this reservation was made -- they join its prompt as an earlier attempt's
+        output (``resumed_tokens``: grammar, seeded draws and budgets go on after
+        them). That last token's KV is computed and the next token sampled by this
+        engine's next step (``Scheduler.start_moved``). ``ValueError`` when the tokens
+        do not fit the reservation or break its grammar."""
         req = self.requests[request_id]
         if req.status is not RequestStatus.WAITING_FOR_KV:
             raise ValueError(f"request {request_id!r} is {req.status.value}, not waiting for KV")
+        if more_tokens:
+            self._resume_more(req, list(more_tokens))
         self.scheduler.start_moved(req)
 
-    @replicated
-    def stage(self, block_hashes: Sequence[int]) -> tuple[list[int], int] | None:
-        """Decode role, the first phase of a move: blocks for another engine's full
-        blocks of a running sequence (their chained hashes), so they can be copied
-        while it keeps decoding there. The leading ones this pool's prefix cache holds
-        are shared; the rest are fresh, to be written from outside and then
-        ``register``-ed. All are held (one reference) until ``unpin``. Returns (blocks,
-        how many were shared), or ``None`` without a prefix cache or room."""
-        if not self.pool.enable_prefix_caching:
-            return None
-        hits = self.pool.lookup(block_hashes)
-        self.pool.acquire(hits)  # before allocating: an allocation may evict cached blocks
-        fresh = self.pool.allocate(len(block_hashes) - len(hits))
-        if fresh is None:
-            self.pool.free(hits)
-            return None
-        return [*hits, *fresh], len(hits)
-
-    @replicated
-    def register(self, block_ids: Sequence[int], block_hashes: Sequence[int]) -> None:
-        """Enter held, written blocks into the prefix cache under these hashes."""
-        self.pool.register(list(block_ids), list(block_hashes))
+    def _resume_more(self, req: Request, more: list[int]) -> None:
+        k, p = len(more), req.params
+        if req.num_tokens + k > len(req.block_ids) * self.block_size or k >= p.max_tokens:
+            raise ValueError(f"request {req.request_id!r}: {k} tokens more do not fit its "
+                             f"reservation")
+        if req.grammar is not None and req.grammar.validate_tokens(more) != k:
+            raise ValueError(f"request {req.request_id!r}: its moved tokens do not match its "
+                             f"structured output constraint")
+        req.params = dataclasses.replace(p, max_tokens=p.max_tokens - k,
+                                         min_tokens=max(0, p.min_tokens - k),
+                                         resumed_tokens=p.resumed_tokens + k)
+        req.prompt_token_ids.extend(more)
+        req.token_ids.extend(more)
+        if req.grammar is not None:
+            for token in more:
+                req.grammar.consume_token(token)
+        skip_draws(req.params, req.generator, k)
+        self._stops[req.request_id] = StopChecker(req.params, self.eos_token_ids)
 
     @replicated
     def reserve_draft(self, request_id: str) -> list[int]:

@@ -14,8 +14,8 @@ A request is in one of three states:
 
 Writes are accepted only for live requests and only into their expected blocks; late
 messages for ended requests are dropped. A request whose messages all landed but left
-an expected block unwritten fails (``FailReason.TRANSPORT``, "KV incomplete") instead of
-reporting done: its decode would read whatever the block held before -- silently wrong
+an expected block unwritten fails (``FailReason.TRANSPORT``, "KV incomplete"; the blocks
+its final notify's ``COVERS`` names, when it says) instead of reporting done: its decode would read whatever the block held before -- silently wrong
 tokens, and a wrong block in the prefix cache for every later request sharing it.
 
 A request may come in parts (tensor parallel: several sender ranks each write their KV
@@ -37,6 +37,7 @@ from .base import FailReason, RecvEvent
 from .layout import check_block_ids
 
 log = logging.getLogger(__name__)
+COVERS = "covers"  # a final notify's key: the expected blocks the sender fills (the rest stay)
 
 
 @dataclass
@@ -161,11 +162,16 @@ class RecvTracker:
     @staticmethod
     def _unwritten(exp: _Expected) -> list[int]:
         """Expected blocks some part's messages did not write (sorted; [] when every
-        part covered them all, or when coverage is unknown)."""
+        part covered them all, or when coverage is unknown). A sender that fills only
+        some of them (a moved request's tail: as many as its tokens need) names those
+        in its final notify (``COVERS``)."""
         if exp.written is None:
             return []
-        return sorted({b for p in range(exp.parts)
-                       for b in exp.dst_set - exp.written.get(p, set())})
+        want = exp.dst_set
+        covers = (exp.notify or {}).get(COVERS)
+        if covers is not None:
+            want = want & frozenset(int(b) for b in covers)
+        return sorted({b for p in range(exp.parts) for b in want - exp.written.get(p, set())})
 
     def end(self, request_id: str, reason: FailReason, error: str) -> bool:
         """Fail a live or ending request now; False if it is not pending."""

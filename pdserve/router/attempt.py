@@ -60,12 +60,18 @@ class MoveRequested:
 
 @dataclass(frozen=True, slots=True)
 class PrecopyDone:
-    """A move's first phase (its full blocks copied while it decodes) ended, or failed:
-    in the move's ``error``."""
+    """A move's first phase (reserved on the target, its full blocks copied while it
+    decodes) ended, or failed: in the move's ``error``."""
+
+
+@dataclass(frozen=True, slots=True)
+class MoveStopped:
+    """A move's source let the request go, or would not: in the move's ``stop_at`` /
+    ``error``."""
 
 
 Event = (RequestDelta | PrefillAnswered | HandoffAnswered | WorkerFailed | DeadlinePassed
-         | MoveRequested | PrecopyDone)
+         | MoveRequested | PrecopyDone | MoveStopped)
 
 
 # --------------------------------------------------------------------- the states

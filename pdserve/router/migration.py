@@ -1,24 +1,25 @@
 """Moving a running request from its decode worker A to another, B, with its KV: no
 prefill again, no token lost or sent twice. The router's half (the workers' is
-``worker/moves.py``); ``orchestrator.RequestRun`` runs one ``Move`` per request at a time.
+``worker/moves.py``); ``orchestrator.RequestRun`` runs one ``Move`` per request at a
+time, while the client's stream goes on from A:
 
-1. ``start`` (while the client's stream goes on from A): B is the decode worker the
-   routing policy ranks first, A excluded. A task connects A's move channel to B,
-   stages on B the request's full blocks so far and has A send them -- full blocks
-   never change, so A keeps decoding meanwhile -- then pushes ``PrecopyDone`` into the
-   attempt's inbox.
-2. ``finish`` (the attempt stops reading A's tokens): the request's tokens so far, as
-   the client got them, are a retry's prompt (``RequestRun._params_left``). B reserves
-   them -- the staged blocks are its prefix hits -- A takes the request out of its
-   engine and sends the rest (the last, partial blocks), and the next attempt reads
-   B's tokens (``Handover``). Tokens A made after the stop are dropped: B makes the
-   same ones (greedy, or seeded: the draws are skipped as for a retry).
+1. ``start``: B is the decode worker the routing policy ranks first (A excluded). A
+   task connects A's move channel to B, reserves the request on B -- its tokens so
+   far as the client has them, as a retry's prompt (``RequestRun._params_left``),
+   plus ``SPARE_BLOCKS`` for the tokens A makes meanwhile -- and has A send the full
+   blocks (they never change: A decodes on), then pushes ``PrecopyDone``.
+2. ``stop``: a task asks A to let the request go at its next step boundary and send
+   the rest, with the tokens B does not have; A answers the length L it stopped at
+   (``MoveStopped``). A's tokens up to L are on their way on A's stream.
+3. ``handover``: once the attempt has read A's tokens up to L, the next attempt reads
+   B's (``Handover``): B's first token is the one after L.
 
-Where the move cannot go on, the request stays on A (``None``): no other decode worker,
-no room on B, B refusing moves (a draft model, tensor-parallel ranks, no prefix
-cache), the first phase failing, or the request ending on A first -- its end is in the
-inbox, which was not read meanwhile. Once A has let the request go, a failed send
-fails the attempt (``AttemptFailed``): it retries as any other, from the same tokens.
+Where the move cannot go on, the request stays on A: no other decode worker, no room on
+B, B refusing moves (a draft model, tensor-parallel ranks), a failed first phase, the
+request ending on A first (its end is on A's stream), or A's tokens outgrowing B's
+spare blocks (then the move starts over). Once A has let the request go, a failure is
+the attempt's: A dying fails the old attempt, the tail's transfer failing fails the new
+one -- either retries as any other, from the tokens the client has.
 """
 
 from __future__ import annotations
@@ -33,17 +34,17 @@ from dataclasses import dataclass
 from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.failures import AttemptFailed, FailReason, WorkerGone
 from pdserve.messages import Reservation
-from pdserve.router.attempt import PrecopyDone
+from pdserve.router.attempt import MoveStopped, PrecopyDone
 from pdserve.router.fanout import Fanout, Inbox
 from pdserve.router.policies import RouteInput
 from pdserve.router.ranking import Ranking
 from pdserve.router.workers import WorkerSet, WorkerState
-from pdserve.tracing import Carrier
 
 log = logging.getLogger("pdserve.router")
+SPARE_BLOCKS = 4  # on B, for the tokens A makes while the full blocks move
 
 
-class Moved(Exception):
+class Moved(Exception):  # not an error: the attempt's way out to the next
     """Raised by an attempt whose request moved: the next attempt takes ``handover``."""
 
     def __init__(self, handover: Handover) -> None:
@@ -60,23 +61,27 @@ class Handover:
     inbox: Inbox
     reservation: Reservation
     reason: str
-    stopped_at: float  # monotonic: when the router stopped reading A
+    stopped_at: float  # monotonic: when the router read A's last token
     kv_bytes: int
 
 
 class Move:
     def __init__(self, workers: WorkerSet, fanout: Fanout, ranking: Ranking,
-                 source: WorkerState, attempt_id: str, reason: str, block_size: int) -> None:
+                 source: WorkerState, attempt_id: str, new_attempt_id: str, reason: str,
+                 block_size: int) -> None:
         self.workers, self.fanout, self.ranking = workers, fanout, ranking
         self.source = source
-        self.attempt_id = attempt_id
+        self.attempt_id, self.new_attempt_id = attempt_id, new_attempt_id
         self.reason = reason
         self.block_size = block_size
         self.target: WorkerState | None = None
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # of the last phase
+        self.stop_at: int | None = None  # A's length when it let the request go
         self.kv_bytes = 0
-        self._stage_id = f"{attempt_id}/stage"
-        self._staged = False
+        self._known = 0  # tokens B was given
+        self._reservation: Reservation | None = None
+        self._head = 0  # blocks sent in the first phase (from B's reused ones)
+        self._inbox: Inbox | None = None
         self._task: asyncio.Task[None] | None = None
         self._cleanup: asyncio.Future[None] | None = None
 
@@ -87,7 +92,9 @@ class Move:
                    if w.role == "decode" and w is not self.source and w.kv_endpoint]
         if not targets:
             return False
-        self.target = targets[0]
+        b = self.target = targets[0]
+        self._inbox = self.fanout.open(self.new_attempt_id, (b.worker_id,))
+        b.outstanding_requests += 1
         self._task = asyncio.ensure_future(self._precopy(list(token_ids), params, inbox))
         return True
 
@@ -97,89 +104,81 @@ class Move:
         assert b is not None and b.kv_endpoint is not None
         try:
             await self.workers.call(a, a.decode.move_connect(b.worker_id, b.kv_endpoint))
-            full = (len(token_ids) - 1) // self.block_size  # blocks of computed tokens
-            if full:
-                got = await self.workers.call(b, b.decode.stage(
-                    self._stage_id, token_ids[:full * self.block_size], params.cache_salt))
-                if got is None:
-                    raise AttemptFailed(FailReason.NOT_CONNECTED,
-                                        f"{b.worker_id} takes no moved request now")
-                self._staged = True
-                self.kv_bytes += await self.workers.call(a, a.decode.move_out(
-                    self.attempt_id, self._stage_id, b.worker_id, got.reused,
-                    got.blocks[got.reused:], False))
+            head = (len(token_ids) - 1) // self.block_size  # full blocks of computed tokens
+            # (the prompt's logprobs went out with the first token: none to compute there)
+            params = dataclasses.replace(params, prompt_logprobs=None)
+            r = await self.workers.call(b, b.decode.reserve_moved(
+                self.new_attempt_id, token_ids, params, head, SPARE_BLOCKS,
+                self.workers.router_id, None))
+            if r is None:
+                raise AttemptFailed(FailReason.NOT_CONNECTED,
+                                    f"{b.worker_id} takes no moved request now")
+            self._reservation, self._known = r, len(token_ids)
+            self._head = max(head, r.reused)
+            if head > r.reused:
+                self.kv_bytes += await self.workers.call(a, a.decode.move_blocks(
+                    self.attempt_id, f"{self.new_attempt_id}/head", b.worker_id, r.reused,
+                    r.blocks[r.reused:head]))
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # the move is given up, the request stays
             self.error = exc
         finally:
             inbox.push(PrecopyDone())
 
-    async def finish(self, attempt_id: str, token_ids: list[int], params: SamplingParams,
-                     carrier: Carrier | None) -> Handover | None:
-        """Phase 2 (module doc): the attempt ``attempt_id`` on B, or None (stay on A)."""
-        a, b = self.source, self.target
-        assert b is not None
-        if self.error is not None:
-            log.warning("move of %s to %s given up: %r", self.attempt_id, b.worker_id,
-                        self.error)
-            await self._unstage()
-            return None
-        stopped = time.monotonic()
-        # (the prompt's logprobs went out with the first token: none to compute there)
-        params = dataclasses.replace(params, prompt_logprobs=None)
-        inbox = self.fanout.open(attempt_id, (b.worker_id,))
-        b.outstanding_requests += 1
-        kept = False
+    def stop(self, inbox: Inbox) -> None:
+        """Phase 2 in the background: A lets the request go (module doc)."""
+        self._task = asyncio.ensure_future(self._stop(inbox))
+
+    async def _stop(self, inbox: Inbox) -> None:
+        a, b, r = self.source, self.target, self._reservation
+        assert b is not None and r is not None
         try:
-            r = await self._reserve(attempt_id, token_ids, params, carrier)
-            await self._unstage()  # the reservation holds the staged blocks now
-            if r is None:
-                return None
-            try:
-                self.kv_bytes += await self.workers.call(a, a.decode.move_out(
-                    self.attempt_id, attempt_id, b.worker_id, r.reused,
-                    r.blocks[r.reused:], True))
-            except WorkerGone as exc:
-                self.workers.gone(a.worker_id, str(exc))
-                raise AttemptFailed(FailReason.WORKER_DIED, f"{a.worker_id}: {exc}") from exc
-            except AttemptFailed as exc:
-                if exc.reason is FailReason.ABORTED:  # it ended on A: its end is in the inbox
-                    return None
-                raise
-            kept = True
-            return Handover(b, attempt_id, inbox, r, self.reason, stopped, self.kv_bytes)
+            self.stop_at, nbytes = await self.workers.call(a, a.decode.move_stop(
+                self.attempt_id, self.new_attempt_id, b.worker_id, self._head,
+                r.blocks[self._head:], self._known))
+            self.kv_bytes += nbytes
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the orchestrator maps it (``stopped``)
+            self.error = exc
         finally:
-            if not kept:
-                self.fanout.close(attempt_id)
-                b.outstanding_requests -= 1
-                with contextlib.suppress(Exception):
-                    await b.handle.abort(attempt_id)
-                self.workers.attempt_ended()
+            inbox.push(MoveStopped())
 
-    async def _reserve(self, attempt_id: str, token_ids: list[int], params: SamplingParams,
-                       carrier: Carrier | None) -> Reservation | None:
-        b = self.target
-        assert b is not None
-        try:
-            return await self.workers.call(b, b.decode.reserve_moved(
-                attempt_id, token_ids, params, self.workers.router_id, carrier))
-        except WorkerGone as exc:
-            self.workers.gone(b.worker_id, str(exc))
-        except (AttemptFailed, ValueError) as exc:
-            log.warning("move of %s: %s refused it: %r", self.attempt_id, b.worker_id, exc)
-        return None
+    def stopped(self) -> bool:
+        """After ``MoveStopped``: True when A let the request go; False when it is still
+        on A (the move is over). Raises the old attempt's failure when A died."""
+        exc = self.error
+        if exc is None:
+            return True
+        if isinstance(exc, WorkerGone):
+            self.workers.gone(self.source.worker_id, str(exc))
+            raise AttemptFailed(FailReason.WORKER_DIED, f"{self.source.worker_id}: {exc}")
+        log.warning("move of %s: it stays on %s: %r", self.attempt_id, self.source.worker_id,
+                    exc)
+        return False
 
-    async def _unstage(self) -> None:
-        b = self.target
-        if self._staged and b is not None:
-            self._staged = False
-            with contextlib.suppress(Exception):
-                await self.workers.call(b, b.decode.unstage(self._stage_id))
+    def handover(self) -> Handover:
+        b, r, inbox = self.target, self._reservation, self._inbox
+        assert b is not None and r is not None and inbox is not None
+        self._inbox = None  # the next attempt's now
+        return Handover(b, self.new_attempt_id, inbox, r, self.reason, time.monotonic(),
+                        self.kv_bytes)
 
     def cancel(self) -> None:
-        """The attempt ended first: stop phase 1 and drop B's stage (never waited for)."""
+        """The move is over without a hand-over: its tasks stop, B's reservation goes
+        (never waited for)."""
         if self._task is not None and not self._task.done():
             self._task.cancel()
-        if self._staged:
-            self._cleanup = asyncio.ensure_future(self._unstage())
+        b = self.target
+        if self._inbox is None or b is None:
+            return
+        self.fanout.close(self.new_attempt_id)
+        self._inbox = None
+        b.outstanding_requests -= 1
+        self._cleanup = asyncio.ensure_future(self._abort(b))
+
+    async def _abort(self, b: WorkerState) -> None:
+        with contextlib.suppress(Exception):
+            await b.handle.abort(self.new_attempt_id)
+        self.workers.attempt_ended()

@@ -53,6 +53,7 @@ from pdserve.router.attempt import (
     HandoffAnswered,
     Leg,
     MoveRequested,
+    MoveStopped,
     PrecopyDone,
     PrefillAnswered,
     WorkerFailed,
@@ -213,6 +214,10 @@ class RequestRun(PrefillLegs):
                     carrier), hashes)
             wants_prompt = params.prompt_logprobs is not None
             while True:
+                if move is not None and move.stop_at is not None and (
+                        len(self.prompt) + len(self.emitted) >= move.stop_at):
+                    handed, move = move.handover(), None  # A's tokens are all out
+                    raise Moved(handed)
                 if wanted is not None and att.movable:
                     move, wanted = self._start_move(token, aid, wanted, inbox), None
                 event = await inbox.get()
@@ -254,12 +259,20 @@ class RequestRun(PrefillLegs):
                                 and self._moves < MAX_MOVES):
                             wanted = reason
                     case PrecopyDone():
-                        assert move is not None  # only a move's first phase pushes it
-                        handed = await self._finish_move(move)
-                        if handed is not None:
+                        assert move is not None  # only a move's tasks push these
+                        if move.error is None:
+                            move.stop(inbox)
+                        else:
+                            self._move_over(move)
                             move = None
-                            raise Moved(handed)
-                        move = None
+                    case MoveStopped():
+                        assert move is not None
+                        if not move.stopped():  # (raises when A died: the attempt fails)
+                            if (isinstance(move.error, ValueError)  # outgrew B's blocks
+                                    and self._moves < MAX_MOVES):
+                                wanted = move.reason  # anew
+                            self._move_over(move)
+                            move = None
                     case WorkerFailed() | DeadlinePassed():
                         att.fail(event)
                     case _:
@@ -298,23 +311,21 @@ class RequestRun(PrefillLegs):
                     inbox: Inbox) -> Move | None:
         """Phase 1 of a move (router/migration.py); None when nowhere to go."""
         s = self.s
-        move = Move(s.workers, s.fanout, s.admission.ranking, token, aid, reason,
-                    s.block_size)
+        self._moves += 1
+        move = Move(s.workers, s.fanout, s.admission.ranking, token, aid,
+                    f"{self.req.request_id}#{next(s.attempt_ids)}@{s.workers.router_id}",
+                    reason, s.block_size)
         if move.start(self.prompt + self.emitted, self._params_left(), inbox):
             return move
         if s.metrics is not None:
             s.metrics.observe_move(reason, "abandoned")
         return None
 
-    async def _finish_move(self, move: Move) -> Handover | None:
-        """Phase 2: the tokens so far as the client has them go to the new worker."""
-        s = self.s
-        self._moves += 1
-        aid = f"{self.req.request_id}#{next(s.attempt_ids)}@{s.workers.router_id}"
-        handed = await move.finish(aid, self.prompt + self.emitted, self._params_left(), None)
-        if handed is None and s.metrics is not None:
-            s.metrics.observe_move(move.reason, "abandoned")
-        return handed
+    def _move_over(self, move: Move) -> None:
+        """A move that ends with the request where it was."""
+        move.cancel()
+        if self.s.metrics is not None:
+            self.s.metrics.observe_move(move.reason, "abandoned")
 
     def _moved_in(self, handover: Handover, outcome: str) -> None:
         """A moved request's first token on its new worker came ("moved": the pause

@@ -148,6 +148,8 @@ class DecodeWorker(Moving, WorkerLoop):
         self.outputs.forget(rid)
         self._kv_arrived.pop(rid, None)
         self._received.pop(rid, None)
+        if self._abort_move(rid):  # moving here: its blocks wait for both transfers' reports
+            return
         if rid in self._expecting:  # KV may still land: keep the blocks until reported
             if rid not in self._aborted:
                 self._aborted.add(rid)

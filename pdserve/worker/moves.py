@@ -1,46 +1,48 @@
 """Moving a running request between decode workers (live KV migration): the decode
-worker's half. The router drives a move (``router/migration.py``); here are the two
-ends of it.
+worker's half. The router drives a move (``router/migration.py``); here are its two
+ends.
 
-The source A (``Mover``, opened at A's first move): a KV sender over A's own cache on a
-channel thread of its own, connected to the targets' receivers like a prefill worker's
-(``move_connect``). ``move_out`` pins the request's blocks in a range and sends them into
-the blocks the target reserved; with ``stop`` it first takes the request out of A's
-engine (its blocks stay pinned until the send ends), so A makes no token of it after.
+The target B (``Moving``, a mixin of ``DecodeWorker``), ``reserve_moved``: while the
+request keeps decoding on A, a reservation of its tokens so far as the router has them
+(a retry's prompt and parameters), plus ``spare`` blocks for the tokens A makes until
+it stops. The receiver expects two transfers into it: the *head* (the full blocks so
+far, ``<id>/head``) and the *tail* (the rest, with the tokens A made meanwhile). When
+both landed, ``engine.start_moved`` appends those tokens as resumed output (grammar,
+seeded draws, budgets go on after them) and the next step computes the last token's
+KV and samples the next token. Nothing is prefilled again.
 
-The target B (``Moving``, a mixin of ``DecodeWorker``):
+The source A (``Mover``, opened at A's first move: a KV sender over A's own cache on a
+channel thread of its own, connected like a prefill worker's, ``move_connect``):
 
-1. ``stage``: while A keeps decoding, blocks for the request's full blocks so far,
-   keyed by their prefix hashes -- shared where B's prefix cache holds them, the rest
-   written by A's first send and then entered into B's prefix cache; held until
-   ``unstage``.
-2. ``reserve_moved``: once the router stops reading A's tokens, a reservation of the
-   request's tokens so far (a retry's prompt: the original prompt plus every token the
-   client got) -- the staged blocks are its prefix hits -- and the rest of the KV comes
-   from A's second send (the tail). When it lands (or at once, when the hits hold it
-   all) ``engine.start_moved``: the next step computes the last token's KV and samples
-   the next token. Sampler, penalties and grammar state are rebuilt from those tokens
-   as for a retry (``resumed_tokens``); nothing is prefilled again.
+* ``move_blocks`` sends the head -- full blocks never change, so A decodes on -- and
+  answers once it is sent;
+* ``move_stop``, at A's next step boundary: the request leaves A's engine at its
+  length L then (its blocks pinned for the send), the tail goes out, and the answer
+  is L at once: the router hands the stream over once it has read A's tokens up to
+  L. A failed tail fails the request on B (retried from the tokens the client has).
 
-A worker with a draft model or tensor-parallel ranks does not move requests yet: its
-``stage`` answers ``None`` and the router leaves the request where it is.
+Block ownership on B: a moved request's blocks go back only once both transfers are
+reported (landed, failed or aborted), as for any reservation (decode.py).
+
+A worker with a draft model or tensor-parallel ranks does not move requests yet:
+``reserve_moved`` answers ``None`` and the router leaves the request where it is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pdserve.engine.block_pool import prefix_block_hashes, root_hash
 from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.failures import AttemptFailed, FailReason
 from pdserve.kv_transfer import KVSender, RecvEvent, SendEvent
 from pdserve.kv_transfer.driver import ChannelThread
-from pdserve.messages import RequestDelta, Reservation, WorkerMetrics
+from pdserve.kv_transfer.recv_state import COVERS
+from pdserve.messages import RequestDelta, Reservation
 from pdserve.tracing import Carrier
 
 if TYPE_CHECKING:
@@ -51,7 +53,6 @@ if TYPE_CHECKING:
     from pdserve.tracing import Marks
 
 log = logging.getLogger("pdserve.decode_worker")
-STAGE_KEEP_KV_TIMEOUTS = 2
 
 
 class Mover:
@@ -73,22 +74,21 @@ class Mover:
         peer = await asyncio.wrap_future(self.transfer.connect(endpoint))
         self._peers[worker_id] = (peer, endpoint)
 
-    def send(self, send_id: str, worker_id: str, src: list[int], dst: list[int]) -> Future[int]:
-        """On the loop thread: pin ``src`` and send it into ``worker_id``'s ``dst``;
-        resolves to the bytes sent once the sender no longer reads them."""
+    def send(self, send_id: str, worker_id: str, src: list[int], dst: list[int],
+             notify: dict[str, Any] | None = None) -> Future[int]:
+        """On the loop thread: pin ``src`` and send it into ``worker_id``'s ``dst`` (one
+        final transfer, ``notify`` with it); resolves to the bytes sent once the
+        sender no longer reads them."""
         known = self._peers.get(worker_id)
         if known is None:
             raise AttemptFailed(FailReason.NOT_CONNECTED, f"no channel to {worker_id!r}")
         done: Future[int] = Future()
         done.set_running_or_notify_cancel()
-        if not src:
-            done.set_result(0)
-            return done
         self.engine.pin(src)
         self._sends[send_id] = (done, src, worker_id)
         peer = known[0]
         self.transfer.post(lambda: self.sender.send(peer, send_id, src, dst, layers=None,
-                                                    notify={"moved": True}))
+                                                    notify=notify or {"moved": True}))
         return done
 
     def _on_events(self, events: list[SendEvent], when: float) -> None:
@@ -113,6 +113,19 @@ class Mover:
         self.transfer.close()
 
 
+@dataclass
+class _Incoming:
+    """A moved request's transfers on the target."""
+
+    head: str | None  # the head's expectation id, while it is not reported
+    head_ok: bool = True
+    tail: RecvEvent | None = None  # the tail's report, held while the head's is to come
+
+
+def head_id(request_id: str) -> str:
+    return f"{request_id}/head"
+
+
 class Moving:
     """``DecodeWorker``'s moves, both ends (module doc)."""
 
@@ -127,8 +140,6 @@ class Moving:
         worker_id: str
         _expecting: set[str]
         _aborted: set[str]
-        _kv_arrived: dict[str, float]
-        _received: dict[str, float]
 
         async def _on_loop(self, fn: Callable[[], Any]) -> Any: ...
         def _open_channel(self, role: str, transfer: str,
@@ -136,13 +147,11 @@ class Moving:
         def _traced(self, request_id: str, carrier: Carrier | None) -> None: ...
 
     _mover: Mover | None = None
-    _transfer_kind: tuple[str, dict[str, Any] | None] = ("local", None)
 
     def _init_moves(self, transfer: str, options: dict[str, Any] | None) -> None:
         self._transfer_kind = (transfer, options)
-        # stage id -> its blocks, their hashes, how many were shared, when staged
-        self._staged: dict[str, tuple[list[int], list[int], int, float]] = {}
-        self._moved: set[str] = set()  # reserved moves whose tail KV is to land
+        self._incoming: dict[str, _Incoming] = {}  # moved here, not started yet
+        self._heads: dict[str, str] = {}  # head expectation id -> its request
 
     def can_move(self) -> bool:
         return self.engine.draft is None and self.engine.config.tensor_parallel_size == 1
@@ -159,87 +168,66 @@ class Moving:
                 sender.close()
         await self._mover.connect(worker_id, endpoint)
 
-    async def stage(self, stage_id: str, token_ids: Sequence[int],
-                    cache_salt: str | None) -> Reservation | None:
-        """Target: blocks for the full blocks of ``token_ids`` (module doc, 1); the
-        first ``reused`` are shared and get nothing. ``None``: no room, or no moves
-        here."""
-        return await self._on_loop(lambda: self._stage(stage_id, token_ids, cache_salt))
-
-    async def unstage(self, stage_id: str) -> None:
-        """Target: drop a stage's hold on its blocks (idempotent)."""
-        await self._on_loop(lambda: self._unstage(stage_id))
-
     async def reserve_moved(self, request_id: str, token_ids: Sequence[int],
-                            params: SamplingParams, router_id: str = "",
-                            trace: Carrier | None = None) -> Reservation | None:
-        """Target: the moved request's blocks (module doc, 2); the tail is sent into
-        ``blocks[reused:]``. ``None`` when there is no room."""
+                            params: SamplingParams, head_blocks: int, spare_blocks: int,
+                            router_id: str = "", trace: Carrier | None = None,
+                            ) -> Reservation | None:
+        """Target: the moved request's blocks (module doc): its first ``reused`` from
+        this worker's prefix cache, the head up to block ``head_blocks``, the rest the
+        tail's. ``None`` when there is no room or no moves here."""
         return await self._on_loop(lambda: self._reserve_moved(
-            request_id, token_ids, params, router_id, trace))
+            request_id, token_ids, params, head_blocks, spare_blocks, router_id, trace))
 
-    async def move_out(self, request_id: str, send_id: str, worker_id: str,
-                       first_block: int, dst_blocks: Sequence[int], stop: bool) -> int:
-        """Source: send the request's blocks ``first_block..`` into ``worker_id``'s
-        ``dst_blocks``; with ``stop``, the request leaves this engine first. Answers
-        the bytes sent once sent; ``AttemptFailed`` when the send failed, or (ABORTED)
-        when the request is not running here."""
-        fut = await self._on_loop(lambda: self._move_out(
-            request_id, send_id, worker_id, first_block, list(dst_blocks), stop))
+    async def move_blocks(self, request_id: str, send_id: str, worker_id: str,
+                          first_block: int, dst_blocks: Sequence[int]) -> int:
+        """Source: send the request's computed blocks ``first_block..`` into
+        ``worker_id``'s ``dst_blocks``; answers the bytes sent once sent.
+        ``AttemptFailed``: the send failed, or (ABORTED) the request is not here."""
+        fut = await self._on_loop(lambda: self._move_blocks(
+            request_id, send_id, worker_id, first_block, list(dst_blocks)))
         return await asyncio.wrap_future(fut)
 
+    async def move_stop(self, request_id: str, send_id: str, worker_id: str,
+                        first_block: int, dst_blocks: Sequence[int],
+                        known_tokens: int) -> tuple[int, int]:
+        """Source: the request leaves this engine at its length L; its blocks from
+        ``first_block`` holding KV go into ``dst_blocks`` with its tokens after the
+        first ``known_tokens``. Answers (L, bytes) as the send starts. ABORTED: not
+        here; ``ValueError``: its KV outgrew ``dst_blocks`` (it stays here)."""
+        return await self._on_loop(lambda: self._move_stop(
+            request_id, send_id, worker_id, first_block, list(dst_blocks), known_tokens))
+
     # ------------------------------------------------------------- loop side
-    def _stage(self, stage_id: str, token_ids: Sequence[int],
-               cache_salt: str | None) -> Reservation | None:
-        if not self.can_move() or stage_id in self._staged:
-            return None
-        hashes = prefix_block_hashes(token_ids, self.engine.block_size,
-                                     root=root_hash(cache_salt))
-        got = self.engine.stage(hashes)
-        if got is None:
-            return None
-        blocks, shared = got
-        if not self._expect(stage_id, blocks[shared:]):
-            self.engine.unpin(blocks)
-            return None
-        self._staged[stage_id] = (blocks, hashes, shared, time.monotonic())
-        return Reservation(blocks, shared)
-
-    def _unstage(self, stage_id: str) -> None:
-        entry = self._staged.get(stage_id)
-        if entry is None:
-            return
-        if stage_id in self._expecting:  # KV may still land: free on the report
-            self._drop(stage_id)
-            return
-        del self._staged[stage_id]
-        self.engine.unpin(entry[0])
-
     def _reserve_moved(self, rid: str, token_ids: Sequence[int], params: SamplingParams,
-                       router_id: str, trace: Carrier | None) -> Reservation | None:
-        if not self.can_move():
+                       head: int, spare: int, router_id: str,
+                       trace: Carrier | None) -> Reservation | None:
+        if not self.can_move() or self.engine.reserve(rid, token_ids, params) is None:
             return None
-        blocks = self.engine.reserve(rid, token_ids, params)
-        if blocks is None:
-            return None
-        bs = self.engine.block_size
-        need = -(-(len(token_ids) - 1) // bs)  # the blocks of every token but the last
-        reused = self.engine.cached_tokens(rid) // bs
-        if not self._expect(rid, blocks[reused:need]):
+        if not self.engine.reserve_more(rid, spare):
             self.engine.abort(rid)
             return None
+        blocks = self.engine.block_ids(rid)
+        reused = self.engine.cached_tokens(rid) // self.engine.block_size
+        head = max(head, reused)
+        hid = head_id(rid) if head > reused else None
+        if hid is not None and not self._expect(hid, blocks[reused:head]):
+            self.engine.abort(rid)
+            return None
+        if not self._expect(rid, blocks[head:]):
+            if hid is not None:  # nothing was sent yet: no late write can land
+                self._expecting.discard(hid)
+                self.receiver.abort(hid)
+            self.engine.abort(rid)
+            return None
+        if hid is not None:
+            self._heads[hid] = rid
+        self._incoming[rid] = _Incoming(hid)
         self.outputs.assign(rid, router_id)
         self._traced(rid, trace)
-        if reused >= need:  # the staged blocks hold it all
-            self.engine.start_moved(rid)
-        else:
-            self._moved.add(rid)
-        return Reservation(blocks[:need], reused)
+        return Reservation(blocks, reused)
 
     def _expect(self, rid: str, blocks: list[int]) -> bool:
-        """The receiver expects KV for ``rid`` in ``blocks`` (none: nothing to do)."""
-        if not blocks:
-            return True
+        """The receiver expects KV for ``rid`` in ``blocks``."""
         try:
             self.receiver.expect(rid, blocks, self.kv_timeout_s)
         except ValueError as exc:  # blocks the receiver still expects KV in (decode.py)
@@ -249,69 +237,95 @@ class Moving:
         self._expecting.add(rid)
         return True
 
-    def _move_out(self, rid: str, send_id: str, worker_id: str, first: int,
-                  dst: list[int], stop: bool) -> Future[int]:
+    def _running(self, rid: str) -> Mover:
         req = self.engine.requests.get(rid)
         if req is None or req.is_finished or self._mover is None:
             raise AttemptFailed(FailReason.ABORTED, f"request {rid} is not running here")
+        return self._mover
+
+    def _move_blocks(self, rid: str, send_id: str, worker_id: str, first: int,
+                     dst: list[int]) -> Future[int]:
+        mover = self._running(rid)
         computed = self.engine.computed_blocks(rid)
-        src = list(req.block_ids[first:first + len(dst)])
-        last_full = first + len(dst) <= len(computed)
-        if len(src) < len(dst) or not (last_full or stop):
+        if first + len(dst) > len(computed):
             raise ValueError(f"move of {rid}: blocks {first}..{first + len(dst)} of "
-                             f"{len(req.block_ids)} ({len(computed)} computed)")
-        if stop:  # pinned first: the abort frees the request's hold, not the send's
-            self.engine.pin(src)
-            self._drop(rid)
-            try:
-                return self._mover.send(send_id, worker_id, src, dst)
-            finally:
-                self.engine.unpin(src)
-        return self._mover.send(send_id, worker_id, src, dst)
+                             f"{len(computed)} computed")
+        return mover.send(send_id, worker_id, computed[first:first + len(dst)], dst)
+
+    def _move_stop(self, rid: str, send_id: str, worker_id: str, first: int,
+                   dst: list[int], known: int) -> tuple[int, int]:
+        mover = self._running(rid)
+        req = self.engine.requests[rid]
+        length, bs = req.num_tokens, self.engine.block_size
+        need = -(-(length - 1) // bs)  # the blocks of every token but the last
+        if need - first > len(dst):
+            raise ValueError(f"move of {rid}: {length} tokens outgrew the target's "
+                             f"{first + len(dst)} blocks")
+        src = list(req.block_ids[first:need])
+        more = list(req.token_ids[known:])
+        self.engine.pin(src)  # the abort frees the request's hold, not the send's
+        self.marks.pop(rid, None)
+        self.outputs.release(rid)  # (its last tokens, published already, still go out)
+        self.engine.abort(rid)
+        try:
+            mover.send(send_id, worker_id, src, dst[:len(src)],
+                       {"tokens": more, COVERS: dst[:len(src)]})
+        finally:
+            self.engine.unpin(src)
+        return length, len(src) * self.engine.kv_layout().block_bytes
 
     def _moved_arrived(self, ev: RecvEvent, batch: list[RequestDelta]) -> bool:
-        """A stage's or a moved request's KV landed (or failed); False: not a move's."""
+        """A move's head or tail was reported; False: not a move's."""
         rid = ev.request_id
-        if rid in self._staged:
-            blocks, hashes, shared, _ = self._staged[rid]
-            if rid in self._aborted:  # unstaged while in flight
-                self._aborted.discard(rid)
-                del self._staged[rid]
-                self.engine.unpin(blocks)
-            elif ev.ok:
-                self.engine.register(blocks[shared:], hashes[shared:])
+        owner = self._heads.pop(rid, None)
+        if owner is not None:  # a head
+            self._aborted.discard(rid)
+            inc = self._incoming.get(owner)
+            if inc is not None:
+                inc.head, inc.head_ok = None, ev.ok
+                if inc.tail is not None:  # the tail came first: settle it now
+                    self._settle(owner, inc.tail, batch)
             return True
-        if rid not in self._moved:
+        inc = self._incoming.get(rid)
+        if inc is None:
             return False
-        self._moved.discard(rid)
-        if rid in self._aborted or not self.engine.has_request(rid):
-            return False  # decode.py's rules: free it
-        if not ev.ok:
-            self.engine.abort(rid)
-            batch.append(RequestDelta(rid, [], finish_reason="error",
-                                      failure=ev.reason or FailReason.TRANSPORT,
-                                      error=f"moved KV failed: {ev.error}"))
+        if inc.head is not None:  # its blocks wait for the head's report
+            inc.tail = ev
             return True
-        self.engine.start_moved(rid)
+        self._settle(rid, ev, batch)
         return True
 
-    def _before_publish(self, m: WorkerMetrics) -> None:
-        """(The loop's periodic hook.) A stage its router never claimed nor dropped
-        -- the router died, or lost this worker for a while -- is dropped after
-        ``STAGE_KEEP_KV_TIMEOUTS`` transfer timeouts: a move's first phase ends within
-        one, and its second follows at once."""
-        now = time.monotonic()
-        keep = STAGE_KEEP_KV_TIMEOUTS * self.kv_timeout_s
-        for stage_id in [k for k, v in self._staged.items()
-                         if now - v[3] > keep and k not in self._aborted]:
-            log.warning("decode worker %s: stage %s unclaimed for %.0f s: dropped",
-                        self.worker_id, stage_id, keep)
-            self._unstage(stage_id)
+    def _settle(self, rid: str, ev: RecvEvent, batch: list[RequestDelta]) -> None:
+        inc = self._incoming.pop(rid)
+        if rid in self._aborted:  # nobody waits for it: its blocks can be reused now
+            self._aborted.discard(rid)
+            self.engine.abort(rid)
+            return
+        if not self.engine.has_request(rid):
+            return
+        error = "" if ev.ok and inc.head_ok else f"moved KV failed: {ev.error or 'head'}"
+        if not error:
+            try:
+                self.engine.start_moved(rid, (ev.notify or {}).get("tokens", []))
+                return
+            except ValueError as exc:
+                error = str(exc)
+        self.engine.abort(rid)
+        batch.append(RequestDelta(rid, [], finish_reason="error",
+                                  failure=ev.reason or FailReason.TRANSPORT, error=error))
+
+    def _abort_move(self, rid: str) -> bool:
+        """An abort of a request moving here whose head is not reported: both
+        expectations end, and its blocks wait for both reports. False: not such."""
+        inc = self._incoming.get(rid)
+        if inc is None or inc.head is None:
+            return False
+        for eid in (inc.head, rid):
+            if eid in self._expecting and eid not in self._aborted:
+                self.transfer.post(lambda eid=eid: self.receiver.abort(eid))  # type: ignore[misc]
+            self._aborted.add(eid)
+        return True
 
     def _close_moves(self) -> None:
         if self._mover is not None:
             self._mover.close()
-
-    if TYPE_CHECKING:
-        def _drop(self, request_id: str) -> None: ...
-

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -18,7 +17,6 @@ from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.failures import FailReason, WorkerGone
 from pdserve.router.router import Router
 from pdserve.router.types import FinalChunk, GenerateRequest, StreamChunk
-from pdserve.worker.decode import DecodeWorker
 from tests.inprocess import Pair, collect, run
 from tests.waiting import until
 
@@ -89,45 +87,33 @@ def fail_once(worker: object, method: str, after: bool,
 
 def test_a_move_whose_target_is_lost_before_the_stop_leaves_the_request_where_it_was(
         pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:
-    """The target is lost while it stages the full blocks: the move is given up, the
-    request decodes on where it was, and the stage's blocks on the (live) target go
-    once unclaimed for two transfer timeouts."""
-    pair = pair_factory(n_decode=2, decode_blocks=256, kv_timeout_s=1)
+    """The target is lost as it reserves: the move is given up, the request decodes on
+    where it was, and the (live) target's reservation goes."""
+    pair = pair_factory(n_decode=2, decode_blocks=256)
     router = pair.router
     lost: list[str] = []
     for d in pair.decode:
-        fail_once(d, "stage", after=True, then=lambda d=d: (  # type: ignore[misc]
+        fail_once(d, "reserve_moved", after=True, then=lambda d=d: (  # type: ignore[misc]
             lost.append(d.worker_id), router.workers.gone(d.worker_id, "test")))
     source, finals = drain_mid_stream(pair, tiny_model)
     assert finals[0].num_retries == 0 and finals[0].timings.worker == source
     (target,) = (d for d in pair.decode if d.worker_id != source)
     assert lost == [target.worker_id]
-    until("the unclaimed stage's blocks are freed", lambda: target.engine.pool.num_used == 0,
-          timeout_s=30)
+    until("the target's reservation is freed", lambda: target.engine.pool.num_used == 0)
 
 
 def test_a_move_whose_source_dies_after_the_stop_fails_over(
         pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:
-    """The source lets the request go and dies before the tail is sent: the attempt
-    fails and retries as any other (from the tokens the client has), the target's
-    reservation freed."""
+    """The source lets the request go, sends the rest and dies: the attempt fails and
+    retries as any other (from the tokens the client has), the target's reservation
+    freed."""
     pair = pair_factory(n_decode=2, decode_blocks=256)
     router = pair.router
     died: list[str] = []
     for d in pair.decode:
-        real = d.move_out
-
-        async def out(request_id: str, send_id: str, worker_id: str, first: int,
-                      dst: list[int], stop: bool, d: DecodeWorker = d,
-                      real: Callable[..., Any] = real) -> int:
-            if not stop or died:
-                return int(await real(request_id, send_id, worker_id, first, dst, stop))
-            died.append(request_id)
-            await real(request_id, send_id, worker_id, first, [], True)  # let it go
-            router.fanout.fail_worker(d.worker_id, FailReason.WORKER_DIED, "test")
-            raise WorkerGone("test: the source died")
-
-        d.move_out = out  # type: ignore[method-assign]
+        fail_once(d, "move_stop", after=True, then=lambda d=d: (  # type: ignore[misc]
+            died.append(d.worker_id),
+            router.fanout.fail_worker(d.worker_id, FailReason.WORKER_DIED, "test")))
     _, finals = drain_mid_stream(pair, tiny_model)
     assert len(died) == 1
     assert any(f.num_retries == 1 for f in finals)
