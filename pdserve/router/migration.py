@@ -59,6 +59,7 @@ class Handover:
     worker: WorkerState
     attempt_id: str
     inbox: Inbox
+    source: WorkerState  # counted until the moved request's first token on ``worker``
     reservation: Reservation
     reason: str
     stopped_at: float  # monotonic: when the router read A's last token
@@ -162,8 +163,8 @@ class Move:
         b, r, inbox = self.target, self._reservation, self._inbox
         assert b is not None and r is not None and inbox is not None
         self._inbox = None  # the next attempt's now
-        return Handover(b, self.new_attempt_id, inbox, r, self.reason, time.monotonic(),
-                        self.kv_bytes)
+        return Handover(b, self.new_attempt_id, inbox, self.source, r, self.reason,
+                        time.monotonic(), self.kv_bytes)
 
     def cancel(self) -> None:
         """The move is over without a hand-over: its tasks stop, B's reservation goes

@@ -202,6 +202,7 @@ class RequestRun(PrefillLegs):
                       remote=r is not None and not r.local and handover is None)
         leg: PrefillLeg | None = None
         move: Move | None = None
+        handed: Handover | None = None
         wanted: str | None = None  # a move asked for, to start once the attempt can move
         try:
             if r is not None and att.leg is Leg.PREFILLING:
@@ -217,7 +218,7 @@ class RequestRun(PrefillLegs):
                 if move is not None and move.stop_at is not None and (
                         len(self.prompt) + len(self.emitted) >= move.stop_at):
                     handed, move = move.handover(), None  # A's tokens are all out
-                    raise Moved(handed)
+                    raise Moved(handed)  # (A stays counted until B has the KV: _moved_in)
                 if wanted is not None and att.movable:
                     move, wanted = self._start_move(token, aid, wanted, inbox), None
                 event = await inbox.get()
@@ -291,7 +292,8 @@ class RequestRun(PrefillLegs):
             self.trace.attempt_ended()
             timer.cancel()
             s.fanout.close(aid)
-            token.outstanding_requests -= 1
+            if handed is None:
+                token.outstanding_requests -= 1
             token.local_tokens -= local_pending
             if leg is not None:
                 for fut in (leg.future, leg.handoff):
@@ -329,7 +331,11 @@ class RequestRun(PrefillLegs):
 
     def _moved_in(self, handover: Handover, outcome: str) -> None:
         """A moved request's first token on its new worker came ("moved": the pause
-        since the router stopped reading the old one), or its attempt ended first."""
+        since the router read the old one's last), or its attempt ended first. Either
+        way the old worker's sends for it are over: it is no longer counted (a drain
+        waits for that before the worker stops)."""
+        handover.source.outstanding_requests -= 1
+        self.s.workers.attempt_ended()
         if self.s.metrics is not None:
             self.s.metrics.observe_move(handover.reason, outcome, handover.kv_bytes,
                                         time.monotonic() - handover.stopped_at

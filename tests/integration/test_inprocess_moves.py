@@ -55,7 +55,12 @@ def test_a_drained_decode_workers_requests_move_with_their_kv(
     needs a child of its own, as tests/integration/test_decode_accounting.py's.)"""
     pair = pair_factory(n_decode=2, decode_blocks=256, transfer=transfer)
     asked = counted_prefills(pair)
-    source, finals = drain_mid_stream(pair, tiny_model)
+
+    def kv_landed(source: str) -> None:  # the source leaves only once its sends are over
+        (target,) = (d for d in pair.decode if d.worker_id != source)
+        assert not target._incoming
+
+    source, finals = drain_mid_stream(pair, tiny_model, kv_landed)
     for final in finals:
         assert final.num_retries == 0
         assert final.timings.worker != source  # every request ended on the other worker
@@ -120,10 +125,12 @@ def test_a_move_whose_source_dies_after_the_stop_fails_over(
 
 
 def drain_mid_stream(pair: Pair, tiny_model: Callable[[str], Path],
+                     drained: Callable[[str], None] = lambda _: None,
                      ) -> tuple[str, list[FinalChunk]]:
     """The three requests decode, then the decode worker of "r0" is drained while a
-    client reads on: every stream is the engine's alone, whatever happened to the
-    moves. The drained worker's id and the final chunks."""
+    client reads on (``drained(its id)`` is called as the drain returns): every stream
+    is the engine's alone, whatever happened to the moves. The drained worker's id and
+    the final chunks."""
     want = expected(tiny_model)
 
     async def body(router: Router) -> tuple[str, list[tuple[list[int], FinalChunk]]]:
@@ -140,6 +147,7 @@ def drain_mid_stream(pair: Pair, tiny_model: Callable[[str], Path],
         source = next(w for w in router.fanout.workers_of("r0") if w.startswith("decode"))
         reading = asyncio.gather(*(collect(s) for s in streams))  # (a client reads on)
         assert await router.drain_worker(source, timeout_s=60) == 0
+        drained(source)
         tails = await reading
         return source, [(h + t[0], t[2]) for h, t in zip(heads, tails, strict=True)]
 
