@@ -147,6 +147,7 @@ class Moving:
         def _traced(self, request_id: str, carrier: Carrier | None) -> None: ...
 
     _mover: Mover | None = None
+    _opening: asyncio.Future[None] | None = None  # the mover being opened
 
     def _init_moves(self, transfer: str, options: dict[str, Any] | None) -> None:
         self._transfer_kind = (transfer, options)
@@ -160,13 +161,18 @@ class Moving:
     async def move_connect(self, worker_id: str, endpoint: dict[str, Any]) -> None:
         """Source: open (once) the channel to decode worker ``worker_id``'s receiver."""
         if self._mover is None:
-            transfer, options = self._transfer_kind
-            sender = await self._on_loop(lambda: self._open_channel("send", transfer, options))
-            if self._mover is None:
-                self._mover = Mover(sender, self.engine, self.loop, f"kv-move-{self.worker_id}")
-            else:
-                sender.close()
+            if self._opening is None or self._opening.done():
+                self._opening = asyncio.ensure_future(self._open_mover())
+            await asyncio.shield(self._opening)
+        assert self._mover is not None
         await self._mover.connect(worker_id, endpoint)
+
+    async def _open_mover(self) -> None:
+        transfer, options = self._transfer_kind
+        # Off the loop: a backend's start-up (nixl's agent, its memory registration)
+        # takes a second, and every request here would wait that long for a token.
+        sender = await asyncio.to_thread(self._open_channel, "send", transfer, options)
+        self._mover = Mover(sender, self.engine, self.loop, f"kv-move-{self.worker_id}")
 
     async def reserve_moved(self, request_id: str, token_ids: Sequence[int],
                             params: SamplingParams, head_blocks: int, spare_blocks: int,
