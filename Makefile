@@ -75,6 +75,7 @@ bench: $(VENV)/.test $(KERNELS) model
 	$(PY) -m benchmarks.pd $(if $(VLLM_PYTHON),--vllm $(VLLM_PYTHON))
 	$(PY) -m benchmarks.long_prompts $(if $(VLLM_PYTHON),--vllm $(VLLM_PYTHON))
 	$(PY) -m benchmarks.tracing
+	$(PY) -m benchmarks.moves
 
 # 20 minutes of steady load on a real deployment (not in CI): RSS and fds per process,
 # KV blocks in use at idle, latency drift. SOAK_ARGS="--minutes 5 --rate 1" etc.

@@ -84,12 +84,15 @@ class Fanout:
             if worker_id in inbox.workers:
                 inbox.push(failure)
 
-    def request_moves(self, worker_id: str, reason: str) -> int:
-        """Ask every attempt whose tokens come from ``worker_id`` to move elsewhere
-        (``MoveRequested``; each moves once it can). Returns how many were asked."""
+    def request_moves(self, worker_id: str, reason: str, limit: int | None = None) -> int:
+        """Ask the attempts whose tokens come from ``worker_id`` (every one, or the
+        ``limit`` oldest) to move elsewhere (``MoveRequested``; each moves once it
+        can). Returns how many were asked."""
         event = MoveRequested(reason)
         asked = 0
-        for inbox in self._inboxes.values():
+        for inbox in self._inboxes.values():  # (in the order they were opened)
+            if limit is not None and asked >= limit:
+                break
             if inbox.workers[:1] == (worker_id,):
                 inbox.push(event)
                 asked += 1

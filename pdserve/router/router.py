@@ -36,6 +36,7 @@ from pdserve.router.fanout import Fanout
 from pdserve.router.orchestrator import RequestRun
 from pdserve.router.placement import MODES, Slo
 from pdserve.router.policies import PrefixIndex, get_policy
+from pdserve.router.rebalance import Rebalancer
 from pdserve.router.services import Services
 from pdserve.router.types import (
     ErrorKind,
@@ -75,6 +76,14 @@ class RouterConfig:
     # requests to the others with their KV (router/migration.py) instead of waiting for
     # them to finish; False: it waits (up to the drain timeout, then they fail over).
     move_on_drain: bool = True
+    # Rebalancing (router/rebalance.py; off: not measured to pay yet): every
+    # ``rebalance_interval_s`` a decode worker with more than ``rebalance_ratio`` x the
+    # pool's mean of running requests, and ``rebalance_min_excess`` above it, moves half
+    # its excess to the others with their KV.
+    rebalance: bool = False
+    rebalance_interval_s: float = 1.0
+    rebalance_ratio: float = 1.5
+    rebalance_min_excess: int = 4
 
     def __post_init__(self) -> None:
         get_policy(self.policy)
@@ -83,8 +92,11 @@ class RouterConfig:
         for name in ("max_waiting", "max_retries", "local_prefill_max_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"router {name} must be >= 0")
+        if self.rebalance_ratio < 1 or self.rebalance_min_excess < 1:
+            raise ValueError("router rebalance_ratio must be >= 1 and rebalance_min_excess "
+                             ">= 1")
         for name in ("queue_timeout_s", "default_timeout_s", "stats_interval_s",
-                     "probe_timeout_s", "health_timeout_s"):
+                     "probe_timeout_s", "health_timeout_s", "rebalance_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"router {name} must be > 0")
 
@@ -113,6 +125,10 @@ class Router:
         self._services = Services(self.workers, self.admission, self.fanout, self.prefix,
                                   tokenizer, cfg.block_size, cfg.max_retries, None, tracing,
                                   model_name)
+        self._rebalancer = Rebalancer(
+            lambda: {w.worker_id: w.outstanding_requests for w in self.workers.live("decode")},
+            self.fanout.request_moves, cfg.rebalance_interval_s, cfg.rebalance_ratio,
+            cfg.rebalance_min_excess) if cfg.rebalance else None
         self._active: set[str] = set()  # request ids in flight (client ids are unique)
         self._draining = False
         self._idle = asyncio.Event()  # set whenever nothing is in flight
@@ -138,8 +154,12 @@ class Router:
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         await self.workers.start()
+        if self._rebalancer is not None:
+            self._rebalancer.start()
 
     async def stop(self) -> None:
+        if self._rebalancer is not None:
+            await self._rebalancer.stop()
         await self.workers.stop()
         if self._services.tracing is not None:  # what is left goes out (a few seconds at most)
             await asyncio.to_thread(self._services.tracing.shutdown)

@@ -17,6 +17,7 @@ from pdserve.engine.sampling.sampling_params import SamplingParams
 from pdserve.failures import FailReason, WorkerGone
 from pdserve.router.router import Router
 from pdserve.router.types import FinalChunk, GenerateRequest, StreamChunk
+from pdserve.worker.decode import DecodeWorker
 from tests.inprocess import Pair, collect, run
 from tests.waiting import until
 
@@ -155,3 +156,31 @@ def drain_mid_stream(pair: Pair, tiny_model: Callable[[str], Path],
     for (tokens, _), reference in zip(results, want, strict=True):
         assert tokens == reference
     return source, [final for _, final in results]
+
+
+def test_rebalancing_moves_requests_to_a_decode_worker_that_joined(
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:
+    """Every request on decode-0; decode-1 joins: with ``rebalance`` on, some of
+    decode-0's requests move to it with their KV, every stream the engine's alone."""
+    want = expected(tiny_model)
+    pair = pair_factory(n_decode=1, decode_blocks=256, rebalance=True,
+                        rebalance_interval_s=0.05, rebalance_min_excess=1)
+    late = DecodeWorker("decode-1", tiny_model("llama-gqa"),
+                        EngineConfig(role="decode", num_blocks=256), "local", kv_timeout_s=5)
+    pair.decode.append(late)  # (closed and checked with the others)
+
+    async def body(router: Router) -> list[tuple[list[int], str, FinalChunk]]:
+        streams = [router.generate(GenerateRequest(f"r{i}", params, prompt_token_ids=p))
+                   for i, (p, params) in enumerate(zip(PROMPTS, PARAMS, strict=True))]
+        firsts = [await asyncio.wait_for(anext(s), timeout=30) for s in streams]
+        reading = asyncio.gather(*(collect(s) for s in streams))
+        await router.add_worker(late)
+        rest = await reading
+        return [([*f.token_ids, *t], x, final)  # type: ignore[union-attr]
+                for f, (t, x, final) in zip(firsts, rest, strict=True)]
+
+    results = run(pair, body)  # type: ignore[misc]
+    for (tokens, _, final), reference in zip(results, want, strict=True):  # type: ignore[misc]
+        assert tokens == reference
+        assert final.num_retries == 0
+    assert any(final.timings.worker == "decode-1" for _, _, final in results)  # type: ignore[misc]
