@@ -14,7 +14,10 @@ on the server as it is now (1P+1D, nothing moving): the reference. Reported:
 * client side, per moved stream: the longest gap between two chunks around the move
   against the median gap before it (the goal: at most 3x).
 
-Run: ``python -m benchmarks.moves [--streams 32] [--max-tokens 1600] [--out f.json]``.
+Second part (``skew``): rebalancing under a skewed load (``skew_part``).
+
+Run: ``python -m benchmarks.moves [--part drain,skew] [--streams 32] [--max-tokens
+1600] [--rounds 2] [--out f.json]``.
 """
 
 from __future__ import annotations
@@ -119,12 +122,8 @@ def gaps(outs: list[RequestOutput], start: float, end: float) -> dict[str, Any]:
             "worst_five": sorted(per_stream, reverse=True)[:5]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--streams", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=1600)
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
+def drain_part(streams: int, max_tokens: int) -> dict[str, Any]:
+    """The drain goal (module doc)."""
     with Served(CONFIG) as server:
         url = server.url
         model = admin(url, "GET", "/v1/models")["data"][0]["id"]
@@ -132,7 +131,7 @@ def main() -> None:
 
         async def drain(tasks: list[asyncio.Task[RequestOutput]]) -> dict[str, float]:
             await until("every stream on decode-0",
-                        lambda: requests_on(url, "decode-0") >= args.streams, 600)
+                        lambda: requests_on(url, "decode-0") >= streams, 600)
             admin(url, "POST", "/admin/scale", {"decode": 2})
             await until("decode-1 serving", lambda: scaled(url), 600)
             t0 = time.perf_counter()
@@ -141,29 +140,77 @@ def main() -> None:
             assert not any(t.done() for t in tasks), "a stream ended before the drain"
             return {"drain_start": t0, "drain_end": t1, "wait_s": t0 - started}
 
-        moved, marks = asyncio.run(run_streams(url, model, args.streams, args.max_tokens,
-                                               drain))
-        text = server.scrape()
+        moved, marks = asyncio.run(run_streams(url, model, streams, max_tokens, drain))
         figures: dict[str, Any] = {
-            "streams": args.streams, "max_tokens": args.max_tokens,
+            "streams": streams, "max_tokens": max_tokens,
             "worker_gone_s": marks["drain_end"] - marks["drain_start"],
             "failed": sum(not o.success for o in moved),
             "errors": sorted({o.error for o in moved if o.error})[:5],
-            "retries": metric(text, "pdserve_request_retries_total"),
-            "moves": {outcome: metric(text, "pdserve_request_moves_total", outcome=outcome)
-                      for outcome in ("moved", "abandoned", "failed")},
-            "move_kv_bytes": metric(text, "pdserve_request_move_kv_bytes_total"),
-            "pause_mean_s": (metric(text, "pdserve_request_move_pause_seconds_sum")
-                             / max(1.0, metric(text, "pdserve_request_move_pause_seconds_count"))),
+            **move_metrics(server.scrape()),
             **gaps(moved, marks["drain_start"], marks["drain_end"]),
         }
-        reference, _ = asyncio.run(run_streams(url, model, args.streams, args.max_tokens))
+        reference, _ = asyncio.run(run_streams(url, model, streams, max_tokens))
         figures["differ"] = [i for i, (a, b) in enumerate(zip(moved, reference, strict=True))
                              if a.generated_text != b.generated_text]
         figures["output_tokens"] = [min(o.output_tokens for o in moved),
                                     max(o.output_tokens for o in moved)]
         figures["chunks_left_at_drain"] = min(
             sum(t > marks["drain_start"] for t in chunk_times(o)) for o in moved)
+    return figures
+
+
+def move_metrics(text: str) -> dict[str, Any]:
+    """The router's move counters and mean pause, from its /metrics."""
+    return {
+        "retries": metric(text, "pdserve_request_retries_total"),
+        "moves": {outcome: metric(text, "pdserve_request_moves_total", outcome=outcome)
+                  for outcome in ("moved", "abandoned", "failed")},
+        "move_kv_bytes": metric(text, "pdserve_request_move_kv_bytes_total"),
+        "pause_mean_s": (metric(text, "pdserve_request_move_pause_seconds_sum")
+                         / max(1.0, metric(text, "pdserve_request_move_pause_seconds_count"))),
+    }
+
+
+def skew_part(rounds: int) -> dict[str, Any]:
+    """Rebalancing under a skewed load: 1P+2D with ``prefix_affinity`` and one prefix
+    shared by every prompt, so the decode worker holding it gets the requests (while it
+    has room); ``pdserve bench``'s TPOT and throughput with ``router.rebalance`` off and
+    on, in one order then the other."""
+    flags = ("--dataset", "random", "--random-input-len", "320", "--random-prefix-len",
+             "256", "--random-output-len", "384", "--num-prompts", "48", "--request-rate",
+             "2", "--ignore-eos", "--seed", "5", "--percentile-metrics", "ttft,tpot,itl",
+             "--metric-percentiles", "50,90,99")
+    out: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    for r in range(rounds):
+        for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
+            config = {"decode": {"workers": 2, "num_cpus": 0.5,  # (room: stickiness holds)
+                                 "engine": {"num_blocks": 2048}},
+                      "router": {"policy": "prefix_affinity", "queue_timeout_s": 600,
+                                 "rebalance": mode == "on", "rebalance_min_excess": 2}}
+            with Served(config) as server:
+                res = server.bench(*flags)
+                out[mode].append({k: res[k] for k in (
+                    "completed", "output_throughput", "mean_tpot_ms", "p99_tpot_ms",
+                    "p99_itl_ms", "p99_ttft_ms")} | move_metrics(server.scrape()))
+    ratios = [on["p99_tpot_ms"] / off["p99_tpot_ms"]
+              for on, off in zip(out["on"], out["off"], strict=True)]
+    return {**out, "p99_tpot_on_over_off": ratios}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", default="drain,skew", help="drain, skew or both")
+    ap.add_argument("--streams", type=int, default=32)
+    ap.add_argument("--max-tokens", type=int, default=1600)
+    ap.add_argument("--rounds", type=int, default=2, help="of the skewed load")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    parts = args.part.split(",")
+    figures: dict[str, Any] = {}
+    if "drain" in parts:
+        figures["drain"] = drain_part(args.streams, args.max_tokens)
+    if "skew" in parts:
+        figures["skew"] = skew_part(args.rounds)
     print(json.dumps(figures, indent=1))
     if args.out is not None:
         args.out.write_text(json.dumps(figures, indent=1))

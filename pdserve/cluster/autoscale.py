@@ -36,7 +36,6 @@ window grows until the step after it is done.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import statistics
@@ -48,6 +47,7 @@ from typing import Any
 
 from pdserve.cluster.config import ClusterConfig
 from pdserve.cluster.scaler import Scaler
+from pdserve.owned_task import OwnedTask
 from pdserve.planner.autoscaler import POOLS, Autoscaler, LoadSnapshot, PoolLoad
 from pdserve.planner.sizing import SLO, Bounds, Planner
 from pdserve.planner.step_times import (
@@ -162,18 +162,14 @@ class AutoscaleLoop:
         self.last_decision: dict[str, int] | None = None
         self._last_error: str | None = None
         self._last_hold: str | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._task = OwnedTask("autoscale", self._run)
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="autoscale")
+        self._task.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._task.stop()
         if self.router.metrics is self._tap:
             self.router.metrics = self._tap.inner
 

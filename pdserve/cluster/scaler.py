@@ -17,12 +17,12 @@ until the next ``set_targets``: ``status()`` carries the error, the targets stay
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 from pdserve.cluster.cluster import Cluster, StartupError
+from pdserve.owned_task import OwnedTask
 from pdserve.router.router import Router
 
 log = logging.getLogger("pdserve.cluster")
@@ -48,7 +48,7 @@ class Scaler:
         self._last = _Round()
         self._wake = asyncio.Event()
         self._busy = False
-        self._task: asyncio.Task[None] | None = None
+        self._task = OwnedTask("scaler", self._run)
         self._remove: set[str] = set()  # workers named to leave first
 
     # --------------------------------------------------------------- the API
@@ -123,13 +123,10 @@ class Scaler:
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="scaler")
+        self._task.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await self._task.stop()
 
     async def _run(self) -> None:
         while True:

@@ -12,7 +12,6 @@ requests in flight between workers are not counted twice and nothing ping-pongs.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable, Mapping
 
@@ -42,7 +41,6 @@ class Rebalancer:
         self.interval_s, self.ratio, self.min_excess = interval_s, ratio, min_excess
         self.cooldown = cooldown
         self._resting: dict[str, int] = {}  # worker -> rounds left before it gives again
-        self._task: asyncio.Task[None] | None = None
 
     def round(self) -> dict[str, int]:
         """One round: the moves asked for, per worker."""
@@ -57,16 +55,8 @@ class Rebalancer:
                 log.info("rebalancing: %d request(s) move off %s", asked[wid], wid)
         return asked
 
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="rebalance")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _run(self) -> None:
+    async def run(self) -> None:
+        """A round every ``interval_s`` until cancelled (``Router`` owns the task)."""
         while True:
             await asyncio.sleep(self.interval_s)
             self.round()

@@ -30,6 +30,7 @@ from typing import Any
 from pdserve.engine.sampling.sampling_params import SamplingParams, request_problem
 from pdserve.engine.tokenizer import Tokenizer
 from pdserve.messages import ServingLimits, WorkerLoad
+from pdserve.owned_task import OwnedTask
 from pdserve.router.admission import Admission
 from pdserve.router.clients import WorkerHandle
 from pdserve.router.fanout import Fanout
@@ -125,10 +126,10 @@ class Router:
         self._services = Services(self.workers, self.admission, self.fanout, self.prefix,
                                   tokenizer, cfg.block_size, cfg.max_retries, None, tracing,
                                   model_name)
-        self._rebalancer = Rebalancer(
+        self._rebalancing = OwnedTask("rebalance", Rebalancer(
             lambda: {w.worker_id: w.outstanding_requests for w in self.workers.live("decode")},
             self.fanout.request_moves, cfg.rebalance_interval_s, cfg.rebalance_ratio,
-            cfg.rebalance_min_excess) if cfg.rebalance else None
+            cfg.rebalance_min_excess).run) if cfg.rebalance else None
         self._active: set[str] = set()  # request ids in flight (client ids are unique)
         self._draining = False
         self._idle = asyncio.Event()  # set whenever nothing is in flight
@@ -154,12 +155,12 @@ class Router:
     # ----------------------------------------------------------------- lifecycle
     async def start(self) -> None:
         await self.workers.start()
-        if self._rebalancer is not None:
-            self._rebalancer.start()
+        if self._rebalancing is not None:
+            self._rebalancing.start()
 
     async def stop(self) -> None:
-        if self._rebalancer is not None:
-            await self._rebalancer.stop()
+        if self._rebalancing is not None:
+            await self._rebalancing.stop()
         await self.workers.stop()
         if self._services.tracing is not None:  # what is left goes out (a few seconds at most)
             await asyncio.to_thread(self._services.tracing.shutdown)
