@@ -184,3 +184,16 @@ def test_rebalancing_moves_requests_to_a_decode_worker_that_joined(
         assert tokens == reference
         assert final.num_retries == 0
     assert any(final.timings.worker == "decode-1" for _, _, final in results)  # type: ignore[misc]
+
+
+def test_a_decode_worker_with_a_draft_model_keeps_its_requests(
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:
+    """Moves between decode workers with a draft model are refused (its state does not
+    travel yet): a drained one finishes its requests itself, nothing moved or failed."""
+    spec = {"speculative_config": {"method": "draft_model", "num_speculative_tokens": 4,
+                                   "model": str(tiny_model("llama-mha"))}}
+    pair = pair_factory(n_decode=2, decode_blocks=256, prefill_engine=spec,
+                        decode_engine=spec)
+    source, finals = drain_mid_stream(pair, tiny_model)
+    assert finals[0].num_retries == 0 and finals[0].timings.worker == source
+    assert all(f.num_retries == 0 for f in finals)
