@@ -268,16 +268,13 @@ class Moving:
             raise ValueError(f"move of {rid}: {length} tokens outgrew the target's "
                              f"{first + len(dst)} blocks")
         src = list(req.block_ids[first:need])
-        more = list(req.token_ids[known:])
-        self.engine.pin(src)  # the abort frees the request's hold, not the send's
+        # The send first: it pins the blocks, so the abort frees only the request's hold,
+        # and a send that cannot start (no channel) leaves the request here, running.
+        mover.send(send_id, worker_id, src, dst[:len(src)],
+                   {"tokens": list(req.token_ids[known:]), COVERS: dst[:len(src)]})
         self.marks.pop(rid, None)
         self.outputs.release(rid)  # (its last tokens, published already, still go out)
         self.engine.abort(rid)
-        try:
-            mover.send(send_id, worker_id, src, dst[:len(src)],
-                       {"tokens": more, COVERS: dst[:len(src)]})
-        finally:
-            self.engine.unpin(src)
         return length, len(src) * self.engine.kv_layout().block_bytes
 
     def _moved_arrived(self, ev: RecvEvent, batch: list[RequestDelta]) -> bool:

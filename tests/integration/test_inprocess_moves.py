@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -197,3 +198,22 @@ def test_a_decode_worker_with_a_draft_model_keeps_its_requests(
     source, finals = drain_mid_stream(pair, tiny_model)
     assert finals[0].num_retries == 0 and finals[0].timings.worker == source
     assert all(f.num_retries == 0 for f in finals)
+
+
+def test_a_stop_whose_send_cannot_start_leaves_the_request_running(
+        pair_factory: Callable[..., Pair], tiny_model: Callable[[str], Path]) -> None:
+    """The source's channel to the target is gone when it is asked to stop (its peer
+    was dropped after a failure): the request is not taken out of its engine, and it
+    decodes on there to the end -- no retry, nothing lost."""
+    pair = pair_factory(n_decode=2, decode_blocks=256)
+    for d in pair.decode:
+        real = d.move_stop
+
+        async def stop(*args: object, d: DecodeWorker = d, real: Any = real) -> object:
+            assert d._mover is not None
+            d._mover._peers.clear()
+            return await real(*args)
+
+        d.move_stop = stop  # type: ignore[method-assign]
+    source, finals = drain_mid_stream(pair, tiny_model)
+    assert finals[0].num_retries == 0 and finals[0].timings.worker == source
