@@ -213,7 +213,9 @@ def test_router_errors_map_to_status(tiny_model: Callable[[str], Path]) -> None:
                 assert r.headers.get("retry-after") == ("2" if status in (429, 503) else None)
                 # A message with server internals in it is not shown (the log has it).
                 router.script = [RouterError(kind, LEAKY, retry_after_s=2.0)]
-                r = await c.post("/v1/completions", json={**req, "stream": stream})
+                # (a fixed id: a made-up one, in the 500's message, may hold a "secret")
+                r = await c.post("/v1/completions", json={**req, "stream": stream},
+                                 headers={"X-Request-Id": "r-2"})
                 assert r.json()["error"]["message"] in (GENERIC[kind], *(
                     [] if status != 500 else [r.json()["error"]["message"]]))
                 for secret in ("4242", "10.1.2.3", "/opt/", "8d1a2c3b", "\x1b", "ray::"):
